@@ -1,0 +1,26 @@
+# Two commands do all set-up on a fresh machine with only Python 3.10+:
+#   make demo   runs the built-in example end to end (CPU when there is no GPU)
+#   make test   runs the whole test suite
+# Each creates ./.venv on first use and installs cryorefine into it.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) demo_out

@@ -1,0 +1,202 @@
+"""Fourier-space conventions shared by every module (RELION's, FFTW layout).
+
+Images are real (…, N, N) arrays whose origin (the particle centre, rotation axis) is the
+pixel (N//2, N//2); volumes likewise at (N//2, N//2, N//2). Their transforms are half
+transforms in FFTW/rfft layout, (…, N, N//2+1) with the zero frequency at index 0 and the
+negative ky (kz) frequencies in the upper half, normalised like RELION's FourierTransformer
+(the forward transform divides by the number of pixels). Frequencies are integers in units
+of 1/(N·pixel size). Every function takes an array module `xp` (numpy or cupy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rfft2_centered(images, xp=np):
+    """Forward 2D half transform of real images centred at N//2 (normalised by 1/N²)."""
+    return xp.fft.rfft2(xp.fft.ifftshift(images, axes=(-2, -1)), norm="forward")
+
+
+def irfft2_centered(ft, size_px, xp=np):
+    """Inverse of rfft2_centered: real images (…, N, N) centred at N//2."""
+    img = xp.fft.irfft2(ft, s=(size_px, size_px), norm="forward")
+    return xp.fft.fftshift(img, axes=(-2, -1))
+
+
+def rfft3_centered(volume, xp=np):
+    """Forward 3D half transform of a real volume centred at N//2 (normalised by 1/N³)."""
+    return xp.fft.rfftn(xp.fft.ifftshift(volume, axes=(-3, -2, -1)), axes=(-3, -2, -1), norm="forward")
+
+
+def irfft3_centered(ft, size_px, xp=np):
+    """Inverse of rfft3_centered: a real volume (N, N, N) centred at N//2."""
+    vol = xp.fft.irfftn(ft, s=(size_px,) * 3, axes=(-3, -2, -1), norm="forward")
+    return xp.fft.fftshift(vol, axes=(-3, -2, -1))
+
+
+def frequencies_2d(size_px, xp=np):
+    """Integer frequencies (ky, kx), each (N, N//2+1), of the half-transform layout."""
+    ky = xp.fft.fftfreq(size_px, d=1.0 / size_px)
+    kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
+    return xp.broadcast_to(ky[:, None], (size_px, kx.size)), xp.broadcast_to(kx[None, :], (size_px, kx.size))
+
+
+def frequencies_3d(size_px, xp=np):
+    """Integer frequencies (kz, ky, kx), each (N, N, N//2+1), of the half-transform layout."""
+    k = xp.fft.fftfreq(size_px, d=1.0 / size_px)
+    kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
+    shape = (size_px, size_px, kx.size)
+    return (xp.broadcast_to(k[:, None, None], shape), xp.broadcast_to(k[None, :, None], shape),
+            xp.broadcast_to(kx[None, None, :], shape))
+
+
+def radius_2d(size_px, xp=np):
+    """|k| in Fourier pixels for each coefficient of a 2D half transform."""
+    ky, kx = frequencies_2d(size_px, xp)
+    return xp.sqrt(ky * ky + kx * kx)
+
+
+def radius_3d(size_px, xp=np):
+    """|k| in Fourier pixels for each coefficient of a 3D half transform."""
+    kz, ky, kx = frequencies_3d(size_px, xp)
+    return xp.sqrt(kz * kz + ky * ky + kx * kx)
+
+
+def shell_index_2d(size_px, xp=np):
+    """Resolution shell (round(|k|)) of each coefficient of a 2D half transform, as int."""
+    return xp.rint(radius_2d(size_px, xp)).astype(xp.int64)
+
+
+def shell_index_3d(size_px, xp=np):
+    """Resolution shell (round(|k|)) of each coefficient of a 3D half transform, as int."""
+    return xp.rint(radius_3d(size_px, xp)).astype(xp.int64)
+
+
+def shell_sum(values, shells, n_shells, xp=np):
+    """Sum `values` (…, *shells.shape) into `n_shells` shells per leading index -> (…, n_shells).
+
+    Coefficients in shells ≥ n_shells are dropped. Half transforms hold the x = 0 (and x = N/2)
+    column once and every other column for itself and its Friedel mate: weight by
+    `hermitian_weights_2d` for sums over the full transform.
+    """
+    lead = values.shape[: values.ndim - shells.ndim]
+    rows = int(np.prod(lead)) if lead else 1
+    flat_shells = shells.reshape(-1)
+    keep = flat_shells < n_shells
+    idx = flat_shells[keep]
+    flat = values.reshape(rows, -1)[:, keep]
+    full_idx = (xp.arange(rows)[:, None] * n_shells + idx[None, :]).reshape(-1)
+
+    def _sum(v):
+        return xp.bincount(full_idx, weights=v.reshape(-1), minlength=rows * n_shells)
+
+    if xp.iscomplexobj(flat):
+        out = _sum(flat.real) + 1j * _sum(flat.imag)
+    else:
+        out = _sum(flat)
+    return out.reshape(lead + (n_shells,))
+
+
+def hermitian_weights_2d(size_px, xp=np):
+    """Multiplicity of each half-transform coefficient in the full transform (1 or 2)."""
+    w = xp.full((size_px, size_px // 2 + 1), 2.0)
+    w[:, 0] = 1.0
+    if size_px % 2 == 0:
+        w[:, -1] = 1.0
+    return w
+
+
+def phase_shift_2d(ft, shift_x_px, shift_y_px, size_px, xp=np):
+    """Translate images by (shift_x, shift_y) pixels through a phase ramp on their transforms.
+
+    A positive shift moves the image content towards +x / +y (RELION's shiftImageInFourierTransform
+    with the same sign). Shifts broadcast against the leading axes of `ft`.
+    """
+    ky, kx = frequencies_2d(size_px, xp)
+    sx = xp.asarray(shift_x_px, dtype=xp.float64)[..., None, None]
+    sy = xp.asarray(shift_y_px, dtype=xp.float64)[..., None, None]
+    phase = xp.exp((-2j * np.pi / size_px) * (kx * sx + ky * sy))
+    return ft * phase.astype(ft.dtype if xp.iscomplexobj(ft) else xp.complex128)
+
+
+def window_ft_2d(ft, new_size_px, xp=np):
+    """Crop (or zero-pad) a 2D half transform to the layout of a `new_size_px` image.
+
+    Keeps frequencies |ky| < new/2 and kx ≤ new/2 (RELION's windowFourierTransform).
+    """
+    old = ft.shape[-2]
+    new_half = new_size_px // 2 + 1
+    out = xp.zeros(ft.shape[:-2] + (new_size_px, new_half), dtype=ft.dtype)
+    n = min(old, new_size_px)
+    pos = (n + 1) // 2  # ky = 0 .. pos-1
+    neg = n // 2  # ky = -neg .. -1
+    x = min(new_half, ft.shape[-1])
+    out[..., :pos, :x] = ft[..., :pos, :x]
+    if neg:
+        out[..., new_size_px - neg:, :x] = ft[..., old - neg:, :x]
+    return out
+
+
+def raised_cosine(r, radius, edge_width, xp=np):
+    """1 inside `radius`, 0 beyond `radius + edge_width`, a half cosine between."""
+    if edge_width <= 0:
+        return (r <= radius).astype(xp.float64)
+    t = xp.clip((r - radius) / edge_width, 0.0, 1.0)
+    return 0.5 + 0.5 * xp.cos(np.pi * t)
+
+
+def soft_circular_mask(size_px, radius_px, edge_px=5.0, xp=np):
+    """A 2D real-space mask (N, N) centred at N//2 with a cosine edge (RELION's softMaskOutsideMap)."""
+    c = size_px // 2
+    y, x = xp.mgrid[:size_px, :size_px]
+    r = xp.sqrt((x - c) ** 2.0 + (y - c) ** 2.0)
+    return raised_cosine(r, radius_px, edge_px, xp)
+
+
+def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np):
+    """A 3D real-space mask (N, N, N) centred at N//2 with a cosine edge."""
+    c = size_px // 2
+    z, y, x = xp.mgrid[:size_px, :size_px, :size_px]
+    r = xp.sqrt((x - c) ** 2.0 + (y - c) ** 2.0 + (z - c) ** 2.0)
+    return raised_cosine(r, radius_px, edge_px, xp)
+
+
+def lowpass_filter_3d(ft, size_px, resolution_angstrom, pixel_size_angstrom, edge_shells=2.0, xp=np):
+    """Low-pass a 3D half transform to `resolution_angstrom` with a cosine edge in shells."""
+    radius = size_px * pixel_size_angstrom / resolution_angstrom
+    return ft * raised_cosine(radius_3d(size_px, xp), radius, edge_shells, xp)
+
+
+def lowpass_filter_2d(ft, size_px, resolution_angstrom, pixel_size_angstrom, edge_shells=2.0, xp=np):
+    """Low-pass 2D half transforms to `resolution_angstrom` with a cosine edge in shells."""
+    radius = size_px * pixel_size_angstrom / resolution_angstrom
+    return ft * raised_cosine(radius_2d(size_px, xp), radius, edge_shells, xp)
+
+
+def shell_resolution_angstrom(shell, size_px, pixel_size_angstrom):
+    """Resolution in Å of Fourier shell `shell` (inf for shell 0)."""
+    shell = np.asarray(shell, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(shell > 0, size_px * pixel_size_angstrom / np.maximum(shell, 1e-300), np.inf)
+
+
+def power_spectrum_2d(ft, xp=np):
+    """Mean |F|² per shell of 2D half transforms (…, N, N//2+1) -> (…, N//2+1), full-transform weighted."""
+    size = ft.shape[-2]
+    n_shells = size // 2 + 1
+    shells = shell_index_2d(size, xp)
+    mult = hermitian_weights_2d(size, xp)
+    power = shell_sum((ft.real ** 2 + ft.imag ** 2) * mult, shells, n_shells, xp)
+    counts = shell_sum(mult, shells, n_shells, xp)
+    return power / xp.maximum(counts, 1.0)
+
+
+def power_spectrum_3d(ft, xp=np):
+    """Mean |F|² per shell of a 3D half transform (N, N, N//2+1) -> (N//2+1,)."""
+    size = ft.shape[-3]
+    n_shells = size // 2 + 1
+    shells = shell_index_3d(size, xp)
+    power = shell_sum(ft.real ** 2 + ft.imag ** 2, shells, n_shells, xp)
+    counts = shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
+    return power / xp.maximum(counts, 1.0)
