@@ -1,0 +1,251 @@
+"""The particle set: per-particle arrays (struct of arrays) merged from a particle STAR file.
+
+Optics values (voltage, Cs, amplitude contrast, pixel size, box) are looked up per particle
+through its optics group. Images are not read here: `read_images` reads only a batch's images
+from their memory-mapped stacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine.errors import InputError
+from cryorefine.io import mrc
+from cryorefine.io.star import ParticleStar, read_particle_star
+
+POSE_COLUMNS = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst")
+CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle")
+
+
+@dataclass
+class OpticsGroup:
+    number: int
+    name: str
+    pixel_size_angstrom: float
+    box_px: int | None
+    voltage_kv: float | None
+    cs_mm: float | None
+    amplitude_contrast: float | None
+
+
+@dataclass
+class ParticleSet:
+    """Particles as parallel arrays; `star` keeps the original tables for writing back."""
+
+    star: ParticleStar
+    optics_groups: list  # of OpticsGroup, index = optics_index
+    optics_index: np.ndarray  # (n,) int, 0-based into optics_groups
+    stack_paths: np.ndarray  # (n,) str, resolved paths
+    stack_indices: np.ndarray  # (n,) int, 1-based
+    defocus_u_angstrom: np.ndarray
+    defocus_v_angstrom: np.ndarray
+    defocus_angle_deg: np.ndarray
+    phase_shift_deg: np.ndarray
+    ctf_bfactor: np.ndarray
+    ctf_scale: np.ndarray
+    rot_deg: np.ndarray
+    tilt_deg: np.ndarray
+    psi_deg: np.ndarray
+    origin_x_angstrom: np.ndarray
+    origin_y_angstrom: np.ndarray
+    norm_correction: np.ndarray
+    random_subset: np.ndarray  # 0 where the file has none
+    class_number: np.ndarray
+
+    def __len__(self):
+        return int(self.optics_index.size)
+
+    # Per-particle views of the optics table.
+    def _optics_array(self, attr):
+        values = np.array([np.nan if getattr(g, attr) is None else getattr(g, attr) for g in self.optics_groups],
+                          dtype=np.float64)
+        return values[self.optics_index]
+
+    @property
+    def pixel_size_per_particle_angstrom(self):
+        return self._optics_array("pixel_size_angstrom")
+
+    @property
+    def voltage_kv(self):
+        return self._optics_array("voltage_kv")
+
+    @property
+    def cs_mm(self):
+        return self._optics_array("cs_mm")
+
+    @property
+    def amplitude_contrast(self):
+        return self._optics_array("amplitude_contrast")
+
+    @property
+    def has_ctf(self):
+        return all(c in self.star.particles.columns for c in ("rlnDefocusU",)) and all(
+            g.voltage_kv is not None and g.cs_mm is not None and g.amplitude_contrast is not None
+            for g in self.optics_groups)
+
+    @property
+    def pose_columns(self):
+        return [c for c in POSE_COLUMNS if c in self.star.particles.columns]
+
+    @property
+    def stacks(self):
+        return sorted(set(self.stack_paths.tolist()))
+
+    def geometry(self):
+        """(box in px, pixel size in Å) shared by all particles; InputError if they differ."""
+        boxes = {g.box_px for g in self.optics_groups}
+        if None in boxes:
+            raise InputError(f"{self.star.path}: the image size is unknown (no rlnImageSize and the stack "
+                             f"{self.stack_paths[0]} cannot be opened); check the image paths")
+        if len(boxes) > 1:
+            raise InputError(f"{self.star.path}: optics groups have different box sizes {sorted(boxes)} px; "
+                             f"re-extract the particles with one box size")
+        sizes = sorted({round(g.pixel_size_angstrom, 4) for g in self.optics_groups})
+        if sizes[-1] - sizes[0] > 1e-3 * sizes[0]:
+            raise InputError(f"{self.star.path}: optics groups have different pixel sizes {sizes} Å; "
+                             f"rescale the particles to one pixel size before refining them together")
+        return boxes.pop(), float(self.optics_groups[0].pixel_size_angstrom)
+
+    def require_ctf(self):
+        missing = [c for c in ("rlnDefocusU",) if c not in self.star.particles.columns]
+        for group in self.optics_groups:
+            for attr, col in (("voltage_kv", "rlnVoltage"), ("cs_mm", "rlnSphericalAberration"),
+                              ("amplitude_contrast", "rlnAmplitudeContrast")):
+                if getattr(group, attr) is None:
+                    missing.append(col)
+        if missing:
+            raise InputError(f"{self.star.path}: column {missing[0]} is missing, needed for --ctf; add it or run "
+                             f"without --ctf")
+
+    def half_sets(self, seed=0):
+        """Half set (1 or 2) per particle: rlnRandomSubset where every particle has one, else a seeded split."""
+        if np.isin(self.random_subset, (1, 2)).all() and len(self):
+            return self.random_subset.astype(np.int64)
+        order = np.random.default_rng(seed).permutation(len(self))
+        halves = np.empty(len(self), dtype=np.int64)
+        halves[order[0::2]] = 1
+        halves[order[1::2]] = 2
+        return halves
+
+    def batches(self, batch_size, indices=None):
+        """Index arrays of at most `batch_size` particles, in order, over `indices` (default all)."""
+        idx = np.arange(len(self)) if indices is None else np.asarray(indices)
+        for start in range(0, idx.size, batch_size):
+            yield idx[start:start + batch_size]
+
+    def read_images(self, indices, reader):
+        """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader`."""
+        indices = np.asarray(indices)
+        return reader.read(self.stack_paths[indices], self.stack_indices[indices])
+
+
+def load_particles(star_path, check_stacks=True):
+    """Read a particle STAR file (any RELION version) into a ParticleSet.
+
+    With `check_stacks`, every stack must exist, every `N@stack` index must lie inside its stack
+    and all stacks must have the same box as the optics table.
+    """
+    star = read_particle_star(star_path)
+    table = star.particles
+    star_dir = Path(star_path).parent
+    if "rlnImageName" not in table.columns:
+        raise InputError(f"{star_path}: column rlnImageName is missing from the particle table; add it")
+    parsed = [mrc.parse_image_name(name) for name in table["rlnImageName"].astype(str)]
+    indices = np.array([p[0] for p in parsed], dtype=np.int64)
+    resolved = {}
+    paths = np.array([resolved.setdefault(p[1], str(mrc.resolve_stack_path(p[1], star_dir))) for p in parsed],
+                     dtype=object)
+    if check_stacks:
+        _check_stacks(star_path, paths, indices)
+
+    optics = star.optics
+    group_numbers = optics["rlnOpticsGroup"].to_numpy()
+    lookup = {int(g): i for i, g in enumerate(group_numbers)}
+    optics_index = np.array([lookup[int(g)] for g in table["rlnOpticsGroup"]], dtype=np.int64)
+    groups = []
+    for i, row in optics.reset_index(drop=True).iterrows():
+        box = _optional(row, "rlnImageSize", int)
+        first = np.flatnonzero(optics_index == i)
+        stack_box = _stack_box(paths[first[0]]) if first.size else None
+        if box is None:
+            box = stack_box
+        elif stack_box is not None and stack_box != box:
+            raise InputError(f"{paths[first[0]]}: images are {stack_box} px but data_optics rlnImageSize of group "
+                             f"{int(row['rlnOpticsGroup'])} says {box} px; fix rlnImageSize or re-extract")
+        groups.append(OpticsGroup(
+            number=int(row["rlnOpticsGroup"]),
+            name=str(row.get("rlnOpticsGroupName", f"opticsGroup{int(row['rlnOpticsGroup'])}")),
+            pixel_size_angstrom=float(row["rlnImagePixelSize"]),
+            box_px=box,
+            voltage_kv=_optional(row, "rlnVoltage", float),
+            cs_mm=_optional(row, "rlnSphericalAberration", float),
+            amplitude_contrast=_optional(row, "rlnAmplitudeContrast", float)))
+    if check_stacks:
+        _check_header_pixel_sizes(star_path, groups, paths, optics_index)
+
+    n = len(table)
+
+    def col(name, default):
+        return table[name].to_numpy(np.float64) if name in table.columns else np.full(n, default, np.float64)
+
+    defocus_u = col("rlnDefocusU", np.nan)
+    return ParticleSet(
+        star=star, optics_groups=groups, optics_index=optics_index,
+        stack_paths=paths.astype(str), stack_indices=indices,
+        defocus_u_angstrom=defocus_u,
+        defocus_v_angstrom=table["rlnDefocusV"].to_numpy(np.float64) if "rlnDefocusV" in table.columns else defocus_u.copy(),
+        defocus_angle_deg=col("rlnDefocusAngle", 0.0), phase_shift_deg=col("rlnPhaseShift", 0.0),
+        ctf_bfactor=col("rlnCtfBfactor", 0.0), ctf_scale=col("rlnCtfScalefactor", 1.0),
+        rot_deg=col("rlnAngleRot", 0.0), tilt_deg=col("rlnAngleTilt", 0.0), psi_deg=col("rlnAnglePsi", 0.0),
+        origin_x_angstrom=col("rlnOriginXAngst", 0.0), origin_y_angstrom=col("rlnOriginYAngst", 0.0),
+        norm_correction=col("rlnNormCorrection", 1.0),
+        random_subset=col("rlnRandomSubset", 0).astype(np.int64),
+        class_number=col("rlnClassNumber", 1).astype(np.int64))
+
+
+def _optional(row, column, kind):
+    if column not in row.index or row[column] is None:
+        return None
+    try:
+        value = float(row[column])
+    except (TypeError, ValueError):
+        return None
+    return None if not np.isfinite(value) else kind(value)
+
+
+def _stack_box(path):
+    try:
+        info = mrc.mrc_info(path)
+    except InputError:
+        return None
+    return info.shape[-1]
+
+
+def _check_stacks(star_path, paths, indices):
+    for path in dict.fromkeys(paths.tolist()):
+        if not Path(path).is_file():
+            raise InputError(f"{star_path}: image stack {path} not found (looked relative to {Path.cwd()} and to "
+                             f"{Path(star_path).parent}); run from the RELION project directory or fix rlnImageName")
+        info = mrc.mrc_info(path)
+        n_images = 1 if len(info.shape) == 2 else info.shape[0]
+        beyond = indices[(paths == path) & (indices > n_images)]
+        if beyond.size:
+            raise InputError(f"{star_path}: rlnImageName {beyond[0]}@{path} is beyond the stack, which holds "
+                             f"{n_images} images; fix the STAR file or re-extract")
+        if info.shape[-1] != info.shape[-2]:
+            raise InputError(f"{path}: images are {info.shape[-1]}×{info.shape[-2]} px, not square; re-extract")
+
+
+def _check_header_pixel_sizes(star_path, groups, paths, optics_index):
+    for i, group in enumerate(groups):
+        members = np.flatnonzero(optics_index == i)
+        if not members.size:
+            continue
+        header = mrc.mrc_info(paths[members[0]]).header_pixel_size_angstrom
+        if header is not None and abs(header - group.pixel_size_angstrom) > 0.01 * group.pixel_size_angstrom:
+            raise InputError(f"{paths[members[0]]}: conflicting pixel sizes, the MRC header says {header:g} Å but "
+                             f"{star_path} says {group.pixel_size_angstrom:g} Å for optics group {group.number}; "
+                             f"fix rlnImagePixelSize or the stack header")

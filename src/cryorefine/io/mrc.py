@@ -1,0 +1,188 @@
+"""MRC volumes and image stacks through mrcfile (memory-mapped), RELION's `N@stack` names.
+
+Data come back as float32 arrays ordered (z, y, x) for volumes and (image, y, x) for stacks,
+whatever the file's mode (0 int8, 1 int16, 2 float32, 6 uint16, 12 float16). Header pixel
+sizes of 0 or 1.0 are placeholders and are reported as None ("not trusted").
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mrcfile
+import numpy as np
+
+from cryorefine.errors import InputError
+from cryorefine.io.atomic import atomic_path
+
+SUPPORTED_MODES = {0, 1, 2, 6, 12}
+UNTRUSTED_PIXEL_SIZES = (0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class MrcInfo:
+    path: Path
+    shape: tuple  # (z, y, x) or (n_images, y, x)
+    mode: int
+    header_pixel_size_angstrom: float | None  # None when 0 or 1.0 (a placeholder)
+
+
+def open_mrc(path):
+    """Open an MRC file memory-mapped, read-only; InputError if missing, unreadable or truncated."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: file not found; check the path (relative paths start from {Path.cwd()})")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            handle = mrcfile.mmap(path, mode="r", permissive=True)
+        except (ValueError, OSError) as exc:
+            raise InputError(f"{path}: not a readable MRC file ({exc}); re-export or re-extract it") from None
+    if handle.data is None:
+        handle.close()
+        why = "; ".join(str(w.message) for w in caught) or "no data block"
+        raise InputError(f"{path}: truncated or unreadable MRC data ({why}); the file is shorter than its "
+                         f"header says: copy it again or re-extract it")
+    if int(handle.header.mode) not in SUPPORTED_MODES:
+        handle.close()
+        raise InputError(f"{path}: MRC mode {int(handle.header.mode)} is not supported (use mode 0, 1, 2, 6 or 12)")
+    return handle
+
+
+def header_pixel_size(handle):
+    """The header pixel size in Å, or None where it is a placeholder (0 or 1.0) or anisotropic."""
+    vx = float(handle.voxel_size.x)
+    if any(abs(vx - u) < 1e-6 for u in UNTRUSTED_PIXEL_SIZES) or not np.isfinite(vx):
+        return None
+    return vx
+
+
+def mrc_info(path):
+    with open_mrc(path) as m:
+        return MrcInfo(Path(path), tuple(int(s) for s in m.data.shape), int(m.header.mode), header_pixel_size(m))
+
+
+def read_volume(path, require_cubic=True):
+    """A 3D map as float32 (z, y, x) and its header pixel size (None if a placeholder)."""
+    with open_mrc(path) as m:
+        data = np.asarray(m.data)
+        pixel = header_pixel_size(m)
+        if data.ndim != 3:
+            raise InputError(f"{path}: expected a 3D map, found shape {data.shape}; give a volume, not an image")
+        if require_cubic and len(set(data.shape)) != 1:
+            raise InputError(f"{path}: the map is {data.shape[2]}×{data.shape[1]}×{data.shape[0]} voxels, not cubic; "
+                             f"resize or pad it to a cube (e.g. relion_image_handler --new_box)")
+        volume = data.astype(np.float32)
+    _check_finite(volume, path)
+    return volume, pixel
+
+
+def write_volume(path, volume, pixel_size_angstrom):
+    """Write a float32 map with its pixel size and up-to-date header statistics, atomically."""
+    _write(path, np.asarray(volume, dtype=np.float32), pixel_size_angstrom, stack=False)
+
+
+def write_stack(path, images, pixel_size_angstrom):
+    """Write a float32 image stack (.mrcs) with its pixel size and statistics, atomically."""
+    _write(path, np.asarray(images, dtype=np.float32), pixel_size_angstrom, stack=True)
+
+
+def _write(path, data, pixel_size_angstrom, stack):
+    with atomic_path(path) as tmp:
+        with mrcfile.new(tmp, overwrite=True) as m:
+            m.set_data(data)
+            if stack:
+                m.set_image_stack()
+            else:
+                m.set_volume()
+            m.voxel_size = float(pixel_size_angstrom)
+            m.update_header_stats()
+
+
+def parse_image_name(name):
+    """Split RELION's `N@path` into (index counted from 1, path); a bare path means image 1."""
+    name = str(name)
+    if "@" not in name:
+        return 1, name
+    number, _, path = name.partition("@")
+    try:
+        index = int(number)
+    except ValueError:
+        raise InputError(f"rlnImageName '{name}': '{number}' before '@' is not an image number") from None
+    if index < 1:
+        raise InputError(f"rlnImageName '{name}': image numbers count from 1")
+    return index, path
+
+
+def resolve_stack_path(stack, star_dir):
+    """RELION's rule: relative to the current (project) directory first, then to the STAR file's folder."""
+    p = Path(stack)
+    if p.is_absolute() or p.exists() or star_dir is None:
+        return p
+    beside = Path(star_dir) / p
+    return beside if beside.exists() else p
+
+
+class StackReader:
+    """Reads images by (stack path, 1-based index), keeping each stack memory-mapped once."""
+
+    def __init__(self):
+        self._open = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        for handle in self._open.values():
+            handle.close()
+        self._open.clear()
+
+    def handle(self, path):
+        key = str(path)
+        if key not in self._open:
+            self._open[key] = open_mrc(path)
+        return self._open[key]
+
+    def n_images(self, path):
+        data = self.handle(path).data
+        return 1 if data.ndim == 2 else int(data.shape[0])
+
+    def read(self, paths, indices_1based):
+        """Images (B, y, x) float32 for parallel sequences of stack paths and 1-based indices."""
+        paths = [str(p) for p in paths]
+        indices = np.asarray(indices_1based, dtype=np.int64)
+        out = None
+        for path in dict.fromkeys(paths):
+            rows = np.flatnonzero(np.asarray(paths) == path)
+            data = self.handle(path).data
+            stack = data[None] if data.ndim == 2 else data
+            wanted = indices[rows]
+            bad = wanted[(wanted < 1) | (wanted > stack.shape[0])]
+            if bad.size:
+                raise InputError(f"{bad[0]}@{path}: image {bad[0]} is beyond the stack, which holds "
+                                 f"{stack.shape[0]} images; fix rlnImageName in the STAR file")
+            if out is None:
+                out = np.empty((len(paths),) + stack.shape[1:], dtype=np.float32)
+            elif stack.shape[1:] != out.shape[1:]:
+                raise InputError(f"{path}: images are {stack.shape[2]}×{stack.shape[1]} px but others in the "
+                                 f"set are {out.shape[2]}×{out.shape[1]} px; mixed box sizes cannot be refined together")
+            order = np.argsort(wanted, kind="stable")  # read a memory map in file order
+            out[rows[order]] = stack[wanted[order] - 1]
+            _check_finite(out[rows], path, wanted)
+        return out if out is not None else np.empty((0, 0, 0), np.float32)
+
+
+def _check_finite(array, path, indices_1based=None):
+    if np.isfinite(array).all():
+        return
+    if indices_1based is None:
+        raise InputError(f"{path}: contains NaN or Inf values; fix or regenerate the file")
+    flat = array.reshape(array.shape[0], -1)
+    first = int(np.flatnonzero(~np.isfinite(flat).all(axis=1))[0])
+    raise InputError(f"{indices_1based[first]}@{path}: image contains NaN or Inf pixels; remove the particle "
+                     f"from the STAR file or re-extract it")

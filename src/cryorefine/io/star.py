@@ -1,0 +1,158 @@
+"""RELION STAR files (3.0 single table, 3.1+ and 5 with data_optics) through starfile.
+
+`read_star` / `write_star` handle any STAR file as {block name: DataFrame or dict}.
+`read_particle_star` / `write_particle_star` handle particle files: a RELION 3.0 table is
+turned into the 3.1 layout (optics columns moved to an optics table, pixel origins converted
+to Å), and every other column, known to us or not, is kept as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import starfile
+
+from cryorefine.errors import InputError
+from cryorefine.io.atomic import atomic_path
+
+STAR_VERSION = 30001
+FLOAT_FORMAT = "%.12g"
+
+# Columns that a RELION 3.0 particle table repeats per particle and 3.1+ keeps per optics group.
+OPTICS_COLUMNS_30 = ("rlnVoltage", "rlnSphericalAberration", "rlnAmplitudeContrast",
+                     "rlnMagnification", "rlnDetectorPixelSize", "rlnImagePixelSize", "rlnImageSize")
+
+
+def read_star(path):
+    """Every block of a STAR file: {name: DataFrame (loops) or dict (single values)}."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: file not found; check the path (relative paths start from {Path.cwd()})")
+    try:
+        return starfile.read(path, always_dict=True)
+    except Exception as exc:  # starfile raises assorted parser errors
+        raise InputError(f"{path}: not a readable STAR file ({type(exc).__name__}: {exc})") from None
+
+
+def star_to_string(blocks):
+    """STAR text for {name: DataFrame or dict}, each block headed by RELION's version comment."""
+    parts = []
+    for name, block in blocks.items():
+        text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
+        body = text[text.index("data_"):] if "data_" in text else text
+        parts.append(f"\n# version {STAR_VERSION}\n\n{body.rstrip()}\n")
+    return "".join(parts) + "\n"
+
+
+def write_star(blocks, path):
+    """Write {name: DataFrame or dict} as a STAR file, atomically."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(star_to_string(blocks))
+
+
+@dataclass
+class ParticleStar:
+    """A particle STAR file in the RELION 3.1 layout: `optics` one row per optics group."""
+
+    path: Path
+    particles: pd.DataFrame
+    optics: pd.DataFrame
+    source_version: str  # "3.0" or "3.1+"
+
+
+def read_particle_star(path):
+    """Read a RELION 3.0, 3.1+ or 5 particle file into the 3.1 layout."""
+    path = Path(path)
+    blocks = read_star(path)
+    if "optics" in blocks and "particles" in blocks:
+        particles = _as_table(blocks["particles"], path, "data_particles")
+        optics = _as_table(blocks["optics"], path, "data_optics")
+        _require(particles, "rlnOpticsGroup", path, "data_particles")
+        _require(optics, "rlnOpticsGroup", path, "data_optics")
+        unknown = sorted(set(particles["rlnOpticsGroup"]) - set(optics["rlnOpticsGroup"]))
+        if unknown:
+            raise InputError(f"{path}: data_particles uses rlnOpticsGroup {unknown[0]}, which data_optics does not "
+                             f"define; add it to data_optics")
+        if "rlnImagePixelSize" not in optics.columns:
+            optics = optics.assign(rlnImagePixelSize=_pixel_size_from_detector(optics, path, "data_optics"))
+        else:
+            _check_pixel_conflict(optics, path, "data_optics")
+        return ParticleStar(path, particles.reset_index(drop=True), optics.reset_index(drop=True), "3.1+")
+    tables = [(name, b) for name, b in blocks.items() if isinstance(b, pd.DataFrame) and "rlnImageName" in b.columns]
+    if not tables:
+        raise InputError(f"{path}: no particle table found (no block with column rlnImageName); "
+                         f"give a RELION particles STAR file")
+    name, table = tables[0]
+    return _from_relion30(table.reset_index(drop=True), path, f"data_{name}")
+
+
+def write_particle_star(star, path, particles=None):
+    """Write optics + particles as a RELION 3.1+ data.star (all columns kept), atomically."""
+    table = star.particles if particles is None else particles
+    write_star({"optics": star.optics, "particles": table}, path)
+
+
+def _from_relion30(table, path, block):
+    pixel_size = _pixel_size_from_detector(table, path, block)
+    present = [c for c in OPTICS_COLUMNS_30 if c in table.columns]
+    values = table[present].copy()
+    values["rlnImagePixelSize"] = pixel_size
+    keys = values.round(6)
+    first = ~keys.duplicated()
+    unique = keys[first].reset_index(drop=True)
+    group = keys.merge(unique.reset_index(names="_group"), how="left", on=list(keys.columns))["_group"].to_numpy() + 1
+    optics = values[first].reset_index(drop=True)
+    optics.insert(0, "rlnOpticsGroupName", [f"opticsGroup{i + 1}" for i in range(len(unique))])
+    optics.insert(0, "rlnOpticsGroup", np.arange(1, len(unique) + 1))
+    if "rlnImageDimensionality" not in optics.columns:
+        optics["rlnImageDimensionality"] = 2
+    particles = table.drop(columns=present)
+    particles["rlnOpticsGroup"] = group
+    for axis in ("X", "Y"):
+        col = f"rlnOrigin{axis}"
+        if col in particles.columns:
+            particles[f"rlnOrigin{axis}Angst"] = particles.pop(col).to_numpy(np.float64) * pixel_size
+    return ParticleStar(path, particles, optics, "3.0")
+
+
+def _pixel_size_from_detector(table, path, block):
+    if "rlnImagePixelSize" in table.columns:
+        _check_pixel_conflict(table, path, block)
+        return table["rlnImagePixelSize"].to_numpy(np.float64)
+    if "rlnDetectorPixelSize" in table.columns and "rlnMagnification" in table.columns:
+        mag = table["rlnMagnification"].to_numpy(np.float64)
+        if (mag <= 0).any():
+            raise InputError(f"{path}: {block} has rlnMagnification ≤ 0; fix it or give rlnImagePixelSize")
+        return table["rlnDetectorPixelSize"].to_numpy(np.float64) * 1e4 / mag
+    raise InputError(f"{path}: {block} has no pixel size: add column rlnImagePixelSize (Å), or "
+                     f"rlnDetectorPixelSize (µm) with rlnMagnification")
+
+
+def _check_pixel_conflict(table, path, block):
+    if not {"rlnDetectorPixelSize", "rlnMagnification", "rlnImagePixelSize"} <= set(table.columns):
+        return
+    derived = table["rlnDetectorPixelSize"].to_numpy(np.float64) * 1e4 / table["rlnMagnification"].to_numpy(np.float64)
+    given = table["rlnImagePixelSize"].to_numpy(np.float64)
+    bad = np.flatnonzero(np.abs(derived - given) > 1e-3 * given)
+    if bad.size:
+        i = bad[0]
+        raise InputError(f"{path}: {block} row {i + 1}: conflicting pixel sizes, rlnImagePixelSize {given[i]:g} Å but "
+                         f"rlnDetectorPixelSize·1e4/rlnMagnification = {derived[i]:g} Å; remove one of them")
+
+
+def _as_table(block, path, name):
+    if isinstance(block, pd.DataFrame):
+        return block
+    return pd.DataFrame([block]) if isinstance(block, dict) else _fail(path, name)
+
+
+def _fail(path, name):
+    raise InputError(f"{path}: block {name} is not a table")
+
+
+def _require(table, column, path, block):
+    if column not in table.columns:
+        raise InputError(f"{path}: column {column} is missing from {block}; add it (RELION 3.1+ layout)")

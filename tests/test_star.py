@@ -1,0 +1,114 @@
+import numpy as np
+import pandas as pd
+import pytest
+
+from cryorefine.errors import InputError
+from cryorefine.io.atomic import atomic_path
+from cryorefine.io.star import read_particle_star, read_star, write_particle_star, write_star
+
+PARTICLE_FILES = [
+    "relion31/relion31.star", "relion31/relion31.v2.star", "relion30_empiar10076/empiar_10076_7.star",
+    "relion30_80s_subset/sample_particles_relion30.star", "relion_outputs/ref_it002_data.star",
+    "star_flavours/relion31.6opticsgroups.star", "star_flavours/relion5.star",
+]
+
+
+def test_every_real_star_file_reads_and_round_trips(real_data, tmp_path):
+    files = sorted(real_data.rglob("*.star"))
+    assert len(files) >= 15
+    for path in files:
+        blocks = read_star(path)
+        assert blocks, path
+        write_star(blocks, tmp_path / "out.star")
+        again = read_star(tmp_path / "out.star")
+        assert list(again) == list(blocks), path
+        for name, block in blocks.items():
+            if isinstance(block, pd.DataFrame):
+                pd.testing.assert_frame_equal(again[name], block, check_dtype=False, obj=f"{path}:{name}")
+            else:
+                assert again[name] == pytest.approx(block) if all(
+                    isinstance(v, float) for v in block.values()) else again[name] == block
+
+
+@pytest.mark.parametrize("name", PARTICLE_FILES)
+def test_real_particle_files_round_trip(real_data, tmp_path, name):
+    star = read_particle_star(real_data / name)
+    assert len(star.particles) > 0 and len(star.optics) >= 1
+    assert "rlnImagePixelSize" in star.optics.columns
+    write_particle_star(star, tmp_path / "data.star")
+    text = (tmp_path / "data.star").read_text()
+    assert text.count("# version 30001") == 2
+    again = read_particle_star(tmp_path / "data.star")
+    pd.testing.assert_frame_equal(again.particles, star.particles, check_dtype=False)
+    pd.testing.assert_frame_equal(again.optics, star.optics, check_dtype=False)
+
+
+def test_block_order_does_not_matter(real_data):
+    a = read_particle_star(real_data / "relion31/relion31.star")
+    b = read_particle_star(real_data / "relion31/relion31.v2.star")
+    pd.testing.assert_frame_equal(a.particles, b.particles)
+    pd.testing.assert_frame_equal(a.optics, b.optics)
+
+
+def test_relion30_pixel_size_and_origins_converted(real_data):
+    star = read_particle_star(real_data / "relion30_80s_subset/sample_particles_relion30.star")
+    assert star.source_version == "3.0"
+    np.testing.assert_allclose(star.optics["rlnImagePixelSize"], 5.0 * 1e4 / 37369.207031, rtol=1e-9)
+    raw = read_star(real_data / "relion30_80s_subset/sample_particles_relion30.star")["model_class_1"]
+    np.testing.assert_allclose(star.particles["rlnOriginXAngst"], raw["rlnOriginX"] * 1.338, rtol=1e-3)
+    assert "rlnOriginX" not in star.particles.columns
+    # the file mixes 300 kV and 200 kV particles: two optics groups
+    assert sorted(star.optics["rlnVoltage"]) == [200.0, 300.0]
+    voltage = star.optics.set_index("rlnOpticsGroup").loc[star.particles["rlnOpticsGroup"], "rlnVoltage"].to_numpy()
+    np.testing.assert_array_equal(voltage, raw["rlnVoltage"].to_numpy())
+
+
+def test_empiar10076_pixel_size_from_detector(real_data):
+    star = read_particle_star(real_data / "relion30_empiar10076/empiar_10076_7.star")
+    assert star.optics["rlnImagePixelSize"].iloc[0] == pytest.approx(1.31, abs=1e-3)
+
+
+def test_unknown_columns_survive(tmp_path):
+    from conftest import make_particle_set
+
+    path, _ = make_particle_set(tmp_path)
+    star = read_particle_star(path)
+    write_particle_star(star, tmp_path / "out.star")
+    again = read_particle_star(tmp_path / "out.star")
+    assert list(again.particles["rlnMyUnknownColumn"]) == [f"tag{i}" for i in range(6)]
+
+
+def test_missing_optics_group_is_an_error(tmp_path):
+    from conftest import make_particle_set
+
+    path, _ = make_particle_set(tmp_path)
+    text = path.read_text().replace("\t1\n", "\t7\n")  # particles point at optics group 7
+    path.write_text(text)
+    with pytest.raises(InputError, match="rlnOpticsGroup 7"):
+        read_particle_star(path)
+
+
+def test_conflicting_pixel_sizes(tmp_path):
+    table = pd.DataFrame({"rlnImageName": ["1@a.mrcs"], "rlnImagePixelSize": [1.0],
+                          "rlnDetectorPixelSize": [5.0], "rlnMagnification": [10000.0]})
+    write_star({"": table}, tmp_path / "p.star")
+    with pytest.raises(InputError, match="conflicting pixel sizes"):
+        read_particle_star(tmp_path / "p.star")
+
+
+def test_no_pixel_size(tmp_path):
+    write_star({"": pd.DataFrame({"rlnImageName": ["1@a.mrcs"]})}, tmp_path / "p.star")
+    with pytest.raises(InputError, match="rlnImagePixelSize"):
+        read_particle_star(tmp_path / "p.star")
+
+
+def test_write_is_atomic(tmp_path):
+    target = tmp_path / "x.star"
+    write_star({"a": pd.DataFrame({"rlnX": [1.0]})}, target)
+    before = target.read_text()
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half a file")
+            raise RuntimeError("interrupted")
+    assert target.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["x.star"]
