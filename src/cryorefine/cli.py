@@ -25,7 +25,9 @@ def cli(debug):
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the same as JSON.")
-def info(file, as_json):
+@click.option("--check-images", is_flag=True,
+              help="Read every image: stacks exist, indices in range, one box size, no NaN/Inf pixels.")
+def info(file, as_json, check_images):
     """What a particle STAR file or an MRC map/stack holds.
 
     For particles: count, optics groups (pixel size, box, voltage, Cs, Q0), stacks and whether
@@ -33,7 +35,7 @@ def info(file, as_json):
     """
     from cryorefine.info import describe, format_text
 
-    result = describe(file)
+    result = describe(file, check_images)
     click.echo(json.dumps(result, indent=2) if as_json else format_text(result))
 
 

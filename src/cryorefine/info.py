@@ -14,14 +14,15 @@ from cryorefine.io.star import read_star
 MRC_SUFFIXES = (".mrc", ".mrcs", ".map", ".st", ".rec")
 
 
-def describe(path):
+def describe(path, check_images=False):
+    """A dict describing a .star or .mrc(s) file; with `check_images`, every image is read and checked."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: file not found; check the path (relative paths start from {Path.cwd()})")
     if path.suffix.lower() in MRC_SUFFIXES:
         return describe_mrc(path)
     if path.suffix.lower() == ".star":
-        return describe_star(path)
+        return describe_star(path, check_images)
     raise InputError(f"{path}: unknown file type '{path.suffix}'; give a .star, .mrc or .mrcs file")
 
 
@@ -53,13 +54,18 @@ def _running_stats(data):
     return {"min": lo, "max": hi, "mean": mean, "rms": float(np.sqrt(max(total_sq / count - mean * mean, 0.0)))}
 
 
-def describe_star(path):
+def describe_star(path, check_images=False):
     blocks = read_star(path)
     if not any(getattr(b, "columns", None) is not None and "rlnImageName" in b.columns for b in blocks.values()):
         return {"file": str(path), "kind": "star",
                 "blocks": {name: (f"{len(b)} rows × {b.shape[1]} columns" if hasattr(b, "shape") else f"{len(b)} values")
                            for name, b in blocks.items()}}
-    particles = load_particles(path, check_stacks=False)
+    particles = load_particles(path, check_stacks=check_images)
+    if check_images:
+        particles.geometry()
+        with mrc.StackReader() as reader:
+            for batch in particles.batches(512):
+                particles.read_images(batch, reader)
     stacks = particles.stacks
     table = particles.star.particles
     defocus = None
@@ -80,6 +86,7 @@ def describe_star(path):
         "pose_columns": particles.pose_columns,
         "has_random_subset": "rlnRandomSubset" in table.columns,
         "other_columns": [c for c in table.columns if c not in ("rlnImageName",)],
+        "images_checked": bool(check_images),
     }
 
 
@@ -106,6 +113,8 @@ def format_text(info):
     st = info["stacks"]
     status = "all present" if not st["missing"] else f"{len(st['missing'])} missing, e.g. {st['missing'][0]}"
     lines.append(f"  image stacks: {st['count']} ({status})")
+    if info["images_checked"]:
+        lines.append(f"  images: all {info['n_particles']} images readable and finite")
     d = info["defocus_range_angstrom"]
     lines.append(f"  defocus: {d[0]:.0f} – {d[1]:.0f} Å" if d else "  defocus: no CTF columns")
     poses = info["pose_columns"]

@@ -1,0 +1,88 @@
+"""RELION's contrast transfer function (src/ctf.h, src/ctf.cpp: CTF::getCTF, CTF::getFftwImage).
+
+At spatial frequency (X, Y) in 1/Å, with u² = X² + Y²:
+
+    CTF = −scale · sin(γ) · exp(−B·u²/4)
+    γ   = π·λ·(−Δf(X, Y))·u² + (π/2)·Cs·λ³·u⁴ − φ − atan(Q0 / √(1 − Q0²))
+
+where λ is the relativistic electron wavelength, Cs is in Å (the STAR value in mm × 1e7), φ is the
+phase-plate shift in radians (the STAR value is in degrees), Q0 is the amplitude contrast, B the
+CTF B-factor in Å² and Δf(X, Y) the astigmatic defocus (positive = underfocus):
+
+    Δf(X, Y)·u² = U·(X cos α + Y sin α)² + V·(−X sin α + Y cos α)²,   α = defocus angle,
+
+i.e. the defocus along the direction at angle α from the x axis is U and perpendicular to it V.
+RELION's optional dose-based damping, CTF padding, magnification matrices and higher-order
+aberrations are not modelled here.
+
+Layout: the half transforms of core.fourier, (…, N, N//2+1), rows ky and columns kx in integer
+frequencies, (X, Y) = (kx, ky) / (N · pixel size). As in RELION's FFTW loops, the Nyquist row of
+an even box (row N/2) is evaluated at ky = +N/2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# RELION's constant: λ[Å] = 12.2643247 / sqrt(V · (1 + 0.978466e-6 · V)), V in volts.
+_WAVELENGTH_NUMERATOR = 12.2643247
+_RELATIVISTIC_PER_VOLT = 0.978466e-6
+
+
+def electron_wavelength_angstrom(voltage_kv, xp=np):
+    """Relativistic electron wavelength in Å for an accelerating voltage in kV (RELION's formula)."""
+    volts = xp.asarray(voltage_kv, dtype=xp.float64) * 1e3
+    return _WAVELENGTH_NUMERATOR / xp.sqrt(volts * (1.0 + _RELATIVISTIC_PER_VOLT * volts))
+
+
+def _half_frequencies(size_px, xp):
+    """Integer (ky, kx) of the half-transform layout, Nyquist row of an even box at +N/2."""
+    ky = xp.arange(size_px, dtype=xp.float64)
+    ky = xp.where(ky < size_px // 2 + 1, ky, ky - size_px)
+    kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
+    return ky[:, None], kx[None, :]
+
+
+def ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg,
+           voltage_kv, cs_mm, amplitude_contrast, phase_shift_deg=0.0, bfactor=0.0, scale=1.0,
+           abs_value=False, only_flip_phases=False, intact_until_first_peak=False,
+           xp=np, dtype=np.float32):
+    """RELION CTFs of a batch on the half-transform layout -> (B, N, N//2+1).
+
+    Every parameter after `size_px` is a scalar or an array of length B (broadcast together;
+    B = 1 when all are scalars). Units: Å, degrees, kV, mm; `bfactor` in Å², `amplitude_contrast`
+    in [0, 1]. Computed in float64, returned as `dtype`. Flags as relion_refine's
+    --ctf_phase_flipped (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
+    """
+    params = [xp.asarray(p, dtype=xp.float64).reshape(-1) for p in (
+        pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg, voltage_kv,
+        cs_mm, amplitude_contrast, phase_shift_deg, bfactor, scale)]
+    params = xp.broadcast_arrays(*params)
+    pix, du, dv, ang, kv, cs, q0, phase, bfac, scl = (p[:, None, None] for p in params)
+    if bool(xp.any((q0 < 0.0) | (q0 > 1.0))):
+        raise ValueError("amplitude_contrast must lie in [0, 1]")
+
+    lam = electron_wavelength_angstrom(kv, xp)
+    inv_box2 = 1.0 / (size_px * pix) ** 2  # (integer frequency)² -> (1/Å)²
+    alpha = xp.deg2rad(ang)
+    c, s = xp.cos(alpha), xp.sin(alpha)
+    # γ = k_xx·kx² + k_xy·kx·ky + k_yy·ky² + k_4·|k|⁴ − offset, with k integer frequencies.
+    k1 = -np.pi * lam * inv_box2
+    k_xx = k1 * (du * c * c + dv * s * s)
+    k_xy = k1 * 2.0 * (du - dv) * c * s
+    k_yy = k1 * (du * s * s + dv * c * c)
+    k_4 = 0.5 * np.pi * (cs * 1e7) * lam ** 3 * inv_box2 ** 2
+    offset = xp.deg2rad(phase) + xp.arctan(q0 / xp.sqrt(1.0 - q0 * q0))
+
+    ky, kx = _half_frequencies(size_px, xp)
+    k2 = kx * kx + ky * ky
+    gamma = k_xx * (kx * kx) + k_xy * (kx * ky) + k_yy * (ky * ky) + k_4 * (k2 * k2) - offset
+    ctf = -xp.sin(gamma)
+    if intact_until_first_peak:
+        ctf = xp.where(xp.abs(gamma) < 0.5 * np.pi, 1.0, ctf)
+    ctf = ctf * xp.exp((-0.25 * inv_box2 * bfac) * k2)
+    if abs_value:
+        ctf = xp.abs(ctf)
+    elif only_flip_phases:
+        ctf = xp.where(ctf < 0.0, -1.0, 1.0)
+    return (scl * ctf).astype(dtype, copy=False)

@@ -1,0 +1,145 @@
+"""The command line as a user meets it: output of `info`, and one-line errors with exit code 2."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import make_particle_set, write_mrc
+from cryorefine.cli import main
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def assert_one_line_error(code, err, *fragments):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("cryorefine: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "Traceback" not in err
+
+
+def test_info_particles_text_and_json(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path, n=5, box=16, pixel_size=1.5)
+    code, out, _ = run(capsys, "info", str(path))
+    assert code == 0
+    assert "5 particles" in out and "1.5000 Å/px" in out and "box 16 px" in out and "all present" in out
+    assert "rlnAngleRot" in out
+    code, out, _ = run(capsys, "info", "--json", str(path))
+    info = json.loads(out)
+    assert info["n_particles"] == 5
+    assert info["optics_groups"][0]["voltage_kv"] == 300.0
+    assert info["stacks"] == {"count": 1, "missing": []}
+    lo, hi = info["defocus_range_angstrom"]
+    assert 10000 <= lo < hi <= 20000
+
+
+def test_info_reports_missing_stacks(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path)
+    (tmp_path / "stack.mrcs").unlink()
+    code, out, _ = run(capsys, "info", str(path))
+    assert code == 0 and "1 missing" in out
+
+
+def test_info_mrc_statistics_from_data(tmp_path, capsys):
+    vol = np.random.default_rng(0).normal(2.0, 3.0, size=(10, 10, 10)).astype(np.float32)
+    write_mrc(tmp_path / "v.mrc", vol, pixel_size=2.2, stack=False)
+    code, out, _ = run(capsys, "info", "--json", str(tmp_path / "v.mrc"))
+    info = json.loads(out)
+    assert info["shape_zyx"] == [10, 10, 10] and info["is_stack"] is False
+    assert info["pixel_size_angstrom"] == pytest.approx(2.2)
+    assert info["mean"] == pytest.approx(float(vol.mean()), rel=1e-5)
+    assert info["rms"] == pytest.approx(float(vol.std()), rel=1e-4)
+    assert info["min"] == pytest.approx(float(vol.min())) and info["max"] == pytest.approx(float(vol.max()))
+
+
+def test_info_real_files(real_data, capsys):
+    code, out, _ = run(capsys, "info", "--json", str(real_data / "relion31/relion31.star"))
+    info = json.loads(out)
+    assert info["n_particles"] == 5 and info["optics_groups"][0]["pixel_size_angstrom"] == pytest.approx(2.806)
+    code, out, _ = run(capsys, "info", str(real_data / "relion_outputs/ref_model.mrc"))
+    assert "map 100×100×100" in out and "3.5400" in out
+
+
+def test_missing_file(capsys):
+    code, _, err = run(capsys, "info", "no/such/particles.star")
+    assert_one_line_error(code, err, "no/such/particles.star", "not found")
+
+
+def test_unknown_option_is_refused_by_name(capsys, tmp_path):
+    code, _, err = run(capsys, "info", "--maxsig", "5", str(tmp_path))
+    assert_one_line_error(code, err, "--maxsig")
+
+
+def test_truncated_mrc(tmp_path, capsys):
+    write_mrc(tmp_path / "s.mrcs", np.ones((5, 16, 16), np.float32))
+    raw = (tmp_path / "s.mrcs").read_bytes()
+    (tmp_path / "s.mrcs").write_bytes(raw[:-100])
+    code, _, err = run(capsys, "info", str(tmp_path / "s.mrcs"))
+    assert_one_line_error(code, err, "s.mrcs", "truncated")
+
+
+def test_missing_required_column(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path)
+    path.write_text(path.read_text().replace("_rlnOpticsGroup #", "_rlnOpticsGroupX #", 1))
+    code, _, err = run(capsys, "info", str(path))
+    assert_one_line_error(code, err, "rlnOpticsGroup", "missing", "data_optics")
+
+
+def test_conflicting_pixel_sizes(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path, pixel_size=1.5)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((6, 16, 16), np.float32), pixel_size=3.0)
+    code, _, err = run(capsys, "info", "--check-images", str(path))
+    assert_one_line_error(code, err, "conflicting pixel sizes", "3 Å", "1.5 Å")
+
+
+def test_index_beyond_stack(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path, n=4)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((2, 16, 16), np.float32), pixel_size=1.5)
+    code, _, err = run(capsys, "info", "--check-images", str(path))
+    assert_one_line_error(code, err, "3@", "beyond the stack")
+
+
+def test_nan_pixels(tmp_path, capsys):
+    path, images = make_particle_set(tmp_path, n=4)
+    images[2, 5, 5] = np.inf
+    write_mrc(tmp_path / "stack.mrcs", images, pixel_size=1.5)
+    code, _, err = run(capsys, "info", "--check-images", str(path))
+    assert_one_line_error(code, err, "3@", "NaN or Inf")
+
+
+def test_mixed_box_sizes(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path, n=4, box=16)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((4, 18, 18), np.float32), pixel_size=1.5)
+    code, _, err = run(capsys, "info", "--check-images", str(path))
+    assert_one_line_error(code, err, "18 px", "rlnImageSize")
+
+
+def test_check_images_passes_on_good_data(tmp_path, capsys):
+    path, _ = make_particle_set(tmp_path, n=4)
+    code, out, _ = run(capsys, "info", "--check-images", str(path))
+    assert code == 0 and "all 4 images readable and finite" in out
+
+
+def test_debug_shows_traceback(capsys):
+    from cryorefine.errors import InputError
+
+    with pytest.raises(InputError):
+        main(["--debug", "info", "no/such/file.star"])
+
+
+def test_console_script_runs(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cryorefine", "info", str(tmp_path / "x.star")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "x.star" in done.stderr

@@ -1,0 +1,127 @@
+import numpy as np
+import pytest
+
+from conftest import make_particle_set, write_mrc
+from cryorefine.data import load_particles
+from cryorefine.errors import InputError
+from cryorefine.io.mrc import StackReader
+
+
+@pytest.mark.parametrize("relion30", [False, True])
+def test_particle_arrays_match_the_file(tmp_path, relion30):
+    path, images = make_particle_set(tmp_path, n=7, box=12, pixel_size=1.75, relion30=relion30)
+    parts = load_particles(path)
+    assert len(parts) == 7
+    assert parts.geometry() == (12, pytest.approx(1.75))
+    table = parts.star.particles
+    np.testing.assert_allclose(parts.defocus_u_angstrom, table["rlnDefocusU"])
+    np.testing.assert_allclose(parts.psi_deg, table["rlnAnglePsi"])
+    np.testing.assert_allclose(parts.voltage_kv, 300.0)
+    np.testing.assert_allclose(parts.cs_mm, 2.7)
+    parts.require_ctf()
+    with StackReader() as reader:
+        got = parts.read_images([6, 0, 3], reader)
+    np.testing.assert_array_equal(got, images[[6, 0, 3]])
+
+
+def test_relion30_origins_in_angstrom(tmp_path):
+    path, _ = make_particle_set(tmp_path, relion30=True, pixel_size=2.0)
+    import starfile
+
+    raw = starfile.read(path)
+    parts = load_particles(path)
+    np.testing.assert_allclose(parts.origin_x_angstrom, raw["rlnOriginX"] * 2.0)
+
+
+def test_half_sets(tmp_path):
+    path, _ = make_particle_set(tmp_path, n=101)
+    parts = load_particles(path)
+    halves = parts.half_sets(seed=3)
+    assert set(halves) == {1, 2} and abs((halves == 1).sum() - (halves == 2).sum()) <= 1
+    assert np.array_equal(halves, parts.half_sets(seed=3))
+    assert not np.array_equal(halves, parts.half_sets(seed=4))
+    parts.random_subset = np.where(np.arange(101) < 30, 1, 2)
+    assert (parts.half_sets(seed=3) == parts.random_subset).all()
+
+
+def test_batches_cover_each_particle_once(tmp_path):
+    path, _ = make_particle_set(tmp_path, n=23)
+    parts = load_particles(path)
+    batches = list(parts.batches(5))
+    assert [b.size for b in batches] == [5, 5, 5, 5, 3]
+    assert np.array_equal(np.concatenate(batches), np.arange(23))
+
+
+def test_batch_reads_only_its_images(tmp_path, monkeypatch):
+    path, _ = make_particle_set(tmp_path, n=9)
+    parts = load_particles(path)
+    seen = []
+    with StackReader() as reader:
+        original = reader.read
+
+        def spy(paths, indices):
+            seen.extend(indices)
+            return original(paths, indices)
+
+        reader.read = spy
+        parts.read_images(np.array([2, 5]), reader)
+    assert sorted(seen) == [3, 6]
+
+
+def test_stack_missing(tmp_path):
+    path, _ = make_particle_set(tmp_path)
+    (tmp_path / "stack.mrcs").unlink()
+    with pytest.raises(InputError, match="stack.mrcs not found"):
+        load_particles(path)
+
+
+def test_index_beyond_stack(tmp_path):
+    path, _ = make_particle_set(tmp_path, n=4)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((3, 16, 16), np.float32))
+    with pytest.raises(InputError, match=r"4@.*beyond the stack, which holds 3"):
+        load_particles(path)
+
+
+def test_box_mismatch_with_optics_table(tmp_path):
+    path, _ = make_particle_set(tmp_path, n=4, box=16)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((4, 20, 20), np.float32))
+    with pytest.raises(InputError, match="20 px but data_optics rlnImageSize"):
+        load_particles(path)
+
+
+def test_mixed_box_sizes_between_groups(tmp_path):
+    import pandas as pd
+    import starfile
+
+    a, _ = make_particle_set(tmp_path / "a", n=3, box=16)
+    b, _ = make_particle_set(tmp_path / "b", n=3, box=20)
+    ta, tb = starfile.read(a), starfile.read(b)
+    tb["particles"]["rlnOpticsGroup"] = 2
+    tb["optics"]["rlnOpticsGroup"] = 2
+    for t, sub in ((ta, "a"), (tb, "b")):
+        t["particles"]["rlnImageName"] = t["particles"]["rlnImageName"].str.replace("@", f"@{sub}/")
+    starfile.write({"optics": pd.concat([ta["optics"], tb["optics"]]),
+                    "particles": pd.concat([ta["particles"], tb["particles"]])}, tmp_path / "mixed.star")
+    parts = load_particles(tmp_path / "mixed.star")
+    with pytest.raises(InputError, match=r"different box sizes \[16, 20\]"):
+        parts.geometry()
+
+
+def test_header_pixel_size_conflict(tmp_path):
+    path, _ = make_particle_set(tmp_path, pixel_size=1.5)
+    write_mrc(tmp_path / "stack.mrcs", np.zeros((6, 16, 16), np.float32), pixel_size=2.0)
+    with pytest.raises(InputError, match="conflicting pixel sizes"):
+        load_particles(path)
+
+
+def test_real_particle_sets_load(real_data):
+    for name, n, box, pix in [("relion31/relion31.star", 5, 256, 2.806),
+                              ("relion30_empiar10076/empiar_10076_7.star", 7, 320, 1.31),
+                              ("relion30_80s_subset/sample_particles_relion30.star", 17, 200, 1.338)]:
+        parts = load_particles(real_data / name)
+        assert len(parts) == n
+        box_px, pixel = parts.geometry()
+        assert box_px == box and pixel == pytest.approx(pix, abs=1e-3)
+        with StackReader() as reader:
+            images = parts.read_images(np.arange(n), reader)
+        assert images.shape == (n, box, box) and np.isfinite(images).all() and images.std() > 0

@@ -1,0 +1,118 @@
+import mrcfile
+import numpy as np
+import pytest
+
+from conftest import write_mrc
+from cryorefine.errors import InputError
+from cryorefine.io import mrc
+
+
+@pytest.mark.parametrize("dtype,mode", [(np.int8, 0), (np.int16, 1), (np.float32, 2), (np.uint16, 6), (np.float16, 12)])
+def test_modes_read_as_float32(tmp_path, dtype, mode):
+    data = (np.arange(5 * 4 * 4) % 50).reshape(5, 4, 4).astype(dtype)
+    write_mrc(tmp_path / "s.mrcs", data)
+    with mrcfile.open(tmp_path / "s.mrcs") as m:
+        assert int(m.header.mode) == mode
+    with mrc.StackReader() as reader:
+        images = reader.read([str(tmp_path / "s.mrcs")] * 2, [5, 2])
+    assert images.dtype == np.float32
+    np.testing.assert_array_equal(images, data[[4, 1]].astype(np.float32))
+
+
+def test_reader_keeps_request_order_across_stacks(tmp_path):
+    a = np.random.default_rng(1).normal(size=(4, 8, 8)).astype(np.float32)
+    b = np.random.default_rng(2).normal(size=(3, 8, 8)).astype(np.float32)
+    write_mrc(tmp_path / "a.mrcs", a)
+    write_mrc(tmp_path / "b.mrcs", b)
+    paths = [str(tmp_path / n) for n in ("b.mrcs", "a.mrcs", "b.mrcs", "a.mrcs")]
+    with mrc.StackReader() as reader:
+        got = reader.read(paths, [3, 4, 1, 1])
+    np.testing.assert_array_equal(got, np.stack([b[2], a[3], b[0], a[0]]))
+
+
+def test_index_beyond_stack(tmp_path):
+    write_mrc(tmp_path / "s.mrcs", np.zeros((3, 8, 8), np.float32))
+    with mrc.StackReader() as reader, pytest.raises(InputError, match=r"4@.*beyond the stack, which holds 3"):
+        reader.read([str(tmp_path / "s.mrcs")], [4])
+
+
+def test_nan_pixels_named(tmp_path):
+    data = np.zeros((3, 8, 8), np.float32)
+    data[1, 2, 3] = np.nan
+    write_mrc(tmp_path / "s.mrcs", data)
+    with mrc.StackReader() as reader, pytest.raises(InputError, match=r"2@.*NaN or Inf"):
+        reader.read([str(tmp_path / "s.mrcs")] * 3, [1, 2, 3])
+
+
+def test_truncated_and_garbage_files(tmp_path):
+    write_mrc(tmp_path / "s.mrcs", np.ones((5, 16, 16), np.float32))
+    raw = (tmp_path / "s.mrcs").read_bytes()
+    (tmp_path / "t.mrcs").write_bytes(raw[:-300])
+    with pytest.raises(InputError, match="truncated"):
+        mrc.open_mrc(tmp_path / "t.mrcs")
+    (tmp_path / "g.mrc").write_bytes(b"not an mrc")
+    with pytest.raises(InputError, match="not a readable MRC"):
+        mrc.open_mrc(tmp_path / "g.mrc")
+    with pytest.raises(InputError, match="file not found"):
+        mrc.open_mrc(tmp_path / "missing.mrc")
+
+
+def test_volume_round_trip_has_pixel_size_and_stats(tmp_path):
+    vol = np.random.default_rng(0).normal(size=(12, 12, 12)).astype(np.float32)
+    mrc.write_volume(tmp_path / "v.mrc", vol, 2.5)
+    with mrcfile.open(tmp_path / "v.mrc") as m:  # strict mode: the header is valid
+        assert m.voxel_size.x == pytest.approx(2.5)
+        assert m.header.dmin == pytest.approx(vol.min())
+        assert m.header.dmax == pytest.approx(vol.max())
+        assert m.header.dmean == pytest.approx(vol.mean(), abs=1e-6)
+        assert m.header.rms == pytest.approx(vol.std(), rel=1e-5)
+    assert mrcfile.validate(str(tmp_path / "v.mrc"), print_file=open("/dev/null", "w"))
+    back, pixel = mrc.read_volume(tmp_path / "v.mrc")
+    np.testing.assert_array_equal(back, vol)
+    assert pixel == pytest.approx(2.5)
+
+
+def test_non_cubic_reference(tmp_path):
+    mrc.write_volume(tmp_path / "v.mrc", np.zeros((10, 12, 12), np.float32), 1.0)
+    with pytest.raises(InputError, match="not cubic"):
+        mrc.read_volume(tmp_path / "v.mrc")
+
+
+def test_placeholder_pixel_sizes_not_trusted(tmp_path):
+    for value in (0.0, 1.0):
+        write_mrc(tmp_path / "s.mrcs", np.zeros((2, 4, 4), np.float32), pixel_size=value)
+        assert mrc.mrc_info(tmp_path / "s.mrcs").header_pixel_size_angstrom is None
+
+
+def test_real_zeroed_header_reference_opens(real_data):
+    vol, pixel = mrc.read_volume(real_data / "relion_outputs/ref_model.mrc")
+    assert vol.shape == (100, 100, 100)
+    assert pixel == pytest.approx(3.54)
+    assert vol.std() > 0
+
+
+def test_real_stacks_without_map_id_open(real_data):
+    info = mrc.mrc_info(real_data / "relion31/relion31.mrcs")
+    assert info.shape == (5, 256, 256)
+    assert info.header_pixel_size_angstrom is None  # placeholder 1.0
+
+
+def test_image_name_parsing():
+    assert mrc.parse_image_name("000012@Extract/job1/a.mrcs") == (12, "Extract/job1/a.mrcs")
+    assert mrc.parse_image_name("a.mrc") == (1, "a.mrc")
+    with pytest.raises(InputError, match="not an image number"):
+        mrc.parse_image_name("x@a.mrcs")
+    with pytest.raises(InputError, match="count from 1"):
+        mrc.parse_image_name("0@a.mrcs")
+
+
+def test_stack_path_resolution_prefers_project_directory(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "Extract").mkdir(parents=True)
+    (project / "Refine" / "Extract").mkdir(parents=True)
+    write_mrc(project / "Extract" / "a.mrcs", np.zeros((1, 4, 4), np.float32))
+    write_mrc(project / "Refine" / "Extract" / "a.mrcs", np.ones((1, 4, 4), np.float32))
+    monkeypatch.chdir(project)
+    assert mrc.resolve_stack_path("Extract/a.mrcs", project / "Refine") == mrc.Path("Extract/a.mrcs")
+    monkeypatch.chdir(tmp_path)
+    assert mrc.resolve_stack_path("Extract/a.mrcs", project / "Refine") == project / "Refine" / "Extract" / "a.mrcs"
