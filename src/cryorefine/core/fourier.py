@@ -5,7 +5,8 @@ pixel (N//2, N//2); volumes likewise at (N//2, N//2, N//2). Their transforms are
 transforms in FFTW/rfft layout, (…, N, N//2+1) with the zero frequency at index 0 and the
 negative ky (kz) frequencies in the upper half, normalised like RELION's FourierTransformer
 (the forward transform divides by the number of pixels). Frequencies are integers in units
-of 1/(N·pixel size). Every function takes an array module `xp` (numpy or cupy).
+of 1/(N·pixel size); as in RELION's FFTW loops, row N/2 of an even box is +N/2 (numpy's
+fftfreq would call it −N/2). Every function takes an array module `xp` (numpy or cupy).
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ def irfft3_centered(ft, size_px, xp=np):
     return xp.fft.fftshift(vol, axes=(-3, -2, -1))
 
 
+def signed_frequencies(size_px, xp=np):
+    """Integer frequency of each index along a full axis: 0, 1, …, N//2, then −(N−N//2−1), …, −1."""
+    k = xp.arange(size_px, dtype=xp.float64)
+    return xp.where(k <= size_px // 2, k, k - size_px)
+
+
 def frequencies_2d(size_px, xp=np):
     """Integer frequencies (ky, kx), each (N, N//2+1), of the half-transform layout."""
-    ky = xp.fft.fftfreq(size_px, d=1.0 / size_px)
+    ky = signed_frequencies(size_px, xp)
     kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
     return xp.broadcast_to(ky[:, None], (size_px, kx.size)), xp.broadcast_to(kx[None, :], (size_px, kx.size))
 
 
 def frequencies_3d(size_px, xp=np):
     """Integer frequencies (kz, ky, kx), each (N, N, N//2+1), of the half-transform layout."""
-    k = xp.fft.fftfreq(size_px, d=1.0 / size_px)
+    k = signed_frequencies(size_px, xp)
     kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
     shape = (size_px, size_px, kx.size)
     return (xp.broadcast_to(k[:, None, None], shape), xp.broadcast_to(k[None, :, None], shape),
@@ -123,14 +130,15 @@ def phase_shift_2d(ft, shift_x_px, shift_y_px, size_px, xp=np):
 def window_ft_2d(ft, new_size_px, xp=np):
     """Crop (or zero-pad) a 2D half transform to the layout of a `new_size_px` image.
 
-    Keeps frequencies |ky| < new/2 and kx ≤ new/2 (RELION's windowFourierTransform).
+    Row i of the result holds frequency signed_frequencies(new)[i], taken from the same
+    frequency of the input (RELION's windowFourierTransform); kx ≤ new/2.
     """
     old = ft.shape[-2]
     new_half = new_size_px // 2 + 1
     out = xp.zeros(ft.shape[:-2] + (new_size_px, new_half), dtype=ft.dtype)
     n = min(old, new_size_px)
-    pos = (n + 1) // 2  # ky = 0 .. pos-1
-    neg = n // 2  # ky = -neg .. -1
+    pos = n // 2 + 1  # ky = 0 .. n//2 (row n/2 of an even box is +n/2)
+    neg = n - pos  # ky = -neg .. -1
     x = min(new_half, ft.shape[-1])
     out[..., :pos, :x] = ft[..., :pos, :x]
     if neg:
