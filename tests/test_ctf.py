@@ -256,3 +256,25 @@ def test_real_stack_rings_match_star_defocus(star_rel, stack_rel, pixel_angstrom
     assert corr[1.0] > 0.6, corr
     assert corr[1.0] > corr[0.7] + 0.4 and corr[1.0] > corr[1.4] + 0.4, corr
     assert corr[1.0] > corr[0.9] and corr[1.0] > corr[1.1], corr
+
+
+@pytest.mark.gpu
+def test_cupy_matches_numpy():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(1)
+    n = 5
+    params = dict(defocus_u_angstrom=rng.uniform(5000, 30000, n), defocus_v_angstrom=rng.uniform(5000, 30000, n),
+                  defocus_angle_deg=rng.uniform(-180, 180, n), voltage_kv=300.0, cs_mm=2.7,
+                  amplitude_contrast=0.1, phase_shift_deg=rng.uniform(0, 90, n), bfactor=rng.uniform(0, 100, n),
+                  scale=rng.uniform(0.5, 1.0, n))
+    want = ctf_2d(90, 1.3, **params, dtype=np.float64)
+    got = ctf_2d(90, 1.3, **{k: cp.asarray(v) for k, v in params.items()}, xp=cp, dtype=cp.float64)
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_allclose(cp.asnumpy(got), want, atol=1e-12)
+    got32 = ctf_2d(90, 1.3, **params, xp=cp)
+    assert got32.dtype == cp.float32
