@@ -1,0 +1,442 @@
+"""RELION's Fourier projector and back-projector (trilinear interpolation, padded transforms).
+
+A `Projector` holds the padded 3D half transform of a reference map; `project` cuts central
+slices out of it by trilinear interpolation (RELION's Projector::computeFourierTransformMap
+and Projector::project). A `BackProjector` holds the padded data (complex) and weight (real)
+volumes that slices are splatted into, the adjoint of `project` (RELION's
+BackProjector::backrotate2D), and `reconstruct` turns the sums into a real-space map (see
+`cryorefine.core.reconstruct`, which holds the reconstruction arithmetic).
+
+Normalisation. For a real map V (N, N, N) centred at N//2 with unit voxel spacing, and a pose
+matrix A (`cryorefine.core.euler`), `Projector(V).project(A, N)` equals, to interpolation
+error, `fourier.rfft2_centered(P)` with P(x, y) = Σ_z V(Aᵀ(x, y, z)) the line integral of the
+map (for the identity pose, `V.sum(axis=0)`). Equivalently, the projector stores
+DFT3(V)(k) / N² — RELION's convention, in which a 3D map's central slice is normalised like
+the 2D transforms of the images (forward transform divided by the number of pixels, N²). A
+smaller output size n < N gives the same coefficients cropped to |k| ≤ n/2 (the layout of
+`fourier.window_ft_2d`), frequencies staying integers in units of 1/(N·pixel size).
+
+Compact layout (both classes, RELION's): with padded box size Np = round(pf·N) made even,
+effective padding factor pf = Np/N and R = round(r_max·pf), the arrays have shape
+(2R+3, 2R+3, R+2) and index [z + R+1, y + R+1, x] for padded frequencies (x ≥ 0; the x < 0
+half is the complex conjugate of the point mirrored through the origin). Only |(x, y, z)| ≤ R
+is non-zero in a projector. A slice coefficient at integer image frequency (kx, ky) is read
+at pf·Aᵀ(kx, ky, 0). Image rows follow `fourier.signed_frequencies` (row n/2 of an even
+size is +n/2, as in RELION).
+
+Everything takes an array module `xp` (numpy or cupy) and a real dtype (float32 or float64;
+complex arrays follow as complex64 or complex128). Nothing here imports cupy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from cryorefine.core import fourier
+
+
+def relion_round(value):
+    """RELION's ROUND: floor(x + 0.5) as a Python int (Python's round is banker's rounding)."""
+    return int(np.floor(float(value) + 0.5))
+
+
+def padded_size_px(size_px, padding_factor):
+    """Size of the padded real-space box: round(padding_factor·N), made even (RELION)."""
+    padded = relion_round(padding_factor * size_px)
+    return padded + padded % 2
+
+
+def complex_dtype_for(real_dtype):
+    """complex64 for float32, complex128 for float64."""
+    return np.result_type(np.dtype(real_dtype), np.complex64)
+
+
+@dataclass(frozen=True)
+class PaddedGrid:
+    """Geometry of a padded Fourier volume in RELION's compact layout.
+
+    size_px:        N, the box size of the (unpadded) map in pixels.
+    padded_size_px: Np = round(pf·N) made even; the padding factor in use is Np / N.
+    r_max_px:       largest frequency kept, in Fourier pixels of the unpadded map (≤ N/2).
+    """
+
+    size_px: int
+    padded_size_px: int
+    r_max_px: int
+
+    @classmethod
+    def create(cls, size_px, padding_factor=2.0, r_max_px=None):
+        size_px = int(size_px)
+        r_max = size_px // 2 if r_max_px is None else int(r_max_px)
+        r_max = max(1, min(r_max, size_px // 2))
+        return cls(size_px, padded_size_px(size_px, padding_factor), r_max)
+
+    @property
+    def padding_factor(self):
+        return self.padded_size_px / self.size_px
+
+    @property
+    def r_max_padded(self):
+        """R = round(r_max · pf): the radius of the stored sphere in padded Fourier pixels."""
+        return relion_round(self.r_max_px * self.padding_factor)
+
+    @property
+    def origin(self):
+        """Index of frequency 0 along the z and y axes of the compact arrays (R + 1)."""
+        return self.r_max_padded + 1
+
+    @property
+    def shape(self):
+        """(2R+3, 2R+3, R+2): RELION's pad_size = 2·(R+1)+1 on the z and y axes."""
+        d = 2 * self.r_max_padded + 3
+        return (d, d, self.r_max_padded + 2)
+
+    def frequencies(self, xp=np):
+        """Padded integer frequencies (z, y, x), each broadcastable to `shape`, as float64."""
+        d, _, w = self.shape
+        k = xp.arange(d, dtype=xp.float64) - self.origin
+        kx = xp.arange(w, dtype=xp.float64)
+        return k[:, None, None], k[None, :, None], kx[None, None, :]
+
+    def radius2(self, xp=np):
+        """|k|² in padded Fourier pixels for every compact element (float64)."""
+        kz, ky, kx = self.frequencies(xp)
+        return kz * kz + ky * ky + kx * kx
+
+
+def trilinear_gridding_kernel(size_px, padded_size_px, xp=np):
+    """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64.
+
+    Trilinear interpolation in the padded Fourier grid multiplies the map by (approximately)
+    this function; RELION divides by it before the transform of a projector and after the
+    inverse transform of a reconstruction (Projector::griddingCorrect).
+    """
+    c = size_px // 2
+    z, y, x = xp.meshgrid(*(xp.arange(size_px, dtype=xp.float64) - c,) * 3, indexing="ij")
+    t = xp.sqrt(x * x + y * y + z * z) / float(padded_size_px)
+    return xp.sinc(t) ** 2
+
+
+@lru_cache(maxsize=64)
+def _slice_points(size_px, r_max_sq, skip_redundant):
+    """Coefficients of an (n, n//2+1) half transform with kx² + ky² ≤ r_max² (host numpy).
+
+    Returns (flat positions, kx, ky). With `skip_redundant`, the kx = 0, ky < 0 half column
+    (the Friedel mates of kx = 0, ky > 0) is left out, as RELION's back-projection does.
+    """
+    ky = fourier.signed_frequencies(size_px, np).astype(np.int64)[:, None]
+    kx = np.arange(size_px // 2 + 1)[None, :]
+    keep = kx * kx + ky * ky <= r_max_sq
+    if skip_redundant:
+        keep &= ~((kx == 0) & (ky < 0))
+    keep = np.broadcast_to(keep, (size_px, size_px // 2 + 1))
+    pos = np.flatnonzero(keep)
+    kyf = np.broadcast_to(ky, keep.shape).reshape(-1)[pos].astype(np.float64)
+    kxf = np.broadcast_to(kx, keep.shape).reshape(-1)[pos].astype(np.float64)
+    return pos, kxf, kyf
+
+
+_CORNERS = ((0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1))
+
+
+def _effective_r_max(grid, size_px, r_max_px):
+    r = min(float(grid.r_max_px), float(size_px // 2))
+    if r_max_px is not None:
+        r = min(r, float(r_max_px))
+    return r
+
+
+def _slice_geometry(grid, matrices, kx, ky, real_dtype, xp):
+    """Trilinear sampling geometry of slice points pf·Aᵀ(kx, ky, 0) in the compact layout.
+
+    matrices (B, 3, 3); kx, ky (M,). Returns base flat index (B, M) int64 of the (z0, y0, x0)
+    corner, fractions fx, fy, fz (B, M), `neg` (B, M) bool where the point was mirrored to
+    x ≥ 0 (take the complex conjugate), and `inside` (B, M) bool (|q| ≤ R).
+    """
+    a = xp.asarray(matrices, dtype=real_dtype)
+    pf = real_dtype(grid.padding_factor)
+    kx = xp.asarray(kx, dtype=real_dtype)[None, :]
+    ky = xp.asarray(ky, dtype=real_dtype)[None, :]
+    # Aᵀ (kx, ky, 0) = kx·A[0, :] + ky·A[1, :]
+    qx = pf * (kx * a[:, 0, 0, None] + ky * a[:, 1, 0, None])
+    qy = pf * (kx * a[:, 0, 1, None] + ky * a[:, 1, 1, None])
+    qz = pf * (kx * a[:, 0, 2, None] + ky * a[:, 1, 2, None])
+    r_pad = grid.r_max_padded
+    # |q| = pf·|k| exactly; the relative slack keeps points with |k| = r_max that rounding
+    # would push just past R (RELION checks against R, which matters for non-integer pf).
+    inside = qx * qx + qy * qy + qz * qz <= real_dtype(r_pad * r_pad * (1.0 + 1e-5))
+    neg = qx < 0
+    sign = xp.where(neg, real_dtype(-1), real_dtype(1))
+    qx, qy, qz = qx * sign, qy * sign, qz * sign
+    x0, y0, z0 = xp.floor(qx), xp.floor(qy), xp.floor(qz)
+    fx, fy, fz = qx - x0, qy - y0, qz - z0
+    d, _, w = grid.shape
+    o = grid.origin
+    # |q| ≤ R + 1/2 keeps every corner inside the (2R+3)² × (R+2) box; clip for safety only.
+    ix = xp.clip(x0.astype(xp.int64), 0, w - 2)
+    iy = xp.clip(y0.astype(xp.int64) + o, 0, d - 2)
+    iz = xp.clip(z0.astype(xp.int64) + o, 0, d - 2)
+    base = (iz * d + iy) * w + ix
+    return base, fx, fy, fz, neg, inside
+
+
+def _corner_offsets(grid):
+    d, _, w = grid.shape
+    return [dz * d * w + dy * w + dx for dz, dy, dx in _CORNERS]
+
+
+def _corner_weights(fx, fy, fz):
+    gx, gy, gz = 1 - fx, 1 - fy, 1 - fz
+    out = []
+    for dz, dy, dx in _CORNERS:
+        out.append((fz if dz else gz) * (fy if dy else gy) * (fx if dx else gx))
+    return out
+
+
+class Projector:
+    """Padded 3D Fourier transform of a map, for central slices by trilinear interpolation.
+
+    Projector(volume, padding_factor=2, r_max_px=None, do_gridding=True, dtype=np.float64, xp=np)
+
+    volume:         real (N, N, N) map (z, y, x), centred at N//2, unit voxel spacing.
+    padding_factor: real-space zero padding (RELION --pad; the box becomes round(pf·N), even).
+    r_max_px:       keep frequencies |k| ≤ r_max (Fourier pixels of the unpadded map; default
+                    and maximum N//2). RELION sets it to current_size/2.
+    do_gridding:    divide the map by sinc²(r/Np) before the transform (RELION's gridding
+                    pre-correction for trilinear interpolation). Without it the slices equal
+                    the exact DFT wherever they hit grid points (useful for tests only).
+
+    Attributes: `grid` (PaddedGrid), `data` (compact complex array, see module docstring),
+    `power_spectrum` ((N//2+1,) RELION's radial power of `data`: mean |F|²/2 per shell
+    round(|k_padded|/pf), as computeFourierTransformMap returns it for tau² initialisation).
+    """
+
+    def __init__(self, volume, padding_factor=2.0, r_max_px=None, do_gridding=True,
+                 dtype=np.float64, xp=np):
+        self.xp = xp
+        self.real_dtype = np.dtype(dtype).type
+        self.complex_dtype = complex_dtype_for(dtype).type
+        vol = xp.asarray(volume, dtype=xp.float64)
+        if vol.ndim != 3 or len(set(vol.shape)) != 1:
+            raise ValueError(f"Projector needs a cubic (N, N, N) volume, got shape {vol.shape}")
+        n = vol.shape[0]
+        self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px)
+        npad = grid.padded_size_px
+        if do_gridding:
+            vol = vol / trilinear_gridding_kernel(n, npad, xp)
+        padded = xp.zeros((npad,) * 3, dtype=self.real_dtype)
+        s = npad // 2 - n // 2
+        padded[s:s + n, s:s + n, s:s + n] = vol
+        # DFT3(V)(k) / N²: rfft3_centered divides by Np³.
+        ft = fourier.rfft3_centered(padded, xp)
+        ft *= self.real_dtype(float(npad) ** 3 / float(n) ** 2)
+        d, _, w = grid.shape
+        k = (xp.arange(d) - grid.origin) % npad
+        kx = xp.minimum(xp.arange(w), npad // 2)
+        data = ft[k[:, None, None], k[None, :, None], kx[None, None, :]]
+        r2 = grid.radius2(xp)
+        data = xp.where(r2 <= grid.r_max_padded ** 2, data, 0)
+        self.data = data.astype(self.complex_dtype)
+        self.power_spectrum = _relion_power_spectrum(self.data, grid, xp)
+
+    @property
+    def size_px(self):
+        return self.grid.size_px
+
+    @property
+    def padding_factor(self):
+        return self.grid.padding_factor
+
+    @property
+    def r_max_px(self):
+        return self.grid.r_max_px
+
+    def project(self, matrices, image_size_px=None, r_max_px=None):
+        """Central slices (…, n, n//2+1), complex, at poses `matrices` (…, 3, 3).
+
+        Coefficient (ky, kx) is the trilinear interpolation of `data` at pf·Aᵀ(kx, ky, 0)
+        (complex conjugate of the mirrored point where its x < 0), normalised so that it
+        equals `fourier.rfft2_centered` of the line integral Σ_z V(Aᵀ(x, y, z)) of the N-sized
+        map; zero outside |k| ≤ min(r_max, n//2, projector r_max). n = image_size_px ≤ N
+        (default N) crops the frequencies, as for coarse-pass images.
+        """
+        xp = self.xp
+        n = self.grid.size_px if image_size_px is None else int(image_size_px)
+        if n > self.grid.size_px:
+            raise ValueError(f"image size {n} is larger than the projector's box {self.grid.size_px}")
+        mats = xp.asarray(matrices)
+        lead = mats.shape[:-2]
+        mats = mats.reshape(-1, 3, 3)
+        r = _effective_r_max(self.grid, n, r_max_px)
+        pos, kx, ky = _slice_points(n, r * r, False)
+        base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
+        flat = self.data.reshape(-1)
+        offs = _corner_offsets(self.grid)
+
+        def at(i):
+            return xp.take(flat, base + offs[i])
+
+        def lerp(f, lo, hi):
+            return lo + (hi - lo) * f
+
+        # x first, then y, then z, as RELION does.
+        c00 = lerp(fx, at(0), at(1))
+        c01 = lerp(fx, at(2), at(3))
+        c10 = lerp(fx, at(4), at(5))
+        c11 = lerp(fx, at(6), at(7))
+        c0 = lerp(fy, c00, c01)
+        c1 = lerp(fy, c10, c11)
+        vals = lerp(fz, c0, c1)
+        vals = xp.where(neg, xp.conj(vals), vals)
+        vals = xp.where(inside, vals, 0).astype(self.complex_dtype)
+        b = mats.shape[0]
+        out = xp.zeros((b, n * (n // 2 + 1)), dtype=self.complex_dtype)
+        out[:, xp.asarray(pos)] = vals
+        return out.reshape(lead + (n, n // 2 + 1))
+
+
+def _relion_power_spectrum(data, grid, xp):
+    r2 = grid.radius2(xp)
+    keep = r2 <= grid.r_max_padded ** 2
+    shells = xp.rint(xp.sqrt(r2) / grid.padding_factor).astype(xp.int64)
+    n_shells = grid.size_px // 2 + 1
+    shells = xp.where(keep, shells, n_shells)  # dropped by shell_sum
+    power = fourier.shell_sum((data.real ** 2 + data.imag ** 2).astype(xp.float64) / 2.0,
+                              shells, n_shells, xp)
+    count = fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
+    return xp.where(count >= 1.0, power / xp.maximum(count, 1.0), 0.0)
+
+
+class BackProjector:
+    """Padded Fourier sums of back-projected slices: `data` (complex) and `weight` (real).
+
+    BackProjector(size_px, padding_factor=2, r_max_px=None, dtype=np.float64, xp=np)
+
+    size_px is N of the map to reconstruct; the compact arrays follow `PaddedGrid` (module
+    docstring). Sums from several workers are combined by adding `data` and `weight`.
+    """
+
+    def __init__(self, size_px, padding_factor=2.0, r_max_px=None, dtype=np.float64, xp=np):
+        self.xp = xp
+        self.real_dtype = np.dtype(dtype).type
+        self.complex_dtype = complex_dtype_for(dtype).type
+        self.grid = PaddedGrid.create(size_px, padding_factor, r_max_px)
+        self.data = xp.zeros(self.grid.shape, dtype=self.complex_dtype)
+        self.weight = xp.zeros(self.grid.shape, dtype=self.real_dtype)
+
+    @property
+    def size_px(self):
+        return self.grid.size_px
+
+    @property
+    def padding_factor(self):
+        return self.grid.padding_factor
+
+    @property
+    def r_max_px(self):
+        return self.grid.r_max_px
+
+    def zero(self):
+        """Reset both sums to zero."""
+        self.data[...] = 0
+        self.weight[...] = 0
+
+    def backproject(self, slices, weights, matrices, r_max_px=None):
+        """Splat slices (…, n, n//2+1) and their real weights into the padded sums.
+
+        Each coefficient at image frequency (kx, ky), |k| ≤ min(r_max, n//2, back-projector
+        r_max), is added at pf·Aᵀ(kx, ky, 0) with trilinear weights (complex conjugate at the
+        mirrored point where x < 0), its weight likewise into `weight`. This is the adjoint of
+        `Projector.project` on the data part. As in RELION, the kx = 0, ky < 0 half column
+        (Friedel mates of kx = 0, ky > 0) is skipped, and coefficients with weight ≤ 0 are
+        skipped in both sums. `weights` None means unit weights; it broadcasts against
+        `slices` (e.g. CTF² of shape (n, n//2+1) or (…, n, n//2+1)).
+        """
+        xp = self.xp
+        slices = xp.asarray(slices)
+        n = slices.shape[-2]
+        if slices.shape[-1] != n // 2 + 1:
+            raise ValueError(f"slices must be half transforms (…, n, n//2+1), got {slices.shape}")
+        if n > self.grid.size_px:
+            raise ValueError(f"image size {n} is larger than the back-projector's box {self.grid.size_px}")
+        mats = xp.asarray(matrices).reshape(-1, 3, 3)
+        b = mats.shape[0]
+        s = slices.reshape(b, n * (n // 2 + 1))
+        if weights is None:
+            wts = None
+        else:
+            wts = xp.broadcast_to(xp.asarray(weights), slices.shape).reshape(b, n * (n // 2 + 1))
+        r = _effective_r_max(self.grid, n, r_max_px)
+        pos, kx, ky = _slice_points(n, r * r, True)
+        pos = xp.asarray(pos)
+        base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
+        vals = s[:, pos]
+        vals = xp.where(neg, xp.conj(vals), vals)
+        if wts is None:
+            w = inside.astype(xp.float64)
+        else:
+            w = wts[:, pos].astype(xp.float64)
+            inside = inside & (w > 0)
+            w = xp.where(inside, w, 0.0)
+        vals = xp.where(inside, vals, 0).astype(xp.complex128)
+        offs = _corner_offsets(self.grid)
+        cw = _corner_weights(fx.astype(xp.float64), fy.astype(xp.float64), fz.astype(xp.float64))
+        idx = xp.concatenate([(base + o).reshape(-1) for o in offs])
+        cw = xp.concatenate([c.reshape(-1) for c in cw])
+        vals8 = xp.tile(vals.reshape(-1), 8)
+        w8 = xp.tile(w.reshape(-1), 8)
+        size = int(np.prod(self.grid.shape))
+        re = xp.bincount(idx, weights=cw * vals8.real, minlength=size)
+        im = xp.bincount(idx, weights=cw * vals8.imag, minlength=size)
+        ww = xp.bincount(idx, weights=cw * w8, minlength=size)
+        self.data += (re + 1j * im).reshape(self.grid.shape).astype(self.complex_dtype)
+        self.weight += ww.reshape(self.grid.shape).astype(self.real_dtype)
+
+    def hermitian_symmetrised(self):
+        """(data, weight) with the x = 0 plane made Hermitian (RELION's enforceHermitianSymmetry).
+
+        Splats that fell on the x = 0 plane are added to their Friedel mates (−z, −y, 0);
+        the sums themselves are left unchanged.
+        """
+        from cryorefine.core import reconstruct
+
+        return reconstruct.enforce_hermitian_symmetry(self.data, self.weight, self.xp)
+
+    def downsampled_average(self, divide=True):
+        """RELION's getDownsampledAverage as an (N, N, N//2+1) half transform (FFTW layout).
+
+        Padded sums are binned to the unpadded grid by rounding k/pf; with `divide` the binned
+        data is divided by the binned weight (else by the count). Frequencies beyond r_max are
+        zero. Use for the FSC between half sets (`fsc.fourier_shell_correlation`).
+        """
+        from cryorefine.core import reconstruct
+
+        return reconstruct.downsampled_average(self.data, self.weight, self.grid, divide, self.xp)
+
+    def noise_sigma2(self):
+        """Per-shell noise power of the reconstruction (N//2+1,), RELION's sigma2 (see reconstruct)."""
+        from cryorefine.core import reconstruct
+
+        return reconstruct.reconstruction_noise_sigma2(self.weight, self.grid, self.xp)
+
+    def reconstruct(self, tau2=None, tau2_fudge=1.0, minres_map_px=0, enforce_hermitian=True,
+                    mask_corners=True):
+        """Real-space map (N, N, N) from the sums: see `reconstruct.reconstruct_volume`.
+
+        data / (weight + 1/(pf³·tau2_fudge·tau2)) with tau2 per shell, or RELION's default
+        data / max(weight, 1/1000 of the shell's mean weight) when tau2 is None; inverse FFT,
+        window to N, soft mask outside radius N/2, divide by sinc². With unit weights and
+        slices that are projections (normalised as `Projector.project`) of a map over
+        many uniformly distributed poses, the result is that map.
+        """
+        from cryorefine.core import reconstruct
+
+        data, weight = self.data, self.weight
+        if enforce_hermitian:
+            data, weight = reconstruct.enforce_hermitian_symmetry(data, weight, self.xp)
+        return reconstruct.reconstruct_volume(data, weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,
+                                              minres_map_px=minres_map_px, mask_corners=mask_corners,
+                                              xp=self.xp)
