@@ -1,0 +1,452 @@
+"""RELION's orientational and translational sampling (HealpixSampling), vectorised.
+
+Coarse sampling (RELION's setOrientations / setTranslations):
+- directions: the HEALPix pixel centres of order N in NEST ordering (12·4^N), rot = φ and
+  tilt = θ of the pixel centre in degrees, rot wrapped into [−180, 180] (RELION's
+  getDirectionFromHealPix + checkDirection). With a symmetry group only the directions in its
+  asymmetric unit are kept, in increasing pixel order (`direction_ipix` maps back);
+- psi: n_psi = ceil(360 / step) angles ipsi·step, ipsi = 0 … n_psi−1, the first at 0 degrees,
+  step = 360 / n_psi; by default the requested step is 360/(6·2^N) (order 2: 15°, 24 angles);
+- translations: all (i·step, j·step) with x² + y² ≤ range² (+10⁻³ px², RELION's round-off
+  margin), i outer (x) and j inner (y), both from −ceil(range/step) up.
+
+Index orderings (RELION's getPositionSamplingPoint):
+- orientation index  o = dir_index · n_psi + psi_index
+- coarse sample index s = o · n_trans + trans_index
+
+Oversampling k (RELION's getOrientations / pushbackOversampledPsiAngles /
+getTranslationsInPixel): each coarse orientation has n_fo = 4^k·2^k children and each coarse
+translation n_ft = 4^k children, so each coarse sample has n_fo·n_ft fine ones (k = 1: 8 × 4 = 32).
+- child directions: the 4^k HEALPix pixels of order N+k inside the coarse pixel, HEALPix x
+  index inner and y index outer (for k = 1 this is NEST order 4·ipix + 0 … 3);
+- child psi: psi − step/2 + (0.5 + i)·step/2^k, i = 0 … 2^k−1 (k = 1: psi ∓ step/4);
+- child translations: x − step/2 + (0.5 + i)·step/2^k (outer), y likewise (inner);
+  k = 1: (−,−), (−,+), (+,−), (+,+) times step/4;
+- fine orientation child io = dir_child · 2^k + psi_child; fine sample f = io · n_ft + it
+  (RELION's getPositionOversampledSamplingPoint), so block s·n_fo·n_ft + f holds the fine weights
+  of coarse sample s.
+
+The random perturbation RELION applies to a whole iteration's sampling (its
+`rlnSamplingPerturbInstance`, here `perturbation`) rotates every orientation A to
+A·E(p·a, p·a, p·a), a the coarse angular step, and adds p·offset_step to x and y of every
+translation; `next_perturbation` draws the next instance as RELION's
+resetRandomlyPerturbedSampling does.
+
+Local searches (selectOrientationsWithNonZeroPriorProbability): directions within
+sigma_cutoff·σ of the prior direction (angle between directions, the smallest over the
+symmetry mates) and psi angles within sigma_cutoff·σ_psi of the prior psi are kept, with
+Gaussian priors normalised over the kept ones; if none is within range, the nearest is kept.
+
+Angles are in degrees and translations in pixels throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .euler import euler_to_matrix, matrix_to_euler
+from .symmetry import SymmetryGroup, asymmetric_unit_mask, symmetry_group
+
+_OFFSET_MARGIN_PX2 = 1e-3
+
+
+def healpix_nside(order: int) -> int:
+    """HEALPix Nside of an order (2^order)."""
+    return 1 << int(order)
+
+
+def healpix_angles_deg(order: int, ipix) -> tuple:
+    """(rot, tilt) in degrees of HEALPix NEST pixel centres, rot in [−180, 180] as in RELION."""
+    import healpy  # local import: keep importing this module cheap
+
+    theta, phi = healpy.pix2ang(healpix_nside(order), np.asarray(ipix, dtype=np.int64), nest=True)
+    rot = np.rad2deg(phi)
+    rot = np.where(rot > 180.0, rot - 360.0, rot)
+    return rot, np.rad2deg(theta)
+
+
+def directions_to_xyz(rot_deg, tilt_deg, xp=np):
+    """Unit projection directions (…, 3) of (rot, tilt): RELION's Euler_angles2direction."""
+    r = xp.deg2rad(xp.asarray(rot_deg, dtype=xp.float64))
+    t = xp.deg2rad(xp.asarray(tilt_deg, dtype=xp.float64))
+    st = xp.sin(t)
+    return xp.stack([xp.cos(r) * st, xp.sin(r) * st, xp.cos(t)], axis=-1)
+
+
+def _morton_offsets(k: int) -> np.ndarray:
+    """NEST offsets of the 4^k sub-pixels (x inner, y outer) of a pixel k orders up."""
+    fact = 1 << k
+    i = np.tile(np.arange(fact), fact)  # x, inner
+    j = np.repeat(np.arange(fact), fact)  # y, outer
+    out = np.zeros(fact * fact, dtype=np.int64)
+    for bit in range(k):
+        out |= ((i >> bit) & 1) << (2 * bit)
+        out |= ((j >> bit) & 1) << (2 * bit + 1)
+    return out
+
+
+def _wrap_deg(a, xp=np):
+    """Angles into (−180, 180]."""
+    return a - 360.0 * xp.ceil((a - 180.0) / 360.0)
+
+
+class FineSamples(NamedTuple):
+    """Children of coarse samples: angles (n, n_fo) in degrees, translations (n, n_ft, 2) in px."""
+
+    rot_deg: object
+    tilt_deg: object
+    psi_deg: object
+    translations_px: object
+
+
+class LocalPrior(NamedTuple):
+    """Per-particle log priors of a local search; −inf marks samples outside the search.
+
+    dir_log_prior (B, n_dir) and psi_log_prior (B, n_psi) are each normalised so that the exp of
+    the finite entries sums to 1 per particle.
+    """
+
+    dir_log_prior: object
+    psi_log_prior: object
+
+    def orientation_log_prior(self, xp=np):
+        """(B, n_dir·n_psi) log prior of every orientation, index dir·n_psi + psi."""
+        d = xp.asarray(self.dir_log_prior)
+        p = xp.asarray(self.psi_log_prior)
+        return (d[:, :, None] + p[:, None, :]).reshape(d.shape[0], -1)
+
+    def orientation_mask(self, xp=np):
+        """(B, n_dir·n_psi) True where the orientation is searched."""
+        return xp.isfinite(self.orientation_log_prior(xp))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling of one iteration (RELION's HealpixSampling state).
+
+    healpix_order: HEALPix order N of the coarse directions.
+    offset_range_px, offset_step_px: the translation disc (radius and grid step, pixels).
+    symmetry: RELION symmetry symbol; directions are restricted to its asymmetric unit.
+    psi_step_deg: requested in-plane step (None: 360/(6·2^N)); stored as the step actually
+        used, 360/ceil(360/requested), as RELION does. `with_healpix_order` resets it;
+        dataclasses.replace keeps it.
+    oversampling: default oversampling order k of the fine pass (RELION's adaptive_oversampling).
+    perturbation: RELION's random perturbation instance p (fraction of a step), 0 for none.
+    """
+
+    healpix_order: int
+    offset_range_px: float
+    offset_step_px: float
+    symmetry: str = "C1"
+    psi_step_deg: float | None = None
+    oversampling: int = 1
+    perturbation: float = 0.0
+
+    def __post_init__(self):
+        if int(self.healpix_order) != self.healpix_order or self.healpix_order < 0:
+            raise ValueError(f"healpix_order must be a non-negative integer, got {self.healpix_order!r}")
+        if not self.offset_step_px > 0:
+            raise ValueError(f"offset_step_px must be positive, got {self.offset_step_px!r}")
+        if not self.offset_range_px >= 0:
+            raise ValueError(f"offset_range_px must be non-negative, got {self.offset_range_px!r}")
+        if int(self.oversampling) != self.oversampling or self.oversampling < 0:
+            raise ValueError(f"oversampling must be a non-negative integer, got {self.oversampling!r}")
+        requested = self.psi_step_deg
+        if requested is None or requested <= 0:
+            requested = 360.0 / (6 * 2 ** int(self.healpix_order))
+        n_psi = int(math.ceil(360.0 / requested - 1e-9))
+        object.__setattr__(self, "psi_step_deg", 360.0 / n_psi)
+        object.__setattr__(self, "healpix_order", int(self.healpix_order))
+        object.__setattr__(self, "oversampling", int(self.oversampling))
+        object.__setattr__(self, "symmetry", symmetry_group(self.symmetry).name)
+
+    # ------------------------------------------------------------------ variants
+
+    def with_healpix_order(self, healpix_order: int, psi_step_deg: float | None = None) -> "Sampling":
+        """The same sampling at another HEALPix order, psi step reset to that order's default."""
+        return Sampling(healpix_order, self.offset_range_px, self.offset_step_px, self.symmetry,
+                        psi_step_deg, self.oversampling, self.perturbation)
+
+    def with_offsets(self, offset_range_px: float, offset_step_px: float) -> "Sampling":
+        """The same sampling with another translation disc."""
+        return Sampling(self.healpix_order, offset_range_px, offset_step_px, self.symmetry,
+                        self.psi_step_deg, self.oversampling, self.perturbation)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def group(self) -> SymmetryGroup:
+        return symmetry_group(self.symmetry)
+
+    @property
+    def n_directions(self) -> int:
+        return int(self.direction_ipix.shape[0])
+
+    @property
+    def n_psi(self) -> int:
+        return int(round(360.0 / self.psi_step_deg))
+
+    @property
+    def n_orientations(self) -> int:
+        return self.n_directions * self.n_psi
+
+    @property
+    def n_translations(self) -> int:
+        return int(self._translations_unperturbed.shape[0])
+
+    @property
+    def n_coarse_samples(self) -> int:
+        return self.n_orientations * self.n_translations
+
+    def n_fine_orientations(self, oversampling: int | None = None) -> int:
+        """Children per coarse orientation: 4^k directions × 2^k psi."""
+        k = self._k(oversampling)
+        return 8 ** k
+
+    def n_fine_translations(self, oversampling: int | None = None) -> int:
+        """Children per coarse translation: 4^k."""
+        k = self._k(oversampling)
+        return 4 ** k
+
+    def angular_sampling_deg(self, oversampling: int | None = None) -> float:
+        """RELION's reported angular sampling 360/(6·2^(N+k)) (k defaults to `oversampling`)."""
+        return 360.0 / (6 * 2 ** (self.healpix_order + self._k(oversampling)))
+
+    def offset_sampling_px(self, oversampling: int | None = None) -> float:
+        """Translational step after k orders of oversampling: offset_step / 2^k."""
+        return self.offset_step_px / 2 ** self._k(oversampling)
+
+    def _k(self, oversampling):
+        k = self.oversampling if oversampling is None else int(oversampling)
+        if k < 0:
+            raise ValueError(f"oversampling must be non-negative, got {oversampling!r}")
+        return k
+
+    # ------------------------------------------------------------------ coarse grid
+
+    @functools.cached_property
+    def direction_ipix(self) -> np.ndarray:
+        """HEALPix NEST pixel (order N) of each coarse direction, increasing (read-only)."""
+        n_pix = 12 * 4 ** self.healpix_order
+        ipix = np.arange(n_pix, dtype=np.int64)
+        group = self.group
+        if group.order > 1:
+            rot, tilt = healpix_angles_deg(self.healpix_order, ipix)
+            ipix = ipix[asymmetric_unit_mask(directions_to_xyz(rot, tilt), group)]
+        ipix.setflags(write=False)
+        return ipix
+
+    @functools.cached_property
+    def _directions(self) -> np.ndarray:
+        rot, tilt = healpix_angles_deg(self.healpix_order, self.direction_ipix)
+        out = np.stack([rot, tilt], axis=-1)
+        out.setflags(write=False)
+        return out
+
+    @functools.cached_property
+    def _translations_unperturbed(self) -> np.ndarray:
+        step, rng = float(self.offset_step_px), float(self.offset_range_px)
+        m = int(math.ceil(rng / step - 1e-12))
+        i = np.arange(-m, m + 1, dtype=np.float64) * step
+        x = np.repeat(i, i.size)  # outer
+        y = np.tile(i, i.size)  # inner
+        keep = x * x + y * y <= rng * rng + _OFFSET_MARGIN_PX2
+        out = np.stack([x[keep], y[keep]], axis=-1)
+        out.setflags(write=False)
+        return out
+
+    def directions_deg(self, xp=np):
+        """(n_dir, 2) rot, tilt of the coarse directions (not perturbed)."""
+        return xp.asarray(self._directions)
+
+    def direction_vectors(self, xp=np):
+        """(n_dir, 3) unit projection directions of the coarse directions."""
+        d = self._directions
+        return directions_to_xyz(xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp)
+
+    def psi_deg(self, xp=np):
+        """(n_psi,) coarse psi angles ipsi·step (not perturbed)."""
+        return xp.arange(self.n_psi, dtype=xp.float64) * self.psi_step_deg
+
+    def orientations_deg(self, xp=np):
+        """(rot, tilt, psi), each (n_dir·n_psi,), orientation index dir·n_psi + psi; perturbed."""
+        d = self.directions_deg(xp)
+        psi = self.psi_deg(xp)
+        n_psi = psi.shape[0]
+        rot = xp.repeat(d[:, 0], n_psi)
+        tilt = xp.repeat(d[:, 1], n_psi)
+        psi_all = xp.tile(psi, d.shape[0])
+        return self._perturb_angles(rot, tilt, psi_all, xp)
+
+    def orientation_matrices(self, xp=np):
+        """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed)."""
+        return euler_to_matrix(*self.orientations_deg(xp), xp=xp)
+
+    def translations_px(self, xp=np):
+        """(n_trans, 2) coarse translations (x, y) in pixels, RELION's order; perturbed."""
+        t = xp.asarray(self._translations_unperturbed)
+        if self.perturbation:
+            t = t + self.perturbation * self.offset_step_px
+        return t
+
+    def split_coarse_index(self, coarse_index, xp=np):
+        """(orientation index, translation index) of coarse sample indices o·n_trans + t."""
+        s = xp.asarray(coarse_index, dtype=xp.int64)
+        return s // self.n_translations, s % self.n_translations
+
+    def split_orientation_index(self, orientation_index, xp=np):
+        """(direction index, psi index) of orientation indices dir·n_psi + psi."""
+        o = xp.asarray(orientation_index, dtype=xp.int64)
+        return o // self.n_psi, o % self.n_psi
+
+    # ------------------------------------------------------------------ fine grid
+
+    def fine_orientations_deg(self, orientation_index, oversampling: int | None = None, xp=np):
+        """Children of coarse orientations: (rot, tilt, psi), each (n, 8^k), perturbed.
+
+        Child io = dir_child·2^k + psi_child, dir_child over the 4^k HEALPix pixels of order N+k
+        in the coarse pixel (HEALPix x inner, y outer), psi_child over psi − step/2 +
+        (0.5 + i)·step/2^k.
+        """
+        k = self._k(oversampling)
+        o = np.asarray(_to_numpy(orientation_index), dtype=np.int64).reshape(-1)
+        idir, ipsi = o // self.n_psi, o % self.n_psi
+        n_dc, n_pc = 4 ** k, 2 ** k
+        fine_pix = self.direction_ipix[idir][:, None] * n_dc + _morton_offsets(k)[None, :]
+        rot, tilt = healpix_angles_deg(self.healpix_order + k, fine_pix)
+        step = self.psi_step_deg
+        psi = ipsi[:, None] * step - 0.5 * step + (0.5 + np.arange(n_pc))[None, :] * step / n_pc
+        rot = np.repeat(rot, n_pc, axis=1)
+        tilt = np.repeat(tilt, n_pc, axis=1)
+        psi = np.tile(psi, (1, n_dc))
+        return self._perturb_angles(xp.asarray(rot), xp.asarray(tilt), xp.asarray(psi), xp)
+
+    def fine_translations_px(self, translation_index, oversampling: int | None = None, xp=np):
+        """Children of coarse translations: (n, 4^k, 2) (x, y) in pixels, perturbed.
+
+        Child it = ix·2^k + iy with offsets −step/2 + (0.5 + i)·step/2^k in x (outer), y (inner).
+        """
+        k = self._k(oversampling)
+        t = np.asarray(_to_numpy(translation_index), dtype=np.int64).reshape(-1)
+        n_sub = 2 ** k
+        step = self.offset_step_px
+        sub = -0.5 * step + (0.5 + np.arange(n_sub)) * step / n_sub
+        dx = np.repeat(sub, n_sub)
+        dy = np.tile(sub, n_sub)
+        base = self._translations_unperturbed[t]
+        out = np.stack([base[:, 0:1] + dx[None, :], base[:, 1:2] + dy[None, :]], axis=-1)
+        if self.perturbation:
+            out = out + self.perturbation * step
+        return xp.asarray(out)
+
+    def fine_samples(self, coarse_index, oversampling: int | None = None, xp=np) -> FineSamples:
+        """Children of coarse samples s = o·n_trans + t (fine sample f = io·n_ft + it)."""
+        s = np.asarray(_to_numpy(coarse_index), dtype=np.int64).reshape(-1)
+        o, t = s // self.n_translations, s % self.n_translations
+        rot, tilt, psi = self.fine_orientations_deg(o, oversampling, xp)
+        return FineSamples(rot, tilt, psi, self.fine_translations_px(t, oversampling, xp))
+
+    def fine_samples_flat(self, coarse_index, oversampling: int | None = None, xp=np):
+        """Children of coarse samples as (rot, tilt, psi, x, y), each (n, n_fo·n_ft), f = io·n_ft + it."""
+        fs = self.fine_samples(coarse_index, oversampling, xp)
+        n_ft = fs.translations_px.shape[1]
+        n_fo = fs.rot_deg.shape[1]
+        rot = xp.repeat(fs.rot_deg, n_ft, axis=1)
+        tilt = xp.repeat(fs.tilt_deg, n_ft, axis=1)
+        psi = xp.repeat(fs.psi_deg, n_ft, axis=1)
+        tx = xp.tile(fs.translations_px[:, :, 0], (1, n_fo))
+        ty = xp.tile(fs.translations_px[:, :, 1], (1, n_fo))
+        return rot, tilt, psi, tx, ty
+
+    # ------------------------------------------------------------------ perturbation
+
+    def _perturb_angles(self, rot, tilt, psi, xp):
+        if not self.perturbation:
+            return rot, tilt, psi
+        a = self.perturbation * self.angular_sampling_deg(0)
+        shape = rot.shape
+        m = euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=xp)
+        m = m @ euler_to_matrix(a, a, a, xp=xp)
+        r, t, p = matrix_to_euler(m, xp=xp)
+        return r.reshape(shape), t.reshape(shape), p.reshape(shape)
+
+    # ------------------------------------------------------------------ local searches
+
+    def local_prior(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg: float,
+                    sigma_psi_deg: float, sigma_cutoff: float = 3.0, xp=np) -> LocalPrior:
+        """Gaussian priors around prior poses (B,) for a local search (RELION's
+        selectOrientationsWithNonZeroPriorProbability).
+
+        A direction is kept if its angle to the prior direction, the smallest over the symmetry
+        mates R d, is < sigma_cutoff·sigma_dir_deg; a psi if its wrapped difference to the prior
+        psi is < sigma_cutoff·sigma_psi_deg. A sigma ≤ 0 keeps every sample with a flat prior.
+        If nothing is in range, the nearest sample alone is kept.
+        """
+        pr = xp.asarray(prior_rot_deg, dtype=xp.float64).reshape(-1)
+        pt = xp.asarray(prior_tilt_deg, dtype=xp.float64).reshape(-1)
+        pp = xp.asarray(prior_psi_deg, dtype=xp.float64).reshape(-1)
+        dirs = self.direction_vectors(xp)  # (n_dir, 3)
+        if sigma_dir_deg > 0:
+            prior_dir = directions_to_xyz(pr, pt, xp)  # (B, 3)
+            best = xp.full((prior_dir.shape[0], dirs.shape[0]), -2.0)
+            for r in xp.asarray(self.group.matrices):
+                # (R d)·q = d·(Rᵀ q)
+                best = xp.maximum(best, (prior_dir @ r) @ dirs.T)
+            ang = xp.rad2deg(xp.arccos(xp.clip(best, -1.0, 1.0)))
+            dir_lp = _gaussian_log_prior(ang, sigma_dir_deg, sigma_cutoff, xp)
+        else:
+            dir_lp = xp.full((pr.shape[0], dirs.shape[0]), -math.log(dirs.shape[0]))
+        if sigma_psi_deg > 0:
+            dpsi = xp.abs(_wrap_deg(self.psi_deg(xp)[None, :] - pp[:, None], xp))
+            psi_lp = _gaussian_log_prior(dpsi, sigma_psi_deg, sigma_cutoff, xp)
+        else:
+            psi_lp = xp.full((pp.shape[0], self.n_psi), -math.log(self.n_psi))
+        return LocalPrior(dir_lp, psi_lp)
+
+
+def _gaussian_log_prior(dist, sigma, cutoff, xp):
+    """Row-normalised log of a Gaussian in `dist` (B, n), −inf at dist ≥ cutoff·sigma."""
+    keep = dist < cutoff * sigma
+    none = ~xp.any(keep, axis=1)
+    nearest = xp.argmin(dist, axis=1)
+    cols = xp.arange(dist.shape[1])
+    keep = keep | (none[:, None] & (cols[None, :] == nearest[:, None]))
+    logp = -(dist * dist) / (2.0 * sigma * sigma)
+    logp = xp.where(keep, logp, -xp.inf)
+    top = xp.max(logp, axis=1, keepdims=True)
+    norm = top + xp.log(xp.sum(xp.exp(logp - top), axis=1, keepdims=True))
+    return logp - norm
+
+
+def offset_log_prior(translations_px, old_offset_px, sigma_offset_px: float, prior_offset_px=None, xp=np):
+    """log P(offset) (B, n_trans) of the absolute offsets old + t (RELION's pdf_offset).
+
+    −|old + t − prior|² / (2σ²), prior at (0, 0) unless given (B, 2); not normalised, as in
+    RELION. With σ below 0.01 px the prior is a delta: 0 at the prior, −inf elsewhere.
+    """
+    t = xp.asarray(translations_px, dtype=xp.float64)
+    old = xp.asarray(old_offset_px, dtype=xp.float64).reshape(-1, 2)
+    prior = xp.zeros_like(old) if prior_offset_px is None else xp.asarray(prior_offset_px, dtype=xp.float64).reshape(-1, 2)
+    diff = old[:, None, :] + t[None, :, :] - prior[:, None, :]
+    d2 = xp.sum(diff * diff, axis=-1)
+    if sigma_offset_px * sigma_offset_px < 1e-4:
+        return xp.where(d2 > 0, -xp.inf, 0.0)
+    return -d2 / (2.0 * sigma_offset_px * sigma_offset_px)
+
+
+def next_perturbation(current: float, factor: float, rng: np.random.Generator) -> float:
+    """RELION's resetRandomlyPerturbedSampling: add U(factor/2, factor), wrap into [−factor, factor)."""
+    if factor <= 0:
+        return 0.0
+    p = current + rng.uniform(0.5 * factor, factor)
+    return float((p + factor) % (2.0 * factor) - factor)
+
+
+def _to_numpy(a):
+    """Indices as a numpy array (accepts cupy arrays via .get())."""
+    return a.get() if hasattr(a, "get") else a

@@ -1,0 +1,349 @@
+"""RELION's HEALPix / psi / translation sampling, oversampling children, local searches."""
+
+from pathlib import Path
+
+import healpy
+import numpy as np
+import pytest
+
+from cryorefine.core.euler import euler_to_matrix
+from cryorefine.core.sampling import (
+    Sampling,
+    directions_to_xyz,
+    next_perturbation,
+    offset_log_prior,
+)
+from cryorefine.core.symmetry import asymmetric_unit_mask, symmetry_group
+
+RELION_OUTPUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "real" / "relion_outputs"
+
+
+def _angle_deg(a, b):
+    """Angle between unit vectors (..., 3)."""
+    return np.degrees(np.arccos(np.clip(np.sum(a * b, axis=-1), -1.0, 1.0)))
+
+
+def test_counts_order_2_and_3():
+    s2 = Sampling(healpix_order=2, offset_range_px=5, offset_step_px=2)
+    assert (s2.n_directions, s2.n_psi, s2.n_orientations) == (192, 24, 4608)
+    assert s2.psi_step_deg == 15.0
+    assert s2.n_translations == 21
+    assert s2.n_coarse_samples == 4608 * 21
+    s3 = s2.with_healpix_order(3)
+    assert (s3.n_directions, s3.n_psi, s3.n_orientations) == (768, 48, 36864)
+    assert s3.psi_step_deg == 7.5
+    assert s2.directions_deg().shape == (192, 2)
+    rot, tilt, psi = s3.orientations_deg()
+    assert rot.shape == tilt.shape == psi.shape == (36864,)
+
+
+def test_reported_angular_and_offset_sampling():
+    s = Sampling(2, 5, 2, oversampling=1)
+    assert s.angular_sampling_deg() == 7.5  # 360 / (6 * 2^(2+1))
+    assert s.angular_sampling_deg(0) == 15.0
+    assert Sampling(4, 5, 2, oversampling=2).angular_sampling_deg() == 360 / (6 * 64)
+    assert s.offset_sampling_px() == 1.0
+    assert (s.n_fine_orientations(), s.n_fine_translations()) == (8, 4)
+    assert (s.n_fine_orientations(2), s.n_fine_translations(2)) == (64, 16)
+
+
+def test_psi_rounding_like_relion():
+    # RELION: nr_psi = ceil(360 / psi_step), psi_step = 360 / nr_psi, first psi at 0
+    s = Sampling(2, 5, 2, psi_step_deg=7.0)
+    assert s.n_psi == 52 and np.isclose(s.psi_step_deg, 360 / 52)
+    psi = s.psi_deg()
+    assert psi[0] == 0.0 and np.allclose(np.diff(psi), 360 / 52)
+
+
+def _read_relion_directions(path):
+    rows, in_loop = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("data_sampling_directions"):
+            in_loop = True
+            continue
+        if in_loop:
+            parts = line.split()
+            if len(parts) == 2 and not parts[0].startswith("_"):
+                rows.append([float(parts[0]), float(parts[1])])
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("fname", ["run_it025_sampling_3D.star", "ref_it002_sampling.star"])
+def test_directions_match_relion_sampling_star(fname):
+    path = RELION_OUTPUTS / fname
+    if not path.exists():
+        pytest.skip(f"{path} not available")
+    relion = _read_relion_directions(path)
+    assert relion.shape == (192, 2)
+    ours = Sampling(2, 5, 2).directions_deg()
+    assert np.allclose(ours, relion, atol=2e-5)
+
+
+def test_directions_are_unit_healpix_and_roughly_uniform():
+    s = Sampling(3, 5, 2)
+    d = s.direction_vectors()
+    assert np.allclose(np.linalg.norm(d, axis=1), 1.0)
+    rot, tilt = s.directions_deg().T
+    assert np.all((rot >= -180) & (rot <= 180)) and np.all((tilt >= 0) & (tilt <= 180))
+    # rot = phi, tilt = theta of the NEST pixel centres
+    pix = healpy.ang2pix(8, np.radians(tilt), np.radians(rot), nest=True)
+    assert np.array_equal(pix, np.arange(768))
+    # nearest-neighbour spacing close to the nominal 7.5 degrees, and no clumps
+    ang = _angle_deg(d[:, None, :], d[None, :, :])
+    np.fill_diagonal(ang, 1e9)
+    nn = ang.min(axis=1)
+    assert 0.8 * 7.5 < nn.mean() < 1.2 * 7.5
+    assert nn.min() > 0.6 * 7.5
+    # balanced: the mean direction is near zero
+    assert np.linalg.norm(d.mean(axis=0)) < 1e-6
+
+
+def test_orientation_ordering():
+    s = Sampling(1, 3, 1)
+    rot, tilt, psi = s.orientations_deg()
+    dirs, psis = s.directions_deg(), s.psi_deg()
+    o = np.array([0, 1, s.n_psi - 1, s.n_psi, 7 * s.n_psi + 5, s.n_orientations - 1])
+    assert np.allclose(rot[o], dirs[o // s.n_psi, 0])
+    assert np.allclose(tilt[o], dirs[o // s.n_psi, 1])
+    assert np.allclose(psi[o], psis[o % s.n_psi])
+    idir, ipsi = s.split_orientation_index(o)
+    assert np.array_equal(idir * s.n_psi + ipsi, o)
+    m = s.orientation_matrices()
+    assert np.allclose(m[o], euler_to_matrix(rot[o], tilt[o], psi[o]))
+
+
+def test_translations_disc_range5_step2():
+    t = Sampling(2, offset_range_px=5, offset_step_px=2).translations_px()
+    assert t.shape == (21, 2)
+    assert np.all(np.hypot(t[:, 0], t[:, 1]) <= 5 + 1e-9)
+    # every grid point of the disc, each once
+    g = np.arange(-10, 11) * 2.0
+    grid = np.array([(x, y) for x in g for y in g if x * x + y * y <= 25])
+    assert sorted(map(tuple, t)) == sorted(map(tuple, grid))
+    # RELION's order: x outer, y inner
+    assert [tuple(v) for v in t] == sorted(map(tuple, t))
+    assert tuple(t[10]) == (0.0, 0.0)
+    assert Sampling(2, 0, 2).n_translations == 1
+    assert Sampling(2, 1, 1).n_translations == 5  # points on the circle are kept
+    assert Sampling(2, 4.425, 1.77).n_translations == 21
+
+
+def test_children_oversampling_1_order_and_distances():
+    s = Sampling(2, 5, 2)
+    coarse = np.array([0, 1, 4608 * 21 - 1, 12345])
+    fs = s.fine_samples(coarse)
+    assert fs.rot_deg.shape == (4, 8) and fs.translations_px.shape == (4, 4, 2)
+    o, t = s.split_coarse_index(coarse)
+    rot, tilt, psi = s.orientations_deg()
+    trans = s.translations_px()
+    for i in range(len(coarse)):
+        parent = directions_to_xyz(rot[o[i]], tilt[o[i]])
+        kids = directions_to_xyz(fs.rot_deg[i], fs.tilt_deg[i])
+        assert np.all(_angle_deg(kids, parent) < s.angular_sampling_deg(0))
+        # 4 HEALPix children in NEST order, 2 psi each
+        ipix = s.direction_ipix[o[i] // s.n_psi]
+        kid_pix = healpy.ang2pix(8, np.radians(fs.tilt_deg[i]), np.radians(fs.rot_deg[i]), nest=True)
+        assert np.array_equal(kid_pix, np.repeat(4 * ipix + np.arange(4), 2))
+        assert np.allclose(fs.psi_deg[i], psi[o[i]] + np.tile([-3.75, 3.75], 4))
+        # translations (-,-), (-,+), (+,-), (+,+) times step/4
+        assert np.allclose(fs.translations_px[i] - trans[t[i]], [[-0.5, -0.5], [-0.5, 0.5], [0.5, -0.5], [0.5, 0.5]])
+    # flattened: fine sample f = io * 4 + it
+    r, tl, p, tx, ty = s.fine_samples_flat(coarse)
+    assert r.shape == (4, 32)
+    f = 3 * 4 + 2
+    assert np.isclose(r[1, f], fs.rot_deg[1, 3]) and np.isclose(p[1, f], fs.psi_deg[1, 3])
+    assert np.isclose(tx[1, f], fs.translations_px[1, 2, 0]) and np.isclose(ty[1, f], fs.translations_px[1, 2, 1])
+
+
+def test_children_cover_the_fine_grid():
+    s = Sampling(2, 5, 2)
+    # directions: the children of all coarse directions are all order-3 pixels, once each
+    o = np.arange(s.n_directions) * s.n_psi
+    rot, tilt, _ = s.fine_orientations_deg(o)
+    pix = healpy.ang2pix(8, np.radians(tilt[:, ::2]), np.radians(rot[:, ::2]), nest=True)
+    assert np.array_equal(np.sort(pix.ravel()), np.arange(768))
+    # psi: children of all coarse psi form a uniform grid with half the step
+    _, _, psi = s.fine_orientations_deg(np.arange(s.n_psi))
+    fine = np.sort(psi[:, :2].ravel() % 360)
+    assert len(fine) == 48 and np.allclose(np.diff(fine), 7.5)
+    # translations: children at distance step*sqrt(2)/4, forming the half-step grid
+    t = s.fine_translations_px(np.arange(s.n_translations))
+    d = t - s.translations_px()[:, None, :]
+    assert np.allclose(np.hypot(d[..., 0], d[..., 1]), np.sqrt(2) / 2)
+    flat = t.reshape(-1, 2)
+    assert len({tuple(np.round(v, 9)) for v in flat}) == 84
+    assert np.allclose(np.round(flat - 0.5), flat - 0.5)
+
+
+def test_children_oversampling_2_follow_relion_loop_order():
+    s = Sampling(1, 2, 2, oversampling=2)
+    o = np.array([5 * s.n_psi + 3, 40 * s.n_psi])
+    rot, tilt, psi = s.fine_orientations_deg(o)
+    assert rot.shape == (2, 64)
+    for i in range(2):
+        ipix = s.direction_ipix[o[i] // s.n_psi]
+        # RELION's getOrientations: fine HEALPix (x, y, face) with y outer and x inner
+        x, y, face = healpy.pix2xyf(2, int(ipix), nest=True)
+        expected = [healpy.xyf2pix(8, 4 * x + a, 4 * y + b, face, nest=True) for b in range(4) for a in range(4)]
+        got = healpy.ang2pix(8, np.radians(tilt[i, ::4]), np.radians(rot[i, ::4]), nest=True)
+        assert np.array_equal(got, expected)
+        step = s.psi_step_deg
+        base = (o[i] % s.n_psi) * step
+        assert np.allclose(psi[i, :4], base + np.array([-3, -1, 1, 3]) * step / 8)
+    t = s.fine_translations_px([0])
+    assert t.shape == (1, 16, 2)
+    base = s.translations_px()[0]
+    sub = np.array([-0.75, -0.25, 0.25, 0.75])
+    assert np.allclose(t[0] - base, np.stack([np.repeat(sub, 4), np.tile(sub, 4)], axis=-1))
+
+
+@pytest.mark.parametrize("name", ["C4", "D2"])
+def test_asymmetric_unit_of_an_invariant_grid(name):
+    g = symmetry_group(name)
+    s = Sampling(2, 5, 2, symmetry=name)
+    full = Sampling(2, 5, 2)
+    # the order-2 HEALPix grid is mapped onto itself by these groups: exactly a quarter is kept
+    assert s.n_directions == 48
+    assert s.n_orientations == 48 * 24
+    kept = s.direction_vectors()
+    all_d = full.direction_vectors()
+    outside = np.setdiff1d(np.arange(192), s.direction_ipix)
+    assert len(outside) == 144
+    for i in outside:
+        images = np.einsum("gij,j->gi", g.matrices, all_d[i])
+        # some operator maps it exactly onto a kept direction
+        assert np.min(np.linalg.norm(images[:, None, :] - kept[None, :, :], axis=-1)) < 1e-9
+    # no two kept directions are symmetry mates
+    for j, d in enumerate(kept):
+        images = np.einsum("gij,j->gi", g.matrices[1:], d)
+        dist = np.linalg.norm(images[:, None, :] - kept[None, :, :], axis=-1)
+        dist[:, j] = np.where(np.linalg.norm(images - d, axis=1) < 1e-9, 1.0, dist[:, j])
+        assert np.all(dist > 1e-9)
+    if name == "C4":  # RELION's unit: |rot| <= 45
+        assert np.all(np.abs(s.directions_deg()[:, 0]) <= 45 + 1e-9)
+
+
+@pytest.mark.parametrize("name, order", [("D3", 4), ("I", 4), ("O", 3), ("C7", 3)])
+def test_asymmetric_unit_fraction_and_mapping(name, order):
+    g = symmetry_group(name)
+    s = Sampling(order, 5, 2, symmetry=name)
+    n_all = 12 * 4 ** order
+    assert abs(s.n_directions * g.order / n_all - 1.0) < 0.15
+    # every direction outside the unit has a symmetry image inside it
+    full = Sampling(order, 5, 2).direction_vectors()
+    outside = np.setdiff1d(np.arange(n_all), s.direction_ipix)
+    images = np.einsum("gij,nj->ngi", g.matrices, full[outside])
+    inside = asymmetric_unit_mask(images.reshape(-1, 3), g).reshape(len(outside), g.order)
+    assert np.all(inside.any(axis=1))
+    # and every point of the sphere is near a kept direction's mate (near axes, where the unit
+    # is narrower than a pixel, a little farther than one step, as with RELION's unit)
+    probe = np.random.default_rng(0).normal(size=(300, 3))
+    probe /= np.linalg.norm(probe, axis=1, keepdims=True)
+    mates = np.einsum("gij,nj->gni", g.matrices, s.direction_vectors()).reshape(-1, 3)
+    nearest = _angle_deg(probe[:, None, :], mates[None, :, :]).min(axis=1)
+    assert nearest.max() < 1.5 * s.angular_sampling_deg(0)
+
+
+def _brute_sym_angle(prior_rot, prior_tilt, dirs, group):
+    q = directions_to_xyz(prior_rot, prior_tilt)
+    best = np.full(len(dirs), 1e9)
+    for r in group.matrices:
+        best = np.minimum(best, _angle_deg(dirs @ r.T, q))
+    return best
+
+
+@pytest.mark.parametrize("name", ["C1", "D2"])
+def test_local_search_keeps_exactly_the_samples_within_3_sigma(name):
+    s = Sampling(3, 5, 2, symmetry=name)
+    g = symmetry_group(name)
+    prior_rot = np.array([10.0, -120.0, 75.0])
+    prior_tilt = np.array([30.0, 100.0, 170.0])
+    prior_psi = np.array([5.0, 200.0, 359.0])
+    sigma, sigma_psi = 4.0, 6.0
+    lp = s.local_prior(prior_rot, prior_tilt, prior_psi, sigma, sigma_psi)
+    assert lp.dir_log_prior.shape == (3, s.n_directions) and lp.psi_log_prior.shape == (3, s.n_psi)
+    dirs = s.direction_vectors()
+    psis = s.psi_deg()
+    for b in range(3):
+        ang = _brute_sym_angle(prior_rot[b], prior_tilt[b], dirs, g)
+        kept = np.isfinite(lp.dir_log_prior[b])
+        assert np.array_equal(kept, ang < 3 * sigma)
+        assert kept.sum() >= 3
+        # Gaussian in the angle, normalised over the kept directions
+        w = np.exp(lp.dir_log_prior[b][kept])
+        assert np.isclose(w.sum(), 1.0)
+        ref = np.exp(-ang[kept] ** 2 / (2 * sigma ** 2))
+        assert np.allclose(w, ref / ref.sum())
+        dpsi = np.abs((psis - prior_psi[b] + 180) % 360 - 180)
+        kept_psi = np.isfinite(lp.psi_log_prior[b])
+        assert np.array_equal(kept_psi, dpsi < 3 * sigma_psi)
+        assert np.isclose(np.exp(lp.psi_log_prior[b][kept_psi]).sum(), 1.0)
+    # combined orientation prior: index dir * n_psi + psi
+    olp = lp.orientation_log_prior()
+    assert olp.shape == (3, s.n_orientations)
+    d_i, p_i = 17, 5
+    assert np.isclose(olp[0, d_i * s.n_psi + p_i], lp.dir_log_prior[0, d_i] + lp.psi_log_prior[0, p_i]) or \
+        not np.isfinite(olp[0, d_i * s.n_psi + p_i])
+    assert np.isclose(np.exp(olp[np.isfinite(olp)]).sum(), 3.0)
+    assert np.array_equal(lp.orientation_mask(), np.isfinite(olp))
+
+
+def test_local_search_falls_back_to_the_nearest_sample():
+    s = Sampling(2, 5, 2)
+    lp = s.local_prior([3.0], [47.0], [7.0], sigma_dir_deg=0.01, sigma_psi_deg=0.01)
+    assert np.isfinite(lp.dir_log_prior).sum() == 1 and np.isfinite(lp.psi_log_prior).sum() == 1
+    i = int(np.argmax(lp.dir_log_prior[0]))
+    ang = _angle_deg(s.direction_vectors(), directions_to_xyz(3.0, 47.0))
+    assert i == int(np.argmin(ang))
+    assert int(np.argmax(lp.psi_log_prior[0])) == 0  # 7 degrees is nearest to psi 0 (step 15)
+    flat = s.local_prior([3.0], [47.0], [7.0], sigma_dir_deg=0, sigma_psi_deg=0)
+    assert np.all(np.isfinite(flat.orientation_log_prior()))
+
+
+def test_offset_log_prior():
+    t = Sampling(2, 5, 2).translations_px()
+    old = np.array([[1.0, -2.0], [0.0, 0.0]])
+    lp = offset_log_prior(t, old, sigma_offset_px=3.0)
+    assert lp.shape == (2, 21)
+    d2 = np.sum((old[0] + t) ** 2, axis=1)
+    assert np.allclose(lp[0], -d2 / 18.0)
+    lp2 = offset_log_prior(t, old, 3.0, prior_offset_px=np.array([[1.0, -2.0], [2.0, 2.0]]))
+    assert np.allclose(lp2[0], -np.sum(t ** 2, axis=1) / 18.0)
+    delta = offset_log_prior(t, old[1:], 0.0)
+    assert np.isfinite(delta).sum() == 1 and delta[0, 10] == 0.0
+
+
+def test_perturbation_rotates_orientations_and_shifts_translations():
+    p = 0.3
+    s0 = Sampling(1, 3, 1.5)
+    s = Sampling(1, 3, 1.5, perturbation=p)
+    a = p * s.angular_sampling_deg(0)
+    m0 = s0.orientation_matrices()
+    m = s.orientation_matrices()
+    assert np.allclose(m, m0 @ euler_to_matrix(a, a, a), atol=1e-9)
+    assert np.allclose(s.translations_px(), s0.translations_px() + p * 1.5)
+    fo = s.fine_orientations_deg([3])
+    fo0 = s0.fine_orientations_deg([3])
+    assert np.allclose(euler_to_matrix(*fo), euler_to_matrix(*fo0) @ euler_to_matrix(a, a, a), atol=1e-9)
+    assert np.allclose(s.fine_translations_px([2]), s0.fine_translations_px([2]) + p * 1.5)
+    rng = np.random.default_rng(1)
+    cur = 0.0
+    seen = []
+    for _ in range(200):
+        new = next_perturbation(cur, 0.5, rng)
+        assert -0.5 <= new < 0.5
+        step = (new - cur) % 1.0
+        assert 0.25 - 1e-12 <= step <= 0.5 + 1e-12
+        seen.append(new)
+        cur = new
+    assert np.std(seen) > 0.1
+    assert next_perturbation(0.2, 0.0, rng) == 0.0
+
+
+def test_invalid_settings_raise():
+    with pytest.raises(ValueError):
+        Sampling(-1, 5, 2)
+    with pytest.raises(ValueError):
+        Sampling(2, 5, 0)
+    with pytest.raises(ValueError, match="Q7"):
+        Sampling(2, 5, 2, symmetry="Q7")

@@ -1,0 +1,337 @@
+"""Point groups with RELION's names and axes; asymmetric unit; symmetrising maps."""
+
+import numpy as np
+import pytest
+
+from cryorefine.core.euler import euler_to_matrix
+from cryorefine.core.fourier import irfft3_centered, rfft3_centered
+from cryorefine.core.symmetry import (
+    angular_distance_deg,
+    asymmetric_unit_mask,
+    equivalent_pose_matrices,
+    symmetrise_half_transform,
+    symmetrise_volume,
+    symmetry_group,
+    to_asymmetric_unit,
+)
+
+ORDERS = {
+    "C1": 1, "C2": 2, "C4": 4, "C7": 7, "C12": 12, "CI": 2, "CS": 2, "C2V": 4, "C3V": 6, "C4H": 8,
+    "S4": 4, "S6": 6, "D1": 2, "D2": 4, "D3": 6, "D5": 10, "D2H": 8, "D3H": 12, "D4H": 16, "D3V": 12,
+    "D4V": 16, "T": 12, "TD": 24, "TH": 24, "O": 24, "OH": 48, "I": 60, "I1": 60, "I2": 60, "I3": 60,
+    "I4": 60, "IH": 120, "I1H": 120, "I2H": 120, "I3H": 120, "I4H": 120,
+}
+IMPROPER = {"CI", "CS", "C2V", "C3V", "C4H", "S4", "S6", "D2H", "D3H", "D4H", "D3V", "D4V", "TD", "TH",
+            "OH", "IH", "I1H", "I2H", "I3H", "I4H"}
+
+
+def _contains(mats, m, tol=1e-6):
+    return bool(np.any(np.max(np.abs(mats - m), axis=(1, 2)) < tol))
+
+
+def _same_set(a, b, tol=1e-6):
+    return a.shape == b.shape and all(_contains(b, m, tol) for m in a)
+
+
+def _unit(v):
+    v = np.asarray(v, dtype=float)
+    return v / np.linalg.norm(v)
+
+
+def _has_axis(group, axis, fold, tol=1e-5):
+    """True if the group has the rotation by 360/fold about `axis` (RELION's decimal axis)."""
+    u = _unit(axis)
+    a = 2 * np.pi / fold
+    k = np.array([[0, -u[2], u[1]], [u[2], 0, -u[0]], [-u[1], u[0], 0]])
+    r = np.cos(a) * np.eye(3) + np.sin(a) * k + (1 - np.cos(a)) * np.outer(u, u)
+    return _contains(group.matrices, r, tol)
+
+
+def _has_mirror(group, normal, tol=1e-5):
+    n = _unit(normal)
+    return _contains(group.matrices, np.eye(3) - 2 * np.outer(n, n), tol)
+
+
+@pytest.mark.parametrize("name, order", sorted(ORDERS.items()))
+def test_group_order_closure_inverses_determinants(name, order):
+    g = symmetry_group(name)
+    m = g.matrices
+    assert m.shape == (order, 3, 3)
+    assert np.allclose(m[0], np.eye(3))
+    # orthogonal, det ±1, improper operators exactly where the group has them
+    assert np.allclose(np.einsum("gji,gjk->gik", m, m), np.eye(3), atol=1e-10)
+    det = np.linalg.det(m)
+    assert np.allclose(np.abs(det), 1.0)
+    n_improper = int(np.sum(det < 0))
+    assert n_improper == (order // 2 if name in IMPROPER else 0)
+    # all distinct
+    diffs = np.max(np.abs(m[:, None] - m[None, :]), axis=(2, 3))
+    assert np.all(diffs[~np.eye(order, dtype=bool)] > 1e-6)
+    # closure and inverses
+    for a in m:
+        assert _contains(m, a.T)
+        prods = np.einsum("ij,gjk->gik", a, m)
+        for p in prods:
+            assert _contains(m, p)
+
+
+def test_unknown_symbols_raise_naming_them():
+    for bad in ["X3", "C", "I5", "I5H", "S3", "C123", "", "D2X", "Q"]:
+        with pytest.raises(ValueError, match=repr(bad) if bad else "''"):
+            symmetry_group(bad)
+
+
+def test_names_are_case_insensitive_and_i_is_i2():
+    assert _same_set(symmetry_group("d2").matrices, symmetry_group("D2").matrices)
+    assert _same_set(symmetry_group("i").matrices, symmetry_group("I2").matrices)
+    assert _same_set(symmetry_group("Ih").matrices, symmetry_group("I2H").matrices)
+
+
+def test_relion_axes_cyclic_dihedral():
+    # C<n>: n-fold about z
+    assert _contains(symmetry_group("C4").matrices, np.array([[0.0, -1, 0], [1, 0, 0], [0, 0, 1]]))
+    assert _has_axis(symmetry_group("C7"), [0, 0, 1], 7)
+    # D<n>: 2-fold along x (RELION: rot_axis 2 1 0 0)
+    d2 = symmetry_group("D2")
+    assert _contains(d2.matrices, np.diag([1.0, -1, -1]))
+    assert _has_axis(symmetry_group("D5"), [1, 0, 0], 2) and _has_axis(symmetry_group("D5"), [0, 0, 1], 5)
+    assert not _has_axis(symmetry_group("D5"), [0, 1, 0], 2)
+    # mirrors: CS z, C<n>V y, D<n>V x, D<n>H z (RELION's mirror_plane lines)
+    assert _has_mirror(symmetry_group("CS"), [0, 0, 1])
+    assert _has_mirror(symmetry_group("C3V"), [0, 1, 0]) and not _has_mirror(symmetry_group("C3V"), [1, 0, 0])
+    assert _has_mirror(symmetry_group("D3V"), [1, 0, 0])
+    assert _has_mirror(symmetry_group("D3H"), [0, 0, 1])
+    assert _contains(symmetry_group("CI").matrices, -np.eye(3))
+    # RELION's S<n>: (n/2)-fold + inversion
+    assert _contains(symmetry_group("S6").matrices, -np.eye(3)) and _has_axis(symmetry_group("S6"), [0, 0, 1], 3)
+
+
+def test_relion_axes_polyhedral():
+    # Decimal axes as written in RELION's SymList::fill_symmetry_class.
+    t = symmetry_group("T")
+    assert _has_axis(t, [0, 0, 1], 3) and _has_axis(t, [0.0, 0.816496, 0.577350], 2)
+    assert _has_mirror(symmetry_group("TD"), [1.4142136, 2.4494897, 0.0])
+    th = symmetry_group("TH")
+    assert _has_axis(th, [0.0, -0.816496, -0.577350], 2) and _contains(th.matrices, -np.eye(3))
+    o = symmetry_group("O")
+    assert _has_axis(o, [0.5773502, 0.5773502, 0.5773502], 3) and _has_axis(o, [0, 0, 1], 4)
+    assert _has_mirror(symmetry_group("OH"), [0, 1, 1])
+    i2 = symmetry_group("I2")
+    assert _has_axis(i2, [0, 0, 1], 2)
+    assert _has_axis(i2, [0.525731114, 0, 0.850650807], 5)
+    assert _has_axis(i2, [0, 0.356822076, 0.934172364], 3)
+    assert not _has_axis(i2, [0, 0, 1], 5)
+    i1 = symmetry_group("I1")
+    assert _has_axis(i1, [1, 0, 0], 2)
+    assert _has_axis(i1, [0.85065080702670, 0, -0.5257311142635], 5)
+    assert _has_axis(i1, [0.9341723640, 0.3568220765, 0], 3)
+    i3 = symmetry_group("I3")
+    assert _has_axis(i3, [-0.5257311143, 0, 0.8506508070], 2)
+    assert _has_axis(i3, [0, 0, 1], 5)
+    assert _has_axis(i3, [-0.4911234778630044, 0.3568220764705179, 0.7946544753759428], 3)
+    i4 = symmetry_group("I4")
+    assert _has_axis(i4, [0.5257311143, 0, 0.8506508070], 2)
+    assert _has_axis(i4, [0.8944271932547096, 0, 0.4472135909903704], 5)
+    assert _has_axis(i4, [0.4911234778630044, 0.3568220764705179, 0.7946544753759428], 3)
+    assert _has_mirror(symmetry_group("IH"), [1, 0, 0])
+    assert _has_mirror(symmetry_group("I1H"), [0, 0, -1])
+    assert _has_mirror(symmetry_group("I3H"), [0.850650807, 0, 0.525731114])
+    assert _has_mirror(symmetry_group("I4H"), [0.850650807, 0, -0.525731114])
+
+
+def test_icosahedral_orientations_relate_as_in_relion_asymmetric_units():
+    # RELION's removeSymmetryEquivalentPointsGeometric builds the I1/I3/I4 units from the I2 one
+    # rotated by Euler_angles2matrix(0, 90, 0), (0, 31.7174745559, 0) and (0, -31.7174745559, 0).
+    i2 = symmetry_group("I2").matrices
+    for name, tilt in [("I1", 90.0), ("I3", 31.7174745559), ("I4", -31.7174745559)]:
+        a = euler_to_matrix(0.0, tilt, 0.0)
+        assert _same_set(np.einsum("ij,gjk,lk->gil", a, i2, a), symmetry_group(name).matrices, tol=1e-8), name
+
+
+def _random_directions(n, seed):
+    d = np.random.default_rng(seed).normal(size=(n, 3))
+    return d / np.linalg.norm(d, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("name", ["C1", "C4", "C7", "CI", "CS", "C3V", "C4H", "S4", "D1", "D2", "D3", "D3V",
+                                  "D4H", "D3H", "T", "TD", "TH", "O", "OH", "I", "I1", "I3", "I4", "IH", "I4H"])
+def test_asymmetric_unit_holds_exactly_one_image_of_each_direction(name):
+    g = symmetry_group(name)
+    d = _random_directions(400, 1)
+    images = np.einsum("gij,nj->ngi", g.matrices, d)
+    inside = asymmetric_unit_mask(images.reshape(-1, 3), g).reshape(len(d), g.order)
+    assert np.all(inside.sum(axis=1) == 1)
+    mapped, index = to_asymmetric_unit(d, g)
+    assert np.all(asymmetric_unit_mask(mapped, g))
+    assert np.allclose(mapped, np.einsum("nij,nj->ni", g.matrices[index], d))
+    # the unit covers 1/order of the sphere
+    frac = asymmetric_unit_mask(_random_directions(6000, 2), g).mean()
+    assert abs(frac * g.order - 1.0) < 0.15 + 3 * np.sqrt(g.order / 6000.0)
+
+
+def test_asymmetric_unit_on_border_points_fixed_by_operators():
+    # Directions on rotation axes / mirror planes: still exactly one distinct image inside.
+    pts = np.array([[0, 0, 1.0], [0, 0, -1.0], [1, 0, 0], [0, 1, 0], _unit([1, 1, 0]), _unit([1, 1, 1]),
+                    _unit([0.525731114, 0, 0.850650807]), _unit([np.cos(np.pi / 4), np.sin(np.pi / 4), 0.3])])
+    for name in ["C4", "D2", "CS", "C3V", "D4H", "O", "OH", "I", "IH"]:
+        g = symmetry_group(name)
+        images = np.einsum("gij,nj->ngi", g.matrices, pts)
+        inside = asymmetric_unit_mask(images.reshape(-1, 3), g).reshape(len(pts), g.order)
+        for i in range(len(pts)):
+            chosen = images[i][inside[i]]
+            assert len(chosen) >= 1, name
+            assert np.allclose(chosen, chosen[0], atol=1e-9), name
+
+
+def _rot_tilt(d):
+    return np.degrees(np.arctan2(d[:, 1], d[:, 0])), np.degrees(np.arccos(np.clip(d[:, 2], -1, 1)))
+
+
+def test_asymmetric_units_match_relion_geometric_regions():
+    d = _random_directions(4000, 3)
+    rot, tilt = _rot_tilt(d)
+    margin = 1.0  # degrees away from the borders
+    cases = {
+        "C4": (np.abs(rot) < 45 - margin, np.abs(rot) > 45 + margin),
+        "CI": (tilt < 90 - margin, tilt > 90 + margin),
+        "C3V": ((rot > margin) & (rot < 60 - margin), (rot < -margin) | (rot > 60 + margin)),
+        "D2": ((rot > margin) & (rot < 180 - margin) & (tilt < 90 - margin),
+               (rot < -margin) | (tilt > 90 + margin)),
+        "D4H": ((rot > 90 + margin) & (rot < 135 - margin) & (tilt < 90 - margin),
+                (rot < 90 - margin) | (rot > 135 + margin) | (tilt > 90 + margin)),
+        "D3V": ((rot > 90 + margin) & (rot < 150 - margin) & (tilt < 90 - margin),
+                (rot < 90 - margin) | (rot > 150 + margin) | (tilt > 90 + margin)),
+    }
+    for name, (surely_in, surely_out) in cases.items():
+        mask = asymmetric_unit_mask(d, symmetry_group(name))
+        assert np.all(mask[surely_in]), name
+        assert not np.any(mask[surely_out]), name
+
+
+def test_equivalent_poses_give_identical_projections_of_a_symmetric_map():
+    g = symmetry_group("D3")
+    rng = np.random.default_rng(4)
+    centres = rng.normal(size=(3, 3)) * 5
+
+    def sym_map(x):  # symmetric by construction: sum over the group of blobs at R^T c
+        out = 0.0
+        for r in g.matrices:
+            for c in centres:
+                out = out + np.exp(-np.sum((x - r.T @ c) ** 2, axis=-1) / 8.0)
+        return out
+
+    a = euler_to_matrix(30.0, 70.0, -20.0)
+    p = rng.normal(size=(50, 3)) * 4  # image-frame points (x, y, z)
+    ref = sym_map(p @ a)  # V(Aᵀ p)
+    poses = equivalent_pose_matrices(a, g)
+    assert poses.shape == (6, 3, 3)
+    for b in poses:
+        assert np.allclose(sym_map(p @ b), ref)
+        assert angular_distance_deg(a, b, g) < 1e-6
+    assert angular_distance_deg(a, poses[1]) > 1.0
+    assert abs(angular_distance_deg(a, a @ euler_to_matrix(0, 0, 10.0)) - 10.0) < 1e-6
+
+
+# ---------------------------------------------------------------- symmetrising maps
+
+def _blob_volume(n, centres, sigma):
+    c = n // 2
+    ax = np.arange(n) - c
+    z, y, x = np.meshgrid(ax, ax, ax, indexing="ij")
+    v = np.zeros((n, n, n))
+    for cx, cy, cz in centres:
+        v += np.exp(-((x - cx) ** 2 + (y - cy) ** 2 + (z - cz) ** 2) / (2 * sigma ** 2))
+    return v
+
+
+def _analytic_symmetrised(n, centres, sigma, group):
+    # mean over R of V(R x); a blob at c seen through R is a blob at Rᵀ c
+    return np.mean([_blob_volume(n, centres @ r, sigma) for r in group.matrices], axis=0)
+
+
+@pytest.fixture(scope="module")
+def blobs():
+    rng = np.random.default_rng(5)
+    return rng.uniform(-7, 7, size=(3, 3)), 2.5
+
+
+@pytest.mark.parametrize("name, tol", [("C4", 1e-9), ("D2", 1e-9), ("O", 1e-9), ("C5", 0.03), ("D3V", 0.03),
+                                       ("I", 0.03), ("TD", 0.03)])
+def test_symmetrise_volume_matches_analytic(blobs, name, tol):
+    centres, sigma = blobs
+    n = 33
+    g = symmetry_group(name)
+    v = _blob_volume(n, centres, sigma)
+    exact = _analytic_symmetrised(n, centres, sigma, g)
+    out = symmetrise_volume(v, g)
+    assert out.shape == v.shape
+    assert np.max(np.abs(out - exact)) < tol * exact.max()
+
+
+def _apply_integer_op(vol, r):
+    """vol sampled at R x for an integer matrix R, odd box (N//2 symmetric range)."""
+    n = vol.shape[0]
+    c = n // 2
+    ax = np.arange(n) - c
+    z, y, x = np.meshgrid(ax, ax, ax, indexing="ij")
+    src = np.einsum("ij,jzyx->izyx", r.astype(int), np.stack([x, y, z])) + c
+    return vol[src[2], src[1], src[0]]
+
+
+@pytest.mark.parametrize("name", ["C4", "D2", "O", "D4H"])
+def test_symmetrise_random_volume_is_invariant_and_idempotent(name):
+    g = symmetry_group(name)
+    vol = np.random.default_rng(6).normal(size=(17, 17, 17))
+    s = symmetrise_volume(vol, g)
+    for r in g.matrices:  # every operator of these groups permutes voxels
+        assert np.allclose(_apply_integer_op(s, np.rint(r)), s, atol=1e-12)
+    assert np.allclose(symmetrise_volume(s, g), s, atol=1e-12)
+    assert not np.allclose(s, vol)
+
+
+def test_symmetrise_smooth_volume_idempotent_for_icosahedral(blobs):
+    centres, sigma = blobs
+    g = symmetry_group("I3")
+    v = _blob_volume(33, centres, sigma)
+    s = symmetrise_volume(v, g)
+    s2 = symmetrise_volume(s, g)
+    assert np.max(np.abs(s2 - s)) < 0.03 * s.max()
+    assert np.max(np.abs(s - v)) > 0.3 * v.max()
+
+
+# Odd boxes: operators that permute voxels are exact up to the coefficients beyond r_max
+# (the blob tails at the box edge leak a little there). Otherwise a 2x padded box, as the
+# back-projector's arrays are, keeps Fourier-space trilinear interpolation accurate.
+@pytest.mark.parametrize("name, big, tol", [("C4", 33, 2e-4), ("D2", 33, 2e-4), ("C5", 64, 0.06), ("I", 48, 0.06)])
+def test_symmetrise_half_transform_matches_analytic(blobs, name, big, tol):
+    centres, sigma = blobs
+    g = symmetry_group(name)
+    v = _blob_volume(big, centres, sigma)
+    ft = rfft3_centered(v)
+    avg = symmetrise_half_transform(ft, g, average=True)
+    out = irfft3_centered(avg, big)
+    exact = _analytic_symmetrised(big, centres, sigma, g)
+    assert np.max(np.abs(out - exact)) < tol * exact.max()
+    # default (RELION's) sum: the order times the average inside r_max, unchanged outside
+    summed = symmetrise_half_transform(ft, g)
+    kz = np.fft.fftfreq(big, 1.0 / big)
+    kx = np.arange(big // 2 + 1)
+    r = np.sqrt(kz[:, None, None] ** 2 + kz[None, :, None] ** 2 + kx[None, None, :] ** 2)
+    inside = r <= big // 2 - 1
+    assert np.allclose(summed[inside], g.order * avg[inside])
+    assert np.array_equal(summed[~inside], ft[~inside])
+
+
+def test_symmetrise_half_transform_real_weights():
+    g = symmetry_group("C4")
+    w = np.abs(rfft3_centered(np.random.default_rng(7).normal(size=(16, 16, 16)))) ** 2
+    out = symmetrise_half_transform(w, g, average=True)
+    assert out.dtype == np.float64
+    # a 90 degree rotation about z maps integer frequencies onto each other: the average of
+    # the 4 rotated copies at (kx, ky, kz) = (3, 1, 2)
+    def val(kx, ky, kz):
+        if kx < 0:
+            kx, ky, kz = -kx, -ky, -kz
+        return w[kz % 16, ky % 16, kx]
+    expected = np.mean([val(3, 1, 2), val(-1, 3, 2), val(-3, -1, 2), val(1, -3, 2)])
+    assert np.isclose(out[2, 1, 3], expected)
