@@ -39,6 +39,78 @@ def info(file, as_json, check_images):
     click.echo(json.dumps(result, indent=2) if as_json else format_text(result))
 
 
+
+@cli.command()
+@click.option("--ref", required=True, type=click.Path(dir_okay=False), help="3D map to project (cubic MRC).")
+@click.option("--n", "n_particles", required=True, type=int, help="Number of particles.")
+@click.option("--o", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Output folder for particles.mrcs and particles.star.")
+@click.option("--snr", default=0.05, show_default=True, type=float,
+              help="Signal variance / noise variance inside the particle circle, per image (inf: no noise).")
+@click.option("--defocus", default="0.8:2.5", show_default=True, help="Defocus range in µm, LOW:HIGH.")
+@click.option("--astigmatism", default=0.05, show_default=True, type=float,
+              help="Largest |defocus U − defocus V| in µm.")
+@click.option("--voltage", default=300.0, show_default=True, type=float, help="Voltage in kV.")
+@click.option("--cs", default=2.7, show_default=True, type=float, help="Spherical aberration in mm.")
+@click.option("--q0", default=0.1, show_default=True, type=float, help="Amplitude contrast.")
+@click.option("--angpix", default=None, type=float, help="Pixel size in Å [default: the map header].")
+@click.option("--max_shift", default=None, type=float,
+              help="Largest origin offset in Å, uniform in a disc [default: 3 pixels].")
+@click.option("--particle_diameter", default=None, type=float,
+              help="Diameter in Å of the circle in which --snr is measured [default: the box].")
+@click.option("--sym", default="C1", show_default=True,
+              help="Symmetrise the map with this point group first (poses stay uniform on SO(3)).")
+@click.option("--noise", default="white", show_default=True, type=click.Choice(["white", "coloured"]),
+              help="White noise, or coloured noise with a smooth 1/f-like power spectrum.")
+@click.option("--no_ctf", is_flag=True, help="Do not apply a CTF (no CTF columns in the STAR file).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed (same seed, same files).")
+@click.option("--batch", default=256, show_default=True, type=int, help="Images made per batch.")
+def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, q0, angpix, max_shift,
+             particle_diameter, sym, noise, no_ctf, seed, batch):
+    """Simulate particle images of a map with known poses, CTFs and noise (RELION 3.1 STAR + .mrcs).
+
+    The STAR file's pose, origin and CTF columns are the ground truth, in RELION's conventions.
+    """
+    from cryorefine.simulate import SimulationOptions, parse_defocus_range_um
+    from cryorefine.simulate import simulate as run_simulation
+
+    options = SimulationOptions(
+        n_particles=n_particles, snr=snr, defocus_range_um=parse_defocus_range_um(defocus),
+        astigmatism_um=astigmatism, voltage_kv=voltage, cs_mm=cs, amplitude_contrast=q0,
+        pixel_size_angstrom=angpix, max_shift_angstrom=max_shift, symmetry=sym, noise=noise, seed=seed,
+        batch_size=batch, particle_diameter_angstrom=particle_diameter, apply_ctf=not no_ctf)
+    result = run_simulation(ref, out_dir, options, log=lambda message: click.echo(message, err=True))
+    click.echo(f"wrote {result['n_particles']} particles ({result['box_px']} px, "
+               f"{result['pixel_size_angstrom']:.4f} Å/px): {result['star']}")
+
+
+@cli.command()
+@click.option("--i", "star", required=True, type=click.Path(dir_okay=False), help="Particle STAR file with poses.")
+@click.option("--o", "out", required=True, type=click.Path(dir_okay=False), help="Output map (.mrc).")
+@click.option("--ctf", is_flag=True, help="Apply CTF correction (CTF·image into data, CTF² into weights).")
+@click.option("--sym", default="C1", show_default=True, help="Point group symmetry (RELION symbols).")
+@click.option("--maxres", default=None, type=float, help="Highest resolution in Å to use [default: Nyquist].")
+@click.option("--half_maps", is_flag=True,
+              help="Also write <o>_half1/2 maps from rlnRandomSubset and their FSC (<o>_fsc.star).")
+@click.option("--angpix", default=None, type=float,
+              help="Pixel size of the output map in Å [default: the particles'].")
+@click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor.")
+@click.option("--batch", default=256, show_default=True, type=int, help="Images read per batch.")
+def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
+    """Reconstruct a map from particles at the poses in their STAR file (relion_reconstruct)."""
+    from cryorefine.reconstruct import ReconstructOptions
+    from cryorefine.reconstruct import reconstruct as run_reconstruction
+
+    options = ReconstructOptions(do_ctf=ctf, symmetry=sym, maxres_angstrom=maxres, half_maps=half_maps,
+                                 pixel_size_angstrom=angpix, padding_factor=pad, batch_size=batch)
+    result = run_reconstruction(star, out, options, log=lambda message: click.echo(message, err=True))
+    if half_maps:
+        click.echo(f"FSC between half maps: {result['fsc_star']}; resolution at FSC 0.143: "
+                   f"{result['resolution_fsc0143_angstrom']:.2f} Å")
+    click.echo(f"wrote {result['map']} ({result['n_particles']} particles, {result['box_px']} px, "
+               f"{result['pixel_size_angstrom']:.4f} Å/px)")
+
+
 def main(argv=None):
     """Console entry point: runs the group and turns errors into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
