@@ -125,3 +125,11 @@ def test_real_particle_sets_load(real_data):
         with StackReader() as reader:
             images = parts.read_images(np.arange(n), reader)
         assert images.shape == (n, box, box) and np.isfinite(images).all() and images.std() > 0
+
+
+def test_half_sets_ignore_a_subset_column_that_does_not_split(tmp_path):
+    path, _ = make_particle_set(tmp_path, n=10)
+    parts = load_particles(path)
+    parts.random_subset = np.ones(10, np.int64)  # all in half 1, as in some real files
+    halves = parts.half_sets(seed=1)
+    assert set(halves) == {1, 2}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -109,6 +110,90 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
                    f"{result['resolution_fsc0143_angstrom']:.2f} Å")
     click.echo(f"wrote {result['map']} ({result['n_particles']} particles, {result['box_px']} px, "
                f"{result['pixel_size_angstrom']:.4f} Å/px)")
+
+
+@cli.command()
+@click.option("--i", "star", required=True, type=click.Path(dir_okay=False), help="Particle STAR file.")
+@click.option("--o", "out", required=True, help="Output root, e.g. Refine3D/job001/run.")
+@click.option("--ref", required=True, type=click.Path(dir_okay=False), help="Initial reference map (MRC).")
+@click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box].")
+@click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å).")
+@click.option("--sym", default="C1", show_default=True, help="Point group symmetry.")
+@click.option("--ctf", is_flag=True, help="Do CTF correction.")
+@click.option("--firstiter_cc", is_flag=True, help="Cross-correlation instead of likelihood in the first iteration.")
+@click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter.")
+@click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise.")
+@click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor of the Fourier volumes.")
+@click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order.")
+@click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
+              help="Local searches from this HEALPix order on.")
+@click.option("--offset_range", default=6.0, show_default=True, type=float, help="Translation search range (px).")
+@click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px).")
+@click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order.")
+@click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T.")
+@click.option("--iter", "max_iterations", default=50, show_default=True, type=int, help="At most this many iterations.")
+@click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
+              help="Fraction of the probability mass kept by the coarse pass.")
+@click.option("--maxsig", default=-1, show_default=True, type=int, help="At most this many significant samples (-1: no limit).")
+@click.option("--norm", is_flag=True, help="Refine per-particle norm corrections.")
+@click.option("--scale", is_flag=True, help="Refine per-group intensity scales.")
+@click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
+              help="Join the half sets below this resolution (Å).")
+@click.option("--random_seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--auto_refine", is_flag=True, help="Accepted for RELION command lines: refine always auto-refines.")
+@click.option("--split_random_halves", is_flag=True,
+              help="Accepted for RELION command lines: refine always uses gold-standard halves.")
+@click.option("--dont_combine_weights_via_disc", is_flag=True,
+              help="Accepted for RELION command lines: sums are never combined through files.")
+@click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch.")
+@click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
+              help="Arithmetic of the CPU engine.")
+def refine(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
+           healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
+           max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
+           split_random_halves, dont_combine_weights_via_disc, batch, precision):
+    """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
+    import logging
+
+    from cryorefine.config import RefineConfig
+    from cryorefine.refine import refine as run_refine
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = RefineConfig(
+        input_star=star, output_root=out, reference_map=ref, particle_diameter_angstrom=particle_diameter,
+        ini_high_angstrom=ini_high, symmetry=sym, do_ctf=ctf, firstiter_cc=firstiter_cc,
+        flatten_solvent=flatten_solvent, zero_mask=zero_mask, padding_factor=pad, healpix_order=healpix_order,
+        auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
+        oversampling=oversampling, tau2_fudge=tau2_fudge, max_iterations=max_iterations,
+        adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
+        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
+        dtype="float64" if precision == "double" else "float32")
+    reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
+    last = reports[-1]
+    click.echo(f"{len(reports)} iterations; final resolution {last.resolution_angstrom:.2f} Å; map: {out}_class001.mrc"
+               if Path(f"{out}_class001.mrc").exists() else
+               f"stopped after {len(reports)} iterations (--iter) at {last.resolution_angstrom:.2f} Å; "
+               f"last outputs: {out}_it{last.iteration:03d}_*")
+
+
+def _progress_bar():
+    """A callback(done, total) showing particles/s and ETA per iteration on a terminal; silent otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    state = {"bar": None, "seen": 0}
+
+    def update(done, total):
+        if state["bar"] is None or state["seen"] >= total:
+            if state["bar"] is not None:
+                state["bar"].close()
+            state["bar"] = tqdm(total=total, unit="particle", leave=False, file=sys.stderr)
+            state["seen"] = 0
+        state["bar"].update(done)
+        state["seen"] += done
+
+    return update
 
 
 def main(argv=None):

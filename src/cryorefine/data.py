@@ -121,8 +121,9 @@ class ParticleSet:
                              f"without --ctf")
 
     def half_sets(self, seed=0):
-        """Half set (1 or 2) per particle: rlnRandomSubset where every particle has one, else a seeded split."""
-        if np.isin(self.random_subset, (1, 2)).all() and len(self):
+        """Half set (1 or 2) per particle: rlnRandomSubset where it gives every particle a half and
+        both halves are used, else a seeded random split."""
+        if len(self) and np.isin(self.random_subset, (1, 2)).all() and np.unique(self.random_subset).size == 2:
             return self.random_subset.astype(np.int64)
         order = np.random.default_rng(seed).permutation(len(self))
         halves = np.empty(len(self), dtype=np.int64)

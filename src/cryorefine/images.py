@@ -1,0 +1,144 @@
+"""Stage 1 of an iteration: particle images into masked Fourier transforms, CTFs and noise
+statistics (RELION's getFourierTransformsAndCtfs and calculateSumOfPowerSpectraAndAverageImage).
+
+Per particle: norm correction (×avg_norm/norm), an integer shift by the rounded old origin
+(so the mask sits on the particle), a soft circular mask of `particle_diameter` with a cosine
+edge (outside: zeros with --zero_mask, else Gaussian noise of the background's standard
+deviation), the transform, windowed to the current size; the unmasked transform is kept for
+back-projection. The remaining sub-pixel part of the origin is applied as a phase shift by
+the engine, together with the translations it searches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cryorefine.core import fourier
+from cryorefine.core.ctf import ctf_2d
+from cryorefine.estep.engine import Batch
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    ori_size_px: int
+    pixel_size_angstrom: float
+    particle_diameter_angstrom: float | None
+    width_mask_edge_px: float = 5.0
+    zero_mask: bool = False
+    do_ctf: bool = False
+    random_seed: int = 0
+
+    @property
+    def mask_radius_px(self):
+        if self.particle_diameter_angstrom is None:
+            return self.ori_size_px / 2 - self.width_mask_edge_px
+        return self.particle_diameter_angstrom / (2 * self.pixel_size_angstrom)
+
+
+def shell_power(ft, ori_size_px, n_shells):
+    """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells)."""
+    size = ft.shape[-2]
+    ky, kx = fourier.frequencies_2d(size)
+    use = ~((kx == 0) & (ky < 0))
+    shells = np.where(use, np.rint(np.sqrt(kx * kx + ky * ky)), n_shells).astype(np.int64)
+    return fourier.shell_sum(np.abs(ft) ** 2, shells, n_shells)
+
+
+def masked_images(images, settings, particle_indices, iteration):
+    """Soft-masked copies of real-space images (B, N, N); noise outside unless zero_mask."""
+    n = settings.ori_size_px
+    mask = fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px)
+    if settings.zero_mask:
+        return images * mask
+    outside = mask < 1e-6
+    std = np.sqrt(np.mean(images[:, outside] ** 2, axis=1) - np.mean(images[:, outside], axis=1) ** 2)
+    noise = np.stack([np.random.default_rng([settings.random_seed, iteration, int(i)]).standard_normal((n, n))
+                      for i in particle_indices])
+    return images * mask + (1.0 - mask) * noise * std[:, None, None]
+
+
+def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
+                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None):
+    """A `Batch` for the engine. Origins/norms/poses default to those in the particle set."""
+    indices = np.asarray(indices)
+    n = settings.ori_size_px
+    images = particles.read_images(indices, reader).astype(np.float64)
+    ox = (particles.origin_x_angstrom[indices] / settings.pixel_size_angstrom if origin_x_px is None
+          else np.asarray(origin_x_px)[indices])
+    oy = (particles.origin_y_angstrom[indices] / settings.pixel_size_angstrom if origin_y_px is None
+          else np.asarray(origin_y_px)[indices])
+    norm = particles.norm_correction[indices] if norm_correction is None else np.asarray(norm_correction)[indices]
+    images *= (avg_norm_correction / norm)[:, None, None]
+    # integer part of the origin in real space, so that the mask is centred on the particle
+    rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
+    for axis_shift in set(zip(rx.tolist(), ry.tolist())):
+        sel = (rx == axis_shift[0]) & (ry == axis_shift[1])
+        images[sel] = np.roll(images[sel], shift=(axis_shift[1], axis_shift[0]), axis=(-2, -1))
+    ft_nomask = fourier.rfft2_centered(images)
+    ft_mask = fourier.rfft2_centered(masked_images(images, settings, indices, iteration))
+    n_shells = n // 2 + 1
+    power = shell_power(ft_mask, n, n_shells)
+    if settings.do_ctf:
+        ctf = ctf_2d(n, settings.pixel_size_angstrom, particles.defocus_u_angstrom[indices],
+                     particles.defocus_v_angstrom[indices], particles.defocus_angle_deg[indices],
+                     particles.voltage_kv[indices], particles.cs_mm[indices], particles.amplitude_contrast[indices],
+                     phase_shift_deg=particles.phase_shift_deg[indices], bfactor=particles.ctf_bfactor[indices],
+                     scale=particles.ctf_scale[indices], dtype=np.float64)
+    else:
+        ctf = np.ones((indices.size, n, n // 2 + 1))
+    rot = particles.rot_deg[indices] if poses is None else poses[0][indices]
+    tilt = particles.tilt_deg[indices] if poses is None else poses[1][indices]
+    psi = particles.psi_deg[indices] if poses is None else poses[2][indices]
+    klass = (particles.class_number[indices] - 1) if class_index is None else np.asarray(class_index)[indices]
+    return Batch(
+        indices=indices,
+        images_ft=fourier.window_ft_2d(ft_mask, current_size_px),
+        images_ft_unmasked=fourier.window_ft_2d(ft_nomask, current_size_px),
+        ctf=fourier.window_ft_2d(ctf, current_size_px),
+        optics_index=particles.optics_index[indices],
+        old_origin_px=np.stack([ox, oy], axis=1),
+        residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
+        prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
+        old_class=klass, norm_correction=norm, power_beyond_current=power)
+
+
+@dataclass
+class NoiseEstimate:
+    """Running sums for RELION's initial noise spectra: mean image power minus the power of the mean image."""
+
+    power_sum: np.ndarray  # (n_optics, n_shells) Σ_images Σ_shell |X|²
+    count: np.ndarray  # (n_optics,) images
+    ft_sum: np.ndarray  # (N, N//2+1) Σ X over all images
+    coefficients_per_shell: np.ndarray  # (n_shells,)
+
+    @classmethod
+    def empty(cls, n_optics, ori_size_px):
+        n_shells = ori_size_px // 2 + 1
+        ones = np.ones((1, ori_size_px, n_shells))
+        return cls(np.zeros((n_optics, n_shells)), np.zeros(n_optics),
+                   np.zeros((ori_size_px, n_shells), complex), shell_power(ones, ori_size_px, n_shells)[0])
+
+    def add(self, batch_ft_full, optics_index):
+        n_shells = self.power_sum.shape[1]
+        power = shell_power(batch_ft_full, batch_ft_full.shape[-2], n_shells)
+        np.add.at(self.power_sum, optics_index, power)
+        self.count += np.bincount(optics_index, minlength=self.count.size)
+        self.ft_sum += batch_ft_full.sum(axis=0)
+
+    def sigma2(self):
+        """Per-component noise variance per shell and optics group (RELION's initial sigma2_noise)."""
+        per_coef = np.maximum(self.coefficients_per_shell, 1.0)
+        mean_power = self.power_sum / np.maximum(self.count, 1.0)[:, None] / per_coef[None, :]
+        avg = self.ft_sum / max(self.count.sum(), 1.0)
+        avg_power = shell_power(avg[None], avg.shape[0], self.power_sum.shape[1])[0] / per_coef
+        sigma2 = 0.5 * (mean_power - avg_power[None, :])
+        for row in sigma2:  # RELION replaces non-positive values by a positive neighbour
+            bad = row <= 0
+            if bad.all():
+                row[:] = 1.0
+                continue
+            good = np.flatnonzero(~bad)
+            row[bad] = row[good[np.searchsorted(good, np.flatnonzero(bad)).clip(0, good.size - 1)]]
+        return sigma2

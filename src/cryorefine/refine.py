@@ -1,0 +1,389 @@
+"""`cryorefine refine`: RELION's gold-standard 3D auto-refine, iteration by iteration.
+
+Each iteration: schedule (sizes, sampling) -> E-step per half set (images -> engine) ->
+half-map FSC -> M-step (τ² from the FSC, reconstruction, noise/offset/norm/scale updates) ->
+resolution and convergence -> RELION's outputs. The engine is an object passed in
+(`estep.reference.NumpyEngine` on the CPU); nothing here knows how it computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine import schedule
+from cryorefine.core import fourier
+from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
+from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.data import load_particles
+from cryorefine.errors import InputError
+from cryorefine.estep.engine import IterationSetup
+from cryorefine.images import ImageSettings, NoiseEstimate, prepare_batch
+from cryorefine.io import mrc
+from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
+                                          write_optimiser_star)
+from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.state import ModelState
+
+log = logging.getLogger("cryorefine.refine")
+
+MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
+INITIAL_SIGMA_OFFSET_ANGSTROM = 10.0  # RELION's --offset
+
+
+@dataclass
+class ParticleState:
+    """What changes per particle from one iteration to the next."""
+
+    rot_deg: np.ndarray
+    tilt_deg: np.ndarray
+    psi_deg: np.ndarray
+    origin_x_px: np.ndarray
+    origin_y_px: np.ndarray
+    class_index: np.ndarray
+    norm_correction: np.ndarray
+    pmax: np.ndarray
+    n_significant: np.ndarray
+    log_likelihood: np.ndarray
+
+    @classmethod
+    def from_particles(cls, particles, pixel_size_angstrom):
+        n = len(particles)
+        return cls(particles.rot_deg.copy(), particles.tilt_deg.copy(), particles.psi_deg.copy(),
+                   particles.origin_x_angstrom / pixel_size_angstrom, particles.origin_y_angstrom / pixel_size_angstrom,
+                   np.zeros(n, np.int64), particles.norm_correction.copy(), np.zeros(n), np.zeros(n, np.int64),
+                   np.zeros(n))
+
+    def store(self, indices, result):
+        self.rot_deg[indices] = result.rot_deg
+        self.tilt_deg[indices] = result.tilt_deg
+        self.psi_deg[indices] = result.psi_deg
+        self.origin_x_px[indices] = result.origin_x_px
+        self.origin_y_px[indices] = result.origin_y_px
+        self.class_index[indices] = result.class_index
+        self.norm_correction[indices] = result.norm_correction
+        self.pmax[indices] = result.pmax
+        self.n_significant[indices] = result.n_significant
+        self.log_likelihood[indices] = result.log_likelihood
+
+
+@dataclass
+class IterationReport:
+    iteration: int
+    resolution_angstrom: float
+    current_size_px: int
+    coarse_size_px: int
+    healpix_order: int
+    local_searches: bool
+    changes_orientations_deg: float
+    changes_offsets_angstrom: float
+    ave_pmax: float
+    seconds: dict = field(default_factory=dict)
+
+
+def refine(config, argv=(), make_engine=None, progress=None):
+    """Run a gold-standard refinement; returns the list of IterationReports.
+
+    `make_engine()` returns a fresh engine (default: the numpy engine at config.dtype).
+    `progress(done, total)` is called after each batch when given.
+    """
+    if make_engine is None:
+        from cryorefine.estep.reference import NumpyEngine
+
+        def make_engine():
+            return NumpyEngine(np.dtype(config.dtype))
+
+    particles = load_particles(config.input_star)
+    box, pixel = particles.geometry()
+    if config.do_ctf:
+        particles.require_ctf()
+    reference, ref_pixel = mrc.read_volume(config.reference_map)
+    if reference.shape[0] != box:
+        raise InputError(f"{config.reference_map}: the reference is {reference.shape[0]} px but the particles are "
+                         f"{box} px; resize the reference (relion_image_handler --new_box {box})")
+    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
+        raise InputError(f"{config.reference_map}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
+                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler --rescale_angpix)")
+    out_root = Path(config.output_root)
+    out_root.parent.mkdir(parents=True, exist_ok=True)
+    diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
+    settings = ImageSettings(box, pixel, diameter, config.width_mask_edge_px, config.zero_mask, config.do_ctf,
+                             config.random_seed)
+    halves = particles.half_sets(config.random_seed)
+    if "rlnRandomSubset" in particles.star.particles.columns and not np.array_equal(halves, particles.random_subset):
+        log.warning("%s: rlnRandomSubset does not split the particles into two halves; using a random split "
+                    "(seed %d)", config.input_star, config.random_seed)
+    members = [np.flatnonzero(halves == h) for h in (1, 2)]
+    if min(m.size for m in members) == 0:
+        raise InputError(f"{config.input_star}: refinement needs at least 2 particles, one per half set")
+    state = ParticleState.from_particles(particles, pixel)
+    n_optics = len(particles.optics_groups)
+
+    optimiser, sched = schedule.initial_schedule(config)
+    model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
+                       padding_factor=config.padding_factor, pdf_class=np.ones(1),
+                       sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
+                       scale_correction=np.ones(n_optics))
+    start = reference.astype(np.float64)
+    if config.ini_high_angstrom:
+        ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(start), box, config.ini_high_angstrom, pixel)
+        start = fourier.irfft3_centered(ft, box)
+    model.maps = [[start.copy()], [start.copy()]]
+    model.sigma2_noise = _initial_noise(particles, settings, n_optics, config.batch_size)
+    res = schedule.current_resolution(box, pixel, iteration=0, ini_high_angstrom=config.ini_high_angstrom)
+    model.current_resolution_angstrom = res.resolution_angstrom
+    rng = np.random.default_rng(config.random_seed)
+    reports = []
+    for iteration in range(1, config.max_iterations + 1):
+        timings = {}
+        optimiser = replace(optimiser, iteration=iteration)
+        optimiser = schedule.check_convergence(optimiser, sched)
+        final = optimiser.do_join_halves
+        sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
+                                     sched.incr_size_px, optimiser.has_high_fsc_at_resol_limit, final,
+                                     ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+        model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        do_cc = iteration == 1 and config.firstiter_cc
+        if not do_cc and model.tau2 is not None:
+            acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, diameter, do_ctf=config.do_ctf)
+            optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+            model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
+        if iteration > 1:
+            optimiser, sched = schedule.update_sampling(optimiser, model, config, sched)
+        from cryorefine.core.sampling import next_perturbation
+
+        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+
+        # ---- E-step, one half set at a time
+        tic = time.perf_counter()
+        old = dataclasses.replace(state, **{f.name: getattr(state, f.name).copy() for f in dataclasses.fields(state)})
+        sums = []
+        for h in (0, 1):
+            engine = make_engine()
+            engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
+            with mrc.StackReader() as reader:
+                for batch_indices in particles.batches(config.batch_size, members[h]):
+                    batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
+                                          model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
+                                          state.norm_correction, state.class_index,
+                                          (old.rot_deg, old.tilt_deg, old.psi_deg))
+                    state.store(batch_indices, engine.run(batch))
+                    if progress:
+                        progress(batch_indices.size, len(particles))
+            sums.append(engine.sums())
+        timings["expectation"] = time.perf_counter() - tic
+
+        # ---- M-step
+        tic = time.perf_counter()
+        changes = _hidden_variable_changes(old, state, pixel, config.symmetry)
+        fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
+        optimiser, sched = schedule.update_size_flags_from_fsc(optimiser, sched, fsc, sizes.current_size_px)
+        res = schedule.current_resolution(box, pixel, fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
+                                          halves_joined=final, iteration=iteration,
+                                          ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc)
+        optimiser = schedule.update_change_counters(
+            optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
+            previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=pixel,
+            oversampling=config.oversampling)
+        model.current_resolution_angstrom = res.resolution_angstrom
+        optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                            changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                            changes_optimal_classes=changes.classes)
+        timings["maximization"] = time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv,
+                         final)
+        timings["write"] = time.perf_counter() - tic
+        report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
+                                 optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
+                                 changes.offsets_angstrom, model.ave_pmax, timings)
+        reports.append(report)
+        log.info("iteration %d: resolution %.2f Å, size %d/%d px, healpix %d%s, Δangle %.2f°, Δoffset %.2f Å, "
+                 "pmax %.3f, E %.1f s, M %.1f s", iteration, res.resolution_angstrom, sizes.current_size_px,
+                 sizes.coarse_size_px, optimiser.healpix_order, " (local)" if optimiser.local_searches else "",
+                 changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax, timings["expectation"],
+                 timings["maximization"])
+        if final:
+            _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv)
+            break
+    return reports
+
+
+def _initial_noise(particles, settings, n_optics, batch_size):
+    """RELION's initial noise spectra from the masked images at their stored origins."""
+    noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
+    with mrc.StackReader() as reader:
+        for indices in particles.batches(batch_size):
+            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0)
+            noise.add(batch.images_ft, batch.optics_index)
+    return noise.sigma2()
+
+
+def _iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc):
+    r_max = sizes.current_size_px // 2
+    projectors = [Projector(model.maps[half][0], config.padding_factor, r_max)]
+    sigma_offset_px = model.sigma_offset_angstrom / model.pixel_size_angstrom
+    setup = IterationSetup(
+        projectors=projectors, sigma2_noise=model.sigma2_noise, sampling=sampling,
+        ori_size_px=model.ori_size_px, current_size_px=sizes.current_size_px, coarse_size_px=sizes.coarse_size_px,
+        pixel_size_angstrom=model.pixel_size_angstrom, log_pdf_class=np.log(np.maximum(model.pdf_class, 1e-300)),
+        sigma_offset_px=sigma_offset_px, do_cc=do_cc, adaptive_fraction=config.adaptive_fraction,
+        max_significants=config.max_significants, local_searches=optimiser.local_searches,
+        sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
+        scale_correction=model.scale_correction if config.do_scale else None,
+        data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
+        avg_norm_correction=model.avg_norm_correction)
+    return setup
+
+
+def _backprojector(sums, model, config, sizes):
+    bp = BackProjector(model.ori_size_px, config.padding_factor, sizes.current_size_px // 2)
+    bp.data[...] = sums.data[0]
+    bp.weight[...] = sums.weight[0]
+    return bp
+
+
+def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
+    """RELION's maximization for two half sets: FSC, τ², maps and the other parameters; returns the FSC."""
+    box = model.ori_size_px
+    n_shells = model.n_shells
+    bps = [_backprojector(s, model, config, sizes) for s in sums]
+    if joined:
+        joined_bp = _backprojector(sums[0], model, config, sizes)
+        joined_bp.data += bps[1].data
+        joined_bp.weight += bps[1].weight
+    avg = [bp.downsampled_average() for bp in bps]
+    fsc = np.zeros(n_shells)
+    fsc_part = np.asarray(fourier_shell_correlation(avg[0], avg[1]))
+    fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
+    if config.low_resol_join_halves_angstrom and not joined:
+        _join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
+    tau2 = np.zeros((2, 1, n_shells))
+    ssnr = np.zeros((2, 1, n_shells))
+    ref_sigma2 = np.zeros((2, 1, n_shells))
+    radius_px = schedule.default_particle_diameter_angstrom(config, box, model.pixel_size_angstrom) / (
+        2 * model.pixel_size_angstrom)
+
+    def reconstruct(bp, whole):
+        sigma2 = np.asarray(bp.noise_sigma2())[:n_shells]
+        t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
+        volume = np.asarray(bp.reconstruct(tau2=t2, tau2_fudge=config.tau2_fudge))
+        if config.flatten_solvent:
+            volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
+        return volume, sigma2, t2
+
+    maps = []
+    for h, bp in enumerate(bps):
+        volume, sigma2, t2 = reconstruct(bp, False)
+        tau2[h, 0, : t2.size] = t2
+        ref_sigma2[h, 0, : sigma2.size] = sigma2
+        s = np.asarray(ssnr_from_fsc(fsc, config.tau2_fudge, whole_instead_of_half=joined))
+        ssnr[h, 0, : s.size] = s[:n_shells]
+        maps.append([volume])
+    model.maps = maps
+    model.joined_map = reconstruct(joined_bp, True)[0] if joined else None
+    model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
+
+    total = sums[0].n_particles + sums[1].n_particles
+    both = sums[0]
+    sigma2_sum = sums[0].sigma2_noise + sums[1].sigma2_noise
+    sumw = sums[0].sumw_group + sums[1].sumw_group
+    if not do_cc:
+        from cryorefine.images import NoiseEstimate
+
+        per_shell = NoiseEstimate.empty(1, box).coefficients_per_shell
+        new = sigma2_sum / (2.0 * np.maximum(sumw, 1e-300)[:, None] * np.maximum(per_shell, 1.0)[None, :])
+        keep = new > 1e-14
+        model.sigma2_noise = np.where(keep, new, model.sigma2_noise)
+        offset2 = (sums[0].sigma2_offset_angstrom2 + sums[1].sigma2_offset_angstrom2) / (2.0 * total)
+        model.sigma_offset_angstrom = math.sqrt(max(offset2, MIN_SIGMA2_OFFSET_ANGSTROM2))
+        if config.do_norm:
+            model.avg_norm_correction = (sums[0].norm_correction + sums[1].norm_correction) / total
+        if config.do_scale and sums[0].scale_aa is not None:
+            xa = sums[0].scale_xa + sums[1].scale_xa
+            aa = sums[0].scale_aa + sums[1].scale_aa
+            scale = np.where(aa > 0, xa / np.maximum(aa, 1e-300), 1.0)
+            median = np.median(scale)
+            scale = np.clip(scale, median / 5, median * 5)
+            model.scale_correction = scale / np.mean(scale)
+    model.log_likelihood = sums[0].log_likelihood + sums[1].log_likelihood
+    model.ave_pmax = (sums[0].sum_pmax + sums[1].sum_pmax) / total
+    model.class_distribution = np.ones(1)
+    del both
+    return fsc
+
+
+def _join_halves_at_low_resolution(bps, resolution_angstrom, model):
+    """RELION's joinTwoHalvesAtLowResolution: both halves get the sum of their data below a resolution."""
+    grid = bps[0].grid
+    shell_limit = model.ori_size_px * model.pixel_size_angstrom / resolution_angstrom
+    r2 = np.asarray(grid.radius2())
+    low = r2 <= (shell_limit * grid.padding_factor) ** 2
+    data = bps[0].data[low] + bps[1].data[low]
+    weight = bps[0].weight[low] + bps[1].weight[low]
+    for bp in bps:
+        bp.data[low] = data
+        bp.weight[low] = weight
+
+
+def _hidden_variable_changes(old, new, pixel, symmetry):
+    from cryorefine.core.symmetry import symmetry_group
+
+    mats = symmetry_group(symmetry).rotations if symmetry.upper() != "C1" else None
+    angles = schedule.angular_distance_deg(old.rot_deg, old.tilt_deg, old.psi_deg, new.rot_deg, new.tilt_deg,
+                                           new.psi_deg, symmetry_matrices=mats)
+    d2 = ((new.origin_x_px - old.origin_x_px) ** 2 + (new.origin_y_px - old.origin_y_px) ** 2) * pixel ** 2
+    return schedule.hidden_variable_changes_from_sums(float(np.sum(angles)), float(np.sum(d2)),
+                                                      float(np.sum(new.class_index != old.class_index)),
+                                                      float(new.rot_deg.size))
+
+
+def _particle_table(particles, state, halves, pixel):
+    table = particles.star.particles.copy()
+    table["rlnAngleRot"] = state.rot_deg
+    table["rlnAngleTilt"] = state.tilt_deg
+    table["rlnAnglePsi"] = state.psi_deg
+    table["rlnOriginXAngst"] = state.origin_x_px * pixel
+    table["rlnOriginYAngst"] = state.origin_y_px * pixel
+    table["rlnClassNumber"] = state.class_index + 1
+    table["rlnNormCorrection"] = state.norm_correction
+    table["rlnLogLikeliContribution"] = state.log_likelihood
+    table["rlnMaxValueProbDistribution"] = state.pmax
+    table["rlnNrOfSignificantSamples"] = state.n_significant
+    table["rlnRandomSubset"] = halves
+    return table
+
+
+def _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv, final):
+    root = f"{out_root}_it{iteration:03d}"
+    pixel = model.pixel_size_angstrom
+    write_particle_star(particles.star, f"{root}_data.star", _particle_table(particles, state, halves, pixel))
+    names = [g.name for g in particles.optics_groups]
+    counts = [int((particles.optics_index == i).sum()) for i in range(len(names))]
+    for h in (1, 2):
+        mrc.write_volume(f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel)
+        write_star(model_star_blocks(model, optimiser, config, h, [f"{root}_half{h}_class001.mrc"], names, counts),
+                   f"{root}_half{h}_model.star")
+    write_star(sampling_star_blocks(sampling, optimiser, config, pixel), f"{root}_sampling.star")
+    write_optimiser_star(f"{root}_optimiser.star", optimiser_star_blocks(optimiser, model, config, str(out_root),
+                                                                         iteration), list(argv))
+
+
+def _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv):
+    pixel = model.pixel_size_angstrom
+    write_particle_star(particles.star, f"{out_root}_data.star", _particle_table(particles, state, halves, pixel))
+    names = [g.name for g in particles.optics_groups]
+    counts = [int((particles.optics_index == i).sum()) for i in range(len(names))]
+    mrc.write_volume(f"{out_root}_class001.mrc", model.joined_map, pixel)
+    for h in (1, 2):
+        mrc.write_volume(f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
+    write_star(model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts),
+               f"{out_root}_model.star")

@@ -1,0 +1,186 @@
+"""The numpy E-step engine against brute force, on small random problems."""
+
+import numpy as np
+import pytest
+
+from cryorefine.core import euler, fourier
+from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.sampling import Sampling
+from cryorefine.estep.engine import Batch, IterationSetup
+from cryorefine.estep.reference import Coefficients, NumpyEngine
+
+N = 16
+
+
+def blob_volume(rng, n=N, blobs=6):
+    z, y, x = np.mgrid[:n, :n, :n] - n // 2
+    vol = np.zeros((n, n, n))
+    for _ in range(blobs):
+        c = rng.uniform(-n / 5, n / 5, 3)
+        vol += np.exp(-((x - c[0]) ** 2 + (y - c[1]) ** 2 + (z - c[2]) ** 2) / (2 * rng.uniform(1.0, 2.0) ** 2))
+    return vol
+
+
+def make_batch(images_ft, ctf, origins, residual=None):
+    b = images_ft.shape[0]
+    residual = np.zeros((b, 2)) if residual is None else residual
+    return Batch(indices=np.arange(b), images_ft=images_ft, images_ft_unmasked=images_ft, ctf=ctf,
+                 optics_index=np.zeros(b, np.int64), old_origin_px=origins, residual_origin_px=residual,
+                 prior_rot_deg=np.zeros(b), prior_tilt_deg=np.zeros(b), prior_psi_deg=np.zeros(b),
+                 old_class=np.zeros(b, np.int64), norm_correction=np.ones(b),
+                 power_beyond_current=np.zeros((b, N // 2 + 1)))
+
+
+@pytest.fixture
+def problem():
+    rng = np.random.default_rng(11)
+    volume = blob_volume(rng)
+    projector = Projector(volume)
+    sampling = Sampling(healpix_order=1, offset_range_px=2, offset_step_px=2)
+    sigma2 = rng.uniform(0.5, 2.0, (1, N // 2 + 1)) * 1e-4
+    return rng, volume, projector, sampling, sigma2
+
+
+def setup_for(projector, sampling, sigma2, coarse=N, **kw):
+    return IterationSetup(projectors=[projector], sigma2_noise=sigma2, sampling=sampling, ori_size_px=N,
+                          current_size_px=N, coarse_size_px=coarse, pixel_size_angstrom=2.0,
+                          log_pdf_class=np.zeros(1), sigma_offset_px=3.0, **kw)
+
+
+def test_coarse_diff2_equals_brute_force(problem):
+    rng, volume, projector, sampling, sigma2 = problem
+    engine = NumpyEngine()
+    engine.setup(setup_for(projector, sampling, sigma2, coarse=12))
+    images = fourier.rfft2_centered(rng.normal(size=(3, N, N)) * 0.01)
+    ctf = rng.uniform(-1, 1, (3, N, N // 2 + 1))
+    residual = rng.uniform(-0.5, 0.5, (3, 2))
+    coarse = engine.coarse
+    x = coarse.gather(fourier.window_ft_2d(images, 12))
+    c = coarse.gather(fourier.window_ft_2d(ctf, 12))
+    minv = engine.minv_coarse[0]
+    proj = engine.coarse_projections[0]
+    shifts = residual[:, None, :] + engine.translations[None]
+    x_shift = x[:, None, :] * coarse.phase(shifts, N, complex)
+    got = engine._diff2_dense(x, x_shift, c, engine.minv_coarse[[0, 0, 0]], proj)  # (B, R, T)
+    for b in range(3):
+        for r in rng.choice(proj.shape[0], 5, replace=False):
+            for t in range(engine.translations.shape[0]):
+                expected = 0.5 * np.sum(minv * np.abs(x_shift[b, t] - c[b] * proj[r]) ** 2)
+                assert got[b, r, t] == pytest.approx(expected, rel=1e-10)
+    # the coarse projections are the projector's slices at the coarse size
+    direct = coarse.gather(projector.project(engine.matrices[:4], 12))
+    np.testing.assert_allclose(proj[:4], direct, rtol=1e-12, atol=1e-15)
+
+
+def test_noise_free_particles_at_grid_poses_are_found_exactly(problem):
+    rng, volume, projector, sampling, sigma2 = problem
+    engine = NumpyEngine()
+    # noise broad enough that the coarse pass keeps the true pose's parent among the significant samples
+    engine.setup(setup_for(projector, sampling, sigma2 * 1e3, adaptive_fraction=0.99999))
+    # true poses: fine-grid children of random coarse samples; origins = coarse translation + child offset
+    coarse_index = rng.choice(sampling.n_coarse_samples, 4, replace=False)
+    rot, tilt, psi, tx, ty = sampling.fine_samples_flat(coarse_index)
+    child = rng.integers(0, rot.shape[1], 4)
+    pick = (np.arange(4), child)
+    truth = euler.euler_to_matrix(rot[pick], tilt[pick], psi[pick])
+    origins = np.stack([tx[pick], ty[pick]], axis=1)
+    slices = projector.project(truth, N)
+    # a particle with origin o sits at centre − o: the image is the projection moved by −o
+    images = fourier.phase_shift_2d(slices, -origins[:, 0], -origins[:, 1], N)
+    ctf = np.ones((4, N, N // 2 + 1))
+    result = engine.run(make_batch(images, ctf, np.zeros((4, 2))))
+    found = euler.euler_to_matrix(result.rot_deg, result.tilt_deg, result.psi_deg)
+    np.testing.assert_allclose(found, truth, atol=1e-9)
+    np.testing.assert_allclose(result.origin_x_px, origins[:, 0], atol=1e-9)
+    np.testing.assert_allclose(result.origin_y_px, origins[:, 1], atol=1e-9)
+
+
+def test_weights_are_normalised_and_blocks_hold_32_children(problem):
+    rng, volume, projector, sampling, sigma2 = problem
+    engine = NumpyEngine()
+    engine.setup(setup_for(projector, sampling, sigma2 * 1e4, adaptive_fraction=0.999))
+    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
+    images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.02)
+    result = engine.run(make_batch(images, np.ones((5, N, N // 2 + 1)), np.zeros((5, 2))))
+    sums = engine.sums()
+    # kept fine samples hold at least adaptive_fraction of each particle's mass
+    assert sums.pdf_class[0] >= 0.999 * 5 - 1e-9 and sums.pdf_class[0] <= 5 + 1e-9
+    assert sums.pdf_direction.sum() == pytest.approx(sums.pdf_class[0])
+    for blocks, pmax, n_sig in zip(engine.last_blocks, result.pmax, result.n_significant):
+        assert blocks.weights.shape == (n_sig, 32)
+        assert blocks.weights.max() == pytest.approx(pmax)
+        assert blocks.weights.sum() <= 1 + 1e-12
+        assert np.unique(blocks.coarse_index).size == blocks.coarse_index.size
+    assert (result.pmax > 0).all() and (result.pmax <= 1).all()
+
+
+def test_weighted_sums_equal_sample_by_sample_back_projection(problem):
+    """The engine's per-orientation sums equal back-projecting every kept fine sample on its own:
+    w·CTF·X_shifted/σ² into data and w·CTF²/σ² into weight, X moved by its origin."""
+    rng, volume, projector, sampling, sigma2 = problem
+    engine = NumpyEngine()
+    engine.setup(setup_for(projector, sampling, sigma2 * 10))
+    matrices = euler.euler_to_matrix(*rng.uniform(0, 180, (3, 2)))
+    ctf = np.broadcast_to(fourier.radius_2d(N) / N + 0.5, (2, N, N // 2 + 1)).copy()
+    images = projector.project(matrices, N) * ctf + fourier.rfft2_centered(rng.normal(size=(2, N, N)) * 0.02)
+    residual = rng.uniform(-0.5, 0.5, (2, 2))
+    old = rng.uniform(-1, 1, (2, 2))
+    engine.run(make_batch(images, ctf, old, residual))
+    sums = engine.sums()
+    expected = BackProjector(N, 2.0, N // 2)
+    coef = engine.fine
+    minv = engine.minv_store[0]
+    n_samples = 0
+    for b, blocks in enumerate(engine.last_blocks):
+        rot, tilt, psi, tx, ty = sampling.fine_samples_flat(blocks.coarse_index % (sampling.n_orientations * sampling.n_translations))
+        for i, f in zip(*np.nonzero(blocks.weights)):
+            w = blocks.weights[i, f]
+            shifted = fourier.phase_shift_2d(images[b], residual[b, 0] + tx[i, f], residual[b, 1] + ty[i, f], N)
+            data = coef.scatter(coef.gather(shifted * ctf[b]) * minv * w)[None]
+            weight = coef.scatter(coef.gather(ctf[b] ** 2) * minv * w)[None]
+            expected.backproject(data, weight, euler.euler_to_matrix(rot[i, f], tilt[i, f], psi[i, f])[None])
+            n_samples += 1
+    assert n_samples > 2
+    scale = np.abs(expected.data).max()
+    np.testing.assert_allclose(sums.data[0], expected.data, rtol=1e-8, atol=1e-10 * scale)
+    np.testing.assert_allclose(sums.weight[0], expected.weight, rtol=1e-8, atol=1e-10 * expected.weight.max())
+
+
+def test_single_precision_engine_agrees_with_double(problem):
+    rng, volume, projector, sampling, sigma2 = problem
+    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 6))), N)
+    images = images + fourier.rfft2_centered(rng.normal(size=(6, N, N)) * 0.05)
+    batch = make_batch(images, np.ones((6, N, N // 2 + 1)), rng.uniform(-1, 1, (6, 2)), rng.uniform(-0.5, 0.5, (6, 2)))
+    results = []
+    for dtype in (np.float64, np.float32):
+        engine = NumpyEngine(dtype)
+        engine.setup(setup_for(projector, sampling, sigma2 * 100))
+        results.append(engine.run(batch))
+    a, b = results
+    np.testing.assert_array_equal(a.rot_deg, b.rot_deg)
+    np.testing.assert_array_equal(a.psi_deg, b.psi_deg)
+    np.testing.assert_allclose(a.origin_x_px, b.origin_x_px)
+    np.testing.assert_allclose(a.log_likelihood, b.log_likelihood, rtol=1e-4)
+
+
+def test_cross_correlation_mode_keeps_only_the_best(problem):
+    rng, volume, projector, sampling, sigma2 = problem
+    engine = NumpyEngine()
+    engine.setup(setup_for(projector, sampling, sigma2, do_cc=True))
+    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 3))), N) * 7.0  # CC ignores scale
+    result = engine.run(make_batch(images, np.ones((3, N, N // 2 + 1)), np.zeros((3, 2))))
+    assert (result.pmax == 1.0).all()
+    assert (result.n_significant == 1).all()
+    assert engine.sums().pdf_class[0] == pytest.approx(3.0)
+
+
+def test_coefficients_cover_the_half_plane_once():
+    c = Coefficients.create(12)
+    kx, ky = c.kx, c.ky
+    assert ((kx == 0) & (ky < 0)).sum() == 0
+    assert (kx ** 2 + ky ** 2 <= 36).all()
+    full = {(int(a), int(b)) for a, b in zip(kx, ky)}
+    for x in range(-6, 7):
+        for y in range(-6, 7):
+            if x * x + y * y <= 36 and (x, y) != (0, 0):
+                assert (x, y) in full or (-x, -y) in full
