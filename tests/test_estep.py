@@ -184,3 +184,24 @@ def test_coefficients_cover_the_half_plane_once():
         for y in range(-6, 7):
             if x * x + y * y <= 36 and (x, y) != (0, 0):
                 assert (x, y) in full or (-x, -y) in full
+
+
+def test_fine_pass_in_groups_gives_the_same_result(problem, monkeypatch):
+    """Splitting a batch's fine pass into groups of particles (to bound memory) changes nothing."""
+    from cryorefine.estep import reference
+
+    rng, volume, projector, sampling, sigma2 = problem
+    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
+    images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.05)
+    batch = make_batch(images, np.ones((5, N, N // 2 + 1)), rng.uniform(-1, 1, (5, 2)))
+    outputs = []
+    for limit in (1 << 20, 1):  # one group; one particle per group
+        monkeypatch.setattr(reference, "_MAX_FINE_SAMPLES", limit)
+        engine = NumpyEngine()
+        engine.setup(setup_for(projector, sampling, sigma2 * 100))
+        outputs.append((engine.run(batch), engine.sums()))
+    (a, sa), (b, sb) = outputs
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "pmax", "log_likelihood", "norm_correction"):
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12)
+    np.testing.assert_allclose(sa.data[0], sb.data[0], rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(sa.sigma2_noise, sb.sigma2_noise, rtol=1e-12)

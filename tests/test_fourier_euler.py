@@ -115,3 +115,16 @@ def test_euler_matches_relion_zyz_composition():
     d = euler.euler_to_matrix(rot, tilt, psi)[2]
     t, r = np.deg2rad(tilt), np.deg2rad(rot)
     np.testing.assert_allclose(d, [np.sin(t) * np.cos(r), np.sin(t) * np.sin(r), np.cos(t)], atol=1e-12)
+
+
+def test_downsample_volume_keeps_the_low_frequencies():
+    rng = np.random.default_rng(5)
+    vol = rng.normal(size=(16, 16, 16))
+    small = fourier.downsample_volume(vol, 8)
+    assert small.shape == (8, 8, 8)
+    assert small.mean() == pytest.approx(vol.mean())
+    big_ft, small_ft = fourier.rfft3_centered(vol), fourier.rfft3_centered(small)
+    k16, k8 = list(fourier.signed_frequencies(16)), fourier.signed_frequencies(8)
+    for i, kz in enumerate(k8[:3]):  # rows away from the Nyquist planes match exactly
+        for j, ky in enumerate(k8[:3]):
+            np.testing.assert_allclose(small_ft[i, j, :3], big_ft[k16.index(kz), k16.index(ky), :3], atol=1e-12)

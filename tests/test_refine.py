@@ -8,6 +8,7 @@ import starfile
 
 from cryorefine.cli import main
 from cryorefine.core import euler, fourier
+from cryorefine.core.fourier import downsample_volume
 from cryorefine.core.fsc import fsc_volumes
 from cryorefine.io.mrc import read_volume, write_volume
 
@@ -23,21 +24,10 @@ def run_cli(*args):
     return 0
 
 
-def cropped_map(path, box):
-    """The example map Fourier-cropped to `box` voxels (pixel size scaled by 64/box)."""
-    vol, _ = read_volume(path)
-    n = vol.shape[0]
-    ft = fourier.rfft3_centered(vol.astype(np.float64))
-    k_big = list(fourier.signed_frequencies(n).astype(int))
-    rows = [k_big.index(k) for k in fourier.signed_frequencies(box).astype(int)]
-    small = ft[np.ix_(rows, rows, np.arange(box // 2 + 1))]
-    return fourier.irfft3_centered(small, box) * (n / box) ** 3
-
-
 @pytest.fixture(scope="module")
 def refined(tmp_path_factory):
     folder = tmp_path_factory.mktemp("refine")
-    truth = cropped_map(EXAMPLE_MAP, BOX)
+    truth = downsample_volume(read_volume(EXAMPLE_MAP)[0], BOX)
     write_volume(folder / "truth.mrc", truth, PIXEL)
     assert run_cli("simulate", "--ref", folder / "truth.mrc", "--n", 300, "--snr", 0.5, "--seed", 4,
                    "--o", folder / "sim") == 0

@@ -208,3 +208,12 @@ def power_spectrum_3d(ft, xp=np):
     power = shell_sum(ft.real ** 2 + ft.imag ** 2, shells, n_shells, xp)
     counts = shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return power / xp.maximum(counts, 1.0)
+
+
+def downsample_volume(volume, new_size_px, xp=np):
+    """A cubic map Fourier-cropped to `new_size_px` voxels (pixel size × N/new), same density scale."""
+    n = volume.shape[0]
+    ft = rfft3_centered(xp.asarray(volume, dtype=xp.float64), xp)
+    rows = signed_frequencies(new_size_px, xp).astype(xp.int64) % n
+    small = ft[rows][:, rows][:, :, : new_size_px // 2 + 1]
+    return irfft3_centered(small, new_size_px, xp)

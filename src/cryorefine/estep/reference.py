@@ -448,8 +448,10 @@ class NumpyEngine:
         n_shells = sums.sigma2_noise.shape[1]
         b_count = x.shape[0]
         wdiff_total = np.zeros(b_count)
-        data_slices = np.zeros((proj.shape[0], n_coef), self.complex)
-        weight_slices = np.zeros((proj.shape[0], n_coef), self.real)
+        # one slice per fine orientation that a kept sample uses
+        used_rows, slot = np.unique(inverse[sel], return_inverse=True)
+        data_slices = np.zeros((used_rows.size, n_coef), self.complex)
+        weight_slices = np.zeros((used_rows.size, n_coef), self.real)
         dvp = None if s.data_vs_prior is None else np.asarray(s.data_vs_prior)
         x_res, phase_t = self._shift_tables(x, residual)
         x_nomask_res, _ = self._shift_tables(x_nomask, residual)
@@ -477,21 +479,20 @@ class NumpyEngine:
             minv = self.minv_store[optics[b]]
             store = ws * minv * ctf[b]
             contrib = x_nomask_res[b] * phase * store
-            rows = inverse[ss]
-            flat_idx = (rows[:, None] * n_coef + np.arange(n_coef)[None, :]).reshape(-1)
-            data_slices.reshape(-1)[:] += (np.bincount(flat_idx, weights=contrib.real.reshape(-1), minlength=data_slices.size)
-                                           + 1j * np.bincount(flat_idx, weights=contrib.imag.reshape(-1),
-                                                              minlength=data_slices.size)).astype(self.complex)
-            weight_slices.reshape(-1)[:] += np.bincount(flat_idx, weights=(store * ctf[b]).reshape(-1),
-                                                        minlength=weight_slices.size).astype(self.real)
+            # sum the samples of each fine orientation (segments of the sorted rows), then add per row
+            rows = slot[start:start + chunk]
+            order = np.argsort(rows, kind="stable")
+            starts = np.r_[0, np.flatnonzero(np.diff(rows[order])) + 1]
+            touched = rows[order][starts]
+            data_slices[touched] += np.add.reduceat(contrib[order], starts, axis=0).astype(self.complex)
+            weight_slices[touched] += np.add.reduceat((store * ctf[b])[order], starts, axis=0).astype(self.real)
         # the back-projection of every orientation that received weight
-        used = np.flatnonzero(weight_slices.any(axis=1))
         for k in range(self.n_classes):
-            rows = used[classes[used] == k]
+            rows = np.flatnonzero(classes[used_rows] == k)
             for start in range(0, rows.size, 512):
                 r = rows[start:start + 512]
                 self.backprojectors[k].backproject(self.fine.scatter(data_slices[r]),
-                                                   self.fine.scatter(weight_slices[r]), mats[r])
+                                                   self.fine.scatter(weight_slices[r]), mats[used_rows[r]])
         # power beyond the current size counts as noise (RELION extends the spectra with it)
         beyond = pre["power_beyond"].copy()
         beyond[:, : s.current_size_px // 2 + 1] = 0.0
