@@ -102,3 +102,26 @@ def test_unimplemented_relion_option_is_refused(tmp_path, refined, capsys):
                    "--o", tmp_path / "run", "--solvent_mask", "mask.mrc")
     assert code == 2
     assert "--solvent_mask" in capsys.readouterr().err
+
+
+def test_real_relion31_particles_run_two_iterations(real_data, tmp_path):
+    """Real RELION 3.1 metadata and 256 px images through two iterations (a smoke test).
+
+    The reference is a featureless Gaussian ball, so --maxsig keeps the broad first posteriors cheap.
+    """
+    n = 256
+    z, y, x = np.mgrid[:n, :n, :n] - n // 2
+    write_volume(tmp_path / "ball.mrc", np.exp(-(x ** 2 + y ** 2 + z ** 2) / (2 * 30.0 ** 2)).astype(np.float32), 2.806)
+    code = run_cli("refine", "--i", real_data / "relion31/relion31.star", "--ref", tmp_path / "ball.mrc",
+                   "--o", tmp_path / "run", "--iter", 2, "--ini_high", 60, "--ctf", "--particle_diameter", 350,
+                   "--zero_mask", "--flatten_solvent", "--norm", "--scale", "--maxsig", 30)
+    assert code == 0
+    data = starfile.read(tmp_path / "run_it002_data.star")
+    particles = data["particles"]
+    assert len(particles) == 5
+    assert {"rlnImageOriginalName", "rlnCtfFigureOfMerit", "rlnGroupNumber"} <= set(particles.columns)
+    for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnNormCorrection"):
+        assert np.isfinite(particles[column]).all(), column
+    assert float(data["optics"]["rlnImagePixelSize"].iloc[0]) == pytest.approx(2.806)
+    half, _ = read_volume(tmp_path / "run_it002_half1_class001.mrc")
+    assert half.shape == (n, n, n) and np.isfinite(half).all()
