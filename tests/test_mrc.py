@@ -116,3 +116,22 @@ def test_stack_path_resolution_prefers_project_directory(tmp_path, monkeypatch):
     assert mrc.resolve_stack_path("Extract/a.mrcs", project / "Refine") == mrc.Path("Extract/a.mrcs")
     monkeypatch.chdir(tmp_path)
     assert mrc.resolve_stack_path("Extract/a.mrcs", project / "Refine") == project / "Refine" / "Extract" / "a.mrcs"
+
+
+def test_written_files_do_not_depend_on_the_time(tmp_path, monkeypatch):
+    import datetime
+
+    import mrcfile.mrcobject
+
+    class LaterClock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2031, 1, 2, 3, 4, 5)
+
+    vol = np.random.default_rng(3).normal(size=(6, 6, 6)).astype(np.float32)
+    mrc.write_volume(tmp_path / "a.mrc", vol, 1.5)
+    monkeypatch.setattr(mrcfile.mrcobject, "datetime", LaterClock)  # the clock mrcfile stamps labels with
+    mrc.write_volume(tmp_path / "b.mrc", vol, 1.5)
+    assert (tmp_path / "a.mrc").read_bytes() == (tmp_path / "b.mrc").read_bytes()
+    with mrcfile.open(tmp_path / "a.mrc") as m:
+        assert m.header.nlabl == 1 and m.header.label[0].startswith(b"cryorefine")

@@ -240,6 +240,7 @@ def simulate(reference_path, out_dir, options, log=None):
                 m.voxel_size = float(pixel)
                 m.header.dmin, m.header.dmax, m.header.dmean = lo, hi, mean
                 m.header.rms = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+                mrc.set_label(m)
         blocks = {"optics": _optics_table(options, pixel, box), "particles": _particle_table(params, options, n)}
         Path(star_tmp).write_text(star_to_string(blocks))
     if group.order > 1:

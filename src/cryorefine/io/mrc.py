@@ -99,6 +99,16 @@ def _write(path, data, pixel_size_angstrom, stack):
                 m.set_volume()
             m.voxel_size = float(pixel_size_angstrom)
             m.update_header_stats()
+            set_label(m)
+
+
+def set_label(handle):
+    """One fixed header label instead of mrcfile's time-stamped one: same data, same bytes."""
+    from cryorefine import __version__
+
+    handle.header.label[:] = b""
+    handle.header.label[0] = f"cryorefine {__version__}".encode()
+    handle.header.nlabl = 1
 
 
 def parse_image_name(name):
