@@ -81,12 +81,6 @@ class ParticleSet:
         return self._optics_array("amplitude_contrast")
 
     @property
-    def has_ctf(self):
-        return all(c in self.star.particles.columns for c in ("rlnDefocusU",)) and all(
-            g.voltage_kv is not None and g.cs_mm is not None and g.amplitude_contrast is not None
-            for g in self.optics_groups)
-
-    @property
     def pose_columns(self):
         return [c for c in POSE_COLUMNS if c in self.star.particles.columns]
 
@@ -110,7 +104,7 @@ class ParticleSet:
         return boxes.pop(), float(self.optics_groups[0].pixel_size_angstrom)
 
     def require_ctf(self):
-        missing = [c for c in ("rlnDefocusU",) if c not in self.star.particles.columns]
+        missing = [] if "rlnDefocusU" in self.star.particles.columns else ["rlnDefocusU"]
         for group in self.optics_groups:
             for attr, col in (("voltage_kv", "rlnVoltage"), ("cs_mm", "rlnSphericalAberration"),
                               ("amplitude_contrast", "rlnAmplitudeContrast")):

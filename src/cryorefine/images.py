@@ -46,6 +46,12 @@ def shell_power(ft, ori_size_px, n_shells):
     return fourier.shell_sum(np.abs(ft) ** 2, shells, n_shells)
 
 
+def coefficients_per_shell(ori_size_px):
+    """How many half-transform coefficients each shell 0 … N/2 holds (the denominators of RELION's spectra)."""
+    n_shells = ori_size_px // 2 + 1
+    return shell_power(np.ones((1, ori_size_px, n_shells)), ori_size_px, n_shells)[0]
+
+
 def masked_images(images, settings, particle_indices, iteration):
     """Soft-masked copies of real-space images (B, N, N); noise outside unless zero_mask."""
     n = settings.ori_size_px
@@ -116,9 +122,8 @@ class NoiseEstimate:
     @classmethod
     def empty(cls, n_optics, ori_size_px):
         n_shells = ori_size_px // 2 + 1
-        ones = np.ones((1, ori_size_px, n_shells))
         return cls(np.zeros((n_optics, n_shells)), np.zeros(n_optics),
-                   np.zeros((ori_size_px, n_shells), complex), shell_power(ones, ori_size_px, n_shells)[0])
+                   np.zeros((ori_size_px, n_shells), complex), coefficients_per_shell(ori_size_px))
 
     def add(self, batch_ft_full, optics_index):
         n_shells = self.power_sum.shape[1]

@@ -24,7 +24,8 @@ from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.data import load_particles
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
-from cryorefine.images import ImageSettings, NoiseEstimate, prepare_batch
+from cryorefine.core.sampling import next_perturbation
+from cryorefine.images import ImageSettings, NoiseEstimate, coefficients_per_shell, prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
@@ -59,6 +60,9 @@ class ParticleState:
                    particles.origin_x_angstrom / pixel_size_angstrom, particles.origin_y_angstrom / pixel_size_angstrom,
                    np.zeros(n, np.int64), particles.norm_correction.copy(), np.zeros(n), np.zeros(n, np.int64),
                    np.zeros(n))
+
+    def copy(self):
+        return ParticleState(**{f.name: getattr(self, f.name).copy() for f in dataclasses.fields(self)})
 
     def store(self, indices, result):
         self.rot_deg[indices] = result.rot_deg
@@ -156,14 +160,12 @@ def refine(config, argv=(), make_engine=None, progress=None):
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
             optimiser, sched = schedule.update_sampling(optimiser, model, config, sched)
-        from cryorefine.core.sampling import next_perturbation
-
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
 
         # ---- E-step, one half set at a time
         tic = time.perf_counter()
-        old = dataclasses.replace(state, **{f.name: getattr(state, f.name).copy() for f in dataclasses.fields(state)})
+        old = state.copy()
         sums = []
         for h in (0, 1):
             engine = make_engine()
@@ -293,13 +295,10 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
     model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
 
     total = sums[0].n_particles + sums[1].n_particles
-    both = sums[0]
     sigma2_sum = sums[0].sigma2_noise + sums[1].sigma2_noise
     sumw = sums[0].sumw_group + sums[1].sumw_group
     if not do_cc:
-        from cryorefine.images import NoiseEstimate
-
-        per_shell = NoiseEstimate.empty(1, box).coefficients_per_shell
+        per_shell = coefficients_per_shell(box)
         new = sigma2_sum / (2.0 * np.maximum(sumw, 1e-300)[:, None] * np.maximum(per_shell, 1.0)[None, :])
         keep = new > 1e-14
         model.sigma2_noise = np.where(keep, new, model.sigma2_noise)
@@ -317,7 +316,6 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
     model.log_likelihood = sums[0].log_likelihood + sums[1].log_likelihood
     model.ave_pmax = (sums[0].sum_pmax + sums[1].sum_pmax) / total
     model.class_distribution = np.ones(1)
-    del both
     return fsc
 
 

@@ -98,16 +98,3 @@ class WeightedSums:
     log_likelihood: float = 0.0
     sum_pmax: float = 0.0
     n_particles: int = 0
-
-    def add(self, other):
-        """Add another worker's sums into these (host arrays)."""
-        for k in range(len(self.data)):
-            self.data[k] += other.data[k]
-            self.weight[k] += other.weight[k]
-        for name in ("sigma2_noise", "sumw_group", "pdf_class", "pdf_direction", "scale_xa", "scale_aa"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is not None and theirs is not None:
-                mine += theirs
-        for name in ("sigma2_offset_angstrom2", "norm_correction", "log_likelihood", "sum_pmax", "n_particles"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        return self

@@ -162,7 +162,6 @@ class NumpyEngine:
 
     # ------------------------------------------------------------------ one batch
     def run(self, batch):
-        s = self.setup_
         optics = np.asarray(batch.optics_index)
         ctf_plain = self.fine.gather(np.asarray(batch.ctf)).astype(self.real)
         pre = {
