@@ -125,3 +125,24 @@ def test_real_relion31_particles_run_two_iterations(real_data, tmp_path):
     assert float(data["optics"]["rlnImagePixelSize"].iloc[0]) == pytest.approx(2.806)
     half, _ = read_volume(tmp_path / "run_it002_half1_class001.mrc")
     assert half.shape == (n, n, n) and np.isfinite(half).all()
+
+
+def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_path):
+    """--continue from iteration 2 reproduces iteration 3 of the uninterrupted run bit for bit."""
+    folder, _ = refined
+    code = run_cli("refine", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
+                   "--iter", 3)
+    assert code == 0
+    for suffix in ("half1_class001.mrc", "half2_class001.mrc"):
+        assert (tmp_path / f"run_it003_{suffix}").read_bytes() == (folder / "out" / f"run_it003_{suffix}").read_bytes()
+    continued = starfile.read(tmp_path / "run_it003_data.star")["particles"]
+    original = starfile.read(folder / "out" / "run_it003_data.star")["particles"]
+    for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnMaxValueProbDistribution"):
+        np.testing.assert_array_equal(continued[column], original[column])
+    assert not (tmp_path / "run_it002_data.star").exists()  # it went on from iteration 3
+
+
+def test_continue_needs_its_files(tmp_path):
+    (tmp_path / "run_it002_optimiser.star").write_text("data_optimiser_general\n_rlnCurrentIteration 2\n")
+    assert run_cli("refine", "--continue", tmp_path / "run_it002_optimiser.star") == 2
+    assert run_cli("refine", "--continue", tmp_path / "nothing.star") == 2

@@ -113,9 +113,11 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
 
 
 @cli.command()
-@click.option("--i", "star", required=True, type=click.Path(dir_okay=False), help="Particle STAR file.")
-@click.option("--o", "out", required=True, help="Output root, e.g. Refine3D/job001/run.")
-@click.option("--ref", required=True, type=click.Path(dir_okay=False), help="Initial reference map (MRC).")
+@click.option("--i", "star", type=click.Path(dir_okay=False), help="Particle STAR file.")
+@click.option("--o", "out", help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own).")
+@click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC).")
+@click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
+              help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o may change).")
 @click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box].")
 @click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å).")
 @click.option("--sym", default="C1", show_default=True, help="Point group symmetry.")
@@ -131,7 +133,7 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
 @click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px).")
 @click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order.")
 @click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T.")
-@click.option("--iter", "max_iterations", default=50, show_default=True, type=int, help="At most this many iterations.")
+@click.option("--iter", "max_iterations", default=None, type=int, help="At most this many iterations [default: 50].")
 @click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
               help="Fraction of the probability mass kept by the coarse pass.")
 @click.option("--maxsig", default=-1, show_default=True, type=int, help="At most this many significant samples (-1: no limit).")
@@ -148,7 +150,7 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
 @click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch.")
 @click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
               help="Arithmetic of the CPU engine.")
-def refine(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
+def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
            split_random_halves, dont_combine_weights_via_disc, batch, precision):
@@ -159,16 +161,37 @@ def refine(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, 
     from cryorefine.refine import refine as run_refine
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if continue_from:
+        from dataclasses import replace
+
+        from cryorefine.refine import load_resume_config
+
+        config = load_resume_config(continue_from)
+        config = replace(config, output_root=out or config.output_root,
+                         max_iterations=max_iterations or config.max_iterations)
+        reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
+        _report_end(reports, config.output_root)
+        return
+    for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
+        if not value:
+            raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
     config = RefineConfig(
         input_star=star, output_root=out, reference_map=ref, particle_diameter_angstrom=particle_diameter,
         ini_high_angstrom=ini_high, symmetry=sym, do_ctf=ctf, firstiter_cc=firstiter_cc,
         flatten_solvent=flatten_solvent, zero_mask=zero_mask, padding_factor=pad, healpix_order=healpix_order,
         auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
-        oversampling=oversampling, tau2_fudge=tau2_fudge, max_iterations=max_iterations,
+        oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
-        dtype="float64" if precision == "double" else "float32")
+        dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50)
     reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
+    _report_end(reports, out)
+
+
+def _report_end(reports, out):
+    if not reports:
+        click.echo("nothing to do: the run had already reached --iter")
+        return
     last = reports[-1]
     click.echo(f"{len(reports)} iterations; final resolution {last.resolution_angstrom:.2f} Å; map: {out}_class001.mrc"
                if Path(f"{out}_class001.mrc").exists() else

@@ -27,6 +27,7 @@ from cryorefine.estep.engine import IterationSetup
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.images import ImageSettings, NoiseEstimate, coefficients_per_shell, prepare_batch
 from cryorefine.io import mrc
+from cryorefine.io.atomic import atomic_path
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
 from cryorefine.io.star import write_particle_star, write_star
@@ -91,11 +92,12 @@ class IterationReport:
     seconds: dict = field(default_factory=dict)
 
 
-def refine(config, argv=(), make_engine=None, progress=None):
+def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
     """Run a gold-standard refinement; returns the list of IterationReports.
 
     `make_engine()` returns a fresh engine (default: the numpy engine at config.dtype).
-    `progress(done, total)` is called after each batch when given.
+    `progress(done, total)` is called after each batch when given. `resume_from` is a
+    run_itNNN_optimiser.star: the run goes on from iteration NNN + 1 exactly as it would have.
     """
     if make_engine is None:
         from cryorefine.estep.reference import NumpyEngine
@@ -126,9 +128,12 @@ def refine(config, argv=(), make_engine=None, progress=None):
     members = [np.flatnonzero(halves == h) for h in (1, 2)]
     if min(m.size for m in members) == 0:
         raise InputError(f"{config.input_star}: refinement needs at least 2 particles, one per half set")
-    state = ParticleState.from_particles(particles, pixel)
     n_optics = len(particles.optics_groups)
-
+    if resume_from is not None:
+        model, optimiser, sched, rng, state = load_resume(resume_from, box, len(particles))
+        return _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter,
+                        out_root, model, optimiser, sched, rng, state, optimiser.iteration + 1)
+    state = ParticleState.from_particles(particles, pixel)
     optimiser, sched = schedule.initial_schedule(config)
     model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
                        padding_factor=config.padding_factor, pdf_class=np.ones(1),
@@ -143,8 +148,15 @@ def refine(config, argv=(), make_engine=None, progress=None):
     res = schedule.current_resolution(box, pixel, iteration=0, ini_high_angstrom=config.ini_high_angstrom)
     model.current_resolution_angstrom = res.resolution_angstrom
     rng = np.random.default_rng(config.random_seed)
+    return _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter, out_root,
+                    model, optimiser, sched, rng, state, 1)
+
+
+def _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter, out_root,
+             model, optimiser, sched, rng, state, first_iteration):
+    box, pixel = model.ori_size_px, model.pixel_size_angstrom
     reports = []
-    for iteration in range(1, config.max_iterations + 1):
+    for iteration in range(first_iteration, config.max_iterations + 1):
         timings = {}
         optimiser = replace(optimiser, iteration=iteration)
         optimiser = schedule.check_convergence(optimiser, sched)
@@ -203,6 +215,7 @@ def refine(config, argv=(), make_engine=None, progress=None):
         tic = time.perf_counter()
         _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv,
                          final)
+        save_resume(f"{out_root}_it{iteration:03d}_resume.npz", config, model, optimiser, sched, rng, state)
         timings["write"] = time.perf_counter() - tic
         report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                  optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
@@ -280,7 +293,8 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
         volume = np.asarray(bp.reconstruct(tau2=t2, tau2_fudge=config.tau2_fudge))
         if config.flatten_solvent:
             volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
-        return volume, sigma2, t2
+        # the maps go on as they are written (float32), so a continued run sees exactly the same
+        return volume.astype(np.float32), sigma2, t2
 
     maps = []
     for h, bp in enumerate(bps):
@@ -385,3 +399,85 @@ def _write_final(out_root, iteration, particles, state, halves, model, optimiser
         mrc.write_volume(f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
     write_star(model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts),
                f"{out_root}_model.star")
+
+
+# ---------------------------------------------------------------------- --continue
+_MODEL_ARRAYS = ("pdf_class", "sigma2_noise", "tau2", "ssnr", "reference_sigma2", "fsc_halves", "scale_correction",
+                 "class_distribution")
+
+
+def save_resume(path, config, model, optimiser, sched, rng, state):
+    """Everything beyond RELION's files that an exact --continue needs, beside run_itNNN_optimiser.star."""
+    import json
+
+    scalars = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+               if f.name not in _MODEL_ARRAYS + ("maps", "joined_map")}
+    document = {"config": json.loads(config.to_json()), "model": scalars,
+                "optimiser": dataclasses.asdict(optimiser), "schedule": dataclasses.asdict(sched),
+                "rng": rng.bit_generator.state}
+    arrays = {f"model_{name}": getattr(model, name) for name in _MODEL_ARRAYS if getattr(model, name) is not None}
+    arrays.update({f"particle_{f.name}": getattr(state, f.name) for f in dataclasses.fields(state)})
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, document=np.array(json.dumps(document, default=_plain)), **arrays)
+
+
+def _plain(value):
+    """numpy scalars as Python numbers for JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot save {type(value).__name__} for --continue")
+
+
+def resume_path(optimiser_star):
+    name = str(optimiser_star)
+    if not name.endswith("_optimiser.star"):
+        raise InputError(f"{optimiser_star}: --continue takes a run_itNNN_optimiser.star file")
+    return Path(name[: -len("_optimiser.star")] + "_resume.npz")
+
+
+def load_resume_config(optimiser_star):
+    """The RefineConfig a run was started with, from the files beside its optimiser.star."""
+    import json
+
+    from cryorefine.config import RefineConfig
+
+    document = json.loads(str(_open_resume(optimiser_star)["document"]))
+    return RefineConfig.from_json(json.dumps(document["config"]))
+
+
+def load_resume(optimiser_star, box, n_particles):
+    """(model, optimiser, schedule state, rng, particle state) after the iteration of `optimiser_star`."""
+    import json
+
+    from cryorefine.state import OptimiserState
+
+    saved = _open_resume(optimiser_star)
+    document = json.loads(str(saved["document"]))
+    model = ModelState(**document["model"])
+    for name in _MODEL_ARRAYS:
+        if f"model_{name}" in saved:
+            setattr(model, name, saved[f"model_{name}"])
+    if model.ori_size_px != box:
+        raise InputError(f"{optimiser_star}: the run was {model.ori_size_px} px, the particles are {box} px")
+    optimiser = OptimiserState(**document["optimiser"])
+    sched = schedule.ScheduleState(**document["schedule"])
+    rng = np.random.default_rng()
+    rng.bit_generator.state = document["rng"]
+    state = ParticleState(**{f.name: saved[f"particle_{f.name}"] for f in dataclasses.fields(ParticleState)})
+    if state.rot_deg.size != n_particles:
+        raise InputError(f"{optimiser_star}: the run had {state.rot_deg.size} particles, the STAR file has "
+                         f"{n_particles}; continue with the same --i")
+    root = str(optimiser_star)[: -len("_optimiser.star")]
+    model.maps = [[mrc.read_volume(f"{root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
+    return model, optimiser, sched, rng, state
+
+
+def _open_resume(optimiser_star):
+    path = resume_path(optimiser_star)
+    if not Path(optimiser_star).is_file():
+        raise InputError(f"{optimiser_star}: file not found; give a run_itNNN_optimiser.star of an earlier run")
+    if not path.is_file():
+        raise InputError(f"{path}: not found; --continue needs the files an iteration writes beside its optimiser.star")
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
