@@ -146,3 +146,12 @@ def test_continue_needs_its_files(tmp_path):
     (tmp_path / "run_it002_optimiser.star").write_text("data_optimiser_general\n_rlnCurrentIteration 2\n")
     assert run_cli("refine", "--continue", tmp_path / "run_it002_optimiser.star") == 2
     assert run_cli("refine", "--continue", tmp_path / "nothing.star") == 2
+
+
+def test_symmetry_other_than_c1_is_refused_for_now(refined, tmp_path, capsys):
+    folder, _ = refined
+    code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
+                   "--o", tmp_path / "run", "--sym", "D2")
+    assert code == 2
+    assert "--sym D2" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -105,6 +105,9 @@ def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
         def make_engine():
             return NumpyEngine(np.dtype(config.dtype))
 
+    if config.symmetry.upper() != "C1":
+        raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not yet "
+                         f"symmetrise the half maps); run with --sym C1")
     particles = load_particles(config.input_star)
     box, pixel = particles.geometry()
     if config.do_ctf:
