@@ -44,7 +44,7 @@ def test_outputs_have_relion_names(refined):
     out = folder / "out"
     for it in (1, 2, 3):
         for suffix in ("data.star", "half1_class001.mrc", "half2_class001.mrc", "half1_model.star",
-                       "half2_model.star", "optimiser.star", "sampling.star"):
+                       "half2_model.star", "optimiser.star", "sampling.star", "report.png"):
             assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
     data = starfile.read(out / "run_it003_data.star")
     assert {"optics", "particles"} <= set(data)

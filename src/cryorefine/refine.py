@@ -31,6 +31,7 @@ from cryorefine.io.atomic import atomic_path
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
 from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.report import write_iteration_report
 from cryorefine.state import ModelState
 
 log = logging.getLogger("cryorefine.refine")
@@ -219,6 +220,10 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv,
                          final)
         save_resume(f"{out_root}_it{iteration:03d}_resume.npz", config, model, optimiser, sched, rng, state)
+        write_iteration_report(f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
+                               fsc=model.fsc_halves[0], ori_size_px=box, pixel_size_angstrom=pixel,
+                               resolution_angstrom=res.resolution_angstrom, rot_deg=state.rot_deg,
+                               tilt_deg=state.tilt_deg, timings_seconds=dict(timings), halves_joined=final)
         timings["write"] = time.perf_counter() - tic
         report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                  optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,

@@ -1,0 +1,60 @@
+"""The per-iteration report: run_itNNN_report.png with the FSC curve, the angular distribution
+of the particles' best orientations and the time spent per stage."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cryorefine.io.atomic import atomic_path
+
+
+def angular_histogram(rot_deg, tilt_deg, bins=(36, 18)):
+    """Particle counts (n_tilt, n_rot) over rot −180…180 (columns) and tilt 0…180 (rows), in degrees."""
+    rot = (np.asarray(rot_deg, dtype=np.float64) + 180.0) % 360.0 - 180.0
+    counts, _, _ = np.histogram2d(np.asarray(tilt_deg, dtype=np.float64), rot, bins=(bins[1], bins[0]),
+                                  range=((0.0, 180.0), (-180.0, 180.0)))
+    return counts
+
+
+def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angstrom, resolution_angstrom,
+                           rot_deg, tilt_deg, timings_seconds, halves_joined=False):
+    """Write the PNG atomically (matplotlib's Agg canvas; no pyplot, no global state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.5), dpi=80)
+    FigureCanvasAgg(fig)
+    ax_fsc, ax_ang, ax_time = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1.4, 1.0]})
+
+    fsc = np.asarray(fsc, dtype=np.float64)
+    shells = np.arange(1, min(fsc.size, ori_size_px // 2 + 1))
+    inv_angstrom = shells / (ori_size_px * pixel_size_angstrom)
+    ax_fsc.plot(inv_angstrom, fsc[shells], color="tab:blue")
+    for level in (0.5, 0.143):
+        ax_fsc.axhline(level, color="grey", lw=0.8, ls="--")
+    if np.isfinite(resolution_angstrom) and resolution_angstrom > 0:
+        ax_fsc.axvline(1.0 / resolution_angstrom, color="tab:red", lw=1.0)
+        ax_fsc.text(1.0 / resolution_angstrom, 0.95, f" {resolution_angstrom:.1f} Å", color="tab:red", va="top")
+    ticks = np.linspace(inv_angstrom[0], inv_angstrom[-1], 5) if shells.size else []
+    ax_fsc.set_xticks(ticks)
+    ax_fsc.set_xticklabels([f"{1 / t:.1f}" for t in ticks])
+    ax_fsc.set_xlabel("resolution (Å)")
+    ax_fsc.set_ylabel("FSC")
+    ax_fsc.set_ylim(-0.1, 1.05)
+    criterion = "halves joined, FSC 0.143" if halves_joined else "gold standard, SSNR 1 (≈ FSC 0.5)"
+    ax_fsc.set_title(f"iteration {iteration}: {criterion}")
+
+    counts = angular_histogram(rot_deg, tilt_deg)
+    image = ax_ang.imshow(counts, origin="lower", extent=(-180, 180, 0, 180), aspect="auto", cmap="viridis")
+    fig.colorbar(image, ax=ax_ang, label="particles")
+    ax_ang.set_xlabel("rot (°)")
+    ax_ang.set_ylabel("tilt (°)")
+    ax_ang.set_title(f"best orientations of {np.asarray(rot_deg).size} particles")
+
+    names = list(timings_seconds)
+    ax_time.barh(names, [timings_seconds[n] for n in names], color="tab:green")
+    ax_time.set_xlabel("seconds")
+    ax_time.set_title("time per stage")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")

@@ -1,0 +1,53 @@
+import numpy as np
+import pytest
+
+from cryorefine.report import angular_histogram, write_iteration_report
+
+
+def report_args(tilt):
+    rng = np.random.default_rng(0)
+    return dict(iteration=3, fsc=np.linspace(1, 0, 17), ori_size_px=32, pixel_size_angstrom=2.0,
+                resolution_angstrom=8.0, rot_deg=rng.uniform(-180, 180, 500), tilt_deg=np.full(500, tilt),
+                timings_seconds={"expectation": 10.0, "maximization": 1.5, "write": 0.2})
+
+
+def test_png_is_written(tmp_path):
+    import matplotlib.image
+
+    write_iteration_report(tmp_path / "run_it003_report.png", **report_args(10.0))
+    raw = (tmp_path / "run_it003_report.png").read_bytes()
+    assert raw.startswith(b"\x89PNG\r\n\x1a\n")
+    image = matplotlib.image.imread(tmp_path / "run_it003_report.png")
+    assert image.shape[:2] == (360, 1200)
+
+
+def test_angular_panel_follows_the_data(tmp_path):
+    import matplotlib.image
+
+    write_iteration_report(tmp_path / "a.png", **report_args(10.0))
+    write_iteration_report(tmp_path / "b.png", **report_args(170.0))
+    a = matplotlib.image.imread(tmp_path / "a.png")
+    b = matplotlib.image.imread(tmp_path / "b.png")
+    middle = slice(480, 900)  # the angular panel's columns
+    assert np.abs(a[:, middle] - b[:, middle]).max() > 0.1
+
+
+def test_angular_histogram_bins():
+    counts = angular_histogram([-179.0, 0.0, 0.0, 179.0, 181.0], [5.0, 95.0, 95.0, 175.0, 5.0], bins=(4, 2))
+    assert counts.shape == (2, 4)
+    assert counts.sum() == 5
+    assert counts[1, 2] == 2  # tilt 95°, rot 0° -> upper row, third column
+    assert counts[0, 0] == 2  # rot −179° and rot 181° (= −179°) at tilt 5°
+    assert counts[1, 3] == 1
+
+
+def test_nothing_left_behind_on_failure(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def fail(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", fail)
+    with pytest.raises(OSError):
+        write_iteration_report(tmp_path / "r.png", **report_args(10.0))
+    assert list(tmp_path.iterdir()) == []
