@@ -382,12 +382,16 @@ def _particle_table(particles, state, halves, pixel):
     return table
 
 
+def _optics_names_and_counts(particles):
+    names = [g.name for g in particles.optics_groups]
+    return names, [int((particles.optics_index == i).sum()) for i in range(len(names))]
+
+
 def _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv, final):
     root = f"{out_root}_it{iteration:03d}"
     pixel = model.pixel_size_angstrom
     write_particle_star(particles.star, f"{root}_data.star", _particle_table(particles, state, halves, pixel))
-    names = [g.name for g in particles.optics_groups]
-    counts = [int((particles.optics_index == i).sum()) for i in range(len(names))]
+    names, counts = _optics_names_and_counts(particles)
     for h in (1, 2):
         mrc.write_volume(f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel)
         write_star(model_star_blocks(model, optimiser, config, h, [f"{root}_half{h}_class001.mrc"], names, counts),
@@ -400,8 +404,7 @@ def _write_iteration(out_root, iteration, particles, state, halves, model, optim
 def _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv):
     pixel = model.pixel_size_angstrom
     write_particle_star(particles.star, f"{out_root}_data.star", _particle_table(particles, state, halves, pixel))
-    names = [g.name for g in particles.optics_groups]
-    counts = [int((particles.optics_index == i).sum()) for i in range(len(names))]
+    names, counts = _optics_names_and_counts(particles)
     mrc.write_volume(f"{out_root}_class001.mrc", model.joined_map, pixel)
     for h in (1, 2):
         mrc.write_volume(f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
