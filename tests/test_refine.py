@@ -155,3 +155,36 @@ def test_symmetry_other_than_c1_is_refused_for_now(refined, tmp_path, capsys):
     assert code == 2
     assert "--sym D2" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch):
+    """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co."""
+    from dataclasses import replace
+
+    from cryorefine import schedule
+
+    original = schedule.check_convergence
+
+    def converge_at_two(optimiser, state, **kwargs):
+        optimiser = original(optimiser, state, **kwargs)
+        return replace(optimiser, has_converged=True, do_join_halves=True) if optimiser.iteration == 2 else optimiser
+
+    monkeypatch.setattr(schedule, "check_convergence", converge_at_two)
+    folder, truth = refined
+    code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
+                   "--o", tmp_path / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--zero_mask",
+                   "--offset_range", 3, "--offset_step", 1, "--iter", 5)
+    assert code == 0
+    for name in ("run_data.star", "run_model.star", "run_class001.mrc", "run_half1_class001_unfil.mrc",
+                 "run_half2_class001_unfil.mrc"):
+        assert (tmp_path / name).is_file(), name
+    assert not (tmp_path / "run_it003_data.star").exists()  # it stopped after the final iteration
+    joined, _ = read_volume(tmp_path / "run_class001.mrc")
+    half1, _ = read_volume(tmp_path / "run_half1_class001_unfil.mrc")
+    half2, _ = read_volume(tmp_path / "run_half2_class001_unfil.mrc")
+    assert not np.array_equal(half1, half2)
+    # the joined map holds both halves' data: closer to the truth than either half
+    fsc = [np.asarray(fsc_volumes(v, truth))[8:14].mean() for v in (joined, half1, half2)]
+    assert fsc[0] >= max(fsc[1], fsc[2]) - 0.01
+    model = starfile.read(tmp_path / "run_model.star")
+    assert "model_class_1" in model
