@@ -150,10 +150,15 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
 @click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch.")
 @click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
               help="Arithmetic of the CPU engine.")
+@click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
+              help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0) [default: when CuPy sees a GPU].')
+@click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present.")
+@click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
+              help="GPU memory (MB) left outside the engine's arena.")
 def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
-           split_random_halves, dont_combine_weights_via_disc, batch, precision):
+           split_random_halves, dont_combine_weights_via_disc, batch, precision, gpu, force_cpu, free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
@@ -183,9 +188,39 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
-        dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50)
+        dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50,
+        **engine_options(gpu, force_cpu, free_gpu_memory))
     reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
     _report_end(reports, out)
+
+
+def parse_gpu_ids(text):
+    """RELION's --gpu syntax: "" (device 0), "0", "0:1", "0,1:2" (ranks split by ':', threads by ',')."""
+    ids = []
+    for part in str(text).replace(",", ":").split(":"):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise click.UsageError(f"--gpu {text!r}: expected device numbers such as 0 or 0:1")
+        ids.append(int(part))
+    return tuple(ids) or (0,)
+
+
+def engine_options(gpu, force_cpu, free_gpu_memory):
+    """The engine fields of RefineConfig from --gpu/--cpu/--free_gpu_memory."""
+    from cryorefine.estep.cuda import cupy_available
+
+    if gpu is not None and force_cpu:
+        raise click.UsageError("--gpu and --cpu exclude each other; give one")
+    if force_cpu:
+        return {"engine": "numpy"}
+    if gpu is None and not cupy_available():
+        return {"engine": "numpy"}
+    if not cupy_available():
+        raise InputError(f"--gpu {gpu}: no usable CUDA device (CuPy missing or no GPU); install "
+                         f"cryorefine[cuda13] (or [cuda12]) on a GPU node, or run with --cpu")
+    return {"engine": "cuda", "gpu_ids": parse_gpu_ids(gpu or ""), "free_gpu_memory_mb": free_gpu_memory}
 
 
 def _report_end(reports, out):

@@ -46,6 +46,8 @@ class RefineConfig:
     incr_size_px: int = 10  # RELION's --incr_size
     batch_size: int = 256
     engine: str = "numpy"  # "numpy" or "cuda"
+    gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0)
+    free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
     dtype: str = "float64"  # numpy engine precision: float64 (oracle) or float32 (mirrors the GPU)
 
     def to_json(self):
@@ -54,4 +56,7 @@ class RefineConfig:
     @classmethod
     def from_json(cls, text):
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        values = {k: v for k, v in json.loads(text).items() if k in known}
+        if "gpu_ids" in values:
+            values["gpu_ids"] = tuple(values["gpu_ids"])
+        return cls(**values)

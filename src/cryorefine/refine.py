@@ -96,15 +96,45 @@ class IterationReport:
 def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
     """Run a gold-standard refinement; returns the list of IterationReports.
 
-    `make_engine()` returns a fresh engine (default: the numpy engine at config.dtype).
+    `make_engine()` returns a fresh engine (default: the numpy engine at config.dtype, or the GPU
+    engine when config.engine is "cuda"). A factory may also offer `run_scope()` (entered for
+    the whole run) and `iteration_scope()` (entered around each iteration's E- and M-step):
+    the GPU engines' device-memory lifetimes.
     `progress(done, total)` is called after each batch when given. `resume_from` is a
     run_itNNN_optimiser.star: the run goes on from iteration NNN + 1 exactly as it would have.
     """
     if make_engine is None:
-        from cryorefine.estep.reference import NumpyEngine
+        make_engine = default_engine_factory(config)
+    with _scope_of(make_engine, "run_scope"):
+        return _refine(config, argv, make_engine, progress, resume_from)
 
-        def make_engine():
-            return NumpyEngine(np.dtype(config.dtype))
+
+def default_engine_factory(config):
+    """The engine factory that config.engine names ("numpy", or "cuda" on config.gpu_ids[0])."""
+    if config.engine == "cuda":
+        from cryorefine.estep.cuda import CudaEngines
+
+        device = config.gpu_ids[0] if config.gpu_ids else 0
+        log.info("E-step engine: GPU %d (CuPy kernels)", device)
+        return CudaEngines(device, config.free_gpu_memory_mb)
+    from cryorefine.estep.reference import NumpyEngine
+
+    log.info("E-step engine: numpy (%s)", config.dtype)
+
+    def make_engine():
+        return NumpyEngine(np.dtype(config.dtype))
+
+    return make_engine
+
+
+def _scope_of(factory, name):
+    import contextlib
+
+    scope = getattr(factory, name, None)
+    return scope() if scope is not None else contextlib.nullcontext()
+
+
+def _refine(config, argv, make_engine, progress, resume_from):
 
     if config.symmetry.upper() != "C1":
         raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not yet "
@@ -179,29 +209,11 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
 
-        # ---- E-step, one half set at a time
+        with _scope_of(make_engine, "iteration_scope"):
+            fsc, changes, timings = _expectation_maximization(
+                config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
+                iteration, do_cc, final, timings)
         tic = time.perf_counter()
-        old = state.copy()
-        sums = []
-        for h in (0, 1):
-            engine = make_engine()
-            engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
-            with mrc.StackReader() as reader:
-                for batch_indices in particles.batches(config.batch_size, members[h]):
-                    batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
-                                          model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
-                                          state.norm_correction, state.class_index,
-                                          (old.rot_deg, old.tilt_deg, old.psi_deg))
-                    state.store(batch_indices, engine.run(batch))
-                    if progress:
-                        progress(batch_indices.size, len(particles))
-            sums.append(engine.sums())
-        timings["expectation"] = time.perf_counter() - tic
-
-        # ---- M-step
-        tic = time.perf_counter()
-        changes = _hidden_variable_changes(old, state, pixel, config.symmetry)
-        fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
         optimiser, sched = schedule.update_size_flags_from_fsc(optimiser, sched, fsc, sizes.current_size_px)
         res = schedule.current_resolution(box, pixel, fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
                                           halves_joined=final, iteration=iteration,
@@ -214,7 +226,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
                             changes_optimal_offsets_angstrom=changes.offsets_angstrom,
                             changes_optimal_classes=changes.classes)
-        timings["maximization"] = time.perf_counter() - tic
+        timings["maximization"] += time.perf_counter() - tic
 
         tic = time.perf_counter()
         _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv,
@@ -240,6 +252,36 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
     return reports
 
 
+def _expectation_maximization(config, make_engine, progress, particles, settings, members, model, optimiser, sampling,
+                              sizes, state, iteration, do_cc, final, timings):
+    """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings)."""
+    tic = time.perf_counter()
+    old = state.copy()
+    sums = []
+    for h in (0, 1):
+        engine = make_engine()
+        engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
+        with mrc.StackReader() as reader:
+            for batch_indices in particles.batches(config.batch_size, members[h]):
+                batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
+                                      model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
+                                      state.norm_correction, state.class_index,
+                                      (old.rot_deg, old.tilt_deg, old.psi_deg))
+                state.store(batch_indices, engine.run(batch))
+                if progress:
+                    progress(batch_indices.size, len(particles))
+        sums.append(engine.sums())
+        del engine
+    timings["expectation"] = time.perf_counter() - tic
+
+    tic = time.perf_counter()
+    changes = _hidden_variable_changes(old, state, model.pixel_size_angstrom, config.symmetry)
+    fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
+    del sums
+    timings["maximization"] = time.perf_counter() - tic
+    return fsc, changes, timings
+
+
 def _initial_noise(particles, settings, n_optics, batch_size):
     """RELION's initial noise spectra from the masked images at their stored origins."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
@@ -252,10 +294,9 @@ def _initial_noise(particles, settings, n_optics, batch_size):
 
 def _iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc):
     r_max = sizes.current_size_px // 2
-    projectors = [Projector(model.maps[half][0], config.padding_factor, r_max)]
     sigma_offset_px = model.sigma_offset_angstrom / model.pixel_size_angstrom
     setup = IterationSetup(
-        projectors=projectors, sigma2_noise=model.sigma2_noise, sampling=sampling,
+        projectors=None, maps=[model.maps[half][0]], sigma2_noise=model.sigma2_noise, sampling=sampling,
         ori_size_px=model.ori_size_px, current_size_px=sizes.current_size_px, coarse_size_px=sizes.coarse_size_px,
         pixel_size_angstrom=model.pixel_size_angstrom, log_pdf_class=np.log(np.maximum(model.pdf_class, 1e-300)),
         sigma_offset_px=sigma_offset_px, do_cc=do_cc, adaptive_fraction=config.adaptive_fraction,
@@ -267,25 +308,43 @@ def _iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc):
     return setup
 
 
-def _backprojector(sums, model, config, sizes):
-    bp = BackProjector(model.ori_size_px, config.padding_factor, sizes.current_size_px // 2)
-    bp.data[...] = sums.data[0]
-    bp.weight[...] = sums.weight[0]
-    return bp
+def array_module(array):
+    """numpy, or cupy for a CuPy array (CuPy is imported only when such an array exists)."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _to_host(array):
+    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
+
+
+def _backprojector(data, weight, model, config, sizes, xp):
+    data = xp.asarray(data, dtype=xp.complex128)
+    weight = xp.asarray(weight, dtype=xp.float64)
+    return BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor,
+                                     sizes.current_size_px // 2, xp=xp)
 
 
 def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
-    """RELION's maximization for two half sets: FSC, τ², maps and the other parameters; returns the FSC."""
+    """RELION's maximization for two half sets: FSC, τ², maps and the other parameters; returns the FSC.
+
+    Runs where the sums are: on the GPU (CuPy FFTs, FSC and noise spectra on the device) for
+    the GPU engine's sums, with numpy otherwise; the maps come back to the host.
+    """
     box = model.ori_size_px
     n_shells = model.n_shells
-    bps = [_backprojector(s, model, config, sizes) for s in sums]
+    xp = array_module(sums[0].data[0])
+    bps = [_backprojector(s.data[0], s.weight[0], model, config, sizes, xp) for s in sums]
     if joined:
-        joined_bp = _backprojector(sums[0], model, config, sizes)
-        joined_bp.data += bps[1].data
-        joined_bp.weight += bps[1].weight
+        joined_bp = _backprojector(bps[0].data + bps[1].data, bps[0].weight + bps[1].weight, model, config, sizes,
+                                   xp)
     avg = [bp.downsampled_average() for bp in bps]
     fsc = np.zeros(n_shells)
-    fsc_part = np.asarray(fourier_shell_correlation(avg[0], avg[1]))
+    fsc_part = _to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
+    del avg
     fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
     if config.low_resol_join_halves_angstrom and not joined:
         _join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
@@ -296,9 +355,9 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
         2 * model.pixel_size_angstrom)
 
     def reconstruct(bp, whole):
-        sigma2 = np.asarray(bp.noise_sigma2())[:n_shells]
+        sigma2 = _to_host(bp.noise_sigma2())[:n_shells]
         t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
-        volume = np.asarray(bp.reconstruct(tau2=t2, tau2_fudge=config.tau2_fudge))
+        volume = _to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
         if config.flatten_solvent:
             volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
         # the maps go on as they are written (float32), so a continued run sees exactly the same
@@ -345,7 +404,7 @@ def _join_halves_at_low_resolution(bps, resolution_angstrom, model):
     """RELION's joinTwoHalvesAtLowResolution: both halves get the sum of their data below a resolution."""
     grid = bps[0].grid
     shell_limit = model.ori_size_px * model.pixel_size_angstrom / resolution_angstrom
-    r2 = np.asarray(grid.radius2())
+    r2 = grid.radius2(bps[0].xp)
     low = r2 <= (shell_limit * grid.padding_factor) ** 2
     data = bps[0].data[low] + bps[1].data[low]
     weight = bps[0].weight[low] + bps[1].weight[low]

@@ -327,6 +327,19 @@ class BackProjector:
         self.data = xp.zeros(self.grid.shape, dtype=self.complex_dtype)
         self.weight = xp.zeros(self.grid.shape, dtype=self.real_dtype)
 
+    @classmethod
+    def from_arrays(cls, data, weight, size_px, padding_factor=2.0, r_max_px=None, xp=np):
+        """A back-projector holding existing sums (`data`, `weight` of the grid's shape), not copied."""
+        bp = cls.__new__(cls)
+        bp.xp = xp
+        bp.real_dtype = np.dtype(weight.dtype).type
+        bp.complex_dtype = complex_dtype_for(weight.dtype).type
+        bp.grid = PaddedGrid.create(size_px, padding_factor, r_max_px)
+        if tuple(data.shape) != bp.grid.shape or tuple(weight.shape) != bp.grid.shape:
+            raise ValueError(f"sums of shape {data.shape}/{weight.shape} do not match the grid {bp.grid.shape}")
+        bp.data, bp.weight = data, weight
+        return bp
+
     @property
     def size_px(self):
         return self.grid.size_px

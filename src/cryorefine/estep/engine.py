@@ -24,7 +24,7 @@ import numpy as np
 class IterationSetup:
     """Everything an engine needs for one iteration of one half set."""
 
-    projectors: list  # per class: core.projector.Projector of this half's reference
+    projectors: list | None  # per class: core.projector.Projector of this half's reference (None: from maps)
     sigma2_noise: np.ndarray  # (n_optics, ori_size//2+1) per-component noise variance per shell
     sampling: object  # core.sampling.Sampling of this iteration (perturbed)
     ori_size_px: int
@@ -44,6 +44,7 @@ class IterationSetup:
     data_vs_prior: np.ndarray | None = None  # (K, ori_size//2+1), for the scale sums
     padding_factor: float = 2.0
     avg_norm_correction: float = 1.0  # the model's average norm correction (images were scaled by avg/norm)
+    maps: list | None = None  # per class: the real-space reference (N, N, N); each engine builds its projectors
 
 
 @dataclass

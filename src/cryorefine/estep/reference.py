@@ -17,6 +17,7 @@ Precision is selectable: float64 for the oracle, float32 to mirror the GPU engin
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,18 +101,25 @@ class NumpyEngine:
         self.complex = np.result_type(self.real, np.complex64)
         self.setup_ = None
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
+        self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
 
     # ------------------------------------------------------------------ iteration set-up
     def setup(self, setup: IterationSetup):
         s = setup
+        if s.projectors is None:
+            from dataclasses import replace
+
+            from cryorefine.core.projector import Projector
+
+            s = replace(s, projectors=[Projector(m, s.padding_factor, s.current_size_px // 2) for m in s.maps])
         self.setup_ = s
         self.n_classes = len(s.projectors)
         self.fine = Coefficients.create(s.current_size_px)
         self.coarse = Coefficients.create(s.coarse_size_px)
         sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
-        self.minv_fine = self._inverse_sigma2(sigma2, self.fine.shell, keep_origin=False)
-        self.minv_store = self._inverse_sigma2(sigma2, self.fine.shell, keep_origin=True)
-        self.minv_coarse = self._inverse_sigma2(sigma2, self.coarse.shell, keep_origin=False)
+        self.minv_fine = inverse_sigma2(sigma2, self.fine.shell, keep_origin=False)
+        self.minv_store = inverse_sigma2(sigma2, self.fine.shell, keep_origin=True)
+        self.minv_coarse = inverse_sigma2(sigma2, self.coarse.shell, keep_origin=False)
         valid_log = np.where((self.fine.shell[None, :] > 0) & (self.fine.shell[None, :] < sigma2.shape[1]),
                              np.log(2 * np.pi * np.maximum(sigma2[:, np.minimum(self.fine.shell, sigma2.shape[1] - 1)],
                                                            1e-300)), 0.0)
@@ -145,14 +153,6 @@ class NumpyEngine:
         self.scale = scale
         self.avg_norm = s.avg_norm_correction
 
-    def _inverse_sigma2(self, sigma2, shell, keep_origin):
-        inside = shell < sigma2.shape[1]
-        values = np.where(inside[None, :], 1.0 / np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300),
-                          0.0)
-        if not keep_origin:
-            values[:, shell == 0] = 0.0  # RELION leaves k = 0 out of the likelihood
-        return values
-
     def _project(self, projector, matrices, coefficients):
         out = []
         for start in range(0, matrices.shape[0], 1024):
@@ -175,10 +175,12 @@ class NumpyEngine:
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64),
         }
         orient_log_prior, orient_sel = self._orientation_priors(batch)
+        tic = time.perf_counter()
         significant, n_significant = self._coarse_pass(pre, orient_log_prior, orient_sel)
+        self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
         parts, blocks = [], []
-        for rows in _groups_by_size(n_significant * self.children_per_block, _MAX_FINE_SAMPLES):
+        for rows in groups_by_size(n_significant * self.children_per_block, _MAX_FINE_SAMPLES):
             sub = {name: value[rows] for name, value in pre.items()}
             parts.append(self._fine_pass(sub, significant[rows], orient_log_prior[rows], orient_sel))
             blocks.extend(self.last_blocks)
@@ -223,6 +225,7 @@ class NumpyEngine:
         b_idx, flat = np.nonzero(significant)
         k_idx, o_sel, t_idx = np.unravel_index(flat, (self.n_classes, orient_sel.size, self.n_trans))
         o_idx = orient_sel[o_sel]
+        tic = time.perf_counter()
         fine = self._fine_samples(b_idx, k_idx, o_idx, t_idx)
         diff2_fine = self._diff2_samples(fine, pre["x"], pre["ctf"], self.minv_fine[optics], pre["residual"])
         prior_fine = (np.asarray(s.log_pdf_class)[fine["k"]]
@@ -235,13 +238,16 @@ class NumpyEngine:
         w_fine, min_diff2, sum_w, log_scale = self._sample_weights(diff2_fine, prior_fine, fine["b"], b_count)
         kept = self._significant_samples(w_fine, fine["b"], b_count)
         w_norm = np.where(kept, w_fine / sum_w[fine["b"]], 0.0)
+        self.stage_seconds["fine"] += time.perf_counter() - tic
         self._store_blocks(fine, w_norm, b_count)
         best = self._best_sample(w_norm, fine["b"], b_count)
         if s.do_cc:
             log_likelihood = -min_diff2
         else:
             log_likelihood = np.log(sum_w) + log_scale - min_diff2 - self.logsigma2[optics]
+        tic = time.perf_counter()
         new_norm = self._weighted_sums(fine, w_norm, kept, pre)
+        self.stage_seconds["sums"] += time.perf_counter() - tic
         origin = old + fine["t_px"][best]
         return {"rot_deg": fine["rot"][best], "tilt_deg": fine["tilt"][best], "psi_deg": fine["psi"][best],
                 "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1], "class_index": fine["k"][best],
@@ -514,7 +520,18 @@ class NumpyEngine:
         return new_norm
 
 
-def _groups_by_size(sizes, limit):
+def inverse_sigma2(sigma2, shell, keep_origin):
+    """1/σ² (n_optics, n_coefficients) at the coefficients' shells; 0 beyond the spectra (and at k = 0
+    unless `keep_origin`: RELION leaves k = 0 out of the likelihood but not out of the sums)."""
+    inside = shell < sigma2.shape[1]
+    values = np.where(inside[None, :], 1.0 / np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300),
+                      0.0)
+    if not keep_origin:
+        values[:, shell == 0] = 0.0
+    return values
+
+
+def groups_by_size(sizes, limit):
     """Consecutive index groups whose sizes add up to at most `limit` (a group holds at least one)."""
     groups, start, total = [], 0, 0
     for i, size in enumerate(np.asarray(sizes).tolist()):

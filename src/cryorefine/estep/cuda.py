@@ -1,0 +1,710 @@
+"""The CuPy engine: the E-step of `estep.reference.NumpyEngine` on one GPU, with RawKernels.
+
+Same contract (`estep.engine`) and the same arithmetic as the numpy engine at float32, stage
+by stage (the kernels live in `estep/kernels/*.cu`, each with its numpy twin):
+
+1. coarse pass: the projected slices of every orientation (`project_slices_planar`), the images
+   moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
+   translation) × orientation pairs as one tiled matrix product per orientation chunk
+   (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`);
+2. weights and significance with CuPy array operations on the device (priors, row maximum,
+   exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
+3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`, slices projected on the
+   fly), per-particle weights with segment reductions (`segment_reduce`);
+4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
+   and atomic back-projection of the slices into float64 padded volumes (`backproject_slices`).
+
+Device memory comes from the stack arena (`gpu.allocator`) when one is given: the loop opens
+the ITERATION scope, every sub-batch of particles a PARTICLE scope and every orientation or
+block chunk an ORIENTATION scope. Sub-batch and chunk sizes follow from the arena's free
+space and the current image sizes (`BatchPlan`); the choices are logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine.core import euler
+from cryorefine.core.projector import PaddedGrid, Projector
+from cryorefine.core.sampling import offset_log_prior
+from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
+from cryorefine.estep.reference import Coefficients, FineBlocks, inverse_sigma2
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segments.cu")
+GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
+FINE_THREADS = 128
+SEG_THREADS = 256
+
+
+def cupy_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_module(name_expressions=()):
+    """The kernels of KERNEL_FILES compiled once per process (and per set of template instances).
+
+    Every file comes with a `#line` directive so compiler messages name the .cu file and line.
+    """
+    import cupy
+
+    defines = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
+               "SEG_THREADS": SEG_THREADS}
+    parts = [f"#define {k} {v}" for k, v in defines.items()]
+    for name in KERNEL_FILES:
+        path = KERNEL_DIR / name
+        parts.append(f'#line 1 "{path}"')
+        parts.append(path.read_text())
+    return cupy.RawModule(code="\n".join(parts), options=("-std=c++17",), name_expressions=name_expressions)
+
+
+def _fine_names(nfo, nft):
+    return (f"fine_diff2<{nfo}, {nft}, false>", f"fine_diff2<{nfo}, {nft}, true>", f"fine_sums<{nfo}, {nft}>")
+
+
+def _round_up(value, multiple):
+    return (int(value) + multiple - 1) // multiple * multiple
+
+
+def _i32(v):
+    return np.int32(v)
+
+
+def _f32(v):
+    return np.float32(v)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sizes of one iteration's device work, chosen from the free device memory."""
+
+    particles_per_batch: int  # particles per sub-batch on the device
+    orientations_per_chunk: int  # coarse orientations projected and compared at once
+    cache_coarse_slices: bool  # the coarse slices of all orientations kept for the iteration
+    fine_samples_per_group: int  # fine samples (children) per group of particles
+    slice_rows_per_chunk: int  # per-orientation slices accumulated before back-projection
+
+    def describe(self):
+        return (f"{self.particles_per_batch} particles per batch, {self.orientations_per_chunk} orientations "
+                f"per chunk{' (coarse slices cached)' if self.cache_coarse_slices else ''}, "
+                f"{self.fine_samples_per_group} fine samples per group, {self.slice_rows_per_chunk} slices "
+                f"per back-projection")
+
+
+def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
+                 children_per_block):
+    """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
+
+    The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
+    the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
+    and cumulative sums float64) 4·8·K·R·T; per fine sample about 64 bytes; per slice row
+    12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
+    """
+    free = max(int(free_bytes), 1 << 20)
+    kc, kf = int(n_coarse_coef), int(n_fine_coef)
+    slice_bytes = 3 * _round_up(2 * kc, GEMM_BK) * 4 // 2
+    all_slices = slice_bytes * n_orientations * n_classes
+    cache = all_slices <= free // 4
+    budget = free - (all_slices if cache else 0)
+    chunk = n_orientations if cache else max(GEMM_BN, min(n_orientations, (budget // 8) // max(slice_bytes, 1)))
+    chunk = min(chunk, n_orientations)
+    per_particle = 2 * kc * n_translations * 4 + 36 * n_classes * n_orientations * n_translations + 64 * kf
+    particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
+    fine_samples = max(children_per_block, (budget // 8) // 64)
+    rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
+    return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
+
+
+class CupyEngine:
+    """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
+
+    def __init__(self, device_id=0, arena=None, keep_blocks=False):
+        import cupy
+
+        self.cp = cupy
+        self.device_id = int(device_id)
+        self.arena = arena
+        self.keep_blocks = keep_blocks  # copy FineBlocks and diff2 to the host (tests, diagnostics)
+        self.last_blocks = []
+        self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
+        self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
+        self.stage_seconds = {"upload": 0.0, "coarse_images": 0.0, "coarse": 0.0, "weights": 0.0, "fine": 0.0,
+                              "sums": 0.0, "backproject": 0.0}
+        self.coarse_flops = 0.0  # useful floating-point operations of the coarse matrix products
+        self.plan = None
+        self.setup_ = None
+
+    # ------------------------------------------------------------------ helpers
+    def _scope(self, level):
+        if self.arena is None:
+            return contextlib.nullcontext()
+        return self.arena.scope(level)
+
+    def _tick(self, stage, tic):
+        self.cp.cuda.get_current_stream().synchronize()
+        now = time.perf_counter()
+        self.stage_seconds[stage] += now - tic
+        return now
+
+    def _free_bytes(self):
+        if self.arena is not None:
+            return self.arena.free_bytes
+        free, _ = self.cp.cuda.runtime.memGetInfo()
+        return free + self.cp.get_default_memory_pool().free_bytes()
+
+    # ------------------------------------------------------------------ iteration set-up
+    def setup(self, setup: IterationSetup):
+        cp = self.cp
+        s = self.setup_ = setup
+        with cp.cuda.Device(self.device_id):
+            self.n_classes = len(s.projectors) if s.projectors else len(s.maps)
+            self.fine = Coefficients.create(s.current_size_px)
+            self.coarse = Coefficients.create(s.coarse_size_px)
+            sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
+            self.minv_fine = cp.asarray(inverse_sigma2(sigma2, self.fine.shell, False), dtype=cp.float32)
+            self.minv_store = cp.asarray(inverse_sigma2(sigma2, self.fine.shell, True), dtype=cp.float32)
+            minv_coarse = inverse_sigma2(sigma2, self.coarse.shell, False)
+            self.minv_coarse = cp.asarray(minv_coarse, dtype=cp.float32)
+            shell = self.fine.shell
+            valid = (shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1])
+            self.logsigma2 = np.where(valid, np.log(2 * np.pi * np.maximum(
+                sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300)), 0.0).sum(axis=1)
+            self.kx_f = cp.asarray(self.fine.kx, dtype=cp.float32)
+            self.ky_f = cp.asarray(self.fine.ky, dtype=cp.float32)
+            self.kx_c = cp.asarray(self.coarse.kx, dtype=cp.float32)
+            self.ky_c = cp.asarray(self.coarse.ky, dtype=cp.float32)
+            self.shell_f = cp.asarray(np.minimum(shell, 2 ** 31 - 1), dtype=cp.int32)
+            r2 = self.fine.kx ** 2 + self.fine.ky ** 2
+            self.coarse_sel = np.flatnonzero(r2 <= (s.coarse_size_px / 2) ** 2)
+            assert self.coarse_sel.size == self.coarse.positions.size
+
+            sampling = s.sampling
+            self.n_orient = sampling.n_orientations
+            self.n_trans = sampling.n_translations
+            self.n_fo = sampling.n_fine_orientations()
+            self.n_ft = sampling.n_fine_translations()
+            self.children = self.n_fo * self.n_ft
+            mats = np.asarray(sampling.orientation_matrices(), dtype=np.float64).reshape(-1, 9)
+            self.matrices_host = mats
+            self.translations = np.asarray(sampling.translations_px(), dtype=np.float64)
+            self.fine_translations = np.asarray(sampling.fine_translations_px(np.arange(self.n_trans)),
+                                                dtype=np.float64)  # (T, nft, 2)
+            self.trans_d = cp.asarray(self.translations, dtype=cp.float32)
+            self.fine_trans_d = cp.asarray(self.fine_translations, dtype=cp.float32)
+            self.direction_of = np.arange(self.n_orient) // sampling.n_psi
+            self.psi_index_of = np.arange(self.n_orient) % sampling.n_psi
+            self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
+            self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
+            self.scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
+                          else np.asarray(s.scale_correction, np.float64))
+            use = None
+            if s.data_vs_prior is not None and s.scale_correction is not None:
+                dvp = np.asarray(s.data_vs_prior)
+                use = (dvp[:, np.minimum(shell, dvp.shape[1] - 1)] > 3.0).astype(np.float32)
+            self.scale_use = None if use is None else cp.asarray(use)
+
+            # back-projection sums first (they outlive this half's E-step), then the references
+            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+            self.bp_grid = grid
+            self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex128)
+            self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float64)
+            self._upload_references(s)
+            n_optics, n_shells = sigma2.shape
+            self.n_shells = n_shells
+            self.sums_ = WeightedSums(
+                data=[self.bp_data[k] for k in range(self.n_classes)],
+                weight=[self.bp_weight[k] for k in range(self.n_classes)],
+                sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
+                pdf_class=np.zeros(self.n_classes), pdf_direction=np.zeros((self.n_classes, sampling.n_directions)),
+                scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
+            n_coarse_orient = self.n_orient
+            self.plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
+                                     n_coarse_orient, self.n_trans, self.n_classes, 1 << 30, self.children)
+            self.coarse_cache = None
+            if not s.local_searches and self.plan.cache_coarse_slices:
+                self.coarse_cache = [self._project_planar(k, np.arange(self.n_orient)) for k in range(self.n_classes)]
+            log.debug("GPU engine plan: %s", self.plan.describe())
+
+    def _upload_references(self, s):
+        cp = self.cp
+        projectors = []
+        if s.maps is not None:
+            for volume in s.maps:
+                projectors.append(Projector(cp.asarray(volume), s.padding_factor, s.current_size_px // 2,
+                                            dtype=np.float32, xp=cp))
+        else:
+            projectors = s.projectors
+        grid = projectors[0].grid
+        self.ref_grid = grid
+        self.ref_volumes = cp.stack([cp.asarray(p.data, dtype=cp.complex64) for p in projectors])
+        d, _, w = grid.shape
+        pf = np.float32(grid.padding_factor)
+        r_pad = grid.r_max_padded
+        self.geometry = (_i32(d), _i32(w), _i32(grid.origin), _f32(pf), _f32(r_pad * r_pad * (1.0 + 1e-5)))
+        self.class_stride = np.int64(d * d * w)
+        bp = self.bp_grid
+        bd, _, bw = bp.shape
+        br = bp.r_max_padded
+        self.bp_geometry = (_i32(bd), _i32(bw), _i32(bp.origin), _f32(bp.padding_factor),
+                            _f32(br * br * (1.0 + 1e-5)))
+
+    def _project_planar(self, k, orientations):
+        """Planar, coefficient-major slices (B, P2) of class k at `orientations` for the coarse product."""
+        cp = self.cp
+        kc = self.coarse.positions.size
+        n = orientations.size
+        ldb = _round_up(max(n, 1), GEMM_BN)
+        kd = _round_up(2 * kc, GEMM_BK)
+        b = cp.zeros((kd, ldb), dtype=cp.float32)
+        p2 = cp.zeros((_round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
+        mats = cp.asarray(self.matrices_host[orientations], dtype=cp.float32)
+        fn = kernel_module().get_function("project_slices_planar")
+        fn(((n + 31) // 32, (kc + 7) // 8), (32, 8),
+           (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb), b, p2))
+        return b, p2, n
+
+    # ------------------------------------------------------------------ one batch
+    def run(self, batch):
+        from cryorefine.gpu.allocator import Scope
+
+        cp = self.cp
+        self.last_coarse_diff2, self.last_fine = [], []
+        n = batch.indices.size
+        parts = []
+        blocks = []
+        with cp.cuda.Device(self.device_id):
+            step = max(1, self.plan.particles_per_batch)
+            for start in range(0, n, step):
+                rows = np.arange(start, min(n, start + step))
+                with self._scope(Scope.PARTICLE):
+                    parts.append(self._run_rows(batch, rows))
+                blocks.extend(self.last_blocks)
+        self.last_blocks = blocks
+        merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        self.sums_.log_likelihood += float(merged["log_likelihood"].sum())
+        self.sums_.sum_pmax += float(merged["pmax"].sum())
+        self.sums_.n_particles += n
+        return BatchResult(**merged)
+
+    def _run_rows(self, batch, rows):
+        cp = self.cp
+        tic = time.perf_counter()
+        optics = np.asarray(batch.optics_index)[rows]
+        pos = self.fine.positions
+        b_count = rows.size
+        flat = lambda a: np.asarray(a)[rows].reshape(b_count, -1)[:, pos]  # noqa: E731
+        ctf_host = flat(batch.ctf) * self.scale[optics][:, None]
+        pre = {
+            "x": cp.asarray(flat(batch.images_ft), dtype=cp.complex64),
+            "x_nomask": cp.asarray(flat(batch.images_ft_unmasked), dtype=cp.complex64),
+            "ctf": cp.asarray(ctf_host, dtype=cp.float32),
+            "optics": optics,
+            "optics_d": cp.asarray(optics, dtype=cp.int32),
+            "residual": np.asarray(batch.residual_origin_px, dtype=np.float64)[rows],
+            "old": np.asarray(batch.old_origin_px, dtype=np.float64)[rows],
+            "norm": np.asarray(batch.norm_correction, dtype=np.float64)[rows],
+            "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64)[rows],
+        }
+        pre["residual_d"] = cp.asarray(pre["residual"], dtype=cp.float32)
+        self._tick("upload", tic)
+        orient_log_prior, orient_sel = self._orientation_priors(batch, rows)
+        mask, n_sig = self._coarse_pass(pre, orient_log_prior, orient_sel)
+        # blocks of significant coarse samples, per particle in order (as numpy's nonzero)
+        per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
+        b_idx, flat_idx = cp.nonzero(mask)
+        del mask
+        b_idx, flat_idx = cp.asnumpy(b_idx), cp.asnumpy(flat_idx)
+        k_idx, o_sel, t_idx = np.unravel_index(flat_idx, (self.n_classes, orient_sel.size, self.n_trans))
+        o_idx = orient_sel[o_sel]
+        # the fine pass in groups of particles so that memory stays bounded however broad the weights
+        from cryorefine.estep.reference import groups_by_size
+        results, blocks = [], []
+        starts = np.r_[0, np.cumsum(per_particle)]
+        for group in groups_by_size(per_particle * self.children, self.plan.fine_samples_per_group):
+            sel = np.arange(starts[group[0]], starts[group[-1] + 1])
+            sub = {name: (value[group] if name not in ("x", "x_nomask", "ctf", "optics_d", "residual_d")
+                          else value[cp.asarray(group)]) for name, value in pre.items()}
+            results.append(self._fine_pass(sub, b_idx[sel] - group[0], k_idx[sel], o_idx[sel], o_sel[sel],
+                                           t_idx[sel], orient_log_prior[group]))
+            blocks.extend(self.last_blocks)
+        self.last_blocks = blocks
+        merged = {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+        merged["n_significant"] = n_sig
+        return merged
+
+    def _orientation_priors(self, batch, rows):
+        s = self.setup_
+        if not s.local_searches:
+            return np.zeros((rows.size, self.n_orient)), np.arange(self.n_orient)
+        prior = s.sampling.local_prior(np.asarray(batch.prior_rot_deg)[rows], np.asarray(batch.prior_tilt_deg)[rows],
+                                       np.asarray(batch.prior_psi_deg)[rows], s.sigma_rot_deg, s.sigma_psi_deg)
+        lp = (np.asarray(prior.dir_log_prior)[:, self.direction_of]
+              + np.asarray(prior.psi_log_prior)[:, self.psi_index_of])
+        sel = np.flatnonzero(np.isfinite(lp).any(axis=0))
+        return lp[:, sel], sel
+
+    # ------------------------------------------------------------------ coarse pass
+    def _coarse_pass(self, pre, orient_log_prior, orient_sel):
+        """diff2 of all coarse samples, weights and significance; returns the mask (B, K·R·T) and counts."""
+        from cryorefine.gpu.allocator import Scope
+
+        cp = self.cp
+        s = self.setup_
+        tic = time.perf_counter()
+        b_count = pre["x"].shape[0]
+        kc = self.coarse.positions.size
+        sel = cp.asarray(self.coarse_sel)
+        x_c = pre["x"][:, sel]
+        ctf_c = pre["ctf"][:, sel]
+        minv_c = self.minv_coarse[pre["optics_d"]]
+        n_t = self.n_trans
+        m = b_count * n_t
+        lda = _round_up(m, GEMM_BM)
+        kd = _round_up(2 * kc, GEMM_BK)
+        kp = _round_up(kc, GEMM_BK)
+        if s.do_cc:
+            scale_a = ctf_c
+            pair_a = ctf_c * ctf_c
+            row_term = cp.sqrt(cp.maximum(cp.sum(x_c.real ** 2 + x_c.imag ** 2, axis=1), 1e-30)).astype(cp.float32)
+            mode = 1
+        else:
+            scale_a = minv_c * ctf_c
+            pair_a = 0.5 * minv_c * ctf_c * ctf_c
+            row_term = (0.5 * cp.sum(minv_c * (x_c.real ** 2 + x_c.imag ** 2), axis=1)).astype(cp.float32)
+            mode = 0
+        a_mat = cp.zeros((kd, lda), dtype=cp.float32)
+        module = kernel_module()
+        module.get_function("shift_images_planar")(
+            ((m + 127) // 128, kc), (128,),
+            (x_c, scale_a.astype(cp.float32), self.kx_c, self.ky_c, pre["residual_d"], self.trans_d,
+             _i32(b_count), _i32(n_t), _i32(kc), _f32(2.0 / s.ori_size_px), _i32(lda), a_mat))
+        ldp = _round_up(b_count, GEMM_BM)
+        pair_mat = cp.zeros((kp, ldp), dtype=cp.float32)
+        pair_mat[:kc, :b_count] = pair_a.T
+        tic = self._tick("coarse_images", tic)
+        n_sel = orient_sel.size
+        diff2 = cp.empty((b_count, self.n_classes * n_sel * n_t), dtype=cp.float32)
+        gemm = module.get_function("coarse_diff2")
+        chunk = n_sel if self.coarse_cache is not None else self.plan.orientations_per_chunk
+        for k in range(self.n_classes):
+            for start in range(0, n_sel, chunk):
+                stop = min(n_sel, start + chunk)
+                with self._scope(Scope.ORIENTATION):
+                    if self.coarse_cache is not None:  # all orientations in one chunk
+                        b_mat, p2_mat, _ = self.coarse_cache[k]
+                    else:
+                        b_mat, p2_mat, _ = self._project_planar(k, orient_sel[start:stop])
+                    nc = stop - start
+                    ldb = b_mat.shape[1]
+                    pair = cp.empty((b_count, nc), dtype=cp.float32)
+                    grid = (ldb // GEMM_BN, ldp // GEMM_BM)
+                    gemm(grid, (256,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count), _i32(nc),
+                                        _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair))
+                    grid = (ldb // GEMM_BN, lda // GEMM_BM)
+                    gemm(grid, (256,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc), _i32(n_t),
+                                        row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
+                                        _i32(k * n_sel + start), diff2))
+                    self.coarse_flops += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
+        del a_mat, pair_mat
+        tic = self._tick("coarse", tic)
+        if self.keep_blocks:
+            self.last_coarse_diff2.append(cp.asnumpy(diff2))
+
+        # weights: priors + (min diff2 − diff2), exponentiated; CC keeps the best sample alone
+        log_prior = self._coarse_log_prior(pre, orient_log_prior, orient_sel)  # (B, K·R·T) float64
+        d2 = diff2.astype(cp.float64)
+        del diff2
+        if s.do_cc:
+            score = cp.where(cp.isfinite(log_prior), d2, cp.inf)
+            weights = cp.zeros_like(d2)
+            weights[cp.arange(b_count), cp.argmin(score, axis=1)] = 1.0
+            del score
+        else:
+            weights = log_prior - d2
+            weights -= cp.max(weights, axis=1, keepdims=True)
+            cp.exp(weights, out=weights)
+        del d2, log_prior
+        sorted_w = -cp.sort(-weights, axis=1)
+        cum = cp.cumsum(sorted_w, axis=1)
+        n_sig = cp.sum(cum < s.adaptive_fraction * cum[:, -1:], axis=1) + 1
+        del cum
+        n_sig = cp.minimum(n_sig, weights.shape[1])
+        if s.max_significants > 0:
+            n_sig = cp.minimum(n_sig, s.max_significants)
+        threshold = sorted_w[cp.arange(b_count), n_sig - 1]
+        del sorted_w
+        mask = (weights >= threshold[:, None]) & (weights > 0)
+        self._tick("weights", tic)
+        return mask, cp.asnumpy(n_sig).astype(np.int64)
+
+    def _coarse_log_prior(self, pre, orient_log_prior, orient_sel):
+        cp = self.cp
+        s = self.setup_
+        b_count = pre["x"].shape[0]
+        lp = (self.log_pdf_class[None, :, None, None] + orient_log_prior[:, None, :, None])
+        if self.log_pdf_direction is not None:
+            lp = lp + self.log_pdf_direction[None, :, self.direction_of[orient_sel], None]
+        centre = pre["old"] if s.local_searches else None
+        off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
+        lp_d = cp.asarray(lp) + cp.asarray(off)[:, None, None, :]
+        return cp.ascontiguousarray(cp.broadcast_to(
+            lp_d, (b_count, self.n_classes, orient_sel.size, self.n_trans))).reshape(b_count, -1)
+
+    # ------------------------------------------------------------------ fine pass
+    def _fine_pass(self, pre, b_blk, k_blk, o_blk, osel_blk, t_blk, orient_log_prior):
+        cp = self.cp
+        s = self.setup_
+        tic = time.perf_counter()
+        b_count = pre["x"].shape[0]
+        n_blocks = b_blk.size
+        nfo, nft, nf = self.n_fo, self.n_ft, self.children
+        unique_o, u_blk = np.unique(o_blk, return_inverse=True)
+        rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in s.sampling.fine_orientations_deg(unique_o))
+        fine_mats = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1)).reshape(-1, 9)
+        fine_mats_d = cp.asarray(fine_mats, dtype=cp.float32)
+        blk = {name: cp.asarray(v, dtype=cp.int32) for name, v in
+               (("b", b_blk), ("k", k_blk), ("u", u_blk), ("t", t_blk))}
+        n_coef = self.fine.positions.size
+        names = _fine_names(nfo, nft)
+        module = kernel_module(names)
+        x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
+        diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
+        if n_blocks:
+            fn = module.get_function(names[1] if s.do_cc else names[0])
+            fn((n_blocks,), (FINE_THREADS,),
+               (self.ref_volumes, *self.geometry, self.class_stride, blk["b"], blk["k"], blk["u"], blk["t"],
+                fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
+                pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
+        # priors of every child: class, parent orientation (and direction), child offset
+        parent = self.log_pdf_class[k_blk] + orient_log_prior[b_blk, osel_blk]
+        if self.log_pdf_direction is not None:
+            parent = parent + self.log_pdf_direction[k_blk, self.direction_of[o_blk]]
+        child_t = self.fine_translations[t_blk]  # (n_blocks, nft, 2)
+        off = pre["old"][b_blk][:, None, :] + child_t
+        centre = pre["old"][b_blk][:, None, :] if s.local_searches else 0.0
+        d2_off = np.sum((off - centre) ** 2, axis=2)  # (n_blocks, nft)
+        off_prior = -d2_off / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
+        prior = (cp.asarray(parent)[:, None, None] + cp.asarray(off_prior)[:, None, :]
+                 + cp.zeros((1, nfo, 1))).reshape(-1)
+        d2 = diff2.reshape(-1)
+        b_of = cp.repeat(blk["b"], nf)
+        starts = cp.asarray(np.searchsorted(np.repeat(b_blk, nf), np.arange(b_count + 1)), dtype=cp.int64)
+        score = cp.where(cp.isfinite(prior), d2, cp.inf)
+        min_d2, arg_min = self._segment(score, starts, 0)
+        if s.do_cc:
+            w = cp.zeros_like(d2)
+            valid = arg_min < d2.size
+            w[arg_min[valid]] = 1.0
+            sum_w = cp.ones(b_count)
+            top = cp.zeros(b_count)
+        else:
+            log_w = prior - (d2 - min_d2[b_of])
+            top, _ = self._segment(log_w, starts, 1)
+            w = cp.exp(log_w - top[b_of])
+            sum_w, _ = self._segment(w, starts, 2)
+        kept = self._significant_samples(w, b_of, starts, b_count)
+        w_norm = cp.where(kept, w / sum_w[b_of], 0.0)
+        pmax, best = self._segment(w_norm, starts, 1)
+        tic = self._tick("fine", tic)
+
+        if self.keep_blocks:
+            wn = cp.asnumpy(w_norm).reshape(n_blocks, nf)
+            coarse_index = (k_blk * self.n_orient + o_blk) * self.n_trans + t_blk
+            self.last_fine.append((b_blk, k_blk, o_blk, t_blk, cp.asnumpy(diff2)))
+            self.last_blocks = [FineBlocks(coarse_index[b_blk == b], wn[b_blk == b]) for b in range(b_count)]
+        else:
+            self.last_blocks = []
+
+        new_norm = self._weighted_sums(pre, w_norm, blk, b_blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d,
+                                       unique_o.size, d2_off, tic)
+        best = cp.asnumpy(best)
+        bb, f = best // nf, best % nf
+        io, it = f // nft, f % nft
+        rows = u_blk[bb] * nfo + io
+        origin = pre["old"] + self.fine_translations[t_blk[bb], it]
+        min_d2 = cp.asnumpy(min_d2)
+        if s.do_cc:
+            log_likelihood = -min_d2
+        else:
+            log_likelihood = (np.log(cp.asnumpy(sum_w)) + cp.asnumpy(top) - min_d2
+                              - self.logsigma2[pre["optics"]])
+        return {"rot_deg": rot.reshape(-1)[rows], "tilt_deg": tilt.reshape(-1)[rows],
+                "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
+                "class_index": k_blk[bb].astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
+                "norm_correction": new_norm}
+
+    def _segment(self, values, starts, op):
+        """Per-segment min (op 0), max (1) or sum (2) of float64 `values`, and the first arg of the extreme."""
+        cp = self.cp
+        n_seg = starts.size - 1
+        out = cp.empty(n_seg, dtype=cp.float64)
+        arg = cp.empty(n_seg, dtype=cp.int64)
+        if n_seg:
+            kernel_module().get_function("segment_reduce")(
+                (n_seg,), (SEG_THREADS,), (cp.ascontiguousarray(values, dtype=cp.float64), starts, _i32(op), out,
+                                           arg))
+        return out, arg
+
+    def _significant_samples(self, w, b_of, starts, b_count):
+        """Per particle, the fewest fine samples holding adaptive_fraction of the mass (as the numpy twin)."""
+        cp = self.cp
+        frac = self.setup_.adaptive_fraction
+        key = b_of.astype(cp.float64) * 4.0 + (1.0 - w)  # particle ascending, weight descending
+        order = cp.argsort(key)
+        wb = w[order]
+        total, _ = self._segment(w, starts, 2)
+        cum = cp.cumsum(wb)
+        before = cp.where(starts[:-1] > 0, cum[cp.maximum(starts[:-1] - 1, 0)], 0.0)
+        cum_in = cum - before[b_of]  # b_of is sorted, so b_of equals the particle of wb's positions
+        not_over = (cum_in < frac * total[b_of]).astype(cp.float64)
+        count, _ = self._segment(not_over, starts, 2)
+        pos = starts[:-1] + count.astype(cp.int64)
+        has = pos < starts[1:]
+        threshold = cp.where(has, wb[cp.minimum(pos, max(wb.size - 1, 0))], 0.0)
+        return (w >= threshold[b_of]) & (w > 0)
+
+    # ------------------------------------------------------------------ weighted sums
+    def _weighted_sums(self, pre, w_norm, blk, b_blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d, n_unique,
+                       d2_off, tic):
+        from cryorefine.gpu.allocator import Scope
+
+        cp = self.cp
+        s = self.setup_
+        sums = self.sums_
+        b_count = pre["x"].shape[0]
+        nfo, nft, nf = self.n_fo, self.n_ft, self.children
+        n_coef = self.fine.positions.size
+        n_shells = self.n_shells
+        noise = cp.zeros((b_count, n_shells), dtype=cp.float64)
+        xa = cp.zeros(b_count, dtype=cp.float64)
+        aa = cp.zeros(b_count, dtype=cp.float64)
+        w_blocks = w_norm.reshape(-1, nf)
+        module = kernel_module(_fine_names(nfo, nft))
+        fn = module.get_function(_fine_names(nfo, nft)[2])
+        bp_fn = kernel_module().get_function("backproject_slices")
+        # group the blocks by (class, coarse orientation) pair, a chunk of pairs at a time
+        pair = k_blk * n_unique + u_blk
+        order = np.argsort(pair, kind="stable")
+        uniq_pairs, pair_rank = np.unique(pair[order], return_inverse=True)
+        pairs_per_chunk = max(1, self.plan.slice_rows_per_chunk // nfo)
+        for first in range(0, uniq_pairs.size, pairs_per_chunk):
+            in_chunk = order[(pair_rank >= first) & (pair_rank < first + pairs_per_chunk)]
+            chunk_pairs = uniq_pairs[first:first + pairs_per_chunk]
+            local = np.searchsorted(chunk_pairs, pair[in_chunk])
+            n_rows = chunk_pairs.size * nfo
+            with self._scope(Scope.ORIENTATION):
+                sel = cp.asarray(in_chunk)
+                row0 = cp.asarray(local * nfo, dtype=cp.int32)
+                slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
+                slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
+                fn((in_chunk.size,), (FINE_THREADS,),
+                   (self.ref_volumes, *self.geometry, self.class_stride, blk["b"][sel], blk["k"][sel], blk["u"][sel],
+                    blk["t"][sel], row0, fine_mats_d, self.fine_trans_d, pre["x"], pre["x_nomask"], pre["ctf"],
+                    self.minv_store, pre["optics_d"], pre["residual_d"], cp.ascontiguousarray(w_blocks[sel]),
+                    self.shell_f, _i32(n_shells), self.scale_use if self.scale_use is not None else noise,
+                    _i32(self.scale_use is not None), self.kx_f, self.ky_f, _i32(n_coef),
+                    _f32(2.0 / s.ori_size_px), slice_data, slice_weight, noise, xa, aa),
+                   shared_mem=4 * n_shells)
+                tic = self._tick("sums", tic)
+                u_of_pair = chunk_pairs % n_unique
+                k_of_pair = chunk_pairs // n_unique
+                row_mats = fine_mats.reshape(-1, nfo, 9)[u_of_pair].reshape(-1, 9)
+                row_class = np.repeat(k_of_pair, nfo)
+                bp_fn(((n_coef + 127) // 128, n_rows), (128,),
+                      (slice_data, slice_weight, cp.asarray(row_mats, dtype=cp.float32),
+                       cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
+                       *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float64),
+                       self.bp_weight))
+                tic = self._tick("backproject", tic)
+        optics = pre["optics"]
+        noise_h = cp.asnumpy(noise)
+        beyond = pre["power_beyond"].copy()
+        beyond[:, : s.current_size_px // 2 + 1] = 0.0
+        beyond = beyond[:, :n_shells]
+        np.add.at(sums.sigma2_noise, optics, noise_h + beyond)
+        wdiff_total = noise_h.sum(axis=1) + beyond.sum(axis=1)
+        sums.sumw_group += np.bincount(optics, minlength=sums.sumw_group.size)
+        if self.scale_use is not None:
+            scale = self.scale[optics]
+            sums.scale_xa += np.bincount(optics, weights=cp.asnumpy(xa) / scale, minlength=sums.scale_xa.size)
+            sums.scale_aa += np.bincount(optics, weights=cp.asnumpy(aa) / scale ** 2, minlength=sums.scale_aa.size)
+        wb = cp.asnumpy(w_blocks).reshape(-1, nfo, nft)
+        sums.sigma2_offset_angstrom2 += float(np.sum(wb * d2_off[:, None, :])) * s.pixel_size_angstrom ** 2
+        w_per_block = wb.sum(axis=(1, 2))
+        sums.pdf_class += np.bincount(k_blk, weights=w_per_block, minlength=self.n_classes)
+        n_dir = sums.pdf_direction.shape[1]
+        sums.pdf_direction += np.bincount(k_blk * n_dir + self.direction_of[o_blk], weights=w_per_block,
+                                          minlength=sums.pdf_direction.size).reshape(sums.pdf_direction.shape)
+        new_norm = pre["norm"] / s.avg_norm_correction * np.sqrt(2.0 * wdiff_total)
+        sums.norm_correction += float(new_norm.sum())
+        return new_norm
+
+    def sums(self):
+        """The accumulated sums; the references and cached slices are let go (their memory returns)."""
+        self.ref_volumes = None
+        self.coarse_cache = None
+        return self.sums_
+
+
+class CudaEngines:
+    """The GPU engine factory of a refinement: one device, one stack arena, the scopes of its lifetimes.
+
+    `run_scope()` creates the arena (free memory minus `free_gpu_memory_mb`), installs it as
+    CuPy's allocator and opens the GLOBAL scope; `iteration_scope()` opens an ITERATION scope
+    around one iteration's E- and M-step, so everything of an iteration is freed at once;
+    calling the factory gives a fresh `CupyEngine` on the arena.
+    """
+
+    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True):
+        self.device_id = int(device_id)
+        self.free_gpu_memory_mb = float(free_gpu_memory_mb)
+        self.use_arena = use_arena
+        self.arena = None
+
+    def __call__(self):
+        return CupyEngine(self.device_id, self.arena)
+
+    @contextlib.contextmanager
+    def run_scope(self):
+        import cupy
+
+        from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
+
+        with cupy.cuda.Device(self.device_id):
+            if not self.use_arena:
+                yield self
+                return
+            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb)
+            try:
+                with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
+                    yield self
+                log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
+            finally:
+                self.arena.close()
+                self.arena = None
+
+    @contextlib.contextmanager
+    def iteration_scope(self):
+        from cryorefine.gpu.allocator import Scope
+
+        if self.arena is None:
+            yield self
+            return
+        with self.arena.scope(Scope.ITERATION):
+            yield self

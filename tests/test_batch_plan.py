@@ -1,0 +1,31 @@
+"""The GPU engine's batch and chunk sizes, chosen from free device memory (pure arithmetic: runs on the CPU)."""
+
+from cryorefine.estep.cuda import plan_batches
+
+
+def sizes(free_gb, box=360):
+    kc = int(3.1416 * (box / 2) ** 2 / 2)
+    return plan_batches(int(free_gb * 2**30), kc, kc, 4608, 21, 1, 1 << 30, 32)
+
+
+def test_more_memory_gives_larger_batches_and_chunks():
+    small, large = sizes(2), sizes(60)
+    assert 1 <= small.particles_per_batch < large.particles_per_batch
+    assert small.slice_rows_per_chunk <= large.slice_rows_per_chunk
+    assert large.cache_coarse_slices and not small.cache_coarse_slices
+    assert small.orientations_per_chunk < 4608 and large.orientations_per_chunk == 4608
+
+
+def test_chosen_sizes_fit_the_budget():
+    for free_gb in (1, 4, 16, 64):
+        kc = int(3.1416 * 180 ** 2 / 2)
+        plan = sizes(free_gb)
+        slices = 3 * 2 * kc * 4 // 2 * (4608 if plan.cache_coarse_slices else plan.orientations_per_chunk)
+        per_particle = 2 * kc * 21 * 4 + 36 * 4608 * 21 + 64 * kc
+        assert slices + plan.particles_per_batch * per_particle <= free_gb * 2**30 or plan.particles_per_batch == 1
+
+
+def test_small_images_need_little():
+    plan = plan_batches(8 * 2**30, 400, 800, 4608, 21, 1, 256, 32)
+    assert plan.particles_per_batch == 256  # capped by the requested batch
+    assert plan.cache_coarse_slices
