@@ -207,12 +207,13 @@ def run_gpu(cp, setup, batch, batch_size, free_gpu_memory_mb):
 
                 bp = BackProjector.from_arrays(sums.data[0], sums.weight[0], setup.ori_size_px, 2.0,
                                                setup.current_size_px // 2, xp=cp)
-                bp.reconstruct()  # first call: CuPy compiles its elementwise kernels
-                cp.cuda.get_current_stream().synchronize()
-                tic = time.perf_counter()
-                vol = bp.reconstruct()
-                cp.cuda.get_current_stream().synchronize()
-                mstep = time.perf_counter() - tic
+                with arena.pooled():
+                    bp.reconstruct()  # first call: CuPy compiles its elementwise kernels
+                    cp.cuda.get_current_stream().synchronize()
+                    tic = time.perf_counter()
+                    vol = bp.reconstruct()
+                    cp.cuda.get_current_stream().synchronize()
+                    mstep = time.perf_counter() - tic
                 del vol, bp, sums, engine
             peaks = {level.name: int(v) for level, v in arena.high_water_by_scope().items()}
             high_water = int(arena.high_water_bytes)

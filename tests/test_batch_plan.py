@@ -21,7 +21,7 @@ def test_chosen_sizes_fit_the_budget():
         kc = int(3.1416 * 180 ** 2 / 2)
         plan = sizes(free_gb)
         slices = 3 * 2 * kc * 4 // 2 * (4608 if plan.cache_coarse_slices else plan.orientations_per_chunk)
-        per_particle = 2 * kc * 21 * 4 + 36 * 4608 * 21 + 64 * kc
+        per_particle = 2 * kc * 21 * 4 + 36 * 4608 * 21 + 144 * kc
         assert slices + plan.particles_per_batch * per_particle <= free_gb * 2**30 or plan.particles_per_batch == 1
 
 

@@ -112,49 +112,58 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
                f"{result['pixel_size_angstrom']:.4f} Å/px)")
 
 
+def _refine_options(command):
+    """The options of `refine`, shared by `plan`."""
+    for option in reversed([
+        click.option("--i", "star", type=click.Path(dir_okay=False), help="Particle STAR file."),
+        click.option("--o", "out", help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own)."),
+        click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC)."),
+        click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
+                    help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o may change)."),
+        click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box]."),
+        click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å)."),
+        click.option("--sym", default="C1", show_default=True, help="Point group symmetry."),
+        click.option("--ctf", is_flag=True, help="Do CTF correction."),
+        click.option("--firstiter_cc", is_flag=True, help="Cross-correlation instead of likelihood in the first iteration."),
+        click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter."),
+        click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
+        click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor of the Fourier volumes."),
+        click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order."),
+        click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
+                    help="Local searches from this HEALPix order on."),
+        click.option("--offset_range", default=6.0, show_default=True, type=float, help="Translation search range (px)."),
+        click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px)."),
+        click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order."),
+        click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T."),
+        click.option("--iter", "max_iterations", default=None, type=int, help="At most this many iterations [default: 50]."),
+        click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
+                    help="Fraction of the probability mass kept by the coarse pass."),
+        click.option("--maxsig", default=-1, show_default=True, type=int, help="At most this many significant samples (-1: no limit)."),
+        click.option("--norm", is_flag=True, help="Refine per-particle norm corrections."),
+        click.option("--scale", is_flag=True, help="Refine per-group intensity scales."),
+        click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
+                    help="Join the half sets below this resolution (Å)."),
+        click.option("--random_seed", default=0, show_default=True, type=int, help="Random seed."),
+        click.option("--auto_refine", is_flag=True, help="Accepted for RELION command lines: refine always auto-refines."),
+        click.option("--split_random_halves", is_flag=True,
+                    help="Accepted for RELION command lines: refine always uses gold-standard halves."),
+        click.option("--dont_combine_weights_via_disc", is_flag=True,
+                    help="Accepted for RELION command lines: sums are never combined through files."),
+        click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch."),
+        click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
+                    help="Arithmetic of the CPU engine."),
+        click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
+                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0) [default: when CuPy sees a GPU].'),
+        click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
+        click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
+                    help="GPU memory (MB) left outside the engine's arena."),
+    ]):
+        command = option(command)
+    return command
+
+
 @cli.command()
-@click.option("--i", "star", type=click.Path(dir_okay=False), help="Particle STAR file.")
-@click.option("--o", "out", help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own).")
-@click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC).")
-@click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
-              help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o may change).")
-@click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box].")
-@click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å).")
-@click.option("--sym", default="C1", show_default=True, help="Point group symmetry.")
-@click.option("--ctf", is_flag=True, help="Do CTF correction.")
-@click.option("--firstiter_cc", is_flag=True, help="Cross-correlation instead of likelihood in the first iteration.")
-@click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter.")
-@click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise.")
-@click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor of the Fourier volumes.")
-@click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order.")
-@click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
-              help="Local searches from this HEALPix order on.")
-@click.option("--offset_range", default=6.0, show_default=True, type=float, help="Translation search range (px).")
-@click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px).")
-@click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order.")
-@click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T.")
-@click.option("--iter", "max_iterations", default=None, type=int, help="At most this many iterations [default: 50].")
-@click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
-              help="Fraction of the probability mass kept by the coarse pass.")
-@click.option("--maxsig", default=-1, show_default=True, type=int, help="At most this many significant samples (-1: no limit).")
-@click.option("--norm", is_flag=True, help="Refine per-particle norm corrections.")
-@click.option("--scale", is_flag=True, help="Refine per-group intensity scales.")
-@click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
-              help="Join the half sets below this resolution (Å).")
-@click.option("--random_seed", default=0, show_default=True, type=int, help="Random seed.")
-@click.option("--auto_refine", is_flag=True, help="Accepted for RELION command lines: refine always auto-refines.")
-@click.option("--split_random_halves", is_flag=True,
-              help="Accepted for RELION command lines: refine always uses gold-standard halves.")
-@click.option("--dont_combine_weights_via_disc", is_flag=True,
-              help="Accepted for RELION command lines: sums are never combined through files.")
-@click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch.")
-@click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
-              help="Arithmetic of the CPU engine.")
-@click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
-              help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0) [default: when CuPy sees a GPU].')
-@click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present.")
-@click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
-              help="GPU memory (MB) left outside the engine's arena.")
+@_refine_options
 def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
@@ -162,7 +171,6 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
-    from cryorefine.config import RefineConfig
     from cryorefine.refine import refine as run_refine
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -180,6 +188,45 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
     for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
         if not value:
             raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
+    config = _refine_config(**locals())
+    reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
+    _report_end(reports, out)
+
+
+@cli.command()
+@_refine_options
+@click.option("--gpu_memory", type=float, default=None,
+              help="GPU memory (GB) to plan for [default: the free memory of the GPU, else 80].")
+@click.option("--gpu_tflops", type=float, default=None,
+              help="FP32 peak (TFLOP/s) to plan for [default: the GPU's, else an H100's 51.6].")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(gpu_memory, gpu_tflops, as_json, **options):
+    """Predict GPU memory per scope, batch sizes and E-step time of a refine run, without running it."""
+    from dataclasses import asdict
+
+    from cryorefine.plan import GpuSpec, format_plan, plan_run
+
+    if not options["star"]:
+        raise click.UsageError("Missing option '--i'.")
+    options.update(gpu=None, force_cpu=True)
+    config = _refine_config(**options)
+    device = parse_gpu_ids(options.get("gpu") or "")[0]
+    result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops))
+    if as_json:
+        out = dict(result, gpu=asdict(result["gpu"]), moments=[dict(asdict(m), peak_bytes=m.peak_bytes)
+                                                             for m in result["moments"]])
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(format_plan(result))
+
+
+def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
+                   pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
+                   max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
+                   precision, gpu, force_cpu, free_gpu_memory, **_ignored):
+    """RefineConfig from the options of `refine` (and `plan`)."""
+    from cryorefine.config import RefineConfig
+
     config = RefineConfig(
         input_star=star, output_root=out, reference_map=ref, particle_diameter_angstrom=particle_diameter,
         ini_high_angstrom=ini_high, symmetry=sym, do_ctf=ctf, firstiter_cc=firstiter_cc,
@@ -190,8 +237,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
         dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50,
         **engine_options(gpu, force_cpu, free_gpu_memory))
-    reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
-    _report_end(reports, out)
+    return config
 
 
 def parse_gpu_ids(text):

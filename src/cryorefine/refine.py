@@ -98,8 +98,8 @@ def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
 
     `make_engine()` returns a fresh engine (default: the numpy engine at config.dtype, or the GPU
     engine when config.engine is "cuda"). A factory may also offer `run_scope()` (entered for
-    the whole run) and `iteration_scope()` (entered around each iteration's E- and M-step):
-    the GPU engines' device-memory lifetimes.
+    the whole run), `iteration_scope()` (around each iteration's E- and M-step) and
+    `maximization_scope()` (around the M-step): the GPU engines' device-memory lifetimes.
     `progress(done, total)` is called after each batch when given. `resume_from` is a
     run_itNNN_optimiser.star: the run goes on from iteration NNN + 1 exactly as it would have.
     """
@@ -179,7 +179,11 @@ def _refine(config, argv, make_engine, progress, resume_from):
         start = fourier.irfft3_centered(ft, box)
     model.maps = [[start.copy()], [start.copy()]]
     model.sigma2_noise = _initial_noise(particles, settings, n_optics, config.batch_size)
-    res = schedule.current_resolution(box, pixel, iteration=0, ini_high_angstrom=config.ini_high_angstrom)
+    if not config.ini_high_angstrom:
+        log.warning("no --ini_high: the reference is used unfiltered and the first image size is set for %.0f Å",
+                    schedule.DEFAULT_START_RESOLUTION_ANGSTROM)
+    res = schedule.current_resolution(box, pixel, iteration=0,
+                                      ini_high_angstrom=schedule.starting_resolution_angstrom(config))
     model.current_resolution_angstrom = res.resolution_angstrom
     rng = np.random.default_rng(config.random_seed)
     return _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter, out_root,
@@ -276,7 +280,8 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
 
     tic = time.perf_counter()
     changes = _hidden_variable_changes(old, state, model.pixel_size_angstrom, config.symmetry)
-    fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
+    with _scope_of(make_engine, "maximization_scope"):
+        fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
     del sums
     timings["maximization"] = time.perf_counter() - tic
     return fsc, changes, timings

@@ -257,6 +257,14 @@ def sampling_from_optimiser(optimiser, config):
 # ---------------------------------------------------------------- resolution
 
 
+DEFAULT_START_RESOLUTION_ANGSTROM = 60.0  # without --ini_high: RELION's GUI default, for the first image size
+
+
+def starting_resolution_angstrom(config) -> float:
+    """The resolution the first iteration's image size comes from: --ini_high, else 60 Å."""
+    return config.ini_high_angstrom if config.ini_high_angstrom else DEFAULT_START_RESOLUTION_ANGSTROM
+
+
 def current_resolution(ori_size_px: int, pixel_size_angstrom: float, *, fsc_halves=None, data_vs_prior=None,
                        tau2_fudge: float = 1.0, halves_joined: bool = False, iteration: int = 1,
                        ini_high_angstrom: float | None = None, firstiter_cc: bool = False,

@@ -191,6 +191,7 @@ def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0
         inv_tau2 = xp.where(positive, inv_tau2, inv_zero)
         apply = in_map & (ires >= minres_map_px)
         fweight = xp.where(apply, fweight + inv_tau2, fweight)
+        del t_at, positive, inv_tau2, tiny, inv_zero, apply, in_map, ires  # large on a GPU: free early
 
     # Weight floor: 1/1000 of the radially averaged weight (shells floor(|k|/pf) < r_max).
     round_max_r2 = relion_round(r_max * pf * r_max * pf)
@@ -202,7 +203,9 @@ def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0
     radavg = xp.where(counts > 0, totals / (1000.0 * xp.maximum(counts, 1.0)), 0.0)
     floor_w = radavg[xp.minimum(ifloor, r_max - 1)]
     w_eff = xp.maximum(fweight, floor_w)
+    del fweight, floor_w, shells, sel, ifloor
     quotient = xp.where(w_eff != 0, data / xp.where(w_eff != 0, w_eff, 1.0), data)
+    del w_eff
 
     # Decenter into the FFTW layout of the padded box (|k| ≤ R).
     kz, ky, kx = grid.frequencies(xp)

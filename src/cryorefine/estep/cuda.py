@@ -107,6 +107,14 @@ class BatchPlan:
                 f"per back-projection")
 
 
+def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
+    """Device bytes one particle of a sub-batch takes: shifted images 2·Kc·T·4, coarse weights
+    (diff2 float32; weights, sorted copy, cumulative sums float64) 36·K·R·T, its images, CTF
+    and their uploaded half transforms about 120·Kf, fine-pass tables about 24·Kf."""
+    return (2 * n_coarse_coef * n_translations * 4 + 36 * n_classes * n_orientations * n_translations
+            + 144 * n_fine_coef)
+
+
 def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
                  children_per_block):
     """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
@@ -124,7 +132,7 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     budget = free - (all_slices if cache else 0)
     chunk = n_orientations if cache else max(GEMM_BN, min(n_orientations, (budget // 8) // max(slice_bytes, 1)))
     chunk = min(chunk, n_orientations)
-    per_particle = 2 * kc * n_translations * 4 + 36 * n_classes * n_orientations * n_translations + 64 * kf
+    per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
     fine_samples = max(children_per_block, (budget // 8) // 64)
     rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
@@ -185,6 +193,7 @@ class CupyEngine:
             valid = (shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1])
             self.logsigma2 = np.where(valid, np.log(2 * np.pi * np.maximum(
                 sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300)), 0.0).sum(axis=1)
+            self.fine_positions_d = cp.asarray(self.fine.positions)
             self.kx_f = cp.asarray(self.fine.kx, dtype=cp.float32)
             self.ky_f = cp.asarray(self.fine.ky, dtype=cp.float32)
             self.kx_c = cp.asarray(self.coarse.kx, dtype=cp.float32)
@@ -306,14 +315,20 @@ class CupyEngine:
         cp = self.cp
         tic = time.perf_counter()
         optics = np.asarray(batch.optics_index)[rows]
-        pos = self.fine.positions
         b_count = rows.size
-        flat = lambda a: np.asarray(a)[rows].reshape(b_count, -1)[:, pos]  # noqa: E731
-        ctf_host = flat(batch.ctf) * self.scale[optics][:, None]
+        # rows are consecutive: slice (no host copy), send the half transforms as they are, gather on the device
+        take = slice(int(rows[0]), int(rows[-1]) + 1)
+        pos = self.fine_positions_d
+
+        def coefficients(array, dtype):
+            device = cp.asarray(np.asarray(array)[take])
+            return device.reshape(b_count, -1)[:, pos].astype(dtype)
+
+        scale = cp.asarray(self.scale[optics][:, None], dtype=cp.float32)
         pre = {
-            "x": cp.asarray(flat(batch.images_ft), dtype=cp.complex64),
-            "x_nomask": cp.asarray(flat(batch.images_ft_unmasked), dtype=cp.complex64),
-            "ctf": cp.asarray(ctf_host, dtype=cp.float32),
+            "x": coefficients(batch.images_ft, cp.complex64),
+            "x_nomask": coefficients(batch.images_ft_unmasked, cp.complex64),
+            "ctf": coefficients(batch.ctf, cp.float32) * scale,
             "optics": optics,
             "optics_d": cp.asarray(optics, dtype=cp.int32),
             "residual": np.asarray(batch.residual_origin_px, dtype=np.float64)[rows],
@@ -676,6 +691,7 @@ class CudaEngines:
         self.free_gpu_memory_mb = float(free_gpu_memory_mb)
         self.use_arena = use_arena
         self.arena = None
+        self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
 
     def __call__(self):
         return CupyEngine(self.device_id, self.arena)
@@ -696,6 +712,8 @@ class CudaEngines:
                     yield self
                 log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
             finally:
+                self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}
+                self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
                 self.arena.close()
                 self.arena = None
 
@@ -707,4 +725,13 @@ class CudaEngines:
             yield self
             return
         with self.arena.scope(Scope.ITERATION):
+            yield self
+
+    @contextlib.contextmanager
+    def maximization_scope(self):
+        """The M-step's many large temporaries come from a caching pool inside the iteration's scope."""
+        if self.arena is None:
+            yield self
+            return
+        with self.arena.pooled():
             yield self

@@ -370,6 +370,26 @@ class DeviceArena(StackArena):
                 cupy.cuda.set_allocator(previous)
                 cache.set_size(old_cache_size)
 
+    @contextlib.contextmanager
+    def pooled(self) -> Iterator[DeviceArena]:
+        """Serve CuPy from a caching pool whose chunks come from this arena's current scope, until exit.
+
+        For code with many large temporaries freed out of order (the M-step's reconstruction):
+        the pool reuses freed blocks where the stack could only pop its top. On exit the
+        pool's unused chunks go back to the arena (and so to the stack once on top); arrays
+        still alive keep theirs until they are dropped, as with any arena block.
+        """
+        import cupy
+
+        pool = cupy.cuda.MemoryPool(self.malloc)
+        previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(pool.malloc)
+        try:
+            yield self
+        finally:
+            cupy.cuda.set_allocator(previous)
+            pool.free_all_blocks()
+
     def close(self) -> None:
         """Free the device allocation. Every array from the arena must be gone by then."""
         self._memory = None

@@ -1,0 +1,169 @@
+"""`cryorefine plan`: what a refinement will need on the GPU, predicted without running it.
+
+For three moments of a run — the first iteration (image size from --ini_high, global search at
+--healpix_order), a late iteration (local searches at --auto_local_healpix_order, the image size
+at three quarters of Nyquist) and the final iteration (the whole box, halves joined) — the plan
+gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda.plan_batches`
+on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
+sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
+M-step's reconstruction), and an estimated E-step time per iteration from the coarse pass's
+arithmetic at the throughput measured on an H100 (about 65 % of the FP32 peak for the coarse
+kernel, the coarse pass about half of the E-step; benchmarks/estep_throughput.py).
+
+A run that cannot fit is refused with the option that would make it fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cryorefine import schedule
+from cryorefine.core.projector import PaddedGrid, padded_size_px
+from cryorefine.core.sampling import Sampling
+from cryorefine.errors import InputError
+from cryorefine.estep.cuda import per_particle_bytes, plan_batches
+
+GB = 1e9
+COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
+COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: float
+    fp32_tflops: float
+
+    @classmethod
+    def detect(cls, device_id=0, memory_gb=None, tflops=None):
+        """The device's name, free memory and FP32 peak (SMs × 128 lanes × 2 × clock) when CuPy sees it;
+        else an H100 80 GB (51.6 TFLOP/s measured FP32) unless --gpu_memory/--gpu_tflops say otherwise."""
+        name, memory, peak = "NVIDIA H100 80GB (assumed: no GPU visible)", 80 * GB, 51.6
+        try:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                props = cupy.cuda.runtime.getDeviceProperties(device_id)
+                free, _ = cupy.cuda.runtime.memGetInfo()
+                clock_ghz = props["clockRate"] / 1e6
+                name = props["name"].decode()
+                memory = float(free)
+                peak = props["multiProcessorCount"] * 128 * 2 * clock_ghz / 1e3
+        except Exception:  # no CuPy or no device: the assumed card
+            pass
+        if memory_gb:
+            name = f"{name} planned with {memory_gb:g} GB"
+        return cls(name, memory_gb * GB if memory_gb else memory, tflops or peak)
+
+
+@dataclass(frozen=True)
+class Moment:
+    label: str
+    current_size_px: int
+    coarse_size_px: int
+    n_orientations: int
+    n_translations: int
+    particles_per_batch: int
+    cache_coarse_slices: bool
+    iteration_bytes: float  # ITERATION scope at the E-step's peak (sums of both halves, references, slices)
+    particle_bytes: float  # one sub-batch
+    orientation_bytes: float  # one chunk
+    maximization_bytes: float  # the M-step's peak
+    estep_seconds: float
+
+    @property
+    def peak_bytes(self):
+        return max(self.iteration_bytes + self.particle_bytes + self.orientation_bytes, self.maximization_bytes)
+
+
+def _coefficients(size_px):
+    from cryorefine.estep.reference import Coefficients
+
+    return Coefficients.create(size_px).positions.size
+
+
+def predict_moment(label, config, n_particles, box, pixel, current, coarse, sampling, n_orientations, n_classes,
+                   arena_bytes, gpu):
+    """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations)."""
+    grid = PaddedGrid.create(box, config.padding_factor, current // 2)
+    volume = float(np.prod(grid.shape))
+    npad = padded_size_px(box, config.padding_factor)
+    sums_per_half = n_classes * volume * (16 + 8)  # complex128 data + float64 weight
+    references = n_classes * volume * 8 + 4 * npad ** 3 * 4  # complex64, and building them (padded FFT)
+    kc, kf = _coefficients(coarse), _coefficients(current)
+    n_t = sampling.n_translations
+    children = sampling.n_fine_orientations() * sampling.n_fine_translations()
+    fixed = 2 * sums_per_half + references
+    plan = plan_batches(max(arena_bytes - fixed, 1), kc, kf, n_orientations, n_t, n_classes, config.batch_size,
+                        children)
+    slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
+    chunk = 3 * 2 * kc * 4 / 2 * plan.orientations_per_chunk if not plan.cache_coarse_slices else 0.0
+    per_particle = per_particle_bytes(kc, kf, n_orientations, n_t, n_classes)
+    particle = plan.particles_per_batch * per_particle
+    orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
+    joined = 1 if label == "final" else 0  # the final iteration also reconstructs the joined halves
+    # reconstruction temporaries, measured on the GPU: ≈ 180 B per padded-grid element + 40 B per FFT-box voxel
+    maximization = (2 + joined) * sums_per_half + 180 * volume + 40 * float(npad) ** 3
+    coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
+    seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
+    estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
+    return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
+                  2 * sums_per_half + references + slices, particle, orientation, maximization, estep)
+
+
+def plan_run(config, gpu):
+    """The three moments of a refinement of `config` on `gpu`; raises InputError if one cannot fit."""
+    from cryorefine.data import load_particles
+
+    particles = load_particles(config.input_star)
+    box, pixel = particles.geometry()
+    n = len(particles)
+    diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
+    arena = gpu.memory_bytes - config.free_gpu_memory_mb * 2 ** 20
+    res0 = schedule.current_resolution(box, pixel, iteration=0,
+                                       ini_high_angstrom=schedule.starting_resolution_angstrom(config))
+    moments = []
+    for label, resolution, order, local, final in (
+            ("first", res0.resolution_angstrom, config.healpix_order, False, False),
+            ("late (local searches)", 2 * pixel / 0.75, config.auto_local_healpix_order, True, False),
+            ("final", 2 * pixel, config.auto_local_healpix_order, True, True)):
+        sizes = schedule.image_sizes(resolution, order, diameter, box, pixel, config.incr_size_px, False, final,
+                                     ave_pmax=0.0, oversampling=config.oversampling)
+        sampling = Sampling(healpix_order=order, offset_range_px=config.offset_range_px,
+                            offset_step_px=config.offset_step_px, symmetry=config.symmetry)
+        n_orient = sampling.n_orientations
+        if local:  # the orientations within 3σ of one pose, σ as RELION sets it for local searches
+            sigma = schedule.local_search_sigma_deg(order, config.oversampling)
+            prior = sampling.local_prior(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma, sigma)
+            n_orient = int(np.isfinite(prior.orientation_log_prior()).sum())
+        moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
+                                      sampling, n_orient, config.n_classes, arena, gpu))
+    worst = max(moments, key=lambda m: m.peak_bytes)
+    if worst.peak_bytes > arena:
+        need_gb = (worst.peak_bytes + config.free_gpu_memory_mb * 2 ** 20) / GB
+        hint = (f"lower --free_gpu_memory to {max(0.0, (gpu.memory_bytes - worst.peak_bytes) / 2 ** 20 - 256):.0f}"
+                if worst.peak_bytes < gpu.memory_bytes - 512 * 2 ** 20 else
+                f"use a GPU with at least {need_gb:.0f} GB, or --pad 1 (padded volumes one eighth the size)")
+        raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.1f} GB of GPU memory "
+                         f"but the arena on {gpu.name} has {arena / GB:.1f} GB; {hint}")
+    return {"particles": n, "box_px": box, "pixel_size_angstrom": pixel, "gpu": gpu, "arena_bytes": arena,
+            "moments": moments}
+
+
+def format_plan(result):
+    gpu = result["gpu"]
+    lines = [f"{result['particles']} particles, {result['box_px']} px at {result['pixel_size_angstrom']:.3f} Å/px; "
+             f"{gpu.name}: arena {result['arena_bytes'] / GB:.1f} GB, FP32 peak {gpu.fp32_tflops:.1f} TFLOP/s",
+             "",
+             "| iteration | size / coarse px | orientations × translations | particles per batch | ITERATION GB "
+             "| PARTICLE GB | ORIENTATION GB | M-step GB | peak GB | E-step s (est.) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in result["moments"]:
+        lines.append(f"| {m.label} | {m.current_size_px} / {m.coarse_size_px} | {m.n_orientations} × {m.n_translations}"
+                     f"{' (slices cached)' if m.cache_coarse_slices else ''} | {m.particles_per_batch} | "
+                     f"{m.iteration_bytes / GB:.2f} | {m.particle_bytes / GB:.2f} | {m.orientation_bytes / GB:.2f} | "
+                     f"{m.maximization_bytes / GB:.2f} | {m.peak_bytes / GB:.2f} | {m.estep_seconds:.0f} |")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""`cryorefine plan`: predictions that follow the sizes, and a refusal with the option that would fit."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cryorefine.cli import main
+
+EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+
+
+def run_cli(capsys, *args):
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def particles(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan")
+    main_args = ["simulate", "--ref", str(EXAMPLE_MAP), "--n", "10", "--o", str(folder / "sim")]
+    try:
+        main(main_args)
+    except SystemExit as exc:
+        assert exc.code == 0
+    return folder / "sim" / "particles.star"
+
+
+def plan_json(capsys, star, *extra):
+    code, out, err = run_cli(capsys, "plan", "--i", star, "--json", "--gpu_memory", 80, *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_three_moments_with_sizes_from_the_schedule(capsys, particles):
+    plan = plan_json(capsys, particles, "--ini_high", 40)
+    labels = [m["label"] for m in plan["moments"]]
+    assert labels[0] == "first" and labels[-1] == "final"
+    first, final = plan["moments"][0], plan["moments"][-1]
+    # 64 px at 6 Å/px from 40 Å: shell round(384/40) = 10, + incr_size 10 → 40 px; the final is the box
+    assert first["current_size_px"] == 40
+    assert final["current_size_px"] == 64
+    assert first["n_orientations"] == 4608  # HEALPix order 2, global
+    assert final["n_orientations"] < first["n_orientations"]  # local searches
+    assert final["maximization_bytes"] > plan["moments"][1]["maximization_bytes"]  # + the joined map
+
+
+def test_padding_and_batch_change_the_prediction(capsys, particles):
+    base = plan_json(capsys, particles, "--ini_high", 40)["moments"][0]
+    pad1 = plan_json(capsys, particles, "--ini_high", 40, "--pad", 1)["moments"][0]
+    small_batch = plan_json(capsys, particles, "--ini_high", 40, "--batch", 2)["moments"][0]
+    assert pad1["iteration_bytes"] < base["iteration_bytes"] / 3  # padded volumes 8× smaller; slices the same
+    assert small_batch["particles_per_batch"] == 2
+    assert small_batch["particle_bytes"] < base["particle_bytes"]
+
+
+def test_a_run_that_cannot_fit_is_refused_with_what_to_change(capsys, particles):
+    code, out, err = run_cli(capsys, "plan", "--i", particles, "--gpu_memory", 2.1)
+    assert code == 2
+    assert err.count("\n") == 1 and "--free_gpu_memory" in err and "GB" in err
+    code, out, err = run_cli(capsys, "plan", "--i", particles, "--gpu_memory", 0.01, "--free_gpu_memory", 0)
+    assert code == 2 and "use a GPU with at least" in err
