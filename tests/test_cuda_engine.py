@@ -99,7 +99,7 @@ def test_projection_kernel_matches_projector(cp):
     d, _, w = grid.shape
     out = cp.empty((50, coef.positions.size), dtype=cp.complex64)
     kernel_module().get_function("project_slices")(
-        ((coef.positions.size + 127) // 128, 50), (128,),
+        ((coef.positions.size + 127) // 128, 7), (128,),  # fewer y blocks than slices: each takes several
         (cp.asarray(projector.data, dtype=cp.complex64), np.int32(d), np.int32(w), np.int32(grid.origin),
          np.float32(grid.padding_factor), np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)),
          cp.asarray(mats.reshape(-1, 9), dtype=cp.float32), cp.asarray(coef.kx, dtype=cp.float32),
@@ -126,7 +126,7 @@ def test_backprojection_kernel_matches_backprojector(cp):
     vol = cp.zeros((1,) + grid.shape, dtype=cp.complex128)
     wvol = cp.zeros((1,) + grid.shape, dtype=cp.float64)
     kernel_module().get_function("backproject_slices")(
-        ((coef.positions.size + 127) // 128, rows), (128,),
+        ((coef.positions.size + 127) // 128, 9), (128,),  # fewer y blocks than rows: each takes several
         (cp.asarray(data), cp.asarray(weight), cp.asarray(mats.reshape(-1, 9), dtype=cp.float32),
          cp.zeros(rows, dtype=cp.int32), np.int32(rows), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(coef.positions.size), np.int32(d), np.int32(w),

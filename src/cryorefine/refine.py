@@ -214,7 +214,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         sampling = schedule.sampling_from_optimiser(optimiser, config)
 
         with _scope_of(make_engine, "iteration_scope"):
-            fsc, changes, timings = _expectation_maximization(
+            fsc, changes, timings, stages = _expectation_maximization(
                 config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
                 iteration, do_cc, final, timings)
         tic = time.perf_counter()
@@ -239,7 +239,10 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         write_iteration_report(f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
                                fsc=model.fsc_halves[0], ori_size_px=box, pixel_size_angstrom=pixel,
                                resolution_angstrom=res.resolution_angstrom, rot_deg=state.rot_deg,
-                               tilt_deg=state.tilt_deg, timings_seconds=dict(timings), halves_joined=final)
+                               tilt_deg=state.tilt_deg,
+                               timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
+                                                "M-step": timings["maximization"]},
+                               halves_joined=final)
         timings["write"] = time.perf_counter() - tic
         report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                  optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
@@ -250,6 +253,8 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
                  sizes.coarse_size_px, optimiser.healpix_order, " (local)" if optimiser.local_searches else "",
                  changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax, timings["expectation"],
                  timings["maximization"])
+        log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
+                                                       for name, seconds in stages.items()))
         if final:
             _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv)
             break
@@ -258,23 +263,29 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
 
 def _expectation_maximization(config, make_engine, progress, particles, settings, members, model, optimiser, sampling,
                               sizes, state, iteration, do_cc, final, timings):
-    """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings)."""
+    """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings, stages)
+    with `stages` the E-step's seconds per stage (image preparation, then the engine's)."""
     tic = time.perf_counter()
     old = state.copy()
     sums = []
+    stages = {}  # seconds per E-step stage: image preparation on the host, then the engine's own
     for h in (0, 1):
         engine = make_engine()
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
         with mrc.StackReader() as reader:
             for batch_indices in particles.batches(config.batch_size, members[h]):
+                tic_images = time.perf_counter()
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                       state.norm_correction, state.class_index,
                                       (old.rot_deg, old.tilt_deg, old.psi_deg))
+                stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic_images
                 state.store(batch_indices, engine.run(batch))
                 if progress:
                     progress(batch_indices.size, len(particles))
         sums.append(engine.sums())
+        for name, seconds in getattr(engine, "stage_seconds", {}).items():
+            stages[name] = stages.get(name, 0.0) + seconds
         del engine
     timings["expectation"] = time.perf_counter() - tic
 
@@ -284,7 +295,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
         fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
     del sums
     timings["maximization"] = time.perf_counter() - tic
-    return fsc, changes, timings
+    return fsc, changes, timings, stages
 
 
 def _initial_noise(particles, settings, n_optics, batch_size):

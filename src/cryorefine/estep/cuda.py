@@ -45,6 +45,7 @@ KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segment
 GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
 FINE_THREADS = 128
 SEG_THREADS = 256
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
 
 
 def cupy_available():
@@ -284,7 +285,7 @@ class CupyEngine:
         p2 = cp.zeros((_round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
         mats = cp.asarray(self.matrices_host[orientations], dtype=cp.float32)
         fn = kernel_module().get_function("project_slices_planar")
-        fn(((n + 31) // 32, (kc + 7) // 8), (32, 8),
+        fn(((n + 31) // 32, min((kc + 7) // 8, MAX_GRID_Y)), (32, 8),
            (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb), b, p2))
         return b, p2, n
 
@@ -406,7 +407,7 @@ class CupyEngine:
         a_mat = cp.zeros((kd, lda), dtype=cp.float32)
         module = kernel_module()
         module.get_function("shift_images_planar")(
-            ((m + 127) // 128, kc), (128,),
+            ((m + 127) // 128, min(kc, MAX_GRID_Y)), (128,),
             (x_c, scale_a.astype(cp.float32), self.kx_c, self.ky_c, pre["residual_d"], self.trans_d,
              _i32(b_count), _i32(n_t), _i32(kc), _f32(2.0 / s.ori_size_px), _i32(lda), a_mat))
         ldp = _round_up(b_count, GEMM_BM)
@@ -641,7 +642,7 @@ class CupyEngine:
                 k_of_pair = chunk_pairs // n_unique
                 row_mats = fine_mats.reshape(-1, nfo, 9)[u_of_pair].reshape(-1, 9)
                 row_class = np.repeat(k_of_pair, nfo)
-                bp_fn(((n_coef + 127) // 128, n_rows), (128,),
+                bp_fn(((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
                       (slice_data, slice_weight, cp.asarray(row_mats, dtype=cp.float32),
                        cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
                        *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float64),

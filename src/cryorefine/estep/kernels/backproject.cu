@@ -13,33 +13,35 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
                                               double* __restrict__ weight)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    const int r = blockIdx.y;
-    if (c >= n_coef || r >= n_rows) return;
-    const size_t at = (size_t)r * n_coef + c;
-    const float wv = slice_weight[at];
-    if (!(wv > 0.f)) return;
-    const float* a = mats + (size_t)r * 9;
-    const float kxc = kx[c], kyc = ky[c];
-    float qx = pf * (kxc * a[0] + kyc * a[3]);
-    float qy = pf * (kxc * a[1] + kyc * a[4]);
-    float qz = pf * (kxc * a[2] + kyc * a[5]);
-    if (qx * qx + qy * qy + qz * qz > r_pad_sq) return;
-    float2 v = slice_data[at];
-    if (qx < 0.f) { qx = -qx; qy = -qy; qz = -qz; v.y = -v.y; }
-    const float x0 = floorf(qx), y0 = floorf(qy), z0 = floorf(qz);
-    const double fx = qx - x0, fy = qy - y0, fz = qz - z0;
-    const int ix = min(max((int)x0, 0), w - 2);
-    const int iy = min(max((int)y0 + origin, 0), d - 2);
-    const int iz = min(max((int)z0 + origin, 0), d - 2);
-    const size_t sy = (size_t)w, sz = (size_t)d * w;
-    const size_t base = (size_t)row_class[r] * class_stride + (size_t)iz * sz + (size_t)iy * sy + ix;
+    if (c >= n_coef) return;
+    // rows beyond the grid's y limit (65,535) are taken in turns
+    for (int r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        const size_t at = (size_t)r * n_coef + c;
+        const float wv = slice_weight[at];
+        if (!(wv > 0.f)) continue;
+        const float* a = mats + (size_t)r * 9;
+        const float kxc = kx[c], kyc = ky[c];
+        float qx = pf * (kxc * a[0] + kyc * a[3]);
+        float qy = pf * (kxc * a[1] + kyc * a[4]);
+        float qz = pf * (kxc * a[2] + kyc * a[5]);
+        if (qx * qx + qy * qy + qz * qz > r_pad_sq) continue;
+        float2 v = slice_data[at];
+        if (qx < 0.f) { qx = -qx; qy = -qy; qz = -qz; v.y = -v.y; }
+        const float x0 = floorf(qx), y0 = floorf(qy), z0 = floorf(qz);
+        const double fx = qx - x0, fy = qy - y0, fz = qz - z0;
+        const int ix = min(max((int)x0, 0), w - 2);
+        const int iy = min(max((int)y0 + origin, 0), d - 2);
+        const int iz = min(max((int)z0 + origin, 0), d - 2);
+        const size_t sy = (size_t)w, sz = (size_t)d * w;
+        const size_t base = (size_t)row_class[r] * class_stride + (size_t)iz * sz + (size_t)iy * sy + ix;
 #pragma unroll
-    for (int corner = 0; corner < 8; ++corner) {
-        const int dz = corner >> 2, dy = (corner >> 1) & 1, dx = corner & 1;
-        const double cw = (dz ? fz : 1.0 - fz) * (dy ? fy : 1.0 - fy) * (dx ? fx : 1.0 - fx);
-        const size_t i = base + dz * sz + dy * sy + dx;
-        atomicAdd(&data[2 * i], cw * v.x);
-        atomicAdd(&data[2 * i + 1], cw * v.y);
-        atomicAdd(&weight[i], cw * wv);
+        for (int corner = 0; corner < 8; ++corner) {
+            const int dz = corner >> 2, dy = (corner >> 1) & 1, dx = corner & 1;
+            const double cw = (dz ? fz : 1.0 - fz) * (dy ? fy : 1.0 - fy) * (dx ? fx : 1.0 - fx);
+            const size_t i = base + dz * sz + dy * sy + dx;
+            atomicAdd(&data[2 * i], cw * v.x);
+            atomicAdd(&data[2 * i + 1], cw * v.y);
+            atomicAdd(&weight[i], cw * wv);
+        }
     }
 }

@@ -116,16 +116,17 @@ extern "C" __global__ void shift_images_planar(const float2* __restrict__ x, con
                                                float two_over_ori, int lda, float* __restrict__ A)
 {
     const int m = blockIdx.x * blockDim.x + threadIdx.x;
-    const int c = blockIdx.y;
-    if (m >= n_particles * T || c >= Kc) return;
+    if (m >= n_particles * T) return;
     const int b = m / T;
     const int t = m - b * T;
     const float sx = residual[2 * b] + trans[2 * t];
     const float sy = residual[2 * b + 1] + trans[2 * t + 1];
-    float sn, cs;
-    sincospif(-two_over_ori * (kx[c] * sx + ky[c] * sy), &sn, &cs);
-    const float2 v = x[(size_t)b * Kc + c];
-    const float s = scale[(size_t)b * Kc + c];
-    A[(size_t)c * lda + m] = (v.x * cs - v.y * sn) * s;
-    A[(size_t)(Kc + c) * lda + m] = (v.x * sn + v.y * cs) * s;
+    for (int c = blockIdx.y; c < Kc; c += gridDim.y) {  // beyond the grid's y limit, in turns
+        float sn, cs;
+        sincospif(-two_over_ori * (kx[c] * sx + ky[c] * sy), &sn, &cs);
+        const float2 v = x[(size_t)b * Kc + c];
+        const float s = scale[(size_t)b * Kc + c];
+        A[(size_t)c * lda + m] = (v.x * cs - v.y * sn) * s;
+        A[(size_t)(Kc + c) * lda + m] = (v.x * sn + v.y * cs) * s;
+    }
 }

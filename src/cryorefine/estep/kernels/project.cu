@@ -43,12 +43,13 @@ extern "C" __global__ void project_slices(const float2* __restrict__ vol, int d,
                                           int n_coef, int n_rot, float2* __restrict__ out)
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    int r = blockIdx.y;
-    if (c >= n_coef || r >= n_rot) return;
-    float a[6];
+    if (c >= n_coef) return;
+    for (int r = blockIdx.y; r < n_rot; r += gridDim.y) {  // beyond the grid's y limit, in turns
+        float a[6];
 #pragma unroll
-    for (int i = 0; i < 6; ++i) a[i] = mats[r * 9 + i];
-    out[(size_t)r * n_coef + c] = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
+        for (int i = 0; i < 6; ++i) a[i] = mats[r * 9 + i];
+        out[(size_t)r * n_coef + c] = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
+    }
 }
 
 // The same slices written for the coarse matrix product, coefficient-major and planar:
@@ -61,13 +62,14 @@ extern "C" __global__ void project_slices_planar(const float2* __restrict__ vol,
                                                  float* __restrict__ P2)
 {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
-    int c = blockIdx.y * blockDim.y + threadIdx.y;
-    if (c >= n_coef || r >= n_rot) return;
+    if (r >= n_rot) return;
     float a[6];
 #pragma unroll
     for (int i = 0; i < 6; ++i) a[i] = mats[r * 9 + i];
-    float2 v = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
-    B[(size_t)c * ldb + r] = v.x;
-    B[(size_t)(n_coef + c) * ldb + r] = v.y;
-    P2[(size_t)c * ldb + r] = v.x * v.x + v.y * v.y;
+    for (int c = blockIdx.y * blockDim.y + threadIdx.y; c < n_coef; c += gridDim.y * blockDim.y) {
+        float2 v = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
+        B[(size_t)c * ldb + r] = v.x;
+        B[(size_t)(n_coef + c) * ldb + r] = v.y;
+        P2[(size_t)c * ldb + r] = v.x * v.x + v.y * v.y;
+    }
 }
