@@ -135,7 +135,7 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     chunk = min(chunk, n_orientations)
     per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
-    fine_samples = max(children_per_block, (budget // 8) // 64)
+    fine_samples = max(children_per_block, (budget // 4) // 160)  # ≈ 160 device bytes per fine sample at peak
     rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
 
@@ -217,8 +217,10 @@ class CupyEngine:
                                                 dtype=np.float64)  # (T, nft, 2)
             self.trans_d = cp.asarray(self.translations, dtype=cp.float32)
             self.fine_trans_d = cp.asarray(self.fine_translations, dtype=cp.float32)
+            self.fine_trans_d64 = cp.asarray(self.fine_translations, dtype=cp.float64)
             self.direction_of = np.arange(self.n_orient) // sampling.n_psi
             self.psi_index_of = np.arange(self.n_orient) % sampling.n_psi
+            self.direction_of_d = cp.asarray(self.direction_of)
             self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
             self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
             self.scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
@@ -341,23 +343,26 @@ class CupyEngine:
         self._tick("upload", tic)
         orient_log_prior, orient_sel = self._orientation_priors(batch, rows)
         mask, n_sig = self._coarse_pass(pre, orient_log_prior, orient_sel)
-        # blocks of significant coarse samples, per particle in order (as numpy's nonzero)
+        # blocks of significant coarse samples, per particle in order (as numpy's nonzero), kept on the device
         per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
         b_idx, flat_idx = cp.nonzero(mask)
         del mask
-        b_idx, flat_idx = cp.asnumpy(b_idx), cp.asnumpy(flat_idx)
-        k_idx, o_sel, t_idx = np.unravel_index(flat_idx, (self.n_classes, orient_sel.size, self.n_trans))
-        o_idx = orient_sel[o_sel]
+        t_idx = flat_idx % self.n_trans
+        rest = flat_idx // self.n_trans
+        o_sel = rest % orient_sel.size
+        k_idx = rest // orient_sel.size
+        o_idx = cp.asarray(orient_sel)[o_sel]
+        olp = cp.asarray(orient_log_prior)
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
         from cryorefine.estep.reference import groups_by_size
         results, blocks = [], []
         starts = np.r_[0, np.cumsum(per_particle)]
         for group in groups_by_size(per_particle * self.children, self.plan.fine_samples_per_group):
-            sel = np.arange(starts[group[0]], starts[group[-1] + 1])
+            sel = slice(int(starts[group[0]]), int(starts[group[-1] + 1]))
             sub = {name: (value[group] if name not in ("x", "x_nomask", "ctf", "optics_d", "residual_d")
-                          else value[cp.asarray(group)]) for name, value in pre.items()}
-            results.append(self._fine_pass(sub, b_idx[sel] - group[0], k_idx[sel], o_idx[sel], o_sel[sel],
-                                           t_idx[sel], orient_log_prior[group]))
+                          else value[int(group[0]):int(group[-1]) + 1]) for name, value in pre.items()}
+            results.append(self._fine_pass(sub, b_idx[sel] - int(group[0]), k_idx[sel], o_idx[sel], o_sel[sel],
+                                           t_idx[sel], olp[int(group[0]):int(group[-1]) + 1]))
             blocks.extend(self.last_blocks)
         self.last_blocks = blocks
         merged = {name: np.concatenate([r[name] for r in results]) for name in results[0]}
@@ -484,18 +489,21 @@ class CupyEngine:
 
     # ------------------------------------------------------------------ fine pass
     def _fine_pass(self, pre, b_blk, k_blk, o_blk, osel_blk, t_blk, orient_log_prior):
+        """Fine samples of the significant blocks (device arrays, sorted by particle), weights, sums, results."""
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
         b_count = pre["x"].shape[0]
-        n_blocks = b_blk.size
+        n_blocks = int(b_blk.size)
         nfo, nft, nf = self.n_fo, self.n_ft, self.children
-        unique_o, u_blk = np.unique(o_blk, return_inverse=True)
+        unique_o_d, u_blk = cp.unique(o_blk, return_inverse=True)
+        u_blk = u_blk.reshape(-1)
+        unique_o = cp.asnumpy(unique_o_d)
         rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in s.sampling.fine_orientations_deg(unique_o))
         fine_mats = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1)).reshape(-1, 9)
         fine_mats_d = cp.asarray(fine_mats, dtype=cp.float32)
-        blk = {name: cp.asarray(v, dtype=cp.int32) for name, v in
-               (("b", b_blk), ("k", k_blk), ("u", u_blk), ("t", t_blk))}
+        blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
+               "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
         names = _fine_names(nfo, nft)
         module = kernel_module(names)
@@ -508,21 +516,24 @@ class CupyEngine:
                 fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
                 pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
         # priors of every child: class, parent orientation (and direction), child offset
-        parent = self.log_pdf_class[k_blk] + orient_log_prior[b_blk, osel_blk]
+        parent = cp.asarray(self.log_pdf_class)[k_blk] + orient_log_prior[b_blk, osel_blk]
         if self.log_pdf_direction is not None:
-            parent = parent + self.log_pdf_direction[k_blk, self.direction_of[o_blk]]
-        child_t = self.fine_translations[t_blk]  # (n_blocks, nft, 2)
-        off = pre["old"][b_blk][:, None, :] + child_t
-        centre = pre["old"][b_blk][:, None, :] if s.local_searches else 0.0
-        d2_off = np.sum((off - centre) ** 2, axis=2)  # (n_blocks, nft)
+            parent = parent + cp.asarray(self.log_pdf_direction)[k_blk, self.direction_of_d[o_blk]]
+        old = cp.asarray(pre["old"])
+        off = old[b_blk][:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
+        if s.local_searches:
+            off = off - old[b_blk][:, None, :]
+        d2_off = cp.sum(off * off, axis=2)  # (n_blocks, nft)
+        del off
         off_prior = -d2_off / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
-        prior = (cp.asarray(parent)[:, None, None] + cp.asarray(off_prior)[:, None, :]
-                 + cp.zeros((1, nfo, 1))).reshape(-1)
+        prior = cp.broadcast_to(parent[:, None, None] + off_prior[:, None, :], (n_blocks, nfo, nft)).reshape(-1)
+        del parent, off_prior
         d2 = diff2.reshape(-1)
         b_of = cp.repeat(blk["b"], nf)
-        starts = cp.asarray(np.searchsorted(np.repeat(b_blk, nf), np.arange(b_count + 1)), dtype=cp.int64)
+        starts = cp.searchsorted(b_blk, cp.arange(b_count + 1)).astype(cp.int64) * nf
         score = cp.where(cp.isfinite(prior), d2, cp.inf)
         min_d2, arg_min = self._segment(score, starts, 0)
+        del score
         if s.do_cc:
             w = cp.zeros_like(d2)
             valid = arg_min < d2.size
@@ -533,27 +544,33 @@ class CupyEngine:
             log_w = prior - (d2 - min_d2[b_of])
             top, _ = self._segment(log_w, starts, 1)
             w = cp.exp(log_w - top[b_of])
+            del log_w
             sum_w, _ = self._segment(w, starts, 2)
+        del prior
         kept = self._significant_samples(w, b_of, starts, b_count)
         w_norm = cp.where(kept, w / sum_w[b_of], 0.0)
+        del w, kept, b_of
         pmax, best = self._segment(w_norm, starts, 1)
         tic = self._tick("fine", tic)
 
         if self.keep_blocks:
+            hb, hk, ho, ht = (cp.asnumpy(a) for a in (b_blk, k_blk, o_blk, t_blk))
             wn = cp.asnumpy(w_norm).reshape(n_blocks, nf)
-            coarse_index = (k_blk * self.n_orient + o_blk) * self.n_trans + t_blk
-            self.last_fine.append((b_blk, k_blk, o_blk, t_blk, cp.asnumpy(diff2)))
-            self.last_blocks = [FineBlocks(coarse_index[b_blk == b], wn[b_blk == b]) for b in range(b_count)]
+            coarse_index = (hk * self.n_orient + ho) * self.n_trans + ht
+            self.last_fine.append((hb, hk, ho, ht, cp.asnumpy(diff2)))
+            self.last_blocks = [FineBlocks(coarse_index[hb == b], wn[hb == b]) for b in range(b_count)]
         else:
             self.last_blocks = []
+        del diff2
 
-        new_norm = self._weighted_sums(pre, w_norm, blk, b_blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d,
+        new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d,
                                        unique_o.size, d2_off, tic)
         best = cp.asnumpy(best)
         bb, f = best // nf, best % nf
         io, it = f // nft, f % nft
-        rows = u_blk[bb] * nfo + io
-        origin = pre["old"] + self.fine_translations[t_blk[bb], it]
+        u_best, t_best, k_best = (cp.asnumpy(a[cp.asarray(bb)]) for a in (u_blk, t_blk, k_blk))
+        rows = u_best * nfo + io
+        origin = pre["old"] + self.fine_translations[t_best, it]
         min_d2 = cp.asnumpy(min_d2)
         if s.do_cc:
             log_likelihood = -min_d2
@@ -562,7 +579,7 @@ class CupyEngine:
                               - self.logsigma2[pre["optics"]])
         return {"rot_deg": rot.reshape(-1)[rows], "tilt_deg": tilt.reshape(-1)[rows],
                 "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
-                "class_index": k_blk[bb].astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
+                "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
                 "norm_correction": new_norm}
 
     def _segment(self, values, starts, op):
@@ -596,8 +613,8 @@ class CupyEngine:
         return (w >= threshold[b_of]) & (w > 0)
 
     # ------------------------------------------------------------------ weighted sums
-    def _weighted_sums(self, pre, w_norm, blk, b_blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d, n_unique,
-                       d2_off, tic):
+    def _weighted_sums(self, pre, w_norm, blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d, n_unique, d2_off, tic):
+        """Noise, scale, slices (then back-projected), offsets, class and direction sums of the kept children."""
         from cryorefine.gpu.allocator import Scope
 
         cp = self.cp
@@ -616,26 +633,31 @@ class CupyEngine:
         bp_fn = kernel_module().get_function("backproject_slices")
         # group the blocks by (class, coarse orientation) pair, a chunk of pairs at a time
         pair = k_blk * n_unique + u_blk
-        order = np.argsort(pair, kind="stable")
-        uniq_pairs, pair_rank = np.unique(pair[order], return_inverse=True)
+        order = cp.argsort(pair)
+        uniq_pairs_d, pair_rank = cp.unique(pair[order], return_inverse=True)
+        pair_rank = pair_rank.reshape(-1)
+        uniq_pairs = cp.asnumpy(uniq_pairs_d)
         pairs_per_chunk = max(1, self.plan.slice_rows_per_chunk // nfo)
         for first in range(0, uniq_pairs.size, pairs_per_chunk):
-            in_chunk = order[(pair_rank >= first) & (pair_rank < first + pairs_per_chunk)]
-            chunk_pairs = uniq_pairs[first:first + pairs_per_chunk]
-            local = np.searchsorted(chunk_pairs, pair[in_chunk])
-            n_rows = chunk_pairs.size * nfo
             with self._scope(Scope.ORIENTATION):
-                sel = cp.asarray(in_chunk)
-                row0 = cp.asarray(local * nfo, dtype=cp.int32)
+                if uniq_pairs.size <= pairs_per_chunk:
+                    in_chunk = order
+                else:
+                    in_chunk = order[(pair_rank >= first) & (pair_rank < first + pairs_per_chunk)]
+                chunk_pairs = uniq_pairs[first:first + pairs_per_chunk]
+                local = cp.searchsorted(uniq_pairs_d[first:first + pairs_per_chunk], pair[in_chunk])
+                n_rows = chunk_pairs.size * nfo
+                row0 = (local * nfo).astype(cp.int32)
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
-                fn((in_chunk.size,), (FINE_THREADS,),
-                   (self.ref_volumes, *self.geometry, self.class_stride, blk["b"][sel], blk["k"][sel], blk["u"][sel],
-                    blk["t"][sel], row0, fine_mats_d, self.fine_trans_d, pre["x"], pre["x_nomask"], pre["ctf"],
-                    self.minv_store, pre["optics_d"], pre["residual_d"], cp.ascontiguousarray(w_blocks[sel]),
-                    self.shell_f, _i32(n_shells), self.scale_use if self.scale_use is not None else noise,
-                    _i32(self.scale_use is not None), self.kx_f, self.ky_f, _i32(n_coef),
-                    _f32(2.0 / s.ori_size_px), slice_data, slice_weight, noise, xa, aa),
+                fn((int(in_chunk.size),), (FINE_THREADS,),
+                   (self.ref_volumes, *self.geometry, self.class_stride, blk["b"][in_chunk], blk["k"][in_chunk],
+                    blk["u"][in_chunk], blk["t"][in_chunk], row0, fine_mats_d, self.fine_trans_d, pre["x"],
+                    pre["x_nomask"], pre["ctf"], self.minv_store, pre["optics_d"], pre["residual_d"],
+                    cp.ascontiguousarray(w_blocks[in_chunk]), self.shell_f, _i32(n_shells),
+                    self.scale_use if self.scale_use is not None else noise, _i32(self.scale_use is not None),
+                    self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), slice_data, slice_weight, noise,
+                    xa, aa),
                    shared_mem=4 * n_shells)
                 tic = self._tick("sums", tic)
                 u_of_pair = chunk_pairs % n_unique
@@ -647,6 +669,7 @@ class CupyEngine:
                        cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
                        *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float64),
                        self.bp_weight))
+                del slice_data, slice_weight, in_chunk, local, row0
                 tic = self._tick("backproject", tic)
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)
@@ -660,13 +683,14 @@ class CupyEngine:
             scale = self.scale[optics]
             sums.scale_xa += np.bincount(optics, weights=cp.asnumpy(xa) / scale, minlength=sums.scale_xa.size)
             sums.scale_aa += np.bincount(optics, weights=cp.asnumpy(aa) / scale ** 2, minlength=sums.scale_aa.size)
-        wb = cp.asnumpy(w_blocks).reshape(-1, nfo, nft)
-        sums.sigma2_offset_angstrom2 += float(np.sum(wb * d2_off[:, None, :])) * s.pixel_size_angstrom ** 2
-        w_per_block = wb.sum(axis=(1, 2))
-        sums.pdf_class += np.bincount(k_blk, weights=w_per_block, minlength=self.n_classes)
+        w3 = w_blocks.reshape(-1, nfo, nft)
+        sums.sigma2_offset_angstrom2 += float(cp.sum(w3 * d2_off[:, None, :])) * s.pixel_size_angstrom ** 2
+        w_per_block = w3.sum(axis=(1, 2))
+        sums.pdf_class += cp.asnumpy(cp.bincount(k_blk, weights=w_per_block, minlength=self.n_classes))
         n_dir = sums.pdf_direction.shape[1]
-        sums.pdf_direction += np.bincount(k_blk * n_dir + self.direction_of[o_blk], weights=w_per_block,
-                                          minlength=sums.pdf_direction.size).reshape(sums.pdf_direction.shape)
+        sums.pdf_direction += cp.asnumpy(cp.bincount(k_blk * n_dir + self.direction_of_d[o_blk], weights=w_per_block,
+                                                     minlength=sums.pdf_direction.size)).reshape(
+            sums.pdf_direction.shape)
         new_norm = pre["norm"] / s.avg_norm_correction * np.sqrt(2.0 * wdiff_total)
         sums.norm_correction += float(new_norm.sum())
         return new_norm
