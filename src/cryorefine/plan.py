@@ -24,7 +24,7 @@ from cryorefine import schedule
 from cryorefine.core.projector import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
-from cryorefine.estep.cuda import per_particle_bytes, plan_batches
+from cryorefine.estep.cuda import FINE_SAMPLE_BYTES, per_particle_bytes, plan_batches
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -102,7 +102,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
     chunk = 3 * 2 * kc * 4 / 2 * plan.orientations_per_chunk if not plan.cache_coarse_slices else 0.0
     per_particle = per_particle_bytes(kc, kf, n_orientations, n_t, n_classes)
-    particle = plan.particles_per_batch * per_particle
+    # one sub-batch, and at most one group of fine samples (its size depends on how broad the posteriors are)
+    particle = plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
     joined = 1 if label == "final" else 0  # the final iteration also reconstructs the joined halves
     # reconstruction temporaries, measured on the GPU: ≈ 180 B per padded-grid element + 40 B per FFT-box voxel

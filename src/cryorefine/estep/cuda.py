@@ -45,6 +45,8 @@ KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segment
 GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
 FINE_THREADS = 128
 SEG_THREADS = 256
+FINE_SAMPLES_PER_GROUP_MAX = 1 << 22
+FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
 
 
@@ -135,7 +137,8 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     chunk = min(chunk, n_orientations)
     per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
-    fine_samples = max(children_per_block, (budget // 4) // 160)  # ≈ 160 device bytes per fine sample at peak
+    # ≈ 160 device bytes per fine sample at peak; at most 4M samples (≈ 0.7 GB) per group of particles
+    fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // 160))
     rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
 
@@ -352,7 +355,7 @@ class CupyEngine:
         o_sel = rest % orient_sel.size
         k_idx = rest // orient_sel.size
         o_idx = cp.asarray(orient_sel)[o_sel]
-        olp = cp.asarray(orient_log_prior)
+        olp = orient_log_prior
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
         from cryorefine.estep.reference import groups_by_size
         results, blocks = [], []
@@ -370,15 +373,19 @@ class CupyEngine:
         return merged
 
     def _orientation_priors(self, batch, rows):
+        """Per-particle log priors of the orientations searched (device, (B, R_sel)) and their indices (host)."""
+        cp = self.cp
         s = self.setup_
         if not s.local_searches:
-            return np.zeros((rows.size, self.n_orient)), np.arange(self.n_orient)
-        prior = s.sampling.local_prior(np.asarray(batch.prior_rot_deg)[rows], np.asarray(batch.prior_tilt_deg)[rows],
-                                       np.asarray(batch.prior_psi_deg)[rows], s.sigma_rot_deg, s.sigma_psi_deg)
-        lp = (np.asarray(prior.dir_log_prior)[:, self.direction_of]
-              + np.asarray(prior.psi_log_prior)[:, self.psi_index_of])
-        sel = np.flatnonzero(np.isfinite(lp).any(axis=0))
-        return lp[:, sel], sel
+            return cp.zeros((rows.size, self.n_orient)), np.arange(self.n_orient)
+        take = slice(int(rows[0]), int(rows[-1]) + 1)
+        prior = s.sampling.local_prior(np.asarray(batch.prior_rot_deg)[take], np.asarray(batch.prior_tilt_deg)[take],
+                                       np.asarray(batch.prior_psi_deg)[take], s.sigma_rot_deg, s.sigma_psi_deg,
+                                       xp=cp)
+        lp = (cp.asarray(prior.dir_log_prior)[:, self.direction_of_d]
+              + cp.asarray(prior.psi_log_prior)[:, cp.asarray(self.psi_index_of)])
+        sel = cp.asnumpy(cp.flatnonzero(cp.isfinite(lp).any(axis=0)))
+        return lp[:, cp.asarray(sel)], sel
 
     # ------------------------------------------------------------------ coarse pass
     def _coarse_pass(self, pre, orient_log_prior, orient_sel):
@@ -478,12 +485,12 @@ class CupyEngine:
         cp = self.cp
         s = self.setup_
         b_count = pre["x"].shape[0]
-        lp = (self.log_pdf_class[None, :, None, None] + orient_log_prior[:, None, :, None])
+        lp = cp.asarray(self.log_pdf_class)[None, :, None, None] + orient_log_prior[:, None, :, None]
         if self.log_pdf_direction is not None:
-            lp = lp + self.log_pdf_direction[None, :, self.direction_of[orient_sel], None]
+            lp = lp + cp.asarray(self.log_pdf_direction[:, self.direction_of[orient_sel]])[None, :, :, None]
         centre = pre["old"] if s.local_searches else None
         off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
-        lp_d = cp.asarray(lp) + cp.asarray(off)[:, None, None, :]
+        lp_d = lp + cp.asarray(off)[:, None, None, :]
         return cp.ascontiguousarray(cp.broadcast_to(
             lp_d, (b_count, self.n_classes, orient_sel.size, self.n_trans))).reshape(b_count, -1)
 
