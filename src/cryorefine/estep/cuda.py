@@ -224,6 +224,7 @@ class CupyEngine:
             self.direction_of = np.arange(self.n_orient) // sampling.n_psi
             self.psi_index_of = np.arange(self.n_orient) % sampling.n_psi
             self.direction_of_d = cp.asarray(self.direction_of)
+            self._fine_angles = self._fine_matrices = self._fine_known = None  # filled on demand
             self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
             self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
             self.scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
@@ -506,8 +507,7 @@ class CupyEngine:
         unique_o_d, u_blk = cp.unique(o_blk, return_inverse=True)
         u_blk = u_blk.reshape(-1)
         unique_o = cp.asnumpy(unique_o_d)
-        rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in s.sampling.fine_orientations_deg(unique_o))
-        fine_mats = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1)).reshape(-1, 9)
+        rot, tilt, psi, fine_mats = self._fine_orientations(unique_o)
         fine_mats_d = cp.asarray(fine_mats, dtype=cp.float32)
         blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
                "t": t_blk.astype(cp.int32)}
@@ -588,6 +588,23 @@ class CupyEngine:
                 "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
                 "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
                 "norm_correction": new_norm}
+
+    def _fine_orientations(self, orientations):
+        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations, computed once
+        per iteration for each coarse orientation (HEALPix children and perturbation are host work)."""
+        if self._fine_angles is None:
+            self._fine_angles = np.zeros((self.n_orient, self.n_fo, 3))
+            self._fine_matrices = np.zeros((self.n_orient, self.n_fo, 9))
+            self._fine_known = np.zeros(self.n_orient, dtype=bool)
+        missing = orientations[~self._fine_known[orientations]]
+        if missing.size:
+            rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in self.setup_.sampling.fine_orientations_deg(missing))
+            self._fine_angles[missing] = np.stack([rot, tilt, psi], axis=-1)
+            self._fine_matrices[missing] = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1),
+                                                                 psi.reshape(-1)).reshape(missing.size, self.n_fo, 9)
+            self._fine_known[missing] = True
+        angles = self._fine_angles[orientations]
+        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[orientations].reshape(-1, 9)
 
     def _segment(self, values, starts, op):
         """Per-segment min (op 0), max (1) or sum (2) of float64 `values`, and the first arg of the extreme."""
