@@ -131,6 +131,8 @@ def time_coarse_kernel(cp, n_particles, n_translations, n_orientations, n_coef, 
     lda, ldb, kd = _round_up(m, GEMM_BM), _round_up(n_orientations, GEMM_BN), _round_up(2 * n_coef, GEMM_BK)
     a = rng.standard_normal((kd, lda), dtype=cp.float32)
     b = rng.standard_normal((kd, ldb), dtype=cp.float32)
+    a[2 * n_coef:] = 0  # the padding rows are zero in the engine too
+    b[2 * n_coef:] = 0
     row = rng.standard_normal(n_particles, dtype=cp.float32)
     pair = rng.standard_normal((n_particles, n_orientations), dtype=cp.float32)
     out = cp.empty((n_particles, n_orientations * n_translations), cp.float32)

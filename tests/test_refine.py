@@ -127,12 +127,15 @@ def test_real_relion31_particles_run_two_iterations(real_data, tmp_path):
     assert half.shape == (n, n, n) and np.isfinite(half).all()
 
 
-def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_path):
-    """--continue from iteration 2 reproduces iteration 3 of the uninterrupted run bit for bit."""
+def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_path, caplog):
+    """--continue from iteration 2 reproduces iteration 3 of the uninterrupted run bit for bit; an option of
+    the run given again (here --tau2_fudge) is ignored with a warning that names it."""
     folder, _ = refined
-    code = run_cli("refine", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
-                   "--iter", 3)
+    with caplog.at_level("WARNING"):
+        code = run_cli("refine", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
+                       "--iter", 3, "--tau2_fudge", 4)
     assert code == 0
+    assert "ignored here: --tau2_fudge" in caplog.text
     for suffix in ("half1_class001.mrc", "half2_class001.mrc"):
         assert (tmp_path / f"run_it003_{suffix}").read_bytes() == (folder / "out" / f"run_it003_{suffix}").read_bytes()
     continued = starfile.read(tmp_path / "run_it003_data.star")["particles"]

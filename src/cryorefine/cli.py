@@ -180,8 +180,23 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
         from cryorefine.refine import load_resume_config
 
         config = load_resume_config(continue_from)
+        ctx = click.get_current_context()
+        from_command_line = [p.opts[0] for p in ctx.command.params
+                             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        ignored = [o for o in from_command_line
+                   if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory")]
+        if ignored:
+            logging.getLogger("cryorefine").warning(
+                "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
+        if "--gpu" in from_command_line or "--cpu" in from_command_line:
+            engine = engine_options(gpu, force_cpu, free_gpu_memory)
+        else:  # the run's own engine, where it can run
+            from cryorefine.estep.cuda import cupy_available
+
+            engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
+                      "free_gpu_memory_mb": free_gpu_memory}
         config = replace(config, output_root=out or config.output_root,
-                         max_iterations=max_iterations or config.max_iterations)
+                         max_iterations=max_iterations or config.max_iterations, **engine)
         reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
         _report_end(reports, config.output_root)
         return
