@@ -285,6 +285,8 @@ def engine_options(gpu, force_cpu, free_gpu_memory):
 
 
 def _report_end(reports, out):
+    if reports is None:  # an MPI worker: the master reports
+        return
     if not reports:
         click.echo("nothing to do: the run had already reached --iter")
         return
@@ -345,5 +347,8 @@ def _command(exc):
 def _fail(message, code, debug):
     if debug:
         raise
-    click.echo(f"cryorefine: error: {' '.join(str(message).split())}", err=True)
+    from cryorefine.parallel import launched_with_mpi, rank_from_environment
+
+    if not (launched_with_mpi() and rank_from_environment() > 0):  # under mpirun every rank sees it: say it once
+        click.echo(f"cryorefine: error: {' '.join(str(message).split())}", err=True)
     sys.exit(code)

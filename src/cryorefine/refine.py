@@ -103,6 +103,12 @@ def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
     `progress(done, total)` is called after each batch when given. `resume_from` is a
     run_itNNN_optimiser.star: the run goes on from iteration NNN + 1 exactly as it would have.
     """
+    from cryorefine.parallel import launched_with_mpi
+
+    if make_engine is None and launched_with_mpi():
+        from cryorefine.parallel import refine_mpi
+
+        return refine_mpi(config, argv, progress, resume_from)  # the master's reports; None on a worker
     if make_engine is None:
         make_engine = default_engine_factory(config)
     with _scope_of(make_engine, "run_scope"):
@@ -134,7 +140,9 @@ def _scope_of(factory, name):
     return scope() if scope is not None else contextlib.nullcontext()
 
 
-def _refine(config, argv, make_engine, progress, resume_from):
+def _refine(config, argv, make_engine, progress, resume_from, on_setup=None):
+    """The run set up (checks, halves, initial model) and iterated; `on_setup(particles, settings, halves)` is
+    called once all is ready, just before the first iteration (the MPI master starts its workers there)."""
 
     if config.symmetry.upper() != "C1":
         raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not yet "
@@ -165,6 +173,8 @@ def _refine(config, argv, make_engine, progress, resume_from):
     n_optics = len(particles.optics_groups)
     if resume_from is not None:
         model, optimiser, sched, rng, state = load_resume(resume_from, box, len(particles))
+        if on_setup:
+            on_setup(particles, settings, halves)
         return _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter,
                         out_root, model, optimiser, sched, rng, state, optimiser.iteration + 1)
     state = ParticleState.from_particles(particles, pixel)
@@ -186,6 +196,8 @@ def _refine(config, argv, make_engine, progress, resume_from):
                                       ini_high_angstrom=schedule.starting_resolution_angstrom(config))
     model.current_resolution_angstrom = res.resolution_angstrom
     rng = np.random.default_rng(config.random_seed)
+    if on_setup:
+        on_setup(particles, settings, halves)
     return _iterate(config, argv, make_engine, progress, particles, settings, halves, members, diameter, out_root,
                     model, optimiser, sched, rng, state, 1)
 
@@ -213,8 +225,9 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
 
+        expectation_maximization = getattr(make_engine, "expectation_maximization", _expectation_maximization)
         with _scope_of(make_engine, "iteration_scope"):
-            fsc, changes, timings, stages = _expectation_maximization(
+            fsc, changes, timings, stages = expectation_maximization(
                 config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
                 iteration, do_cc, final, timings)
         tic = time.perf_counter()

@@ -1,0 +1,104 @@
+"""`mpiexec -n N cryorefine refine`: the same maps as one process, clean failures (CPU engine)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cryorefine.cli import main
+from cryorefine.core.fourier import downsample_volume
+from cryorefine.core.fsc import fsc_volumes
+from cryorefine.io.mrc import read_volume, write_volume
+
+pytestmark = pytest.mark.mpi
+
+EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+REFINE_ARGS = ("--ini_high", "50", "--ctf", "--particle_diameter", "320", "--flatten_solvent", "--zero_mask",
+               "--offset_range", "3", "--offset_step", "1", "--cpu")
+
+
+def mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    return found
+
+
+def run(ranks, folder, out, *extra, env=None, timeout=600):
+    command = [sys.executable, "-m", "cryorefine", "refine", "--i", str(folder / "sim" / "particles.star"),
+               "--ref", str(folder / "truth.mrc"), "--o", str(folder / out / "run"), *REFINE_ARGS, *extra]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    environment = dict(os.environ, **(env or {}))
+    environment.pop("PMI_SIZE", None)  # a test run under mpiexec itself must not pass it on
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mpi")
+    write_volume(folder / "truth.mrc", downsample_volume(read_volume(EXAMPLE_MAP)[0], 32), 12.0)
+    try:
+        main(["simulate", "--ref", str(folder / "truth.mrc"), "--n", "200", "--snr", "0.5", "--seed", "4",
+              "--o", str(folder / "sim")])
+    except SystemExit as exc:
+        assert exc.code == 0
+    return folder
+
+
+def test_maps_do_not_depend_on_the_number_of_ranks(data):
+    results = {ranks: run(ranks, data, f"n{ranks}", "--iter", "2") for ranks in (1, 3, 5)}
+    for ranks, result in results.items():
+        assert result.returncode == 0, (ranks, result.stderr[-2000:])
+    import starfile
+
+    model = starfile.read(data / "n1" / "run_it002_half1_model.star")
+    shell_limit = int(round(32 * 12.0 / float(model["model_general"]["rlnCurrentResolution"])))
+    for half in (1, 2):
+        single, _ = read_volume(data / "n1" / f"run_it002_half{half}_class001.mrc")
+        for ranks in (3, 5):
+            other, _ = read_volume(data / f"n{ranks}" / f"run_it002_half{half}_class001.mrc")
+            fsc = np.asarray(fsc_volumes(single, other))
+            assert fsc[1:shell_limit + 1].min() >= 0.99, (ranks, half, fsc)
+    poses = [starfile.read(data / f"n{r}" / "run_it002_data.star")["particles"] for r in (1, 3, 5)]
+    for other in poses[1:]:
+        np.testing.assert_allclose(other["rlnAngleRot"], poses[0]["rlnAngleRot"], atol=1e-6)
+        np.testing.assert_array_equal(other["rlnRandomSubset"], poses[0]["rlnRandomSubset"])
+
+
+def test_a_failing_worker_ends_the_job_within_seconds_with_one_message(data):
+    mpiexec()
+    tic = time.perf_counter()
+    result = run(3, data, "fail1", "--iter", "3", env={"CRYOREFINE_FAULT": "2:1"}, timeout=120)
+    seconds = time.perf_counter() - tic
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("cryorefine: error:")]
+    assert len(lines) == 1 and "rank 2 on " in lines[0] and "injected fault at iteration 1" in lines[0], \
+        result.stderr[-2000:]
+    assert seconds < 30, seconds  # start-up, then the failure at the first batch ends every rank at once
+
+
+def test_after_a_failure_the_last_completed_iteration_stays(data):
+    result = run(3, data, "fail2", "--iter", "3", env={"CRYOREFINE_FAULT": "1:2"}, timeout=300)
+    assert result.returncode != 0 and "rank 1 on " in result.stderr
+    out = data / "fail2"
+    assert (out / "run_it001_optimiser.star").is_file()  # what --continue needs
+    assert not (out / "run_it002_optimiser.star").exists()
+    assert not [p for p in out.iterdir() if ".tmp" in p.name]  # nothing half-written
+    again = subprocess.run([sys.executable, "-m", "cryorefine", "refine", "--continue",
+                            str(out / "run_it001_optimiser.star"), "--iter", "2"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "run_it002_half1_class001.mrc").is_file()
+
+
+def test_two_ranks_are_refused(data):
+    result = run(2, data, "two", "--iter", "1", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("cryorefine: error:") == 1 and "at least 3 MPI ranks" in result.stderr
