@@ -133,3 +133,15 @@ def test_half_sets_ignore_a_subset_column_that_does_not_split(tmp_path):
     parts.random_subset = np.ones(10, np.int64)  # all in half 1, as in some real files
     halves = parts.half_sets(seed=1)
     assert set(halves) == {1, 2}
+
+
+def test_preread_images_read_like_the_stacks(tmp_path):
+    star, images = make_particle_set(tmp_path, n=9)
+    particles = load_particles(star)
+    preread = particles.image_reader(np.arange(2, 9))  # --preread_images: a share of the particles in memory
+    assert preread.nbytes == 7 * images[0].nbytes
+    assert particles.image_reader() is preread  # kept for the following iterations
+    batch = np.array([8, 3, 5])
+    np.testing.assert_array_equal(particles.read_images(batch, preread), images[batch])
+    with StackReader() as reader:
+        np.testing.assert_array_equal(particles.read_images(batch, reader), particles.read_images(batch, preread))

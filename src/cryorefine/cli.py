@@ -152,6 +152,8 @@ def _refine_options(command):
         click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch."),
         click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
                     help="Arithmetic of the CPU engine."),
+        click.option("--preread_images", is_flag=True,
+                     help="Read the images once into memory (each MPI worker its half set)."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
                     help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0) [default: when CuPy sees a GPU].'),
         click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
@@ -167,7 +169,8 @@ def _refine_options(command):
 def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
-           split_random_halves, dont_combine_weights_via_disc, batch, precision, gpu, force_cpu, free_gpu_memory):
+           split_random_halves, dont_combine_weights_via_disc, batch, precision, preread_images, gpu, force_cpu,
+           free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
@@ -238,7 +241,7 @@ def plan(gpu_memory, gpu_tflops, as_json, **options):
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
-                   precision, gpu, force_cpu, free_gpu_memory, **_ignored):
+                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
     from cryorefine.config import RefineConfig
 
@@ -251,7 +254,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
         dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50,
-        **engine_options(gpu, force_cpu, free_gpu_memory))
+        preread_images=preread_images, **engine_options(gpu, force_cpu, free_gpu_memory))
     return config
 
 

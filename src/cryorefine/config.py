@@ -45,6 +45,7 @@ class RefineConfig:
     width_mask_edge_px: float = 5.0
     incr_size_px: int = 10  # RELION's --incr_size
     batch_size: int = 256
+    preread_images: bool = False  # --preread_images: read the images once into memory
     engine: str = "numpy"  # "numpy" or "cuda"
     gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0)
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena

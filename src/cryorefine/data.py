@@ -131,6 +131,15 @@ class ParticleSet:
         for start in range(0, idx.size, batch_size):
             yield idx[start:start + batch_size]
 
+    def image_reader(self, preread_indices=None):
+        """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
+        were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls."""
+        if preread_indices is not None and getattr(self, "_preread", None) is None:
+            idx = np.asarray(preread_indices)
+            self._preread = mrc.PrereadImages(self.stack_paths[idx], self.stack_indices[idx])
+        preread = getattr(self, "_preread", None)
+        return preread if preread is not None else mrc.StackReader()
+
     def read_images(self, indices, reader):
         """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader`."""
         indices = np.asarray(indices)

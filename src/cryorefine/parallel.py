@@ -5,7 +5,8 @@ Rank 0 is the master: it reads the STAR file, splits the halves, runs the loop o
 hands out particle batches on request (one queue per half, so a slow worker simply asks less
 often), storing each batch's per-particle results as they come back. Workers (odd ranks: half 1,
 even ranks: half 2) read their batches' images themselves, run their own engine (the GPU engine
-on one device each when CuPy sees one, else numpy), and at the end of the E-step their weighted
+on one device each when CuPy sees one, else numpy; `--preread_images` keeps their half's
+images in memory), and at the end of the E-step their weighted
 sums are added up by MPI reductions inside the half's communicator (the master and that half's
 workers), in chunks of host buffers. The M-step then runs on the master as in a single process,
 so results do not depend on the number of ranks beyond the order of floating-point sums.
@@ -179,7 +180,6 @@ def _master(comm, halves_comm, config, argv, progress, resume_from):
 def _worker(comm, half_comm, config):
     from cryorefine.data import load_particles
     from cryorefine.images import prepare_batch
-    from cryorefine.io import mrc
     from cryorefine.refine import _iteration_setup, _scope_of, default_engine_factory
 
     rank = comm.Get_rank()
@@ -189,6 +189,7 @@ def _worker(comm, half_comm, config):
     settings, halves = payload
     particles = load_particles(config.input_star, check_stacks=False)
     half = half_of_rank(rank)
+    mine = np.flatnonzero(np.asarray(halves) == half + 1)  # this worker's half set (--preread_images reads it)
     fault = os.environ.get("CRYOREFINE_FAULT", "")
     fault_rank, _, fault_iteration = fault.partition(":")
     factory = default_engine_factory(_worker_config(config, rank, comm.Get_size()))
@@ -203,7 +204,7 @@ def _worker(comm, half_comm, config):
                 engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc))
                 stages = {"images": 0.0}
                 comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
-                with mrc.StackReader() as reader:
+                with particles.image_reader(mine if config.preread_images else None) as reader:
                     while True:
                         indices = comm.recv(source=0, tag=TAG_WORK)
                         if indices is None:

@@ -285,7 +285,8 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
     for h in (0, 1):
         engine = make_engine()
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
-        with mrc.StackReader() as reader:
+        preread = np.arange(len(particles)) if config.preread_images else None
+        with particles.image_reader(preread) as reader:
             for batch_indices in particles.batches(config.batch_size, members[h]):
                 tic_images = time.perf_counter()
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,

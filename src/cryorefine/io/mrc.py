@@ -135,6 +135,33 @@ def resolve_stack_path(stack, star_dir):
     return beside if beside.exists() else p
 
 
+class PrereadImages:
+    """Images of some particles read once into memory (--preread_images); reads like a StackReader."""
+
+    def __init__(self, paths, indices_1based, batch_size=1024):
+        paths = [str(p) for p in paths]
+        indices = np.asarray(indices_1based, dtype=np.int64)
+        self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
+        with StackReader() as reader:
+            parts = [reader.read(paths[s:s + batch_size], indices[s:s + batch_size])
+                     for s in range(0, len(paths), batch_size)]
+        self.images = np.concatenate(parts) if parts else np.zeros((0, 0, 0), np.float32)
+
+    @property
+    def nbytes(self):
+        return self.images.nbytes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def read(self, paths, indices_1based):
+        rows = [self._row[(str(p), int(i))] for p, i in zip(paths, np.asarray(indices_1based))]
+        return self.images[rows]
+
+
 class StackReader:
     """Reads images by (stack path, 1-based index), keeping each stack memory-mapped once."""
 
