@@ -6,10 +6,12 @@ hands out particle batches on request (one queue per half, so a slow worker simp
 often), storing each batch's per-particle results as they come back. Workers (odd ranks: half 1,
 even ranks: half 2) read their batches' images themselves, run their own engine (the GPU engine
 on one device each when CuPy sees one, else numpy; `--preread_images` keeps their half's
-images in memory), and at the end of the E-step their weighted
-sums are added up by MPI reductions inside the half's communicator (the master and that half's
-workers), in chunks of host buffers. The M-step then runs on the master as in a single process,
-so results do not depend on the number of ranks beyond the order of floating-point sums.
+images in memory), and at the end of the E-step their weighted sums are added up by MPI
+reductions inside the half's communicator of workers, in chunks of host buffers, onto the half's
+first worker (rank 1, rank 2). Rank 2 passes half 2's sums to rank 1, which runs refine's M-step
+for both halves (on its GPU when it has one) and sends the updated model to the master. The
+M-step is refine's own code, so results do not depend on the number of ranks beyond the order
+of floating-point sums.
 
 Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
 aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A bad input found while
@@ -32,6 +34,8 @@ from cryorefine.errors import InputError
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (indices, BatchResult))
 TAG_WORK = 12  # master -> worker: particle indices of the next batch, or None when the half is done
+TAG_SUMS = 13  # rank 2 -> rank 1: half 2's reduced sums
+TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the FSC
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI reduction (128 MB)
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
 _LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
@@ -89,12 +93,12 @@ def refine_mpi(config, argv=(), progress=None, resume_from=None):
             raise InputError(f"mpirun -n {size}: refine needs at least 3 MPI ranks (a master and one worker per "
                              f"half set); run with -n 3 or more, or without mpirun")
         sys.exit(2)
-    halves_comm = [comm.Create(comm.Get_group().Incl([0] + [r for r in range(1, size) if half_of_rank(r) == h]))
-                   for h in (0, 1)]
+    # one communicator per half set, of its workers alone: rank 1 leads half 1, rank 2 half 2
+    half_comm = comm.Split(MPI.UNDEFINED if rank == 0 else half_of_rank(rank), rank)
     if rank == 0:
-        return _master(comm, halves_comm, config, argv, progress, resume_from)
+        return _master(comm, config, argv, progress, resume_from)
     try:
-        _worker(comm, halves_comm[half_of_rank(rank)], config)
+        _worker(comm, half_comm, config)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
@@ -106,8 +110,8 @@ def refine_mpi(config, argv=(), progress=None, resume_from=None):
 class _Master:
     """Plays the engine factory for refine's loop: its expectation_maximization farms the E-step out."""
 
-    def __init__(self, comm, halves_comm, config, progress):
-        self.comm, self.halves_comm, self.config, self.progress = comm, halves_comm, config, progress
+    def __init__(self, comm, config, progress):
+        self.comm, self.config, self.progress = comm, config, progress
         self.started = False
 
     def announce(self, particles, settings, halves):
@@ -122,7 +126,7 @@ class _Master:
         comm = self.comm
         tic = time.perf_counter()
         old = state.copy()
-        comm.bcast(("iteration", (model, optimiser, sampling, sizes, state, iteration, do_cc)), root=0)
+        comm.bcast(("iteration", (model, optimiser, sampling, sizes, state, iteration, do_cc, final)), root=0)
         queues = [list(particles.batches(config.batch_size, members[h])) for h in (0, 1)]
         workers_left = comm.Get_size() - 1
         from mpi4py import MPI
@@ -144,16 +148,16 @@ class _Master:
             else:
                 comm.send(None, dest=source, tag=TAG_WORK)
                 workers_left -= 1
-        template = _sums_template(model, config, sampling, sizes)
-        sums = [_reduce_sums(self.halves_comm[h], template(), root_receives=True) for h in (0, 1)]
         stages = {}
-        for worker_stages in comm.gather({}, root=0)[1:]:
+        for worker_stages in comm.gather({}, root=0)[1:]:  # the workers' E-steps are over
             for name, seconds in worker_stages.items():
                 stages[name] = stages.get(name, 0.0) + seconds
         timings["expectation"] = time.perf_counter() - tic
         tic = time.perf_counter()
         changes = single._hidden_variable_changes(old, state, model.pixel_size_angstrom, config.symmetry)
-        fsc = single._maximize(model, optimiser, config, sums, sizes, final, do_cc)
+        # the M-step runs on rank 1 (on its GPU when it has one); the model comes back updated
+        updated, fsc = comm.recv(source=1, tag=TAG_MODEL)
+        model.__dict__.update(updated.__dict__)
         timings["maximization"] = time.perf_counter() - tic
         return fsc, changes, timings, stages
 
@@ -161,10 +165,10 @@ class _Master:
         raise RuntimeError("the MPI master runs no engine")
 
 
-def _master(comm, halves_comm, config, argv, progress, resume_from):
+def _master(comm, config, argv, progress, resume_from):
     from cryorefine import refine as single
 
-    master = _Master(comm, halves_comm, config, progress)
+    master = _Master(comm, config, progress)
     try:
         reports = single._refine(config, argv, master, progress, resume_from, on_setup=master.announce)
     except BaseException as exc:  # noqa: BLE001
@@ -198,7 +202,7 @@ def _worker(comm, half_comm, config):
             kind, payload = comm.bcast(None, root=0)
             if kind != "iteration":
                 return
-            model, optimiser, sampling, sizes, state, iteration, do_cc = payload
+            model, optimiser, sampling, sizes, state, iteration, do_cc, final = payload
             with _scope_of(factory, "iteration_scope"):
                 engine = factory()
                 engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc))
@@ -221,9 +225,16 @@ def _worker(comm, half_comm, config):
                 sums = engine.sums()
                 for name, seconds in getattr(engine, "stage_seconds", {}).items():
                     stages[name] = stages.get(name, 0.0) + seconds
-                _reduce_sums(half_comm, sums, root_receives=False)
-                del engine, sums
-            comm.gather(stages, root=0)
+                del engine
+                host = _reduce_sums(half_comm, sums, root_receives=half_comm.Get_rank() == 0)
+                del sums
+                comm.gather(stages, root=0)
+                if rank == 2:  # the leader of half 2 hands its sums to rank 1
+                    _send_sums(comm, host, dest=1)
+                elif rank == 1:
+                    both = [host, _recv_sums(comm, _sums_template(model, config, sampling, sizes)(), source=2)]
+                    _maximization_on_worker(comm, factory, model, optimiser, config, both, sizes, final, do_cc)
+                del host
 
 
 def _worker_config(config, rank, size):
@@ -260,7 +271,8 @@ def _sums_fields(sums):
 
 
 def _reduce_sums(half_comm, sums, root_receives):
-    """Σ over the half's workers of their sums, into `sums` on the master (rank 0 of half_comm)."""
+    """Σ over the half's workers of their sums: host WeightedSums on the half's root (rank 0 of half_comm),
+    None elsewhere. Reduced in chunks of host float64 buffers."""
     from mpi4py import MPI
 
     arrays, scalars = _sums_fields(sums)
@@ -274,6 +286,47 @@ def _reduce_sums(half_comm, sums, root_receives):
         totals.append(out)
     if not root_receives:
         return None
+    return _sums_from_fields(sums, totals)
+
+
+def _send_sums(comm, sums, dest):
+    arrays, scalars = _sums_fields(sums)
+    for a in arrays + [scalars]:
+        flat = a.reshape(-1)
+        for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+            comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest, tag=TAG_SUMS)
+
+
+def _recv_sums(comm, template, source):
+    """The sums `_send_sums` sent, received into the shapes of `template`."""
+    arrays, scalars = _sums_fields(template)
+    totals = []
+    for a in arrays + [scalars]:
+        flat = np.empty(a.size)
+        for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+            comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source, tag=TAG_SUMS)
+        totals.append(flat)
+    return _sums_from_fields(template, totals)
+
+
+def _maximization_on_worker(comm, factory, model, optimiser, config, sums, sizes, final, do_cc):
+    """refine's M-step for both halves on this worker (its GPU when it has one); the model goes to the master."""
+    from cryorefine.refine import _maximize, _scope_of
+
+    xp = np
+    if config.engine == "cuda":
+        import cupy as xp
+    with _scope_of(factory, "maximization_scope"):
+        for s in sums:
+            s.data = [xp.asarray(d) for d in s.data]
+            s.weight = [xp.asarray(w) for w in s.weight]
+        fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
+        del sums
+    comm.send((model, fsc), dest=0, tag=TAG_MODEL)
+
+
+def _sums_from_fields(sums, totals):
+    """`sums` with its arrays and scalars replaced by `totals` (the order of `_sums_fields`)."""
     k = len(sums.data)
     sums.data = [totals[i].view(np.complex128).reshape(sums.data[i].shape) for i in range(k)]
     sums.weight = [totals[k + i].reshape(sums.weight[i].shape) for i in range(k)]
@@ -289,7 +342,7 @@ def _reduce_sums(half_comm, sums, root_receives):
 
 
 def _sums_template(model, config, sampling, sizes):
-    """Zero WeightedSums shaped like a worker's (the master's contribution to the reductions)."""
+    """A maker of zero WeightedSums shaped like a worker's (to receive sums into)."""
     from cryorefine.core.projector import PaddedGrid
     from cryorefine.estep.engine import WeightedSums
 
