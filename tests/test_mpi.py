@@ -104,3 +104,18 @@ def test_two_ranks_are_refused(data):
     result = run(2, data, "two", "--iter", "1", timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("cryorefine: error:") == 1 and "at least 3 MPI ranks" in result.stderr
+
+
+def test_mpi_is_recognised_from_the_launchers_environment(monkeypatch):
+    from cryorefine.parallel import half_of_rank, launched_with_mpi
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert not launched_with_mpi()
+    monkeypatch.setenv("SLURM_NTASKS", "8")  # a plain command inside a batch allocation is not an MPI run
+    assert not launched_with_mpi()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert not launched_with_mpi()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "5")
+    assert launched_with_mpi()
+    assert [half_of_rank(r) for r in (1, 2, 3, 4)] == [0, 1, 0, 1]  # odd ranks half 1, even ranks half 2

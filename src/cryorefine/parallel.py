@@ -37,7 +37,8 @@ TAG_WORK = 12  # master -> worker: particle indices of the next batch, or None w
 TAG_SUMS = 13  # rank 2 -> rank 1: half 2's reduced sums
 TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the FSC
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI reduction (128 MB)
-_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+# the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 _LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
                          "SLURM_LOCALID", "PMIX_LOCAL_RANK")
 
