@@ -172,7 +172,7 @@ def _master(comm, config, argv, progress, resume_from):
     master = _Master(comm, config, progress)
     try:
         reports = single._refine(config, argv, master, progress, resume_from, on_setup=master.announce)
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         if not master.started:  # nothing distributed yet: every rank ends quietly, the master reports
             comm.bcast(("error", None), root=0)
             raise

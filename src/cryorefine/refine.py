@@ -20,7 +20,7 @@ import numpy as np
 from cryorefine import schedule
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
-from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.projector import BackProjector
 from cryorefine.data import load_particles
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
@@ -323,7 +323,6 @@ def _initial_noise(particles, settings, n_optics, batch_size):
 
 
 def _iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc):
-    r_max = sizes.current_size_px // 2
     sigma_offset_px = model.sigma_offset_angstrom / model.pixel_size_angstrom
     setup = IterationSetup(
         projectors=None, maps=[model.maps[half][0]], sigma2_noise=model.sigma2_noise, sampling=sampling,

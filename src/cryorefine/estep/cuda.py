@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
