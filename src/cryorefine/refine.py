@@ -404,29 +404,37 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
     model.joined_map = reconstruct(joined_bp, True)[0] if joined else None
     model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
 
-    total = sums[0].n_particles + sums[1].n_particles
-    sigma2_sum = sums[0].sigma2_noise + sums[1].sigma2_noise
-    sumw = sums[0].sumw_group + sums[1].sumw_group
+    maximize_other_parameters(model, config, sums, do_cc)
+    model.class_distribution = np.ones(1)
+    return fsc
+
+
+def maximize_other_parameters(model, config, sums, do_cc):
+    """RELION's maximizationOtherParameters from a list of WeightedSums (two halves, or one set):
+    noise spectra, σ offsets (at least 2 Å²), average norm (--norm) and scales (--scale), with CC
+    (--firstiter_cc) only the log-likelihood and average pmax."""
+    box = model.ori_size_px
+    total = sum(s.n_particles for s in sums)
     if not do_cc:
+        sigma2_sum = sum(s.sigma2_noise for s in sums)
+        sumw = sum(s.sumw_group for s in sums)
         per_shell = coefficients_per_shell(box)
         new = sigma2_sum / (2.0 * np.maximum(sumw, 1e-300)[:, None] * np.maximum(per_shell, 1.0)[None, :])
         keep = new > 1e-14
         model.sigma2_noise = np.where(keep, new, model.sigma2_noise)
-        offset2 = (sums[0].sigma2_offset_angstrom2 + sums[1].sigma2_offset_angstrom2) / (2.0 * total)
+        offset2 = sum(s.sigma2_offset_angstrom2 for s in sums) / (2.0 * total)
         model.sigma_offset_angstrom = math.sqrt(max(offset2, MIN_SIGMA2_OFFSET_ANGSTROM2))
         if config.do_norm:
-            model.avg_norm_correction = (sums[0].norm_correction + sums[1].norm_correction) / total
+            model.avg_norm_correction = sum(s.norm_correction for s in sums) / total
         if config.do_scale and sums[0].scale_aa is not None:
-            xa = sums[0].scale_xa + sums[1].scale_xa
-            aa = sums[0].scale_aa + sums[1].scale_aa
+            xa = sum(s.scale_xa for s in sums)
+            aa = sum(s.scale_aa for s in sums)
             scale = np.where(aa > 0, xa / np.maximum(aa, 1e-300), 1.0)
             median = np.median(scale)
             scale = np.clip(scale, median / 5, median * 5)
             model.scale_correction = scale / np.mean(scale)
-    model.log_likelihood = sums[0].log_likelihood + sums[1].log_likelihood
-    model.ave_pmax = (sums[0].sum_pmax + sums[1].sum_pmax) / total
-    model.class_distribution = np.ones(1)
-    return fsc
+    model.log_likelihood = sum(s.log_likelihood for s in sums)
+    model.ave_pmax = sum(s.sum_pmax for s in sums) / total
 
 
 def _join_halves_at_low_resolution(bps, resolution_angstrom, model):
