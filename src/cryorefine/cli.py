@@ -213,6 +213,34 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
 
 @cli.command()
 @_refine_options
+@click.option("--K", "n_classes", default=1, show_default=True, type=int, help="Number of classes.")
+def classify(n_classes, continue_from, **options):
+    """3D classification into K classes (relion_refine --K, without --auto_refine)."""
+    import logging
+    from dataclasses import replace
+
+    from cryorefine.classify import classify as run_classify
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if continue_from:
+        raise InputError("classify --continue is not implemented yet; start the classification again")
+    for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
+        if not options[key]:
+            raise click.UsageError(f"Missing option '{name}'.")
+    if n_classes < 1:
+        raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
+    config = _refine_config(**options)
+    config = replace(config, n_classes=n_classes, auto_refine=False,
+                     max_iterations=options["max_iterations"] or 25)
+    reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar())
+    last = reports[-1] if reports else None
+    if last:
+        click.echo(f"{len(reports)} iterations; resolution {last.resolution_angstrom:.2f} Å; maps: "
+                   f"{options['out']}_it{last.iteration:03d}_class*.mrc")
+
+
+@cli.command()
+@_refine_options
 @click.option("--gpu_memory", type=float, default=None,
               help="GPU memory (GB) to plan for [default: the free memory of the GPU, else 80].")
 @click.option("--gpu_tflops", type=float, default=None,

@@ -80,6 +80,7 @@ def _abort(comm, exc):
     message = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
     sys.stderr.write(f"cryorefine: error: rank {rank} on {socket.gethostname()}: {message}\n")
     sys.stderr.flush()
+    time.sleep(1.0)  # let mpirun forward the line before the abort tears the job down
     comm.Abort(2)
 
 
@@ -149,6 +150,7 @@ class _Master:
             else:
                 comm.send(None, dest=source, tag=TAG_WORK)
                 workers_left -= 1
+        single.keep_norms_unless_refined(config, old, state)
         stages = {}
         for worker_stages in comm.gather({}, root=0)[1:]:  # the workers' E-steps are over
             for name, seconds in worker_stages.items():
@@ -185,7 +187,7 @@ def _master(comm, config, argv, progress, resume_from):
 def _worker(comm, half_comm, config):
     from cryorefine.data import load_particles
     from cryorefine.images import prepare_batch
-    from cryorefine.refine import _iteration_setup, _scope_of, default_engine_factory
+    from cryorefine.refine import _iteration_setup, _scope_of, default_engine_factory, image_norms
 
     rank = comm.Get_rank()
     kind, payload = comm.bcast(None, root=0)
@@ -219,7 +221,7 @@ def _worker(comm, half_comm, config):
                         tic = time.perf_counter()
                         batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                               model.avg_norm_correction, iteration, state.origin_x_px,
-                                              state.origin_y_px, state.norm_correction, state.class_index,
+                                              state.origin_y_px, image_norms(config, state), state.class_index,
                                               (state.rot_deg, state.tilt_deg, state.psi_deg))
                         stages["images"] += time.perf_counter() - tic
                         comm.send(("result", (indices, engine.run(batch))), dest=0, tag=TAG_REQUEST)

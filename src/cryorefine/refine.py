@@ -291,7 +291,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
                 tic_images = time.perf_counter()
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
-                                      state.norm_correction, state.class_index,
+                                      image_norms(config, state), state.class_index,
                                       (old.rot_deg, old.tilt_deg, old.psi_deg))
                 stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic_images
                 state.store(batch_indices, engine.run(batch))
@@ -301,6 +301,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
         for name, seconds in getattr(engine, "stage_seconds", {}).items():
             stages[name] = stages.get(name, 0.0) + seconds
         del engine
+    keep_norms_unless_refined(config, old, state)
     timings["expectation"] = time.perf_counter() - tic
 
     tic = time.perf_counter()
@@ -310,6 +311,18 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
     del sums
     timings["maximization"] = time.perf_counter() - tic
     return fsc, changes, timings, stages
+
+
+def image_norms(config, state):
+    """The norm corrections images are multiplied by (avg/norm): the particles' own with --norm, else none
+    (RELION applies and updates rlnNormCorrection only with --norm)."""
+    return state.norm_correction if config.do_norm else np.ones_like(state.norm_correction)
+
+
+def keep_norms_unless_refined(config, old, state):
+    """Without --norm the particles keep the norm corrections they came with."""
+    if not config.do_norm:
+        state.norm_correction[:] = old.norm_correction
 
 
 def _initial_noise(particles, settings, n_optics, batch_size):

@@ -1,0 +1,75 @@
+"""`cryorefine classify` end to end on a simulated mixture (numpy engine): RELION's files, K classes, seeds."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import starfile
+
+from cryorefine.cli import main
+from cryorefine.core.fourier import downsample_volume
+from cryorefine.io.mrc import read_volume, write_volume
+
+EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+
+
+def run_cli(*args):
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
+@pytest.fixture(scope="module")
+def classified(tmp_path_factory):
+    """60 + 60 particles of two different maps, classified from their average into K = 2 for 2 iterations."""
+    folder = tmp_path_factory.mktemp("classify")
+    a = downsample_volume(read_volume(EXAMPLE_MAP)[0], 32)
+    z, y, x = np.mgrid[:32, :32, :32] - 16
+    b = a.copy()
+    b[(x - 6) ** 2 + (y - 2) ** 2 + (z + 3) ** 2 < 36] = 0.0
+    b += 0.6 * a.max() * np.exp(-((x + 9) ** 2 + (y + 4) ** 2 + (z - 5) ** 2) / 8.0)
+    for name, volume in (("a", a), ("b", b), ("avg", (a + b) / 2)):
+        write_volume(folder / f"{name}.mrc", volume, 12.0)
+    for seed, name in ((1, "a"), (2, "b")):
+        assert run_cli("simulate", "--ref", folder / f"{name}.mrc", "--n", 60, "--snr", 0.5, "--seed", seed,
+                       "--o", folder / f"sim_{name}") == 0
+    tables = [starfile.read(folder / f"sim_{n}" / "particles.star") for n in ("a", "b")]
+    mixed = pd.concat([t["particles"].assign(rlnImageName=t["particles"]["rlnImageName"].str.replace("@", f"@sim_{n}/"))
+                       for t, n in zip(tables, ("a", "b"))]).reset_index(drop=True)
+    starfile.write({"optics": tables[0]["optics"], "particles": mixed}, folder / "mix.star")
+    code = run_cli("classify", "--i", folder / "mix.star", "--ref", folder / "avg.mrc", "--o", folder / "out" / "run",
+                   "--K", 2, "--iter", 2, "--ini_high", 40, "--ctf", "--particle_diameter", 320, "--flatten_solvent",
+                   "--zero_mask", "--offset_range", 3, "--offset_step", 1, "--healpix_order", 1, "--cpu")
+    assert code == 0
+    return folder
+
+
+def test_outputs_have_relion_names_and_k_classes(classified):
+    out = classified / "out"
+    for it in (1, 2):
+        for suffix in ("data.star", "class001.mrc", "class002.mrc", "model.star", "optimiser.star", "sampling.star"):
+            assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
+        assert not list(out.glob(f"run_it{it:03d}_half*"))
+    model = starfile.read(out / "run_it002_model.star")
+    classes = model["model_classes"]
+    assert len(classes) == 2 and int(model["model_general"]["rlnNrClasses"]) == 2
+    assert classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
+    assert {"model_class_1", "model_class_2"} <= set(model)
+
+
+def test_seeds_spread_the_particles_over_both_classes(classified):
+    first = starfile.read(classified / "out" / "run_it001_data.star")["particles"]
+    counts = np.bincount(first["rlnClassNumber"], minlength=3)[1:]
+    assert counts.min() >= 40 and counts.sum() == 120  # iteration 1: each particle against one random class
+
+
+def test_a_star_list_of_references_must_match_k(classified, tmp_path):
+    refs = pd.DataFrame({"rlnReferenceImage": [str(classified / "a.mrc"), str(classified / "b.mrc")]})
+    starfile.write({"references": refs}, tmp_path / "refs.star")
+    code = run_cli("classify", "--i", classified / "mix.star", "--ref", tmp_path / "refs.star",
+                   "--o", tmp_path / "run", "--K", 3, "--iter", 1, "--cpu")
+    assert code == 2
+    assert not list(tmp_path.glob("run_it*"))
