@@ -67,29 +67,12 @@ def initial_references(config, box, pixel):
         names = [str(n) for n in rows["rlnReferenceImage"]]
         if len(names) != config.n_classes:
             raise InputError(f"{path}: lists {len(names)} maps but --K is {config.n_classes}; give --K {len(names)}")
-        maps = [_read_reference(path.parent / n if not Path(n).is_absolute() else Path(n), box, pixel, config)
-                for n in names]
+        maps = [refine_loop.lowpass_to_ini_high(refine_loop.read_reference(path.parent / n, box, pixel)
+                                                .astype(np.float64), config, box, pixel) for n in names]
         return maps, False
-    single = _read_reference(path, box, pixel, config)
+    single = refine_loop.lowpass_to_ini_high(refine_loop.read_reference(path, box, pixel).astype(np.float64), config,
+                                             box, pixel)
     return [single.copy() for _ in range(config.n_classes)], config.n_classes > 1
-
-
-def _read_reference(path, box, pixel, config):
-    volume, ref_pixel = mrc.read_volume(path)
-    if volume.shape[0] != box:
-        raise InputError(f"{path}: the reference is {volume.shape[0]} px but the particles are {box} px; resize it "
-                         f"(relion_image_handler --new_box {box})")
-    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
-        raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but the particles "
-                         f"are {pixel:g} Å/px; rescale it (relion_image_handler --rescale_angpix)")
-    return _lowpass(volume.astype(np.float64), config, box, pixel)
-
-
-def _lowpass(volume, config, box, pixel):
-    if not config.ini_high_angstrom:
-        return volume
-    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume), box, config.ini_high_angstrom, pixel)
-    return fourier.irfft3_centered(ft, box)
 
 
 def _classify(config, argv, make_engine, progress):
@@ -213,10 +196,6 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
     return engine.sums()
 
 
-def _host(array):
-    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
-
-
 def _as_classes(sums, classes, k_classes):
     """Sums of an engine over `classes` spread to all K classes (zeros for the others), on the host."""
     shape = sums.data[0].shape
@@ -225,8 +204,8 @@ def _as_classes(sums, classes, k_classes):
     pdf_class = np.zeros(k_classes)
     pdf_direction = np.zeros((k_classes, sums.pdf_direction.shape[1]))
     for i, k in enumerate(classes):
-        data[k] = _host(sums.data[i]).astype(np.complex128)
-        weight[k] = _host(sums.weight[i]).astype(np.float64)
+        data[k] = refine_loop._to_host(sums.data[i]).astype(np.complex128)
+        weight[k] = refine_loop._to_host(sums.weight[i]).astype(np.float64)
         pdf_class[k] = sums.pdf_class[i]
         pdf_direction[k] = sums.pdf_direction[i]
     return replace(sums, data=data, weight=weight, pdf_class=pdf_class, pdf_direction=pdf_direction)
@@ -273,8 +252,8 @@ def _maximize(model, config, sums, sizes, do_cc):
         if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
             new_maps.append(np.zeros_like(previous, dtype=np.float32))
             continue
-        sigma2 = _host(bp.noise_sigma2())[:n_shells]
-        volume = _host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
+        sigma2 = refine_loop._to_host(bp.noise_sigma2())[:n_shells]
+        volume = refine_loop._to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
         if config.flatten_solvent:
             volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
         new_maps.append(volume.astype(np.float32))
@@ -285,7 +264,8 @@ def _maximize(model, config, sums, sizes, do_cc):
         s[r_max + 1:] = 0.0
         ssnr[0, k, : s.size] = s
     if do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
-        first = _lowpass(np.asarray(new_maps[0], dtype=np.float64), config, box, model.pixel_size_angstrom)
+        first = refine_loop.lowpass_to_ini_high(np.asarray(new_maps[0], dtype=np.float64), config, box,
+                                                model.pixel_size_angstrom)
         new_maps = [first.astype(np.float32) for _ in range(k_classes)]
         tau2[0, :], ssnr[0, :], ref_sigma2[0, :] = tau2[0, 0], ssnr[0, 0], ref_sigma2[0, 0]
         pdf_class = np.full(k_classes, 1.0 / k_classes)

@@ -259,8 +259,10 @@ def _worker_config(config, rank, size):
 # ---------------------------------------------------------------------------------------------- sums
 def _sums_fields(sums):
     """The arrays of WeightedSums in a fixed order (host float64 views), and the scalars as one vector."""
+    from cryorefine.refine import _to_host
+
     def host(a):
-        a = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+        a = _to_host(a)
         if np.iscomplexobj(a):
             a = np.ascontiguousarray(a, dtype=np.complex128).view(np.float64)
         return np.ascontiguousarray(a, dtype=np.float64)

@@ -115,6 +115,26 @@ def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
         return _refine(config, argv, make_engine, progress, resume_from)
 
 
+def read_reference(path, box, pixel):
+    """A reference map checked against the particles: cubic of their box, at their pixel size."""
+    reference, ref_pixel = mrc.read_volume(path)
+    if reference.shape[0] != box:
+        raise InputError(f"{path}: the reference is {reference.shape[0]} px but the particles are "
+                         f"{box} px; resize the reference (relion_image_handler --new_box {box})")
+    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
+        raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
+                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler --rescale_angpix)")
+    return reference
+
+
+def lowpass_to_ini_high(volume, config, box, pixel):
+    """The volume low-passed to --ini_high (unchanged without it)."""
+    if not config.ini_high_angstrom:
+        return volume
+    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume), box, config.ini_high_angstrom, pixel)
+    return fourier.irfft3_centered(ft, box)
+
+
 def default_engine_factory(config):
     """The engine factory that config.engine names ("numpy", or "cuda" on config.gpu_ids[0])."""
     if config.engine == "cuda":
@@ -151,13 +171,7 @@ def _refine(config, argv, make_engine, progress, resume_from, on_setup=None):
     box, pixel = particles.geometry()
     if config.do_ctf:
         particles.require_ctf()
-    reference, ref_pixel = mrc.read_volume(config.reference_map)
-    if reference.shape[0] != box:
-        raise InputError(f"{config.reference_map}: the reference is {reference.shape[0]} px but the particles are "
-                         f"{box} px; resize the reference (relion_image_handler --new_box {box})")
-    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
-        raise InputError(f"{config.reference_map}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
-                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler --rescale_angpix)")
+    reference = read_reference(config.reference_map, box, pixel)
     out_root = Path(config.output_root)
     out_root.parent.mkdir(parents=True, exist_ok=True)
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
@@ -183,10 +197,7 @@ def _refine(config, argv, make_engine, progress, resume_from, on_setup=None):
                        padding_factor=config.padding_factor, pdf_class=np.ones(1),
                        sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
                        scale_correction=np.ones(n_optics))
-    start = reference.astype(np.float64)
-    if config.ini_high_angstrom:
-        ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(start), box, config.ini_high_angstrom, pixel)
-        start = fourier.irfft3_centered(ft, box)
+    start = lowpass_to_ini_high(reference.astype(np.float64), config, box, pixel)
     model.maps = [[start.copy()], [start.copy()]]
     model.sigma2_noise = _initial_noise(particles, settings, n_optics, config.batch_size)
     if not config.ini_high_angstrom:
