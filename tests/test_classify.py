@@ -72,7 +72,8 @@ def test_a_50_50_mixture_of_two_maps_is_separated(tmp_path):
 def test_outputs_have_relion_names_and_k_classes(classified):
     out = classified / "out"
     for it in (1, 2):
-        for suffix in ("data.star", "class001.mrc", "class002.mrc", "model.star", "optimiser.star", "sampling.star"):
+        for suffix in ("data.star", "class001.mrc", "class002.mrc", "model.star", "optimiser.star", "sampling.star",
+                       "report.png"):
             assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
         assert not list(out.glob(f"run_it{it:03d}_half*"))
     model = starfile.read(out / "run_it002_model.star")

@@ -51,3 +51,24 @@ def test_nothing_left_behind_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_iteration_report(tmp_path / "r.png", **report_args(10.0))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_classification_report_follows_the_class_distribution(tmp_path):
+    import matplotlib.image
+
+    from cryorefine.report import write_classification_report
+
+    def draw(name, history):
+        rng = np.random.default_rng(1)
+        write_classification_report(tmp_path / name, iteration=len(history), class_distributions=history,
+                                    ssnr=np.vstack([np.geomspace(100, 0.01, 17)] * 2), ori_size_px=32,
+                                    pixel_size_angstrom=2.0, resolution_angstrom=8.0,
+                                    rot_deg=rng.uniform(-180, 180, 100), tilt_deg=rng.uniform(0, 180, 100),
+                                    timings_seconds={"expectation": 1.0})
+        return matplotlib.image.imread(tmp_path / name)
+
+    even = draw("even.png", [[0.5, 0.5], [0.5, 0.5]])
+    skewed = draw("skewed.png", [[0.5, 0.5], [0.9, 0.1]])
+    assert even.shape == skewed.shape
+    left = slice(0, even.shape[1] // 3)
+    assert np.abs(even[:, left] - skewed[:, left]).max() > 0.1  # the distribution panel differs

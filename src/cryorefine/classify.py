@@ -15,7 +15,8 @@ All particles form one set; K references are refined side by side. RELION's rule
   out; those are written to the model file but not used as a prior); the sampling stays as given
   (no auto-sampling) and every one of --iter iterations runs (no convergence test).
 Outputs per iteration: run_itNNN_data.star (rlnClassNumber), run_itNNN_classKKK.mrc,
-run_itNNN_model.star (K classes), run_itNNN_optimiser.star, run_itNNN_sampling.star.
+run_itNNN_model.star (K classes), run_itNNN_optimiser.star, run_itNNN_sampling.star, and
+run_itNNN_report.png (class distributions over the iterations, SSNR per class, orientations).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
 from cryorefine.io.star import read_star, write_particle_star, write_star
+from cryorefine.report import write_classification_report
 from cryorefine.state import ModelState
 
 log = logging.getLogger("cryorefine.classify")
@@ -102,7 +104,7 @@ def _classify(config, argv, make_engine, progress):
     pdf_direction = np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir))
     everyone = np.arange(len(particles))
     rng = np.random.default_rng(config.random_seed)
-    reports = []
+    reports, distributions = [], []
     for iteration in range(1, config.max_iterations + 1):
         timings = {}
         optimiser = replace(optimiser, iteration=iteration)
@@ -149,6 +151,12 @@ def _classify(config, argv, make_engine, progress):
         timings["maximization"] = time.perf_counter() - tic
         _write_iteration(out_root, iteration, particles, state, model, optimiser, config, sampling, argv,
                          pdf_direction)
+        distributions.append(np.asarray(model.pdf_class, dtype=np.float64).copy())
+        write_classification_report(f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
+                                    class_distributions=np.array(distributions), ssnr=model.ssnr[0],
+                                    ori_size_px=box, pixel_size_angstrom=pixel,
+                                    resolution_angstrom=model.current_resolution_angstrom, rot_deg=state.rot_deg,
+                                    tilt_deg=state.tilt_deg, timings_seconds=dict(timings))
         reports.append(refine_loop.IterationReport(
             iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
             optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,

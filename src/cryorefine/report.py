@@ -58,3 +58,51 @@ def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angs
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
+
+
+def write_classification_report(path, *, iteration, class_distributions, ssnr, ori_size_px, pixel_size_angstrom,
+                                resolution_angstrom, rot_deg, tilt_deg, timings_seconds):
+    """run_itNNN_report.png of a classification: the class distribution over the iterations so far
+    (`class_distributions` (iterations, K)), each class's SSNR (K, n_shells), the angular distribution."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.5), dpi=80)
+    FigureCanvasAgg(fig)
+    ax_dist, ax_ssnr, ax_ang = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.1, 1.2, 1.4]})
+
+    history = np.atleast_2d(np.asarray(class_distributions, dtype=np.float64))
+    its = np.arange(1, history.shape[0] + 1)
+    for k in range(history.shape[1]):
+        ax_dist.plot(its, history[:, k], marker="o", label=f"class {k + 1}")
+    ax_dist.set_xlabel("iteration")
+    ax_dist.set_ylabel("fraction of particles")
+    ax_dist.set_ylim(0, 1)
+    ax_dist.legend(fontsize="small")
+    ax_dist.set_title(f"iteration {iteration}: class distribution")
+
+    ssnr = np.atleast_2d(np.asarray(ssnr, dtype=np.float64))
+    shells = np.arange(1, min(ssnr.shape[1], ori_size_px // 2 + 1))
+    inv_angstrom = shells / (ori_size_px * pixel_size_angstrom)
+    for k in range(ssnr.shape[0]):
+        ax_ssnr.semilogy(inv_angstrom, np.maximum(ssnr[k, shells], 1e-3), label=f"class {k + 1}")
+    ax_ssnr.axhline(1.0, color="grey", lw=0.8, ls="--")
+    if np.isfinite(resolution_angstrom) and resolution_angstrom > 0:
+        ax_ssnr.axvline(1.0 / resolution_angstrom, color="tab:red", lw=1.0)
+    ticks = np.linspace(inv_angstrom[0], inv_angstrom[-1], 5) if shells.size else []
+    ax_ssnr.set_xticks(ticks)
+    ax_ssnr.set_xticklabels([f"{1 / t:.1f}" for t in ticks])
+    ax_ssnr.set_xlabel("resolution (Å)")
+    ax_ssnr.set_ylabel("SSNR (data vs prior)")
+    ax_ssnr.set_title(f"resolution {resolution_angstrom:.1f} Å")
+
+    counts = angular_histogram(rot_deg, tilt_deg)
+    image = ax_ang.imshow(counts, origin="lower", extent=(-180, 180, 0, 180), aspect="auto", cmap="viridis")
+    fig.colorbar(image, ax=ax_ang, label="particles")
+    ax_ang.set_xlabel("rot (°)")
+    ax_ang.set_ylabel("tilt (°)")
+    seconds = ", ".join(f"{name} {value:.1f} s" for name, value in timings_seconds.items())
+    ax_ang.set_title(f"best orientations; {seconds}", fontsize="small")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
