@@ -96,3 +96,11 @@ def test_a_star_list_of_references_must_match_k(classified, tmp_path):
                    "--o", tmp_path / "run", "--K", 3, "--iter", 1, "--cpu")
     assert code == 2
     assert not list(tmp_path.glob("run_it*"))
+
+
+def test_auto_refine_options_are_refused(classified, tmp_path, capsys):
+    code = run_cli("classify", "--i", classified / "mix.star", "--ref", classified / "avg.mrc", "--o", tmp_path / "run",
+                   "--K", 2, "--auto_refine", "--cpu")
+    assert code == 2
+    assert "--auto_refine" in capsys.readouterr().err
+    assert not list(tmp_path.glob("run_it*"))

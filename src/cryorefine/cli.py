@@ -224,6 +224,17 @@ def classify(n_classes, continue_from, **options):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
         raise InputError("classify --continue is not implemented yet; start the classification again")
+    ctx = click.get_current_context()
+    given = {p.opts[0] for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
+    for option in ("--auto_refine", "--split_random_halves"):
+        if option in given:
+            raise click.UsageError(f"{option}: a classification has no half sets and no auto-refinement; "
+                                   f"drop {option}, or use `cryorefine refine`")
+    unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order"})
+    if unused:
+        logging.getLogger("cryorefine").warning("classification keeps its sampling and has no half sets; "
+                                                "ignored: %s", " ".join(unused))
     for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
