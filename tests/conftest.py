@@ -66,3 +66,14 @@ def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=Fals
     star_path = folder / "particles.star"
     starfile.write(blocks, star_path)
     return star_path, images
+
+
+def run_cli(*args):
+    """`cryorefine ARGS` in this process; its exit code."""
+    from cryorefine.cli import main
+
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        return exc.code
+    return 0

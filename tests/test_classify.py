@@ -7,19 +7,11 @@ import pandas as pd
 import pytest
 import starfile
 
-from cryorefine.cli import main
 from cryorefine.core.fourier import downsample_volume
 from cryorefine.io.mrc import read_volume, write_volume
+from conftest import run_cli
 
 EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
-
-
-def run_cli(*args):
-    try:
-        main([str(a) for a in args])
-    except SystemExit as exc:
-        return exc.code
-    return 0
 
 
 def make_mixture(folder, n_each):

@@ -11,6 +11,7 @@ from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import Coefficients, NumpyEngine
+from conftest import run_cli
 
 pytestmark = pytest.mark.gpu
 
@@ -274,17 +275,9 @@ def test_refinement_on_the_gpu_matches_the_cpu(cp, tmp_path):
 
     import starfile
 
-    from cryorefine.cli import main
     from cryorefine.core.fourier import downsample_volume
     from cryorefine.core.fsc import fsc_volumes
     from cryorefine.io.mrc import read_volume, write_volume
-
-    def run_cli(*args):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            return exc.code
-        return 0
 
     example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
     box, pixel = 32, 12.0

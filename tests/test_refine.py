@@ -6,22 +6,14 @@ import numpy as np
 import pytest
 import starfile
 
-from cryorefine.cli import main
 from cryorefine.core import euler, fourier
 from cryorefine.core.fourier import downsample_volume
 from cryorefine.core.fsc import fsc_volumes
 from cryorefine.io.mrc import read_volume, write_volume
+from conftest import run_cli
 
 EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
 BOX, PIXEL = 32, 12.0
-
-
-def run_cli(*args):
-    try:
-        main([str(a) for a in args])
-    except SystemExit as exc:
-        return exc.code
-    return 0
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,23 @@ def angular_histogram(rot_deg, tilt_deg, bins=(36, 18)):
     return counts
 
 
+def _resolution_axis(ax, inv_angstrom):
+    """x ticks of a spectrum panel labelled in Å."""
+    ticks = np.linspace(inv_angstrom[0], inv_angstrom[-1], 5) if len(inv_angstrom) else []
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{1 / t:.1f}" for t in ticks])
+    ax.set_xlabel("resolution (Å)")
+
+
+def _angular_panel(fig, ax, rot_deg, tilt_deg, title):
+    counts = angular_histogram(rot_deg, tilt_deg)
+    image = ax.imshow(counts, origin="lower", extent=(-180, 180, 0, 180), aspect="auto", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="particles")
+    ax.set_xlabel("rot (°)")
+    ax.set_ylabel("tilt (°)")
+    ax.set_title(title, fontsize="small" if len(title) > 45 else None)
+
+
 def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angstrom, resolution_angstrom,
                            rot_deg, tilt_deg, timings_seconds, halves_joined=False):
     """Write the PNG atomically (matplotlib's Agg canvas; no pyplot, no global state)."""
@@ -35,21 +52,13 @@ def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angs
     if np.isfinite(resolution_angstrom) and resolution_angstrom > 0:
         ax_fsc.axvline(1.0 / resolution_angstrom, color="tab:red", lw=1.0)
         ax_fsc.text(1.0 / resolution_angstrom, 0.95, f" {resolution_angstrom:.1f} Å", color="tab:red", va="top")
-    ticks = np.linspace(inv_angstrom[0], inv_angstrom[-1], 5) if shells.size else []
-    ax_fsc.set_xticks(ticks)
-    ax_fsc.set_xticklabels([f"{1 / t:.1f}" for t in ticks])
-    ax_fsc.set_xlabel("resolution (Å)")
+    _resolution_axis(ax_fsc, inv_angstrom)
     ax_fsc.set_ylabel("FSC")
     ax_fsc.set_ylim(-0.1, 1.05)
     criterion = "halves joined, FSC 0.143" if halves_joined else "gold standard, SSNR 1 (≈ FSC 0.5)"
     ax_fsc.set_title(f"iteration {iteration}: {criterion}")
 
-    counts = angular_histogram(rot_deg, tilt_deg)
-    image = ax_ang.imshow(counts, origin="lower", extent=(-180, 180, 0, 180), aspect="auto", cmap="viridis")
-    fig.colorbar(image, ax=ax_ang, label="particles")
-    ax_ang.set_xlabel("rot (°)")
-    ax_ang.set_ylabel("tilt (°)")
-    ax_ang.set_title(f"best orientations of {np.asarray(rot_deg).size} particles")
+    _angular_panel(fig, ax_ang, rot_deg, tilt_deg, f"best orientations of {np.asarray(rot_deg).size} particles")
 
     names = list(timings_seconds)
     ax_time.barh(names, [timings_seconds[n] for n in names], color="tab:green")
@@ -89,20 +98,12 @@ def write_classification_report(path, *, iteration, class_distributions, ssnr, o
     ax_ssnr.axhline(1.0, color="grey", lw=0.8, ls="--")
     if np.isfinite(resolution_angstrom) and resolution_angstrom > 0:
         ax_ssnr.axvline(1.0 / resolution_angstrom, color="tab:red", lw=1.0)
-    ticks = np.linspace(inv_angstrom[0], inv_angstrom[-1], 5) if shells.size else []
-    ax_ssnr.set_xticks(ticks)
-    ax_ssnr.set_xticklabels([f"{1 / t:.1f}" for t in ticks])
-    ax_ssnr.set_xlabel("resolution (Å)")
+    _resolution_axis(ax_ssnr, inv_angstrom)
     ax_ssnr.set_ylabel("SSNR (data vs prior)")
     ax_ssnr.set_title(f"resolution {resolution_angstrom:.1f} Å")
 
-    counts = angular_histogram(rot_deg, tilt_deg)
-    image = ax_ang.imshow(counts, origin="lower", extent=(-180, 180, 0, 180), aspect="auto", cmap="viridis")
-    fig.colorbar(image, ax=ax_ang, label="particles")
-    ax_ang.set_xlabel("rot (°)")
-    ax_ang.set_ylabel("tilt (°)")
     seconds = ", ".join(f"{name} {value:.1f} s" for name, value in timings_seconds.items())
-    ax_ang.set_title(f"best orientations; {seconds}", fontsize="small")
+    _angular_panel(fig, ax_ang, rot_deg, tilt_deg, f"best orientations; {seconds}")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
