@@ -77,3 +77,14 @@ def run_cli(*args):
     except SystemExit as exc:
         return exc.code
     return 0
+
+
+def cupy_or_skip():
+    """CuPy, or a skip of the calling test when CuPy or a CUDA device is missing (the `gpu` tests)."""
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    return cp

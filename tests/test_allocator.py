@@ -9,6 +9,7 @@ import pytest
 
 from cryorefine.errors import InputError
 from cryorefine.gpu.allocator import MB, ArenaOutOfMemory, Block, Scope, StackArena, describe_usage
+from conftest import cupy_or_skip
 
 
 def _aligned(nbytes, alignment=256):
@@ -331,19 +332,9 @@ def test_iteration_peaks_and_reset_peaks():
 # -- CuPy ----------------------------------------------------------------------------------------
 
 
-def _cupy_or_skip():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-    return cp
-
-
 @pytest.mark.gpu
 def test_device_arena_refinement_loop():
-    cp = _cupy_or_skip()
+    cp = cupy_or_skip()
     from cryorefine.gpu.allocator import DeviceArena
 
     rng = np.random.default_rng(7)
@@ -405,7 +396,7 @@ def test_device_arena_refinement_loop():
 
 @pytest.mark.gpu
 def test_device_arena_too_large_a_reserve():
-    _cupy_or_skip()
+    cupy_or_skip()
     from cryorefine.gpu.allocator import DeviceArena
 
     with pytest.raises(ArenaOutOfMemory, match="free_gpu_memory"):

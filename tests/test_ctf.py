@@ -10,6 +10,7 @@ import pytest
 
 from cryorefine.core import fourier
 from cryorefine.core.ctf import ctf_2d, electron_wavelength_angstrom
+from conftest import cupy_or_skip
 
 REAL = Path(__file__).resolve().parents[2] / "shared/data/real"
 
@@ -260,12 +261,7 @@ def test_real_stack_rings_match_star_defocus(star_rel, stack_rel, pixel_angstrom
 
 @pytest.mark.gpu
 def test_cupy_matches_numpy():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    cp = cupy_or_skip()
     rng = np.random.default_rng(1)
     n = 5
     params = dict(defocus_u_angstrom=rng.uniform(5000, 30000, n), defocus_v_angstrom=rng.uniform(5000, 30000, n),

@@ -11,20 +11,14 @@ from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import Coefficients, NumpyEngine
-from conftest import run_cli
+from conftest import cupy_or_skip, run_cli
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-    return cupy
+    return cupy_or_skip()
 
 
 def blob_volume(rng, n, blobs=8):

@@ -235,7 +235,7 @@ def _worker(comm, half_comm, config):
                 if rank == 2:  # the leader of half 2 hands its sums to rank 1
                     _send_sums(comm, host, dest=1)
                 elif rank == 1:
-                    both = [host, _recv_sums(comm, _sums_template(model, config, sampling, sizes)(), source=2)]
+                    both = [host, _recv_sums(comm, _sums_template(model, config, sampling, sizes), source=2)]
                     _maximization_on_worker(comm, factory, model, optimiser, config, both, sizes, final, do_cc)
                 del host
 
@@ -347,18 +347,15 @@ def _sums_from_fields(sums, totals):
 
 
 def _sums_template(model, config, sampling, sizes):
-    """A maker of zero WeightedSums shaped like a worker's (to receive sums into)."""
+    """Zero WeightedSums shaped like a worker's (to receive sums into)."""
     from cryorefine.core.projector import PaddedGrid
     from cryorefine.estep.engine import WeightedSums
 
-    def make():
-        grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, sizes.current_size_px // 2)
-        k = len(model.maps[0])
-        n_optics, n_shells = np.asarray(model.sigma2_noise).shape
-        return WeightedSums(data=[np.zeros(grid.shape, np.complex128) for _ in range(k)],
-                            weight=[np.zeros(grid.shape) for _ in range(k)],
-                            sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
-                            pdf_class=np.zeros(k), pdf_direction=np.zeros((k, sampling.n_directions)),
-                            scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
-
-    return make
+    grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, sizes.current_size_px // 2)
+    k = len(model.maps[0])
+    n_optics, n_shells = np.asarray(model.sigma2_noise).shape
+    return WeightedSums(data=[np.zeros(grid.shape, np.complex128) for _ in range(k)],
+                        weight=[np.zeros(grid.shape) for _ in range(k)],
+                        sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
+                        pdf_class=np.zeros(k), pdf_direction=np.zeros((k, sampling.n_directions)),
+                        scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
