@@ -331,3 +331,72 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
     print(f"plan: first iteration predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB "
           f"(per scope {factory.high_water_bytes})")
     assert measured <= predicted <= 4 * measured + (64 << 20)
+
+
+# ---------------------------------------------------------------------------------------- image preparation
+@pytest.mark.parametrize("zero_mask", [True, False])
+def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask):
+    """images.prepare_batch with cupy against numpy on fresh random images, origins and CTFs (float64 both)."""
+    from conftest import make_particle_set
+    from cryorefine.data import load_particles
+    from cryorefine.images import ImageSettings, prepare_batch
+    from cryorefine.io import mrc
+
+    star, _ = make_particle_set(tmp_path, n=9, box=48, pixel_size=1.7, seed=11)
+    particles = load_particles(star)
+    settings = ImageSettings(48, 1.7, 60.0, zero_mask=zero_mask, do_ctf=True, random_seed=3)
+    indices = np.array([0, 2, 3, 5, 8])
+    with mrc.StackReader() as reader:
+        host = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2)
+        device = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, xp=cp)
+    for name in ("images_ft", "images_ft_unmasked", "ctf"):
+        got, want = cp.asnumpy(getattr(device, name)), getattr(host, name)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        print(f"{name}: max error relative to the largest value {err:.2e}")
+        assert err < 1e-12, name
+    np.testing.assert_allclose(device.power_beyond_current, host.power_beyond_current, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------- classification
+def test_classification_on_the_gpu_separates_the_mixture_and_agrees_with_the_cpu(cp, tmp_path):
+    """The CI separation test (150 + 150 particles of two maps, K = 2, 10 iterations) on the GPU engine:
+    ≥ 95 % in the class of their map, and ≥ 95 % of the class assignments equal to the CPU engine's."""
+    import starfile
+
+    from test_classify import CLASSIFY_ARGS, make_mixture
+
+    make_mixture(tmp_path, 150)
+    args = [a for a in CLASSIFY_ARGS if a != "--cpu"]
+    found = {}
+    for engine in ("--cpu", "--gpu"):
+        out = tmp_path / engine.strip("-")
+        assert run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o", out / "run",
+                       "--iter", 10, "--tau2_fudge", 4, *args, engine) == 0
+        found[engine] = starfile.read(out / "run_it010_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    truth = np.r_[np.zeros(150), np.ones(150)]
+    gpu_vs_truth = max(np.mean(found["--gpu"] == truth), np.mean(found["--gpu"] != truth))
+    gpu_vs_cpu = max(np.mean(found["--gpu"] == found["--cpu"]), np.mean(found["--gpu"] != found["--cpu"]))
+    print(f"GPU: {100 * gpu_vs_truth:.1f} % in the class of their map; {100 * gpu_vs_cpu:.1f} % as on the CPU")
+    assert gpu_vs_truth >= 0.95
+    assert gpu_vs_cpu >= 0.95
+
+
+def test_simulation_on_the_device_makes_the_same_stack(cp, tmp_path):
+    """simulate with cupy writes the images numpy writes (same poses, CTFs and noise), to float32 rounding."""
+    from pathlib import Path
+
+    from cryorefine.core.fourier import downsample_volume
+    from cryorefine.io.mrc import read_volume, write_volume
+    from cryorefine.simulate import SimulationOptions, simulate
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+    write_volume(tmp_path / "ref.mrc", downsample_volume(read_volume(example)[0], 40), 9.6)
+    options = SimulationOptions(n_particles=20, snr=0.1, seed=5, batch_size=8, noise="coloured")
+    simulate(tmp_path / "ref.mrc", tmp_path / "cpu", options)
+    simulate(tmp_path / "ref.mrc", tmp_path / "gpu", options, xp=cp)
+    a, _ = read_volume(tmp_path / "cpu" / "particles.mrcs")
+    b, _ = read_volume(tmp_path / "gpu" / "particles.mrcs")
+    err = np.abs(a - b).max() / np.abs(a).max()
+    print(f"simulated stacks: max difference relative to the largest pixel {err:.1e}")
+    assert err < 1e-5
+    assert (tmp_path / "cpu" / "particles.star").read_text() == (tmp_path / "gpu" / "particles.star").read_text()

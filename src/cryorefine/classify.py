@@ -31,6 +31,7 @@ import numpy as np
 from cryorefine import refine as refine_loop
 from cryorefine import schedule
 from cryorefine.core import fourier
+from cryorefine.core.arrays import array_module, to_host
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.data import load_particles
@@ -97,7 +98,8 @@ def _classify(config, argv, make_engine, progress):
                        sigma_offset_angstrom=refine_loop.INITIAL_SIGMA_OFFSET_ANGSTROM,
                        scale_correction=np.ones(n_optics))
     model.maps = [maps]
-    model.sigma2_noise = refine_loop._initial_noise(particles, settings, n_optics, config.batch_size)
+    model.sigma2_noise = refine_loop._initial_noise(particles, settings, n_optics, config.batch_size,
+                                                    refine_loop.image_array_module(make_engine))
     model.current_resolution_angstrom = schedule.current_resolution(
         box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
     n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
@@ -106,7 +108,7 @@ def _classify(config, argv, make_engine, progress):
     rng = np.random.default_rng(config.random_seed)
     reports, distributions = [], []
     for iteration in range(1, config.max_iterations + 1):
-        timings = {}
+        timings, stages = {}, {}
         optimiser = replace(optimiser, iteration=iteration)
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
                                      config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
@@ -122,17 +124,17 @@ def _classify(config, argv, make_engine, progress):
         with refine_loop._scope_of(make_engine, "iteration_scope"):
             if do_cc:  # class 1 alone, all particles
                 sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, True, [0], everyone, None)
+                                    state, iteration, True, [0], everyone, None, stages)
                 sums = _as_classes(sums, [0], k_classes)
             elif seeds_now:  # each particle against one random class
                 draw = np.random.default_rng(config.random_seed + iteration).integers(0, k_classes, len(particles))
                 parts = [_expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                      state, iteration, False, [k], np.flatnonzero(draw == k), None)
+                                      state, iteration, False, [k], np.flatnonzero(draw == k), None, stages)
                          for k in range(k_classes)]
                 sums = _merge([_as_classes(p, [k], k_classes) for k, p in enumerate(parts)])
             else:
                 sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, False, list(range(k_classes)), everyone, pdf_direction)
+                                    state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages)
             refine_loop.keep_norms_unless_refined(config, old, state)
             timings["expectation"] = time.perf_counter() - tic
             tic = time.perf_counter()
@@ -149,6 +151,7 @@ def _classify(config, argv, make_engine, progress):
                             changes_optimal_offsets_angstrom=changes.offsets_angstrom,
                             changes_optimal_classes=changes.classes)
         timings["maximization"] = time.perf_counter() - tic
+        tic = time.perf_counter()
         _write_iteration(out_root, iteration, particles, state, model, optimiser, config, sampling, argv,
                          pdf_direction)
         distributions.append(np.asarray(model.pdf_class, dtype=np.float64).copy())
@@ -157,10 +160,11 @@ def _classify(config, argv, make_engine, progress):
                                     ori_size_px=box, pixel_size_angstrom=pixel,
                                     resolution_angstrom=model.current_resolution_angstrom, rot_deg=state.rot_deg,
                                     tilt_deg=state.tilt_deg, timings_seconds=dict(timings))
+        timings["write"] = time.perf_counter() - tic
         reports.append(refine_loop.IterationReport(
             iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
             optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,
-            timings))
+            timings, dict(stages)))
         log.info("iteration %d: resolution %.2f Å, size %d/%d px, classes %s, Δangle %.2f°, Δoffset %.2f Å, "
                  "Δclass %.3f, pmax %.3f, E %.1f s, M %.1f s", iteration, model.current_resolution_angstrom,
                  sizes.current_size_px, sizes.coarse_size_px,
@@ -171,9 +175,10 @@ def _classify(config, argv, make_engine, progress):
 
 
 def _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes, state, iteration,
-                 do_cc, classes, members, pdf_direction):
+                 do_cc, classes, members, pdf_direction, stages):
     """One engine over `members` against the classes `classes` (indices into model.maps[0]); results stored
-    with those class numbers; returns the engine's sums (its class order = `classes`)."""
+    with those class numbers; returns the engine's sums (its class order = `classes`). Seconds per E-step
+    stage are added to `stages`."""
     engine = make_engine()
     # the class prior: RELION folds it into a per-class direction distribution, which with few particles
     # per direction shuts whole directions out; the class distribution alone is used here
@@ -193,14 +198,19 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
     old_angles = (state.rot_deg.copy(), state.tilt_deg.copy(), state.psi_deg.copy())
     with particles.image_reader(np.arange(len(particles)) if config.preread_images else None) as reader:
         for indices in particles.batches(config.batch_size, members):
+            tic = time.perf_counter()
             batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                   model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
-                                  refine_loop.image_norms(config, state), state.class_index, old_angles)
+                                  refine_loop.image_norms(config, state), state.class_index, old_angles,
+                                  xp=refine_loop.image_array_module(engine))
+            stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic
             result = engine.run(batch)
+            del batch  # its device arrays go before the next batch's (the arena is a stack)
             result.class_index = np.asarray(classes)[np.asarray(result.class_index)]
             state.store(indices, result)
             if progress:
                 progress(indices.size, len(particles))
+    refine_loop.add_engine_stages(stages, engine)
     return engine.sums()
 
 
@@ -212,8 +222,8 @@ def _as_classes(sums, classes, k_classes):
     pdf_class = np.zeros(k_classes)
     pdf_direction = np.zeros((k_classes, sums.pdf_direction.shape[1]))
     for i, k in enumerate(classes):
-        data[k] = refine_loop._to_host(sums.data[i]).astype(np.complex128)
-        weight[k] = refine_loop._to_host(sums.weight[i]).astype(np.float64)
+        data[k] = to_host(sums.data[i]).astype(np.complex128)
+        weight[k] = to_host(sums.weight[i]).astype(np.float64)
         pdf_class[k] = sums.pdf_class[i]
         pdf_direction[k] = sums.pdf_direction[i]
     return replace(sums, data=data, weight=weight, pdf_class=pdf_class, pdf_direction=pdf_direction)
@@ -253,15 +263,15 @@ def _maximize(model, config, sums, sizes, do_cc):
         previous = model.maps[0][k]
         t2 = np.asarray(Projector(previous, config.padding_factor, r_max).power_spectrum, dtype=np.float64)[:n_shells]
         t2[r_max + 1:] = 0.0
-        xp = refine_loop.array_module(sums.data[k])
+        xp = array_module(sums.data[k])
         bp = BackProjector.from_arrays(xp.asarray(sums.data[k], dtype=xp.complex128),
                                        xp.asarray(sums.weight[k], dtype=xp.float64), box, config.padding_factor, r_max,
                                        xp=xp)
         if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
             new_maps.append(np.zeros_like(previous, dtype=np.float32))
             continue
-        sigma2 = refine_loop._to_host(bp.noise_sigma2())[:n_shells]
-        volume = refine_loop._to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
+        sigma2 = to_host(bp.noise_sigma2())[:n_shells]
+        volume = to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
         if config.flatten_solvent:
             volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
         new_maps.append(volume.astype(np.float32))

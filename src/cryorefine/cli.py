@@ -66,8 +66,11 @@ def info(file, as_json, check_images):
 @click.option("--no_ctf", is_flag=True, help="Do not apply a CTF (no CTF columns in the STAR file).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed (same seed, same files).")
 @click.option("--batch", default=256, show_default=True, type=int, help="Images made per batch.")
+@click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
+              help="Make the images on this GPU (first device listed) [default: GPU 0 when CuPy sees one].")
+@click.option("--cpu", "force_cpu", is_flag=True, help="Make the images with numpy even when a GPU is present.")
 def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, q0, angpix, max_shift,
-             particle_diameter, sym, noise, no_ctf, seed, batch):
+             particle_diameter, sym, noise, no_ctf, seed, batch, gpu, force_cpu):
     """Simulate particle images of a map with known poses, CTFs and noise (RELION 3.1 STAR + .mrcs).
 
     The STAR file's pose, origin and CTF columns are the ground truth, in RELION's conventions.
@@ -80,7 +83,18 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
         astigmatism_um=astigmatism, voltage_kv=voltage, cs_mm=cs, amplitude_contrast=q0,
         pixel_size_angstrom=angpix, max_shift_angstrom=max_shift, symmetry=sym, noise=noise, seed=seed,
         batch_size=batch, particle_diameter_angstrom=particle_diameter, apply_ctf=not no_ctf)
-    result = run_simulation(ref, out_dir, options, log=lambda message: click.echo(message, err=True))
+    engine = engine_options(gpu, force_cpu, 0.0)
+
+    def log(message):
+        click.echo(message, err=True)
+
+    if engine["engine"] == "cuda":
+        import cupy
+
+        with cupy.cuda.Device(engine["gpu_ids"][0]):
+            result = run_simulation(ref, out_dir, options, log=log, xp=cupy)
+    else:
+        result = run_simulation(ref, out_dir, options, log=log)
     click.echo(f"wrote {result['n_particles']} particles ({result['box_px']} px, "
                f"{result['pixel_size_angstrom']:.4f} Å/px): {result['star']}")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cryorefine.core import fourier
+from cryorefine.core.arrays import array_module, to_host
 from cryorefine.core.ctf import ctf_2d
 from cryorefine.estep.engine import Batch
 
@@ -37,13 +38,13 @@ class ImageSettings:
         return self.particle_diameter_angstrom / (2 * self.pixel_size_angstrom)
 
 
-def shell_power(ft, ori_size_px, n_shells):
+def shell_power(ft, ori_size_px, n_shells, xp=np):
     """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells)."""
     size = ft.shape[-2]
-    ky, kx = fourier.frequencies_2d(size)
+    ky, kx = fourier.frequencies_2d(size, xp)
     use = ~((kx == 0) & (ky < 0))
-    shells = np.where(use, np.rint(np.sqrt(kx * kx + ky * ky)), n_shells).astype(np.int64)
-    return fourier.shell_sum(np.abs(ft) ** 2, shells, n_shells)
+    shells = xp.where(use, xp.rint(xp.sqrt(kx * kx + ky * ky)), n_shells).astype(xp.int64)
+    return fourier.shell_sum(xp.abs(ft) ** 2, shells, n_shells, xp)
 
 
 def coefficients_per_shell(ori_size_px):
@@ -52,62 +53,105 @@ def coefficients_per_shell(ori_size_px):
     return shell_power(np.ones((1, ori_size_px, n_shells)), ori_size_px, n_shells)[0]
 
 
-def masked_images(images, settings, particle_indices, iteration):
+def _splitmix64(z, xp):
+    """SplitMix64's output function on uint64 arrays (wrapping arithmetic)."""
+    z = z + xp.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> xp.uint64(30))) * xp.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> xp.uint64(27))) * xp.uint64(0x94D049BB133111EB)
+    return z ^ (z >> xp.uint64(31))
+
+
+def background_noise(seed, iteration, particle_indices, size_px, xp=np):
+    """Standard normal noise (B, N, N) that depends only on (seed, iteration, particle, pixel).
+
+    A counter-based generator (SplitMix64 hashes, Box–Muller), so numpy and cupy draw the same
+    values and a particle's noise does not depend on its batch, its worker or the rank count.
+    """
+    key = _splitmix64(xp.full(1, seed, dtype=xp.uint64), xp)
+    key = _splitmix64(key ^ xp.uint64(iteration), xp)
+    key = _splitmix64(key ^ xp.asarray(particle_indices, dtype=xp.uint64), xp)  # (B,)
+    counter = xp.arange(size_px * size_px, dtype=xp.uint64) * xp.uint64(2)
+    bits_a = _splitmix64(key[:, None] ^ counter[None, :], xp)
+    bits_b = _splitmix64(key[:, None] ^ (counter[None, :] + xp.uint64(1)), xp)
+    scale = 2.0 ** -53
+    u_a = 1.0 - (bits_a >> xp.uint64(11)).astype(xp.float64) * scale  # (0, 1]
+    u_b = (bits_b >> xp.uint64(11)).astype(xp.float64) * scale
+    normal = xp.sqrt(-2.0 * xp.log(u_a)) * xp.cos(2.0 * np.pi * u_b)
+    return normal.reshape(-1, size_px, size_px)
+
+
+def masked_images(images, settings, particle_indices, iteration, xp=np):
     """Soft-masked copies of real-space images (B, N, N); noise outside unless zero_mask."""
     n = settings.ori_size_px
-    mask = fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px)
+    mask = fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px, xp)
     if settings.zero_mask:
         return images * mask
     outside = mask < 1e-6
-    std = np.sqrt(np.mean(images[:, outside] ** 2, axis=1) - np.mean(images[:, outside], axis=1) ** 2)
-    noise = np.stack([np.random.default_rng([settings.random_seed, iteration, int(i)]).standard_normal((n, n))
-                      for i in particle_indices])
+    background = images[:, outside]
+    std = xp.sqrt(xp.maximum(xp.mean(background ** 2, axis=1) - xp.mean(background, axis=1) ** 2, 0.0))
+    noise = background_noise(settings.random_seed, iteration, particle_indices, n, xp)
     return images * mask + (1.0 - mask) * noise * std[:, None, None]
 
 
+def roll_each(images, shift_x_px, shift_y_px, xp=np):
+    """images[b] rolled by (shift_y[b], shift_x[b]) pixels, as np.roll on each image: (B, N, N)."""
+    n = images.shape[-1]
+    pixels = xp.arange(n)
+    rows = (pixels[None, :] - xp.asarray(shift_y_px)[:, None]) % n
+    cols = (pixels[None, :] - xp.asarray(shift_x_px)[:, None]) % n
+    return images[xp.arange(images.shape[0])[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
 def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
-                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None):
-    """A `Batch` for the engine. Origins/norms/poses default to those in the particle set."""
+                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None, xp=np):
+    """A `Batch` for the engine. Origins/norms/poses default to those in the particle set.
+
+    The images are read on the host; masks, transforms and CTFs are computed with `xp` (cupy for
+    the GPU engine: the batch's image arrays then live on the device), in float64.
+    """
     indices = np.asarray(indices)
     n = settings.ori_size_px
-    images = particles.read_images(indices, reader).astype(np.float64)
     ox = (particles.origin_x_angstrom[indices] / settings.pixel_size_angstrom if origin_x_px is None
           else np.asarray(origin_x_px)[indices])
     oy = (particles.origin_y_angstrom[indices] / settings.pixel_size_angstrom if origin_y_px is None
           else np.asarray(origin_y_px)[indices])
     norm = particles.norm_correction[indices] if norm_correction is None else np.asarray(norm_correction)[indices]
-    images *= (avg_norm_correction / norm)[:, None, None]
     # integer part of the origin in real space, so that the mask is centred on the particle
     rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
-    for axis_shift in set(zip(rx.tolist(), ry.tolist())):
-        sel = (rx == axis_shift[0]) & (ry == axis_shift[1])
-        images[sel] = np.roll(images[sel], shift=(axis_shift[1], axis_shift[0]), axis=(-2, -1))
-    ft_nomask = fourier.rfft2_centered(images)
-    ft_mask = fourier.rfft2_centered(masked_images(images, settings, indices, iteration))
+    images = xp.asarray(particles.read_images(indices, reader)).astype(xp.float64)
+    images *= xp.asarray(avg_norm_correction / norm)[:, None, None]
+    if np.any(rx != 0) or np.any(ry != 0):
+        images = roll_each(images, xp.asarray(rx), xp.asarray(ry), xp)
+    ft_nomask = fourier.window_ft_2d(fourier.rfft2_centered(images, xp), current_size_px, xp)
+    ft_mask = fourier.rfft2_centered(masked_images(images, settings, xp.asarray(indices), iteration, xp), xp)
+    del images
     n_shells = n // 2 + 1
-    power = shell_power(ft_mask, n, n_shells)
+    power = shell_power(ft_mask, n, n_shells, xp)
+    ft_mask = fourier.window_ft_2d(ft_mask, current_size_px, xp)
     if settings.do_ctf:
-        ctf = ctf_2d(n, settings.pixel_size_angstrom, particles.defocus_u_angstrom[indices],
+        # the CTF at the current size: the same integer frequencies of the original box
+        pixel = settings.pixel_size_angstrom * n / current_size_px
+        ctf = ctf_2d(current_size_px, pixel, particles.defocus_u_angstrom[indices],
                      particles.defocus_v_angstrom[indices], particles.defocus_angle_deg[indices],
                      particles.voltage_kv[indices], particles.cs_mm[indices], particles.amplitude_contrast[indices],
                      phase_shift_deg=particles.phase_shift_deg[indices], bfactor=particles.ctf_bfactor[indices],
-                     scale=particles.ctf_scale[indices], dtype=np.float64)
+                     scale=particles.ctf_scale[indices], xp=xp, dtype=np.float64)
     else:
-        ctf = np.ones((indices.size, n, n // 2 + 1))
+        ctf = xp.ones((indices.size, current_size_px, current_size_px // 2 + 1))
     rot = particles.rot_deg[indices] if poses is None else poses[0][indices]
     tilt = particles.tilt_deg[indices] if poses is None else poses[1][indices]
     psi = particles.psi_deg[indices] if poses is None else poses[2][indices]
     klass = (particles.class_number[indices] - 1) if class_index is None else np.asarray(class_index)[indices]
     return Batch(
         indices=indices,
-        images_ft=fourier.window_ft_2d(ft_mask, current_size_px),
-        images_ft_unmasked=fourier.window_ft_2d(ft_nomask, current_size_px),
-        ctf=fourier.window_ft_2d(ctf, current_size_px),
+        images_ft=ft_mask,
+        images_ft_unmasked=ft_nomask,
+        ctf=ctf,
         optics_index=particles.optics_index[indices],
         old_origin_px=np.stack([ox, oy], axis=1),
         residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
         prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
-        old_class=klass, norm_correction=norm, power_beyond_current=power)
+        old_class=klass, norm_correction=norm, power_beyond_current=to_host(power))
 
 
 @dataclass
@@ -125,12 +169,14 @@ class NoiseEstimate:
         return cls(np.zeros((n_optics, n_shells)), np.zeros(n_optics),
                    np.zeros((ori_size_px, n_shells), complex), coefficients_per_shell(ori_size_px))
 
-    def add(self, batch_ft_full, optics_index):
+    def add(self, batch_ft_full, optics_index, power=None):
+        """Add a batch's full-size masked transforms (numpy or cupy); `power` per shell if already known."""
         n_shells = self.power_sum.shape[1]
-        power = shell_power(batch_ft_full, batch_ft_full.shape[-2], n_shells)
+        if power is None:
+            power = to_host(shell_power(batch_ft_full, batch_ft_full.shape[-2], n_shells, array_module(batch_ft_full)))
         np.add.at(self.power_sum, optics_index, power)
         self.count += np.bincount(optics_index, minlength=self.count.size)
-        self.ft_sum += batch_ft_full.sum(axis=0)
+        self.ft_sum += to_host(batch_ft_full.sum(axis=0))
 
     def sigma2(self):
         """Per-component noise variance per shell and optics group (RELION's initial sigma2_noise)."""

@@ -187,7 +187,8 @@ def _master(comm, config, argv, progress, resume_from):
 def _worker(comm, half_comm, config):
     from cryorefine.data import load_particles
     from cryorefine.images import prepare_batch
-    from cryorefine.refine import _iteration_setup, _scope_of, default_engine_factory, image_norms
+    from cryorefine.refine import (_iteration_setup, _scope_of, add_engine_stages, default_engine_factory,
+                                   image_array_module, image_norms)
 
     rank = comm.Get_rank()
     kind, payload = comm.bcast(None, root=0)
@@ -222,12 +223,14 @@ def _worker(comm, half_comm, config):
                         batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                               model.avg_norm_correction, iteration, state.origin_x_px,
                                               state.origin_y_px, image_norms(config, state), state.class_index,
-                                              (state.rot_deg, state.tilt_deg, state.psi_deg))
+                                              (state.rot_deg, state.tilt_deg, state.psi_deg),
+                                              xp=image_array_module(engine))
                         stages["images"] += time.perf_counter() - tic
-                        comm.send(("result", (indices, engine.run(batch))), dest=0, tag=TAG_REQUEST)
+                        result = engine.run(batch)
+                        del batch  # its device arrays go before the next batch's (the arena is a stack)
+                        comm.send(("result", (indices, result)), dest=0, tag=TAG_REQUEST)
                 sums = engine.sums()
-                for name, seconds in getattr(engine, "stage_seconds", {}).items():
-                    stages[name] = stages.get(name, 0.0) + seconds
+                add_engine_stages(stages, engine)
                 del engine
                 host = _reduce_sums(half_comm, sums, root_receives=half_comm.Get_rank() == 0)
                 del sums
@@ -259,10 +262,10 @@ def _worker_config(config, rank, size):
 # ---------------------------------------------------------------------------------------------- sums
 def _sums_fields(sums):
     """The arrays of WeightedSums in a fixed order (host float64 views), and the scalars as one vector."""
-    from cryorefine.refine import _to_host
+    from cryorefine.core.arrays import to_host
 
     def host(a):
-        a = _to_host(a)
+        a = to_host(a)
         if np.iscomplexobj(a):
             a = np.ascontiguousarray(a, dtype=np.complex128).view(np.float64)
         return np.ascontiguousarray(a, dtype=np.float64)

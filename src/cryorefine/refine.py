@@ -19,6 +19,7 @@ import numpy as np
 
 from cryorefine import schedule
 from cryorefine.core import fourier
+from cryorefine.core.arrays import array_module, to_host
 from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.projector import BackProjector
 from cryorefine.data import load_particles
@@ -90,7 +91,8 @@ class IterationReport:
     changes_orientations_deg: float
     changes_offsets_angstrom: float
     ave_pmax: float
-    seconds: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)  # expectation, maximization, write
+    stage_seconds: dict = field(default_factory=dict)  # the E-step's: images, then the engine's stages
 
 
 def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
@@ -199,7 +201,8 @@ def _refine(config, argv, make_engine, progress, resume_from, on_setup=None):
                        scale_correction=np.ones(n_optics))
     start = lowpass_to_ini_high(reference.astype(np.float64), config, box, pixel)
     model.maps = [[start.copy()], [start.copy()]]
-    model.sigma2_noise = _initial_noise(particles, settings, n_optics, config.batch_size)
+    model.sigma2_noise = _initial_noise(particles, settings, n_optics, config.batch_size,
+                                        image_array_module(make_engine))
     if not config.ini_high_angstrom:
         log.warning("no --ini_high: the reference is used unfiltered and the first image size is set for %.0f Å",
                     schedule.DEFAULT_START_RESOLUTION_ANGSTROM)
@@ -270,7 +273,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         timings["write"] = time.perf_counter() - tic
         report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                  optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
-                                 changes.offsets_angstrom, model.ave_pmax, timings)
+                                 changes.offsets_angstrom, model.ave_pmax, timings, dict(stages))
         reports.append(report)
         log.info("iteration %d: resolution %.2f Å, size %d/%d px, healpix %d%s, Δangle %.2f°, Δoffset %.2f Å, "
                  "pmax %.3f, E %.1f s, M %.1f s", iteration, res.resolution_angstrom, sizes.current_size_px,
@@ -303,14 +306,14 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                       image_norms(config, state), state.class_index,
-                                      (old.rot_deg, old.tilt_deg, old.psi_deg))
+                                      (old.rot_deg, old.tilt_deg, old.psi_deg), xp=image_array_module(engine))
                 stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic_images
                 state.store(batch_indices, engine.run(batch))
+                del batch  # its device arrays go before the next batch's (the arena is a stack)
                 if progress:
                     progress(batch_indices.size, len(particles))
         sums.append(engine.sums())
-        for name, seconds in getattr(engine, "stage_seconds", {}).items():
-            stages[name] = stages.get(name, 0.0) + seconds
+        add_engine_stages(stages, engine)
         del engine
     keep_norms_unless_refined(config, old, state)
     timings["expectation"] = time.perf_counter() - tic
@@ -336,13 +339,24 @@ def keep_norms_unless_refined(config, old, state):
         state.norm_correction[:] = old.norm_correction
 
 
-def _initial_noise(particles, settings, n_optics, batch_size):
+def add_engine_stages(stages, engine):
+    """Add an engine's seconds per stage (if it keeps them) to `stages`."""
+    for name, seconds in getattr(engine, "stage_seconds", {}).items():
+        stages[name] = stages.get(name, 0.0) + seconds
+
+
+def image_array_module(engine):
+    """The array module an engine (or engine factory) wants its batches prepared with (numpy by default)."""
+    return getattr(engine, "array_module", np)
+
+
+def _initial_noise(particles, settings, n_optics, batch_size, xp=np):
     """RELION's initial noise spectra from the masked images at their stored origins."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     with mrc.StackReader() as reader:
         for indices in particles.batches(batch_size):
-            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0)
-            noise.add(batch.images_ft, batch.optics_index)
+            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp)
+            noise.add(batch.images_ft, batch.optics_index, batch.power_beyond_current)
     return noise.sigma2()
 
 
@@ -359,19 +373,6 @@ def _iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc):
         data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
         avg_norm_correction=model.avg_norm_correction)
     return setup
-
-
-def array_module(array):
-    """numpy, or cupy for a CuPy array (CuPy is imported only when such an array exists)."""
-    if type(array).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
-
-
-def _to_host(array):
-    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
 
 
 def _backprojector(data, weight, model, config, sizes, xp):
@@ -396,7 +397,7 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
                                    xp)
     avg = [bp.downsampled_average() for bp in bps]
     fsc = np.zeros(n_shells)
-    fsc_part = _to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
+    fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
     del avg
     fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
     if config.low_resol_join_halves_angstrom and not joined:
@@ -408,9 +409,9 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
         2 * model.pixel_size_angstrom)
 
     def reconstruct(bp, whole):
-        sigma2 = _to_host(bp.noise_sigma2())[:n_shells]
+        sigma2 = to_host(bp.noise_sigma2())[:n_shells]
         t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
-        volume = _to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
+        volume = to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
         if config.flatten_solvent:
             volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
         # the maps go on as they are written (float32), so a continued run sees exactly the same

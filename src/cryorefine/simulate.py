@@ -145,39 +145,46 @@ def coloured_noise_filter(box_px):
     return np.sqrt(power)
 
 
-def simulate_images(projector, params, index, options, pixel_size_angstrom, box_px, mask, noise_rng,
-                    noise_filter=None):
-    """Images (B, N, N) float32 of the particles `index` (an index array into `params`)."""
+def simulate_images(projector, params, index, options, pixel_size_angstrom, box_px, mask, noise_seed,
+                    noise_filter=None, xp=np):
+    """Images (B, N, N) float32 of the particles `index` (an index array into `params`), as `xp` arrays.
+
+    The noise of particle i depends only on (noise_seed, i) (images.background_noise), so
+    numpy and cupy make the same stack and batching does not change it.
+    """
     from cryorefine.core import ctf as ctf_module
     from cryorefine.core import euler, fourier
+    from cryorefine.images import background_noise
 
     matrices = euler.euler_to_matrix(params["rot_deg"][index], params["tilt_deg"][index], params["psi_deg"][index])
-    ft = projector.project(matrices, box_px)
+    ft = projector.project(xp.asarray(matrices), box_px)
     if options.apply_ctf:
         ctf = ctf_module.ctf_2d(box_px, pixel_size_angstrom, params["defocus_u_angstrom"][index],
                                 params["defocus_v_angstrom"][index], params["defocus_angle_deg"][index],
-                                options.voltage_kv, options.cs_mm, options.amplitude_contrast, dtype=np.float64)
+                                options.voltage_kv, options.cs_mm, options.amplitude_contrast, xp=xp,
+                                dtype=np.float64)
         ft = ft * ctf
     # RELION's convention: the particle centre lies at N//2 − origin (see the module docstring).
-    ft = fourier.phase_shift_2d(ft, -params["origin_x_angstrom"][index] / pixel_size_angstrom,
-                                -params["origin_y_angstrom"][index] / pixel_size_angstrom, box_px)
-    images = fourier.irfft2_centered(ft, box_px)
+    ft = fourier.phase_shift_2d(ft, xp.asarray(-params["origin_x_angstrom"][index] / pixel_size_angstrom),
+                                xp.asarray(-params["origin_y_angstrom"][index] / pixel_size_angstrom), box_px, xp)
+    images = fourier.irfft2_centered(ft, box_px, xp)
     if math.isinf(options.snr):
-        return images.astype(np.float32)
-    inside = images[:, mask]
+        return images.astype(xp.float32)
+    inside = images[:, xp.asarray(mask)]
     signal_var = inside.var(axis=1)
-    sigma = np.sqrt(signal_var / options.snr)
-    noise = noise_rng.standard_normal(images.shape)
+    sigma = xp.sqrt(signal_var / options.snr)
+    noise = background_noise(noise_seed, 0, xp.asarray(index), box_px, xp)
     if noise_filter is not None:
-        noise = fourier.irfft2_centered(fourier.rfft2_centered(noise) * noise_filter, box_px)
+        noise = fourier.irfft2_centered(fourier.rfft2_centered(noise, xp) * xp.asarray(noise_filter), box_px, xp)
     images += sigma[:, None, None] * noise
-    return images.astype(np.float32)
+    return images.astype(xp.float32)
 
 
-def simulate(reference_path, out_dir, options, log=None):
+def simulate(reference_path, out_dir, options, log=None, xp=np):
     """Write `out_dir`/particles.mrcs and particles.star; returns a summary dict.
 
-    Both files appear under their final names only when everything succeeded.
+    Both files appear under their final names only when everything succeeded. With `xp` cupy
+    the images are made on the current GPU (the same images as numpy's, to rounding).
     """
     import mrcfile
 
@@ -207,14 +214,15 @@ def simulate(reference_path, out_dir, options, log=None):
         volume = symmetry_module.symmetrise_volume(volume, group).astype(np.float32)
 
     seeds = np.random.SeedSequence(options.seed).spawn(2)
-    param_rng, noise_rng = (np.random.default_rng(s) for s in seeds)
+    param_rng = np.random.default_rng(seeds[0])
+    noise_seed = int(seeds[1].generate_state(1, np.uint64)[0])
     n = options.n_particles
     params = draw_parameters(n, options, pixel, param_rng)
     radius_px = (box / 2.0 if options.particle_diameter_angstrom is None
                  else options.particle_diameter_angstrom / (2.0 * pixel))
     mask = particle_mask(box, radius_px)
     noise_filter = coloured_noise_filter(box) if options.noise == "coloured" else None
-    projector = Projector(volume, padding_factor=2.0)
+    projector = Projector(volume, padding_factor=2.0, xp=xp)
 
     star_path = out_dir / STAR_NAME
     stack_path = out_dir / STACK_NAME
@@ -227,8 +235,9 @@ def simulate(reference_path, out_dir, options, log=None):
                 m.set_image_stack()
                 for start in range(0, n, options.batch_size):
                     index = np.arange(start, min(n, start + options.batch_size))
-                    images = simulate_images(projector, params, index, options, pixel, box, mask, noise_rng,
-                                             noise_filter)
+                    images = simulate_images(projector, params, index, options, pixel, box, mask, noise_seed,
+                                             noise_filter, xp)
+                    images = images.get() if xp is not np else images
                     m.data[index[0]:index[-1] + 1] = images
                     flat = images.astype(np.float64)
                     total += flat.sum()

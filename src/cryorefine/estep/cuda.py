@@ -149,6 +149,7 @@ class CupyEngine:
         import cupy
 
         self.cp = cupy
+        self.array_module = cupy  # batches are prepared on the device (images.prepare_batch)
         self.device_id = int(device_id)
         self.arena = arena
         self.keep_blocks = keep_blocks  # copy FineBlocks and diff2 to the host (tests, diagnostics)
@@ -327,7 +328,7 @@ class CupyEngine:
         pos = self.fine_positions_d
 
         def coefficients(array, dtype):
-            device = cp.asarray(np.asarray(array)[take])
+            device = cp.asarray(array[take])  # numpy (uploaded) or already on the device
             return device.reshape(b_count, -1)[:, pos].astype(dtype)
 
         scale = cp.asarray(self.scale[optics][:, None], dtype=cp.float32)
@@ -743,6 +744,13 @@ class CudaEngines:
 
     def __call__(self):
         return CupyEngine(self.device_id, self.arena)
+
+    @property
+    def array_module(self):
+        """cupy: images are prepared on the device (images.prepare_batch, the initial noise spectra)."""
+        import cupy
+
+        return cupy
 
     @contextlib.contextmanager
     def run_scope(self):

@@ -1,0 +1,78 @@
+"""Image preparation (images.py): background noise, per-image rolls, transforms and CTFs at the current size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cryorefine.core import fourier
+from cryorefine.core.ctf import ctf_2d
+from cryorefine.data import load_particles
+from cryorefine.images import ImageSettings, background_noise, prepare_batch, roll_each
+from cryorefine.io import mrc
+from conftest import make_particle_set
+
+
+def test_background_noise_is_standard_normal_and_white():
+    noise = background_noise(5, 3, np.arange(4), 64)
+    assert noise.shape == (4, 64, 64)
+    assert abs(noise.mean()) < 0.03
+    assert abs(noise.std() - 1.0) < 0.02
+    # fourth moment of a normal is 3; neighbouring pixels uncorrelated
+    assert abs(np.mean(noise ** 4) - 3.0) < 0.15
+    assert abs(np.mean(noise[:, :, 1:] * noise[:, :, :-1])) < 0.03
+    assert abs(np.corrcoef(noise[0].ravel(), noise[1].ravel())[0, 1]) < 0.05
+
+
+def test_background_noise_depends_on_particle_and_iteration_not_on_the_batch():
+    batch = background_noise(1, 2, np.array([3, 7, 11]), 16)
+    alone = background_noise(1, 2, np.array([7]), 16)
+    np.testing.assert_array_equal(batch[1], alone[0])
+    assert not np.allclose(background_noise(1, 3, np.array([7]), 16), alone)
+    assert not np.allclose(background_noise(2, 2, np.array([7]), 16), alone)
+
+
+def test_roll_each_rolls_each_image_by_its_own_shift():
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(5, 12, 12))
+    sx, sy = rng.integers(-6, 7, 5), rng.integers(-6, 7, 5)
+    rolled = roll_each(images, sx, sy)
+    for b in range(5):
+        np.testing.assert_array_equal(rolled[b], np.roll(images[b], (sy[b], sx[b]), axis=(-2, -1)))
+
+
+@pytest.fixture
+def particles(tmp_path):
+    star, _ = make_particle_set(tmp_path, n=5, box=32, pixel_size=2.0, seed=4)
+    return load_particles(star)
+
+
+@pytest.mark.parametrize("zero_mask", [True, False])
+def test_prepared_batch_matches_a_direct_computation(particles, zero_mask):
+    settings = ImageSettings(32, 2.0, 40.0, zero_mask=zero_mask, do_ctf=True, random_seed=9)
+    indices = np.array([1, 3, 4])
+    current = 20
+    with mrc.StackReader() as reader:
+        batch = prepare_batch(particles, indices, reader, settings, current, 1.2, 4)
+        raw = particles.read_images(indices, reader).astype(np.float64)
+
+    ox = particles.origin_x_angstrom[indices] / 2.0
+    oy = particles.origin_y_angstrom[indices] / 2.0
+    norm = 1.2 / particles.norm_correction[indices]
+    mask = fourier.soft_circular_mask(32, 10.0, 5.0)
+    for row, i in enumerate(indices):
+        img = np.roll(raw[row] * norm[row], (int(np.floor(oy[row] + 0.5)), int(np.floor(ox[row] + 0.5))), axis=(0, 1))
+        np.testing.assert_allclose(batch.images_ft_unmasked[row],
+                                   fourier.window_ft_2d(fourier.rfft2_centered(img), current), atol=1e-12)
+        outside = mask < 1e-6
+        if zero_mask:
+            masked = img * mask
+        else:
+            noise = background_noise(9, 4, np.array([i]), 32)[0]
+            masked = img * mask + (1 - mask) * noise * img[outside].std()
+        np.testing.assert_allclose(batch.images_ft[row], fourier.window_ft_2d(fourier.rfft2_centered(masked), current),
+                                   atol=1e-12)
+    full_ctf = ctf_2d(32, 2.0, particles.defocus_u_angstrom[indices], particles.defocus_v_angstrom[indices],
+                      particles.defocus_angle_deg[indices], 300.0, 2.7, 0.1, dtype=np.float64)
+    np.testing.assert_allclose(batch.ctf, fourier.window_ft_2d(full_ctf, current), atol=1e-12)
+    np.testing.assert_allclose(batch.residual_origin_px[:, 0], ox - np.floor(ox + 0.5))
