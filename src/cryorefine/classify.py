@@ -108,7 +108,7 @@ def _classify(config, argv, make_engine, progress):
     rng = np.random.default_rng(config.random_seed)
     reports, distributions = [], []
     for iteration in range(1, config.max_iterations + 1):
-        timings, stages = {}, {}
+        timings, stages, flops = {}, {}, {}
         optimiser = replace(optimiser, iteration=iteration)
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
                                      config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
@@ -124,17 +124,17 @@ def _classify(config, argv, make_engine, progress):
         with refine_loop._scope_of(make_engine, "iteration_scope"):
             if do_cc:  # class 1 alone, all particles
                 sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, True, [0], everyone, None, stages)
+                                    state, iteration, True, [0], everyone, None, stages, flops)
                 sums = _as_classes(sums, [0], k_classes)
             elif seeds_now:  # each particle against one random class
                 draw = np.random.default_rng(config.random_seed + iteration).integers(0, k_classes, len(particles))
                 parts = [_expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                      state, iteration, False, [k], np.flatnonzero(draw == k), None, stages)
+                                      state, iteration, False, [k], np.flatnonzero(draw == k), None, stages, flops)
                          for k in range(k_classes)]
                 sums = _merge([_as_classes(p, [k], k_classes) for k, p in enumerate(parts)])
             else:
                 sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages)
+                                    state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages, flops)
             refine_loop.keep_norms_unless_refined(config, old, state)
             timings["expectation"] = time.perf_counter() - tic
             tic = time.perf_counter()
@@ -164,7 +164,7 @@ def _classify(config, argv, make_engine, progress):
         reports.append(refine_loop.IterationReport(
             iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
             optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,
-            timings, dict(stages)))
+            timings, dict(stages), dict(flops)))
         log.info("iteration %d: resolution %.2f Å, size %d/%d px, classes %s, Δangle %.2f°, Δoffset %.2f Å, "
                  "Δclass %.3f, pmax %.3f, E %.1f s, M %.1f s", iteration, model.current_resolution_angstrom,
                  sizes.current_size_px, sizes.coarse_size_px,
@@ -175,10 +175,10 @@ def _classify(config, argv, make_engine, progress):
 
 
 def _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes, state, iteration,
-                 do_cc, classes, members, pdf_direction, stages):
+                 do_cc, classes, members, pdf_direction, stages, flops):
     """One engine over `members` against the classes `classes` (indices into model.maps[0]); results stored
     with those class numbers; returns the engine's sums (its class order = `classes`). Seconds per E-step
-    stage are added to `stages`."""
+    stage are added to `stages`, the engine's operation counts to `flops`."""
     engine = make_engine()
     # the class prior: RELION folds it into a per-class direction distribution, which with few particles
     # per direction shuts whole directions out; the class distribution alone is used here
@@ -210,7 +210,7 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
             state.store(indices, result)
             if progress:
                 progress(indices.size, len(particles))
-    refine_loop.add_engine_stages(stages, engine)
+    refine_loop.add_engine_stages(stages, engine, flops)
     return engine.sums()
 
 

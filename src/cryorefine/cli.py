@@ -231,7 +231,6 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
 def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging
-    from dataclasses import replace
 
     from cryorefine.classify import classify as run_classify
 
@@ -252,11 +251,7 @@ def classify(n_classes, continue_from, **options):
     for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
-    if n_classes < 1:
-        raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
-    config = _refine_config(**options)
-    config = replace(config, n_classes=n_classes, auto_refine=False,
-                     max_iterations=options["max_iterations"] or 25)
+    config = _classify_config(n_classes, options)
     reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar())
     last = reports[-1] if reports else None
     if last:
@@ -289,6 +284,26 @@ def plan(gpu_memory, gpu_tflops, as_json, **options):
         click.echo(json.dumps(out, indent=2))
     else:
         click.echo(format_plan(result))
+
+
+def _classify_config(n_classes, options):
+    from dataclasses import replace
+
+    if n_classes < 1:
+        raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
+    return replace(_refine_config(**options), n_classes=n_classes, auto_refine=False,
+                   max_iterations=options["max_iterations"] or 25)
+
+
+def config_from_arguments(command, arguments):
+    """The RefineConfig that `cryorefine COMMAND ARGUMENTS` runs, for COMMAND refine or classify (scripts and
+    benchmarks use it to run a job in their own process with the command line's exact meaning)."""
+    with cli.commands[command].make_context(command, [str(a) for a in arguments]) as ctx:
+        options = dict(ctx.params)
+    options.pop("continue_from", None)
+    if command == "classify":
+        return _classify_config(options.pop("n_classes"), options)
+    return _refine_config(**options)
 
 
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,

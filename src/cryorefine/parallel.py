@@ -151,10 +151,12 @@ class _Master:
                 comm.send(None, dest=source, tag=TAG_WORK)
                 workers_left -= 1
         single.keep_norms_unless_refined(config, old, state)
-        stages = {}
-        for worker_stages in comm.gather({}, root=0)[1:]:  # the workers' E-steps are over
+        stages, flops = {}, {}
+        for worker_stages, worker_flops in comm.gather(({}, {}), root=0)[1:]:  # the workers' E-steps are over
             for name, seconds in worker_stages.items():
                 stages[name] = stages.get(name, 0.0) + seconds
+            for name, count in worker_flops.items():
+                flops[name] = flops.get(name, 0.0) + count
         timings["expectation"] = time.perf_counter() - tic
         tic = time.perf_counter()
         changes = single._hidden_variable_changes(old, state, model.pixel_size_angstrom, config.symmetry)
@@ -162,7 +164,7 @@ class _Master:
         updated, fsc = comm.recv(source=1, tag=TAG_MODEL)
         model.__dict__.update(updated.__dict__)
         timings["maximization"] = time.perf_counter() - tic
-        return fsc, changes, timings, stages
+        return fsc, changes, timings, stages, flops
 
     def __call__(self):  # refine's loop never asks the master for an engine of its own
         raise RuntimeError("the MPI master runs no engine")
@@ -210,7 +212,7 @@ def _worker(comm, half_comm, config):
             with _scope_of(factory, "iteration_scope"):
                 engine = factory()
                 engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc))
-                stages = {"images": 0.0}
+                stages, flops = {"images": 0.0}, {}
                 comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
                 with particles.image_reader(mine if config.preread_images else None) as reader:
                     while True:
@@ -230,11 +232,11 @@ def _worker(comm, half_comm, config):
                         del batch  # its device arrays go before the next batch's (the arena is a stack)
                         comm.send(("result", (indices, result)), dest=0, tag=TAG_REQUEST)
                 sums = engine.sums()
-                add_engine_stages(stages, engine)
+                add_engine_stages(stages, engine, flops)
                 del engine
                 host = _reduce_sums(half_comm, sums, root_receives=half_comm.Get_rank() == 0)
                 del sums
-                comm.gather(stages, root=0)
+                comm.gather((stages, flops), root=0)
                 if rank == 2:  # the leader of half 2 hands its sums to rank 1
                     _send_sums(comm, host, dest=1)
                 elif rank == 1:

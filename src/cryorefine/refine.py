@@ -93,6 +93,7 @@ class IterationReport:
     ave_pmax: float
     seconds: dict = field(default_factory=dict)  # expectation, maximization, write
     stage_seconds: dict = field(default_factory=dict)  # the E-step's: images, then the engine's stages
+    stage_flops: dict = field(default_factory=dict)  # useful floating-point operations of the engine's stages
 
 
 def refine(config, argv=(), make_engine=None, progress=None, resume_from=None):
@@ -241,7 +242,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
 
         expectation_maximization = getattr(make_engine, "expectation_maximization", _expectation_maximization)
         with _scope_of(make_engine, "iteration_scope"):
-            fsc, changes, timings, stages = expectation_maximization(
+            fsc, changes, timings, stages, flops = expectation_maximization(
                 config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
                 iteration, do_cc, final, timings)
         tic = time.perf_counter()
@@ -273,7 +274,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
         timings["write"] = time.perf_counter() - tic
         report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                  optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
-                                 changes.offsets_angstrom, model.ave_pmax, timings, dict(stages))
+                                 changes.offsets_angstrom, model.ave_pmax, timings, dict(stages), flops)
         reports.append(report)
         log.info("iteration %d: resolution %.2f Å, size %d/%d px, healpix %d%s, Δangle %.2f°, Δoffset %.2f Å, "
                  "pmax %.3f, E %.1f s, M %.1f s", iteration, res.resolution_angstrom, sizes.current_size_px,
@@ -290,12 +291,14 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
 
 def _expectation_maximization(config, make_engine, progress, particles, settings, members, model, optimiser, sampling,
                               sizes, state, iteration, do_cc, final, timings):
-    """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings, stages)
-    with `stages` the E-step's seconds per stage (image preparation, then the engine's)."""
+    """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings, stages,
+    flops) with `stages` the E-step's seconds per stage (image preparation, then the engine's) and `flops` the
+    engine's useful floating-point operations per stage."""
     tic = time.perf_counter()
     old = state.copy()
     sums = []
-    stages = {}  # seconds per E-step stage: image preparation on the host, then the engine's own
+    stages = {}  # seconds per E-step stage: image preparation, then the engine's own
+    flops = {}
     for h in (0, 1):
         engine = make_engine()
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
@@ -313,7 +316,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
                 if progress:
                     progress(batch_indices.size, len(particles))
         sums.append(engine.sums())
-        add_engine_stages(stages, engine)
+        add_engine_stages(stages, engine, flops)
         del engine
     keep_norms_unless_refined(config, old, state)
     timings["expectation"] = time.perf_counter() - tic
@@ -324,7 +327,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
         fsc = _maximize(model, optimiser, config, sums, sizes, final, do_cc)
     del sums
     timings["maximization"] = time.perf_counter() - tic
-    return fsc, changes, timings, stages
+    return fsc, changes, timings, stages, flops
 
 
 def image_norms(config, state):
@@ -339,10 +342,12 @@ def keep_norms_unless_refined(config, old, state):
         state.norm_correction[:] = old.norm_correction
 
 
-def add_engine_stages(stages, engine):
-    """Add an engine's seconds per stage (if it keeps them) to `stages`."""
+def add_engine_stages(stages, engine, flops=None):
+    """Add an engine's seconds per stage (if it keeps them) to `stages`, its operation counts to `flops`."""
     for name, seconds in getattr(engine, "stage_seconds", {}).items():
         stages[name] = stages.get(name, 0.0) + seconds
+    for name, count in getattr(engine, "stage_flops", {}).items() if flops is not None else ():
+        flops[name] = flops.get(name, 0.0) + count
 
 
 def image_array_module(engine):

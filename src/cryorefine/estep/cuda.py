@@ -158,7 +158,10 @@ class CupyEngine:
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
         self.stage_seconds = {"upload": 0.0, "coarse_images": 0.0, "coarse": 0.0, "weights": 0.0, "fine": 0.0,
                               "sums": 0.0, "backproject": 0.0}
-        self.coarse_flops = 0.0  # useful floating-point operations of the coarse matrix products
+        # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
+        # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
+        # and complex coefficient, the coarse pass's count)
+        self.stage_flops = {"coarse": 0.0, "fine": 0.0}
         self.plan = None
         self.setup_ = None
 
@@ -449,7 +452,7 @@ class CupyEngine:
                     gemm(grid, (256,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc), _i32(n_t),
                                         row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
                                         _i32(k * n_sel + start), diff2))
-                    self.coarse_flops += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
+                    self.stage_flops["coarse"] += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
         del a_mat, pair_mat
         tic = self._tick("coarse", tic)
         if self.keep_blocks:
@@ -516,6 +519,7 @@ class CupyEngine:
         module = kernel_module(names)
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
+        self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
         if n_blocks:
             fn = module.get_function(names[1] if s.do_cc else names[0])
             fn((n_blocks,), (FINE_THREADS,),

@@ -1,0 +1,352 @@
+"""The EMPIAR-10028 benchmark on a stand-in of the same geometry: per-stage throughput, memory, job time.
+
+EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
+300 kV) is the data set behind the timings of the RELION-2, GeRelion and Zhang 2018 papers. It
+cannot be downloaded here, so this script builds a stand-in of the same geometry in --work:
+
+1. reference  a ribosome density at 1.34 Å/px in a 360 px box from an atomic model (--model, by
+              default ../shared/data/real/models/7p6z.cif.gz; `cryorefine.density`, gemmi):
+              WORK/reference_360px.mrc.
+2. particles  --n particles (default 20,000) simulated from it (`cryorefine.simulate`, on the GPU in
+              batches when there is one): uniform poses, origins within 3 px, CTFs with defocus
+              0.8–3 µm, 300 kV, Cs 2.7 mm, Q0 0.1, white noise at SNR 0.05 inside the 360 Å particle
+              circle. The job is given WORK/sim_N/particles_unaligned.star, without pose and origin
+              columns. Both steps are cached in WORK and reused by later runs with the same settings.
+3. jobs       (a) Class3D with RELION's standard settings for this benchmark:
+                  classify --K 6 --iter 25 --tau2_fudge 4 --particle_diameter 360 --healpix_order 2
+                  --offset_range 5 --offset_step 2 --oversampling 1 --ini_high 60 --firstiter_cc --ctf
+                  --flatten_solvent --zero_mask --norm --scale
+              (b) auto-refine: refine --healpix_order 2 --auto_local_healpix_order 4 --offset_range 5
+                  --offset_step 2 --low_resol_join_halves 40 --particle_diameter 360 --ini_high 60
+                  --ctf --flatten_solvent --zero_mask --norm --scale
+              run in this process through the command line's own option parsing
+              (`cli.config_from_arguments`); --iterations N stops each job after N iterations.
+4. report     per job: particle-iterations per second of each stage (image preparation, coarse
+              diff2, weights, fine diff2, weighted sums + back-projection, reduction, M-step, I/O),
+              the GPU arena's high water per allocator scope, the FLOP/s of the diff2 stages against
+              the FP32 peak measured on the card, and the job's time extrapolated to 105,247
+              particles × 25 iterations; printed as Markdown and written as JSON (--json) with the
+              device, versions, date and command.
+
+Extrapolation: each measured iteration's E-step and output writing scale with the particle
+count, its M-step does not; iterations beyond the measured ones (with --iterations, or an
+auto-refine that converged early) are taken to cost what the last measured one did, which
+understates them when the image size still grows. The one-off start (reference set-up and the
+initial noise spectra over all images) scales with the particle count.
+
+`--engine numpy` runs the same at a tiny size on the CPU (the example map examples/ribosome_64px.mrc
+cropped to 32 px at 12 Å/px, 120 particles at SNR 1, 2 iterations): a check that the script works, not a
+measurement. (Beyond iteration 2 a Class3D of so few particles is slow on the CPU: each seeded class
+is reconstructed from 20 particles, and against such weak references the posteriors are broad.)
+
+    python benchmarks/empiar10028.py --work /tmp/e10028 --json benchmarks/results/empiar10028_h100.json
+    python benchmarks/empiar10028.py --work /tmp/e10028 --jobs class3d --iterations 4     # a quick look
+    python benchmarks/empiar10028.py --engine numpy --work /tmp/tiny                     # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.gz"
+EXAMPLE_MAP = REPO / "examples" / "ribosome_64px.mrc"
+FULL_PARTICLES, FULL_ITERATIONS = 105_247, 25
+PARTICLE_DIAMETER_ANGSTROM = 360.0
+STAGES = (  # (label, stage names summed) in the order of an iteration
+    ("image preparation", ("images",)),
+    ("upload + shifted images", ("upload", "coarse_images")),
+    ("coarse diff2", ("coarse",)),
+    ("weights", ("weights",)),
+    ("fine diff2", ("fine",)),
+    ("weighted sums + back-projection", ("sums", "backproject")),
+)
+JOB_ARGUMENTS = {
+    "class3d": ("classify", ["--K", "{K}", "--iter", "25", "--tau2_fudge", "4", "--particle_diameter", "360",
+                             "--healpix_order", "2", "--offset_range", "5", "--offset_step", "2", "--oversampling",
+                             "1", "--ini_high", "60", "--firstiter_cc", "--ctf", "--flatten_solvent", "--zero_mask",
+                             "--norm", "--scale"]),
+    "refine": ("refine", ["--healpix_order", "2", "--auto_local_healpix_order", "4", "--offset_range", "5",
+                          "--offset_step", "2", "--low_resol_join_halves", "40", "--particle_diameter", "360",
+                          "--ini_high", "60", "--ctf", "--flatten_solvent", "--zero_mask", "--norm", "--scale"]),
+}
+
+log = logging.getLogger("empiar10028")
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def build_reference(work, args):
+    """The reference map in WORK (cached): the atomic model's density, or the tiny example map."""
+    from cryorefine.io.mrc import read_volume, write_volume
+
+    path = work / f"reference_{args.box}px_{args.angpix:.3f}A.mrc"
+    if path.exists():
+        return path, 0.0
+    tic = time.perf_counter()
+    if args.engine == "numpy":
+        from cryorefine.core.fourier import downsample_volume
+
+        volume, pixel = read_volume(EXAMPLE_MAP)
+        volume = downsample_volume(volume, args.box)
+    else:
+        from cryorefine.density import density_from_model
+
+        if not Path(args.model).is_file():
+            sys.exit(f"empiar10028: {args.model}: atomic model not found; give one with --model")
+        log.info("density of %s at %.3f Å/px in a %d px box (gemmi) ...", args.model, args.angpix, args.box)
+        volume = density_from_model(args.model, args.box, args.angpix)
+    write_volume(path, volume, args.angpix)
+    return path, time.perf_counter() - tic
+
+
+def simulate_particles(work, reference, args, xp):
+    """WORK/sim_N/particles_unaligned.star (cached): simulated particles without their poses and origins."""
+    import starfile
+
+    from cryorefine.simulate import SimulationOptions, simulate
+
+    folder = work / f"sim_{args.n}"
+    stamp = folder / "settings.json"
+    settings = {"n": args.n, "reference": reference.name, "snr": args.snr, "seed": args.seed}
+    unaligned = folder / "particles_unaligned.star"
+    if unaligned.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return unaligned, 0.0
+    tic = time.perf_counter()
+    options = SimulationOptions(n_particles=args.n, snr=args.snr, defocus_range_um=(0.8, 3.0), astigmatism_um=0.05,
+                                voltage_kv=300.0, cs_mm=2.7, amplitude_contrast=0.1, seed=args.seed,
+                                particle_diameter_angstrom=PARTICLE_DIAMETER_ANGSTROM)
+    simulate(reference, folder, options, log=log.debug, xp=xp)
+    blocks = starfile.read(folder / "particles.star", always_dict=True)
+    blocks["particles"] = blocks["particles"].drop(columns=["rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi",
+                                                            "rlnOriginXAngst", "rlnOriginYAngst"], errors="ignore")
+    starfile.write(blocks, unaligned)
+    stamp.write_text(json.dumps(settings))
+    return unaligned, time.perf_counter() - tic
+
+
+# ---------------------------------------------------------------------------------------------- a job
+def run_job(name, star, reference, work, args):
+    """Run one job in this process; returns its measured figures."""
+    from cryorefine.cli import config_from_arguments
+
+    command, template = JOB_ARGUMENTS[name]
+    arguments = ["--i", star, "--ref", reference, "--o", work / name / "run"]
+    arguments += [a.format(K=args.K) for a in template]
+    if args.iterations:
+        arguments += ["--iter", str(args.iterations)]
+    arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
+    config = config_from_arguments(command, arguments)
+    if args.engine == "numpy":
+        from cryorefine.refine import default_engine_factory
+
+        factory = default_engine_factory(config)
+    else:
+        from cryorefine.estep.cuda import CudaEngines
+
+        factory = CudaEngines(args.gpu, config.free_gpu_memory_mb)
+    log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
+    tic = time.perf_counter()
+    if command == "classify":
+        from cryorefine.classify import classify
+
+        reports = classify(config, argv=[command, *map(str, arguments)], make_engine=factory)
+    else:
+        from cryorefine.refine import refine
+
+        reports = refine(config, argv=[command, *map(str, arguments)], make_engine=factory)
+    wall = time.perf_counter() - tic
+    iterations = [{
+        "iteration": r.iteration, "current_size_px": r.current_size_px, "coarse_size_px": r.coarse_size_px,
+        "resolution_angstrom": r.resolution_angstrom, "healpix_order": r.healpix_order,
+        "local_searches": r.local_searches, "seconds": dict(r.seconds), "stage_seconds": dict(r.stage_seconds),
+        "stage_flops": dict(r.stage_flops)} for r in reports]
+    return {"command": f"cryorefine {command} " + " ".join(map(str, arguments)), "wall_seconds": wall,
+            "iterations": iterations, "arena_high_water_bytes": dict(getattr(factory, "high_water_bytes", {}))}
+
+
+def summarise(job, n_particles, peak_flops):
+    """Particle-iterations per second per stage, FLOP/s, and the extrapolated job time."""
+    its = job["iterations"]
+    n_its = len(its)
+    total = {}
+    flops = {}
+    for it in its:
+        for name, seconds in it["stage_seconds"].items():
+            total[name] = total.get(name, 0.0) + seconds
+        for name, count in it["stage_flops"].items():
+            flops[name] = flops.get(name, 0.0) + count
+    m_step = sum(it["seconds"].get("maximization", 0.0) for it in its)
+    writing = sum(it["seconds"].get("write", 0.0) for it in its)
+    e_step = sum(it["seconds"].get("expectation", 0.0) for it in its)
+    work = n_particles * n_its
+    rows = []
+    for label, names in STAGES:
+        seconds = sum(total.get(n, 0.0) for n in names)
+        rows.append({"stage": label, "seconds": seconds, "particle_iterations_per_second": work / seconds
+                     if seconds > 0 else None})
+    accounted = sum(total.values())
+    rows.append({"stage": "E-step, other (host bookkeeping, results)", "seconds": max(e_step - accounted, 0.0),
+                 "particle_iterations_per_second": None})
+    rows.append({"stage": "reduction (one process: none)", "seconds": 0.0, "particle_iterations_per_second": None})
+    rows.append({"stage": "M-step", "seconds": m_step, "particle_iterations_per_second": work / m_step
+                 if m_step > 0 else None})
+    rows.append({"stage": "I/O (iteration outputs)", "seconds": writing, "particle_iterations_per_second":
+                 work / writing if writing > 0 else None})
+    loop = e_step + m_step + writing
+    rows.append({"stage": "whole iterations", "seconds": loop, "particle_iterations_per_second": work / loop
+                 if loop > 0 else None})
+    achieved = {}
+    for name in ("coarse", "fine"):
+        if flops.get(name) and total.get(name):
+            rate = flops[name] / total[name]
+            achieved[name] = {"tflops": rate / 1e12, "fraction_of_fp32_peak": rate / peak_flops if peak_flops else None}
+    start = max(job["wall_seconds"] - loop, 0.0)
+    scale = FULL_PARTICLES / n_particles
+    per_iteration = [(it["seconds"].get("expectation", 0.0) + it["seconds"].get("write", 0.0)) * scale
+                     + it["seconds"].get("maximization", 0.0) for it in its]
+    if per_iteration:
+        per_iteration += [per_iteration[-1]] * max(FULL_ITERATIONS - n_its, 0)
+    extrapolated = start * scale + sum(per_iteration[:FULL_ITERATIONS])
+    return {"stages": rows, "achieved_flops": achieved, "start_seconds": start,
+            "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
+            "extrapolation": f"{FULL_PARTICLES} particles × {FULL_ITERATIONS} iterations from {n_particles} "
+                             f"particles × {n_its} measured iterations"
+                             + ("" if n_its >= FULL_ITERATIONS else "; later iterations as the last measured one")}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def device_info(args):
+    import cryorefine
+
+    info = {"host": platform.node(), "python": platform.python_version(), "numpy": np.__version__,
+            "cryorefine": cryorefine.__version__, "engine": args.engine}
+    if args.engine == "cuda":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(args.gpu)
+        info.update(device=props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+                    cupy=cupy.__version__, cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                    cuda_driver=cupy.cuda.runtime.driverGetVersion())
+    else:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return info
+
+
+def measured_fp32_peak(args):
+    if args.engine != "cuda":
+        return None
+    import cupy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from estep_throughput import measure_fp32_peak
+
+    with cupy.cuda.Device(args.gpu):
+        return measure_fp32_peak(cupy)
+
+
+def format_report(results):
+    lines = [f"EMPIAR-10028 stand-in: {results['n_particles']} particles, {results['box_px']} px at "
+             f"{results['pixel_size_angstrom']} Å/px; {results['info']['device']}"
+             + (f", FP32 peak {results['fp32_peak_tflops']:.1f} TFLOP/s (measured)"
+                if results.get("fp32_peak_tflops") else "")]
+    lines.append(f"inputs: reference {results['reference_seconds']:.1f} s, simulation {results['simulate_seconds']:.1f} s"
+                 " (0: cached)")
+    for name, job in results["jobs"].items():
+        s = job["summary"]
+        lines += ["", f"### {name}: {job['command']}", "",
+                  "| iteration | size px (coarse) | resolution Å | E-step s | M-step s | write s |",
+                  "|---|---|---|---|---|---|"]
+        for it in job["iterations"]:
+            sec = it["seconds"]
+            lines.append(f"| {it['iteration']} | {it['current_size_px']} ({it['coarse_size_px']}) | "
+                         f"{it['resolution_angstrom']:.1f} | {sec.get('expectation', 0):.1f} | "
+                         f"{sec.get('maximization', 0):.1f} | {sec.get('write', 0):.1f} |")
+        lines += ["", "| stage | seconds | particle-iterations/s |", "|---|---|---|"]
+        for row in s["stages"]:
+            rate = row["particle_iterations_per_second"]
+            lines.append(f"| {row['stage']} | {row['seconds']:.1f} | {'—' if rate is None else f'{rate:,.0f}'} |")
+        for stage, a in s["achieved_flops"].items():
+            frac = a["fraction_of_fp32_peak"]
+            lines.append(f"\n{stage} diff2 stage: {a['tflops']:.1f} TFLOP/s"
+                         + (f" ({100 * frac:.0f} % of the FP32 peak)" if frac else ""))
+        hw = job["arena_high_water_bytes"]
+        if hw:
+            lines.append("\nGPU arena high water (GB): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in hw.items()))
+        lines.append(f"\njob wall time {job['wall_seconds']:.0f} s (start {s['start_seconds']:.0f} s); extrapolated "
+                     f"({s['extrapolation']}): {s['extrapolated_seconds'] / 60:.1f} min")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/cryorefine_empiar10028"))
+    parser.add_argument("--engine", choices=["cuda", "numpy"], default=None,
+                        help="cuda (default when CuPy sees a GPU) or numpy (tiny size, CPU)")
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="atomic model of the reference")
+    parser.add_argument("--n", type=int, default=None, help="particles (default 20,000; 120 with numpy)")
+    parser.add_argument("--box", type=int, default=None, help="box in px (default 360; 32 with numpy)")
+    parser.add_argument("--angpix", type=float, default=None, help="Å/px (default 1.34; 12 with numpy)")
+    parser.add_argument("--snr", type=float, default=None, help="default 0.05; 1 with numpy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
+    parser.add_argument("--jobs", nargs="+", choices=sorted(JOB_ARGUMENTS), default=["class3d", "refine"])
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="stop each job after this many iterations (default: 25 for Class3D, convergence for "
+                             "refine; 2 with numpy)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.engine is None:
+        from cryorefine.estep.cuda import cupy_available
+
+        args.engine = "cuda" if cupy_available() else "numpy"
+    tiny = args.engine == "numpy"
+    args.n = args.n or (120 if tiny else 20_000)
+    args.box = args.box or (32 if tiny else 360)
+    args.angpix = args.angpix or (12.0 if tiny else 1.34)
+    args.iterations = args.iterations or (2 if tiny else None)
+    args.snr = args.snr or (1.0 if tiny else 0.05)
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    if args.engine == "cuda":
+        import cupy
+
+        xp = cupy
+        cupy.cuda.Device(args.gpu).use()
+    else:
+        xp = np
+    reference, reference_seconds = build_reference(args.work, args)
+    star, simulate_seconds = simulate_particles(args.work, reference, args, xp)
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()  # the jobs' arena takes the card's free memory
+    peak = measured_fp32_peak(args)
+    results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+               "info": device_info(args), "n_particles": args.n, "box_px": args.box, "pixel_size_angstrom": args.angpix,
+               "fp32_peak_tflops": peak / 1e12 if peak else None, "reference_seconds": reference_seconds,
+               "simulate_seconds": simulate_seconds, "jobs": {}}
+    for name in args.jobs:
+        job = run_job(name, star, reference, args.work, args)
+        job["summary"] = summarise(job, args.n, peak)
+        results["jobs"][name] = job
+        (args.work / "results.json").write_text(json.dumps(results, indent=1))
+    text = format_report(results)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""benchmarks/empiar10028.py in its tiny numpy mode: the script runs, and its table and JSON add up.
+
+No timing is asserted: the figures are only checked for consistency with each other.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "empiar10028.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("empiar10028")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--engine", "numpy", "--work", str(work), "--jobs",
+                           "class3d", "refine", "--json", str(work / "out.json")],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return work, done.stdout, json.loads((work / "out.json").read_text())
+
+
+def test_both_jobs_run_with_relion_settings_and_write_their_outputs(tiny_run):
+    work, _, results = tiny_run
+    class3d = results["jobs"]["class3d"]
+    assert "--K 6" in class3d["command"] and "--tau2_fudge 4" in class3d["command"]
+    assert [it["iteration"] for it in class3d["iterations"]] == [1, 2]
+    for k in range(1, 7):
+        assert (work / "class3d" / f"run_it002_class{k:03d}.mrc").is_file()
+    refine = results["jobs"]["refine"]
+    assert "--auto_local_healpix_order 4" in refine["command"]
+    assert (work / "refine" / "run_it002_half1_class001.mrc").is_file()
+
+
+def test_stage_table_accounts_for_the_measured_time(tiny_run):
+    _, stdout, results = tiny_run
+    for name, job in results["jobs"].items():
+        iterations = job["iterations"]
+        rows = {row["stage"]: row for row in job["summary"]["stages"]}
+        e_step = sum(it["seconds"]["expectation"] for it in iterations)
+        staged = sum(sum(it["stage_seconds"].values()) for it in iterations)
+        assert 0 < staged <= e_step * 1.001
+        assert rows["image preparation"]["seconds"] > 0
+        loop = rows["whole iterations"]
+        assert loop["seconds"] == pytest.approx(sum(sum(v for k, v in it["seconds"].items()
+                                                        if k in ("expectation", "maximization", "write"))
+                                                    for it in iterations))
+        assert loop["seconds"] <= job["wall_seconds"]
+        assert loop["particle_iterations_per_second"] == pytest.approx(
+            results["n_particles"] * len(iterations) / loop["seconds"])
+        assert f"### {name}" in stdout
+
+
+def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run):
+    _, _, results = tiny_run
+    n = results["n_particles"]
+    for job in results["jobs"].values():
+        its = job["iterations"]
+        summary = job["summary"]
+        scale = 105_247 / n
+        e_and_write = [it["seconds"]["expectation"] + it["seconds"]["write"] for it in its]
+        m_step = [it["seconds"]["maximization"] for it in its]
+        # at least the measured iterations scaled up, and the unmeasured ones like the last
+        lower = (sum(e * scale + m for e, m in zip(e_and_write, m_step))
+                 + (25 - len(its)) * (e_and_write[-1] * scale + m_step[-1]))
+        assert summary["extrapolated_seconds"] >= lower * 0.999
+        assert summary["extrapolated_seconds"] <= lower + summary["start_seconds"] * scale * 1.001
+        assert "later iterations as the last measured one" in summary["extrapolation"]
