@@ -404,3 +404,28 @@ def test_simulation_on_the_device_makes_the_same_stack(cp, tmp_path):
     print(f"simulated stacks: max difference relative to the largest pixel {err:.1e}")
     assert err < 1e-5
     assert (tmp_path / "cpu" / "particles.star").read_text() == (tmp_path / "gpu" / "particles.star").read_text()
+
+
+def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_path):
+    """The initial noise pass prepares every batch on the device: the arena returns to its mark after
+    each batch, so 30 batches of 4 particles peak far below 2 batches of 60 (a batch's arrays kept
+    until the next one, or left under it, would pile up to more)."""
+    from conftest import make_particle_set
+    from cryorefine.data import load_particles
+    from cryorefine.gpu.allocator import DeviceArena, Scope
+    from cryorefine.images import ImageSettings
+    from cryorefine.refine import _initial_noise
+
+    star, _ = make_particle_set(tmp_path, n=120, box=64, pixel_size=2.0, seed=1)
+    particles = load_particles(star)
+    settings = ImageSettings(64, 2.0, 100.0, do_ctf=True)
+    peaks = {}
+    for batch_size in (60, 4):
+        arena = DeviceArena(capacity_bytes=256 << 20)
+        with arena.installed(), arena.scope(Scope.GLOBAL):
+            _initial_noise(particles, settings, 1, batch_size, xp=cp)
+            assert arena.top == 0
+        peaks[batch_size] = arena.high_water_bytes
+        arena.close()
+    print(f"arena high water: {peaks[60] / 1e6:.1f} MB with 2 batches of 60, {peaks[4] / 1e6:.1f} MB with 30 of 4")
+    assert peaks[4] < 0.25 * peaks[60]

@@ -362,6 +362,7 @@ def _initial_noise(particles, settings, n_optics, batch_size, xp=np):
         for indices in particles.batches(batch_size):
             batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp)
             noise.add(batch.images_ft, batch.optics_index, batch.power_beyond_current)
+            del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
     return noise.sigma2()
 
 
