@@ -194,7 +194,7 @@ def summarise(job, n_particles, peak_flops):
         rows.append({"stage": label, "seconds": seconds, "particle_iterations_per_second": work / seconds
                      if seconds > 0 else None})
     accounted = sum(total.values())
-    rows.append({"stage": "E-step, other (host bookkeeping, results)", "seconds": max(e_step - accounted, 0.0),
+    rows.append({"stage": "E-step, other (engine set-up, waits for image reads, host bookkeeping)", "seconds": max(e_step - accounted, 0.0),
                  "particle_iterations_per_second": None})
     rows.append({"stage": "reduction (one process: none)", "seconds": 0.0, "particle_iterations_per_second": None})
     rows.append({"stage": "M-step", "seconds": m_step, "particle_iterations_per_second": work / m_step

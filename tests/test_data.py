@@ -145,3 +145,18 @@ def test_preread_images_read_like_the_stacks(tmp_path):
     np.testing.assert_array_equal(particles.read_images(batch, preread), images[batch])
     with StackReader() as reader:
         np.testing.assert_array_equal(particles.read_images(batch, reader), particles.read_images(batch, preread))
+
+
+def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
+    from cryorefine.data import load_particles
+    from cryorefine.io import mrc
+    from conftest import make_particle_set
+
+    star, images = make_particle_set(tmp_path, n=11, box=8)
+    particles = load_particles(star)
+    batches = list(particles.batches(4, np.arange(10, -1, -1)))
+    with mrc.StackReader() as reader:
+        got = list(particles.read_ahead(batches, reader))
+    assert [list(i) for i, _ in got] == [list(b) for b in batches]
+    for indices, read in got:
+        np.testing.assert_array_equal(read, images[indices])

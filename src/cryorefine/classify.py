@@ -197,12 +197,13 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
         avg_norm_correction=model.avg_norm_correction))
     old_angles = (state.rot_deg.copy(), state.tilt_deg.copy(), state.psi_deg.copy())
     with particles.image_reader(np.arange(len(particles)) if config.preread_images else None) as reader:
-        for indices in particles.batches(config.batch_size, members):
+        for indices, images in particles.read_ahead(particles.batches(config.batch_size, members), reader):
             tic = time.perf_counter()
             batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                   model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                   refine_loop.image_norms(config, state), state.class_index, old_angles,
-                                  xp=refine_loop.image_array_module(engine))
+                                  xp=refine_loop.image_array_module(engine), images=images)
+            del images
             stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic
             result = engine.run(batch)
             del batch  # its device arrays go before the next batch's (the arena is a stack)
@@ -215,17 +216,19 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
 
 
 def _as_classes(sums, classes, k_classes):
-    """Sums of an engine over `classes` spread to all K classes (zeros for the others), on the host."""
+    """Sums of an engine over `classes` spread to all K classes (zeros for the others), where the sums are
+    (the padded volumes stay on the GPU for the GPU engine; the distributions come to the host)."""
+    xp = array_module(sums.data[0])
     shape = sums.data[0].shape
-    data = [np.zeros(shape, np.complex128) for _ in range(k_classes)]
-    weight = [np.zeros(shape) for _ in range(k_classes)]
+    data = [xp.zeros(shape, xp.complex128) for _ in range(k_classes)]
+    weight = [xp.zeros(shape, xp.float64) for _ in range(k_classes)]
     pdf_class = np.zeros(k_classes)
     pdf_direction = np.zeros((k_classes, sums.pdf_direction.shape[1]))
     for i, k in enumerate(classes):
-        data[k] = to_host(sums.data[i]).astype(np.complex128)
-        weight[k] = to_host(sums.weight[i]).astype(np.float64)
-        pdf_class[k] = sums.pdf_class[i]
-        pdf_direction[k] = sums.pdf_direction[i]
+        data[k] = sums.data[i].astype(xp.complex128)
+        weight[k] = sums.weight[i].astype(xp.float64)
+        pdf_class[k] = to_host(sums.pdf_class)[i]
+        pdf_direction[k] = to_host(sums.pdf_direction)[i]
     return replace(sums, data=data, weight=weight, pdf_class=pdf_class, pdf_direction=pdf_direction)
 
 
@@ -261,9 +264,10 @@ def _maximize(model, config, sums, sizes, do_cc):
     new_maps = []
     for k in range(k_classes):
         previous = model.maps[0][k]
-        t2 = np.asarray(Projector(previous, config.padding_factor, r_max).power_spectrum, dtype=np.float64)[:n_shells]
-        t2[r_max + 1:] = 0.0
         xp = array_module(sums.data[k])
+        t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, xp=xp).power_spectrum)
+        t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
+        t2[r_max + 1:] = 0.0
         bp = BackProjector.from_arrays(xp.asarray(sums.data[k], dtype=xp.complex128),
                                        xp.asarray(sums.weight[k], dtype=xp.float64), box, config.padding_factor, r_max,
                                        xp=xp)
@@ -271,10 +275,11 @@ def _maximize(model, config, sums, sizes, do_cc):
             new_maps.append(np.zeros_like(previous, dtype=np.float32))
             continue
         sigma2 = to_host(bp.noise_sigma2())[:n_shells]
-        volume = to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
+        volume = bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge)
         if config.flatten_solvent:
-            volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
-        new_maps.append(volume.astype(np.float32))
+            volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px, xp)
+        new_maps.append(to_host(volume).astype(np.float32))
+        del bp, volume
         tau2[0, k, : t2.size] = t2
         ref_sigma2[0, k, : sigma2.size] = sigma2
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -282,8 +287,9 @@ def _maximize(model, config, sums, sizes, do_cc):
         s[r_max + 1:] = 0.0
         ssnr[0, k, : s.size] = s
     if do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
-        first = refine_loop.lowpass_to_ini_high(np.asarray(new_maps[0], dtype=np.float64), config, box,
-                                                model.pixel_size_angstrom)
+        xp = array_module(sums.data[0])
+        first = to_host(refine_loop.lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
+                                                        model.pixel_size_angstrom))
         new_maps = [first.astype(np.float32) for _ in range(k_classes)]
         tau2[0, :], ssnr[0, :], ref_sigma2[0, :] = tau2[0, 0], ssnr[0, 0], ref_sigma2[0, 0]
         pdf_class = np.full(k_classes, 1.0 / k_classes)

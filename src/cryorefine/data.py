@@ -145,6 +145,22 @@ class ParticleSet:
         indices = np.asarray(indices)
         return reader.read(self.stack_paths[indices], self.stack_indices[indices])
 
+    def read_ahead(self, batches, reader):
+        """(indices, images) for each batch of indices in turn; the next batch's images are read on a
+        thread while the caller works on the current one (reading overlaps the GPU's work)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        batches = list(batches)
+        if not batches:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
+            pending = pool.submit(self.read_images, batches[0], reader)
+            for i, indices in enumerate(batches):
+                images = pending.result()
+                if i + 1 < len(batches):
+                    pending = pool.submit(self.read_images, batches[i + 1], reader)
+                yield indices, images
+
 
 def load_particles(star_path, check_stacks=True):
     """Read a particle STAR file (any RELION version) into a ParticleSet.

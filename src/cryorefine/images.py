@@ -103,10 +103,11 @@ def roll_each(images, shift_x_px, shift_y_px, xp=np):
 
 
 def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
-                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None, xp=np):
+                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None, xp=np,
+                  images=None):
     """A `Batch` for the engine. Origins/norms/poses default to those in the particle set.
 
-    The images are read on the host; masks, transforms and CTFs are computed with `xp` (cupy for
+    The images are read on the host (or given, as `ParticleSet.read_ahead` yields them); masks, transforms and CTFs are computed with `xp` (cupy for
     the GPU engine: the batch's image arrays then live on the device), in float64.
     """
     indices = np.asarray(indices)
@@ -118,7 +119,9 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     norm = particles.norm_correction[indices] if norm_correction is None else np.asarray(norm_correction)[indices]
     # integer part of the origin in real space, so that the mask is centred on the particle
     rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
-    images = xp.asarray(particles.read_images(indices, reader)).astype(xp.float64)
+    if images is None:
+        images = particles.read_images(indices, reader)
+    images = xp.asarray(images).astype(xp.float64)
     images *= xp.asarray(avg_norm_correction / norm)[:, None, None]
     if np.any(rx != 0) or np.any(ry != 0):
         images = roll_each(images, xp.asarray(rx), xp.asarray(ry), xp)

@@ -131,11 +131,12 @@ def read_reference(path, box, pixel):
 
 
 def lowpass_to_ini_high(volume, config, box, pixel):
-    """The volume low-passed to --ini_high (unchanged without it)."""
+    """The volume low-passed to --ini_high (unchanged without it), with numpy or cupy as the volume is."""
     if not config.ini_high_angstrom:
         return volume
-    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume), box, config.ini_high_angstrom, pixel)
-    return fourier.irfft3_centered(ft, box)
+    xp = array_module(volume)
+    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume, xp), box, config.ini_high_angstrom, pixel, xp=xp)
+    return fourier.irfft3_centered(ft, box, xp)
 
 
 def default_engine_factory(config):
@@ -304,12 +305,15 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
         preread = np.arange(len(particles)) if config.preread_images else None
         with particles.image_reader(preread) as reader:
-            for batch_indices in particles.batches(config.batch_size, members[h]):
+            for batch_indices, images in particles.read_ahead(particles.batches(config.batch_size, members[h]),
+                                                              reader):
                 tic_images = time.perf_counter()
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                       image_norms(config, state), state.class_index,
-                                      (old.rot_deg, old.tilt_deg, old.psi_deg), xp=image_array_module(engine))
+                                      (old.rot_deg, old.tilt_deg, old.psi_deg), xp=image_array_module(engine),
+                                      images=images)
+                del images
                 stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic_images
                 state.store(batch_indices, engine.run(batch))
                 del batch  # its device arrays go before the next batch's (the arena is a stack)
@@ -359,8 +363,10 @@ def _initial_noise(particles, settings, n_optics, batch_size, xp=np):
     """RELION's initial noise spectra from the masked images at their stored origins."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     with mrc.StackReader() as reader:
-        for indices in particles.batches(batch_size):
-            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp)
+        for indices, images in particles.read_ahead(particles.batches(batch_size), reader):
+            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
+                                  images=images)
+            del images
             noise.add(batch.images_ft, batch.optics_index, batch.power_beyond_current)
             del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
     return noise.sigma2()
@@ -417,11 +423,11 @@ def _maximize(model, optimiser, config, sums, sizes, joined, do_cc):
     def reconstruct(bp, whole):
         sigma2 = to_host(bp.noise_sigma2())[:n_shells]
         t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
-        volume = to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge))
+        volume = bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge)
         if config.flatten_solvent:
-            volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px)
+            volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px, xp)
         # the maps go on as they are written (float32), so a continued run sees exactly the same
-        return volume.astype(np.float32), sigma2, t2
+        return to_host(volume).astype(np.float32), sigma2, t2
 
     maps = []
     for h, bp in enumerate(bps):
