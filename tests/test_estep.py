@@ -205,3 +205,34 @@ def test_fine_pass_in_groups_gives_the_same_result(problem, monkeypatch):
         np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12)
     np.testing.assert_allclose(sa.data[0], sb.data[0], rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(sa.sigma2_noise, sb.sigma2_noise, rtol=1e-12)
+
+
+def _weight_rows(seed, n_rows=40, n_samples=5000):
+    """Rows like the coarse pass's: exp(−Δ) of a spread of posteriors, sharp to flat, maximum 1 each."""
+    rng = np.random.default_rng(seed)
+    breadth = np.geomspace(0.02, 200.0, n_rows)[:, None]
+    delta = rng.exponential(1.0, (n_rows, n_samples)) * rng.uniform(1, 50, (n_rows, 1)) / breadth
+    delta[np.arange(n_rows), rng.integers(0, n_samples, n_rows)] = 0.0
+    weights = np.exp(-delta)
+    weights[3, 10:20] = 1.0  # ties at the top
+    weights[5] = 0.0
+    weights[5, 7] = 1.0  # a one-hot row (cross-correlation iterations)
+    return weights
+
+
+@pytest.mark.parametrize("fraction,max_sig", [(0.999, 0), (0.5, 0), (1.0, 0), (0.999, 25)])
+def test_significance_on_candidates_equals_the_full_sort(fraction, max_sig):
+    from types import SimpleNamespace
+
+    from cryorefine.estep.cuda import significant_samples
+    from cryorefine.estep.reference import NumpyEngine
+
+    weights = _weight_rows(11)
+    owner = SimpleNamespace(setup_=SimpleNamespace(adaptive_fraction=fraction, max_significants=max_sig))
+    want_mask, want_n = NumpyEngine._significant(owner, weights)
+    mask, n_sig = significant_samples(weights, fraction, max_sig, np)
+    np.testing.assert_array_equal(n_sig, want_n)
+    np.testing.assert_array_equal(mask, want_mask)
+    if fraction == 1.0:
+        np.testing.assert_array_equal(mask, weights > 0)
+    assert want_n.min() == 1 and (fraction == 1.0 or 1 < want_n.max() < weights.shape[1])  # sharp to broad rows

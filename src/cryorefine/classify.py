@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.images import ImageSettings, prepare_batch
 from cryorefine.io import mrc
+from cryorefine.io.background import BackgroundWriter
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
 from cryorefine.io.star import read_star, write_particle_star, write_star
@@ -107,70 +109,73 @@ def _classify(config, argv, make_engine, progress):
     everyone = np.arange(len(particles))
     rng = np.random.default_rng(config.random_seed)
     reports, distributions = [], []
-    for iteration in range(1, config.max_iterations + 1):
-        timings, stages, flops = {}, {}, {}
-        optimiser = replace(optimiser, iteration=iteration)
-        sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
-                                     config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
-                                     oversampling=config.oversampling)
-        model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
-        do_cc = iteration == 1 and config.firstiter_cc
-        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
-        sampling = schedule.sampling_from_optimiser(optimiser, config)
-        seeds_now = seeded and iteration == (2 if config.firstiter_cc else 1)
+    with BackgroundWriter() as writer:
+        for iteration in range(1, config.max_iterations + 1):
+            timings, stages, flops = {}, {}, {}
+            optimiser = replace(optimiser, iteration=iteration)
+            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
+                                         config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
+                                         oversampling=config.oversampling)
+            model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+            do_cc = iteration == 1 and config.firstiter_cc
+            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
+            sampling = schedule.sampling_from_optimiser(optimiser, config)
+            seeds_now = seeded and iteration == (2 if config.firstiter_cc else 1)
 
-        tic = time.perf_counter()
-        old = state.copy()
-        with refine_loop._scope_of(make_engine, "iteration_scope"):
-            if do_cc:  # class 1 alone, all particles
-                sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, True, [0], everyone, None, stages, flops)
-                sums = _as_classes(sums, [0], k_classes)
-            elif seeds_now:  # each particle against one random class
-                draw = np.random.default_rng(config.random_seed + iteration).integers(0, k_classes, len(particles))
-                parts = [_expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                      state, iteration, False, [k], np.flatnonzero(draw == k), None, stages, flops)
-                         for k in range(k_classes)]
-                sums = _merge([_as_classes(p, [k], k_classes) for k, p in enumerate(parts)])
-            else:
-                sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                    state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages, flops)
-            refine_loop.keep_norms_unless_refined(config, old, state)
-            timings["expectation"] = time.perf_counter() - tic
             tic = time.perf_counter()
-            changes = refine_loop._hidden_variable_changes(old, state, pixel, config.symmetry)
-            with refine_loop._scope_of(make_engine, "maximization_scope"):
-                _maximize(model, config, sums, sizes, do_cc)
-            pdf_direction = _direction_distribution(sums, k_classes, n_dir)
-            del sums
-        model.current_resolution_angstrom = schedule.current_resolution(
-            box, pixel, data_vs_prior=model.ssnr[0], iteration=iteration,
-            ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
-            check_high_res_side=False).resolution_angstrom
-        optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
-                            changes_optimal_offsets_angstrom=changes.offsets_angstrom,
-                            changes_optimal_classes=changes.classes)
-        timings["maximization"] = time.perf_counter() - tic
-        tic = time.perf_counter()
-        _write_iteration(out_root, iteration, particles, state, model, optimiser, config, sampling, argv,
-                         pdf_direction)
-        distributions.append(np.asarray(model.pdf_class, dtype=np.float64).copy())
-        write_classification_report(f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
-                                    class_distributions=np.array(distributions), ssnr=model.ssnr[0],
-                                    ori_size_px=box, pixel_size_angstrom=pixel,
-                                    resolution_angstrom=model.current_resolution_angstrom, rot_deg=state.rot_deg,
-                                    tilt_deg=state.tilt_deg, timings_seconds=dict(timings))
-        timings["write"] = time.perf_counter() - tic
-        reports.append(refine_loop.IterationReport(
-            iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
-            optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,
-            timings, dict(stages), dict(flops)))
-        log.info("iteration %d: resolution %.2f Å, size %d/%d px, classes %s, Δangle %.2f°, Δoffset %.2f Å, "
-                 "Δclass %.3f, pmax %.3f, E %.1f s, M %.1f s", iteration, model.current_resolution_angstrom,
-                 sizes.current_size_px, sizes.coarse_size_px,
-                 " ".join(f"{100 * p:.0f}%" for p in model.pdf_class), changes.orientations_deg,
-                 changes.offsets_angstrom, changes.classes, model.ave_pmax, timings["expectation"],
-                 timings["maximization"])
+            old = state.copy()
+            with refine_loop._scope_of(make_engine, "iteration_scope"):
+                if do_cc:  # class 1 alone, all particles
+                    sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
+                                        state, iteration, True, [0], everyone, None, stages, flops)
+                    sums = _as_classes(sums, [0], k_classes)
+                elif seeds_now:  # each particle against one random class
+                    draw = np.random.default_rng(config.random_seed + iteration).integers(0, k_classes, len(particles))
+                    parts = [_expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
+                                          state, iteration, False, [k], np.flatnonzero(draw == k), None, stages, flops)
+                             for k in range(k_classes)]
+                    sums = _merge([_as_classes(p, [k], k_classes) for k, p in enumerate(parts)])
+                else:
+                    sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
+                                        state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages, flops)
+                refine_loop.keep_norms_unless_refined(config, old, state)
+                timings["expectation"] = time.perf_counter() - tic
+                tic = time.perf_counter()
+                changes = refine_loop._hidden_variable_changes(old, state, pixel, config.symmetry)
+                with refine_loop._scope_of(make_engine, "maximization_scope"):
+                    _maximize(model, config, sums, sizes, do_cc)
+                pdf_direction = _direction_distribution(sums, k_classes, n_dir)
+                del sums
+            model.current_resolution_angstrom = schedule.current_resolution(
+                box, pixel, data_vs_prior=model.ssnr[0], iteration=iteration,
+                ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
+                check_high_res_side=False).resolution_angstrom
+            optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                                changes_optimal_classes=changes.classes)
+            timings["maximization"] = time.perf_counter() - tic
+            tic = time.perf_counter()
+            distributions.append(np.asarray(model.pdf_class, dtype=np.float64).copy())
+            snapshot = state.copy()  # the next E-step changes `state` while the writer thread reads this
+            writes = _iteration_writes(out_root, iteration, particles, snapshot, model, optimiser, config, sampling,
+                                       argv, pdf_direction)
+            writes.insert(-1, partial(
+                write_classification_report, f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
+                class_distributions=np.array(distributions), ssnr=model.ssnr[0].copy(), ori_size_px=box,
+                pixel_size_angstrom=pixel, resolution_angstrom=model.current_resolution_angstrom,
+                rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)))
+            writer.submit(writes)
+            timings["write"] = time.perf_counter() - tic  # the loop's own time: building the outputs, waiting for the last
+            reports.append(refine_loop.IterationReport(
+                iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
+                optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,
+                timings, dict(stages), dict(flops)))
+            log.info("iteration %d: resolution %.2f Å, size %d/%d px, classes %s, Δangle %.2f°, Δoffset %.2f Å, "
+                     "Δclass %.3f, pmax %.3f, E %.1f s, M %.1f s", iteration, model.current_resolution_angstrom,
+                     sizes.current_size_px, sizes.coarse_size_px,
+                     " ".join(f"{100 * p:.0f}%" for p in model.pdf_class), changes.orientations_deg,
+                     changes.offsets_angstrom, changes.classes, model.ave_pmax, timings["expectation"],
+                     timings["maximization"])
     return reports
 
 
@@ -300,19 +305,25 @@ def _maximize(model, config, sums, sizes, do_cc):
     refine_loop.maximize_other_parameters(model, config, [sums], do_cc)
 
 
-def _write_iteration(out_root, iteration, particles, state, model, optimiser, config, sampling, argv, pdf_direction):
+def _iteration_writes(out_root, iteration, particles, state, model, optimiser, config, sampling, argv,
+                      pdf_direction):
+    """The writes of one iteration's files as callables over what they need now (tables and STAR blocks are
+    built here; the maps are the model's, which the next M-step replaces rather than changes); the
+    optimiser STAR file comes last."""
     root = f"{out_root}_it{iteration:03d}"
     pixel = model.pixel_size_angstrom
     table = refine_loop._particle_table(particles, state, particles.random_subset, pixel)
     if "rlnRandomSubset" not in particles.star.particles.columns:  # classification has no half sets
         table = table.drop(columns=["rlnRandomSubset"])
-    write_particle_star(particles.star, f"{root}_data.star", table)
     names, counts = refine_loop._optics_names_and_counts(particles)
     maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
-    for k, name in enumerate(maps):
-        mrc.write_volume(name, model.maps[0][k], pixel)
-    write_star(model_star_blocks(model, optimiser, config, None, maps, names, counts, pdf_direction=pdf_direction),
-               f"{root}_model.star")
-    write_star(sampling_star_blocks(sampling, optimiser, config, pixel), f"{root}_sampling.star")
-    write_optimiser_star(f"{root}_optimiser.star",
-                         optimiser_star_blocks(optimiser, model, config, str(out_root), iteration), list(argv))
+    writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
+    writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
+    writes += [
+        partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
+                                              pdf_direction=pdf_direction), f"{root}_model.star"),
+        partial(write_star, sampling_star_blocks(sampling, optimiser, config, pixel), f"{root}_sampling.star"),
+        partial(write_optimiser_star, f"{root}_optimiser.star",
+                optimiser_star_blocks(optimiser, model, config, str(out_root), iteration), list(argv)),
+    ]
+    return writes

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from cryorefine.core.sampling import next_perturbation
 from cryorefine.images import ImageSettings, NoiseEstimate, coefficients_per_shell, prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.atomic import atomic_path
+from cryorefine.io.background import BackgroundWriter
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, sampling_star_blocks,
                                           write_optimiser_star)
 from cryorefine.io.star import write_particle_star, write_star
@@ -222,71 +224,74 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
              model, optimiser, sched, rng, state, first_iteration):
     box, pixel = model.ori_size_px, model.pixel_size_angstrom
     reports = []
-    for iteration in range(first_iteration, config.max_iterations + 1):
-        timings = {}
-        optimiser = replace(optimiser, iteration=iteration)
-        optimiser = schedule.check_convergence(optimiser, sched)
-        final = optimiser.do_join_halves
-        sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
-                                     sched.incr_size_px, optimiser.has_high_fsc_at_resol_limit, final,
-                                     ave_pmax=model.ave_pmax, oversampling=config.oversampling)
-        model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
-        do_cc = iteration == 1 and config.firstiter_cc
-        if not do_cc and model.tau2 is not None:
-            acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, diameter, do_ctf=config.do_ctf)
-            optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
-            model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
-        if iteration > 1:
-            optimiser, sched = schedule.update_sampling(optimiser, model, config, sched)
-        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
-        sampling = schedule.sampling_from_optimiser(optimiser, config)
+    with BackgroundWriter() as writer:
+        for iteration in range(first_iteration, config.max_iterations + 1):
+            timings = {}
+            optimiser = replace(optimiser, iteration=iteration)
+            optimiser = schedule.check_convergence(optimiser, sched)
+            final = optimiser.do_join_halves
+            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
+                                         sched.incr_size_px, optimiser.has_high_fsc_at_resol_limit, final,
+                                         ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+            model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+            do_cc = iteration == 1 and config.firstiter_cc
+            if not do_cc and model.tau2 is not None:
+                acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, diameter, do_ctf=config.do_ctf)
+                optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+                model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
+            if iteration > 1:
+                optimiser, sched = schedule.update_sampling(optimiser, model, config, sched)
+            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, rng))
+            sampling = schedule.sampling_from_optimiser(optimiser, config)
 
-        expectation_maximization = getattr(make_engine, "expectation_maximization", _expectation_maximization)
-        with _scope_of(make_engine, "iteration_scope"):
-            fsc, changes, timings, stages, flops = expectation_maximization(
-                config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
-                iteration, do_cc, final, timings)
-        tic = time.perf_counter()
-        optimiser, sched = schedule.update_size_flags_from_fsc(optimiser, sched, fsc, sizes.current_size_px)
-        res = schedule.current_resolution(box, pixel, fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
-                                          halves_joined=final, iteration=iteration,
-                                          ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc)
-        optimiser = schedule.update_change_counters(
-            optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
-            previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=pixel,
-            oversampling=config.oversampling)
-        model.current_resolution_angstrom = res.resolution_angstrom
-        optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
-                            changes_optimal_offsets_angstrom=changes.offsets_angstrom,
-                            changes_optimal_classes=changes.classes)
-        timings["maximization"] += time.perf_counter() - tic
+            expectation_maximization = getattr(make_engine, "expectation_maximization", _expectation_maximization)
+            with _scope_of(make_engine, "iteration_scope"):
+                fsc, changes, timings, stages, flops = expectation_maximization(
+                    config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
+                    iteration, do_cc, final, timings)
+            tic = time.perf_counter()
+            optimiser, sched = schedule.update_size_flags_from_fsc(optimiser, sched, fsc, sizes.current_size_px)
+            res = schedule.current_resolution(box, pixel, fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
+                                              halves_joined=final, iteration=iteration,
+                                              ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc)
+            optimiser = schedule.update_change_counters(
+                optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
+                previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=pixel,
+                oversampling=config.oversampling)
+            model.current_resolution_angstrom = res.resolution_angstrom
+            optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                                changes_optimal_classes=changes.classes)
+            timings["maximization"] += time.perf_counter() - tic
 
-        tic = time.perf_counter()
-        _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv,
-                         final)
-        save_resume(f"{out_root}_it{iteration:03d}_resume.npz", config, model, optimiser, sched, rng, state)
-        write_iteration_report(f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
-                               fsc=model.fsc_halves[0], ori_size_px=box, pixel_size_angstrom=pixel,
-                               resolution_angstrom=res.resolution_angstrom, rot_deg=state.rot_deg,
-                               tilt_deg=state.tilt_deg,
-                               timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
-                                                "M-step": timings["maximization"]},
-                               halves_joined=final)
-        timings["write"] = time.perf_counter() - tic
-        report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
-                                 optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
-                                 changes.offsets_angstrom, model.ave_pmax, timings, dict(stages), flops)
-        reports.append(report)
-        log.info("iteration %d: resolution %.2f Å, size %d/%d px, healpix %d%s, Δangle %.2f°, Δoffset %.2f Å, "
-                 "pmax %.3f, E %.1f s, M %.1f s", iteration, res.resolution_angstrom, sizes.current_size_px,
-                 sizes.coarse_size_px, optimiser.healpix_order, " (local)" if optimiser.local_searches else "",
-                 changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax, timings["expectation"],
-                 timings["maximization"])
-        log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
-                                                       for name, seconds in stages.items()))
-        if final:
-            _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv)
-            break
+            tic = time.perf_counter()
+            snapshot = state.copy()  # the next E-step changes `state` while the writer thread reads this
+            save_resume(f"{out_root}_it{iteration:03d}_resume.npz", config, model, optimiser, sched, rng, snapshot)
+            writes = _iteration_writes(out_root, iteration, particles, snapshot, halves, model, optimiser, config,
+                                       sampling, argv)
+            writes.insert(-1, partial(
+                write_iteration_report, f"{out_root}_it{iteration:03d}_report.png", iteration=iteration,
+                fsc=np.array(model.fsc_halves[0]), ori_size_px=box, pixel_size_angstrom=pixel,
+                resolution_angstrom=res.resolution_angstrom, rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg,
+                timings_seconds={**{f"E: {k}": v for k, v in stages.items()}, "M-step": timings["maximization"]},
+                halves_joined=final))
+            if final:
+                writes += _final_writes(out_root, particles, snapshot, halves, model, optimiser, config)
+            writer.submit(writes)
+            timings["write"] = time.perf_counter() - tic  # the loop's own time: building the outputs, waiting for the last
+            report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
+                                     optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
+                                     changes.offsets_angstrom, model.ave_pmax, timings, dict(stages), flops)
+            reports.append(report)
+            log.info("iteration %d: resolution %.2f Å, size %d/%d px, healpix %d%s, Δangle %.2f°, Δoffset %.2f Å, "
+                     "pmax %.3f, E %.1f s, M %.1f s", iteration, res.resolution_angstrom, sizes.current_size_px,
+                     sizes.coarse_size_px, optimiser.healpix_order, " (local)" if optimiser.local_searches else "",
+                     changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax, timings["expectation"],
+                     timings["maximization"])
+            log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
+                                                           for name, seconds in stages.items()))
+            if final:
+                break
     return reports
 
 
@@ -520,29 +525,38 @@ def _optics_names_and_counts(particles):
     return names, [int((particles.optics_index == i).sum()) for i in range(len(names))]
 
 
-def _write_iteration(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv, final):
+def _iteration_writes(out_root, iteration, particles, state, halves, model, optimiser, config, sampling, argv):
+    """The writes of one iteration's files as callables over what they need now (the particle table and the
+    STAR blocks are built here; the maps are the model's, which the next M-step replaces rather than
+    changes); the optimiser STAR file comes last."""
     root = f"{out_root}_it{iteration:03d}"
     pixel = model.pixel_size_angstrom
-    write_particle_star(particles.star, f"{root}_data.star", _particle_table(particles, state, halves, pixel))
     names, counts = _optics_names_and_counts(particles)
+    writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
+                      _particle_table(particles, state, halves, pixel))]
     for h in (1, 2):
-        mrc.write_volume(f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel)
-        write_star(model_star_blocks(model, optimiser, config, h, [f"{root}_half{h}_class001.mrc"], names, counts),
-                   f"{root}_half{h}_model.star")
-    write_star(sampling_star_blocks(sampling, optimiser, config, pixel), f"{root}_sampling.star")
-    write_optimiser_star(f"{root}_optimiser.star", optimiser_star_blocks(optimiser, model, config, str(out_root),
-                                                                         iteration), list(argv))
+        writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
+                   partial(write_star, model_star_blocks(model, optimiser, config, h,
+                                                         [f"{root}_half{h}_class001.mrc"], names, counts),
+                           f"{root}_half{h}_model.star")]
+    writes += [partial(write_star, sampling_star_blocks(sampling, optimiser, config, pixel), f"{root}_sampling.star"),
+               partial(write_optimiser_star, f"{root}_optimiser.star",
+                       optimiser_star_blocks(optimiser, model, config, str(out_root), iteration), list(argv))]
+    return writes
 
 
-def _write_final(out_root, iteration, particles, state, halves, model, optimiser, config, argv):
+def _final_writes(out_root, particles, state, halves, model, optimiser, config):
+    """The converged run's files (run_data.star, run_class001.mrc, unfiltered half maps, run_model.star)."""
     pixel = model.pixel_size_angstrom
-    write_particle_star(particles.star, f"{out_root}_data.star", _particle_table(particles, state, halves, pixel))
     names, counts = _optics_names_and_counts(particles)
-    mrc.write_volume(f"{out_root}_class001.mrc", model.joined_map, pixel)
-    for h in (1, 2):
-        mrc.write_volume(f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
-    write_star(model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts),
-               f"{out_root}_model.star")
+    writes = [partial(write_particle_star, particles.star, f"{out_root}_data.star",
+                      _particle_table(particles, state, halves, pixel)),
+              partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
+    writes += [partial(mrc.write_volume, f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
+               for h in (1, 2)]
+    writes.append(partial(write_star, model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"],
+                                                        names, counts), f"{out_root}_model.star"))
+    return writes
 
 
 # ---------------------------------------------------------------------- --continue

@@ -31,7 +31,7 @@ complex arrays follow as complex64 or complex128). Nothing here imports cupy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -240,7 +240,11 @@ class Projector:
         r2 = grid.radius2(xp)
         data = xp.where(r2 <= grid.r_max_padded ** 2, data, 0)
         self.data = data.astype(self.complex_dtype)
-        self.power_spectrum = _relion_power_spectrum(self.data, grid, xp)
+
+    @cached_property
+    def power_spectrum(self):
+        """RELION's radial power of `data` (computed on first use: the E-step never needs it)."""
+        return _relion_power_spectrum(self.data, self.grid, self.xp)
 
     @property
     def size_px(self):

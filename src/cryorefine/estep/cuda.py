@@ -142,6 +142,43 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
 
 
+def significant_samples(weights, adaptive_fraction, max_significants, xp):
+    """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
+
+    The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
+    at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
+    the samples before the cut are all candidates, and sorting a row's candidates gives the same count
+    as sorting the whole row. Rows of a converged refinement hold a few hundred candidates among
+    hundreds of thousands of samples.
+    """
+    b_count, n_samples = weights.shape
+    total = weights.sum(axis=1)
+    epsilon = (1.0 - adaptive_fraction) * total / (2.0 * n_samples)
+    candidate = weights > epsilon[:, None]
+    counts = candidate.sum(axis=1)
+    width = max(1, int(counts.max()))
+    rows, cols = xp.nonzero(candidate)
+    del candidate
+    starts = xp.cumsum(counts) - counts
+    packed = xp.zeros((b_count, width), dtype=weights.dtype)
+    packed[rows, xp.arange(rows.size) - starts[rows]] = weights[rows, cols]
+    del rows, cols
+    sorted_w = -xp.sort(-packed, axis=1)
+    del packed
+    if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)
+        n_sig = xp.maximum(counts, 1)
+    else:
+        cum = xp.cumsum(sorted_w, axis=1)
+        n_sig = xp.sum(cum < adaptive_fraction * total[:, None], axis=1) + 1
+        del cum
+        n_sig = xp.minimum(n_sig, xp.maximum(counts, 1))
+    if max_significants > 0:
+        n_sig = xp.minimum(n_sig, max_significants)
+    threshold = sorted_w[xp.arange(b_count), n_sig - 1]
+    mask = (weights >= threshold[:, None]) & (weights > 0)
+    return mask, n_sig
+
+
 class CupyEngine:
     """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
 
@@ -472,16 +509,7 @@ class CupyEngine:
             weights -= cp.max(weights, axis=1, keepdims=True)
             cp.exp(weights, out=weights)
         del d2, log_prior
-        sorted_w = -cp.sort(-weights, axis=1)
-        cum = cp.cumsum(sorted_w, axis=1)
-        n_sig = cp.sum(cum < s.adaptive_fraction * cum[:, -1:], axis=1) + 1
-        del cum
-        n_sig = cp.minimum(n_sig, weights.shape[1])
-        if s.max_significants > 0:
-            n_sig = cp.minimum(n_sig, s.max_significants)
-        threshold = sorted_w[cp.arange(b_count), n_sig - 1]
-        del sorted_w
-        mask = (weights >= threshold[:, None]) & (weights > 0)
+        mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
         self._tick("weights", tic)
         return mask, cp.asnumpy(n_sig).astype(np.int64)
 

@@ -305,8 +305,11 @@ class NumpyEngine:
         s = self.setup_
         order = np.argsort(-weights, axis=1, kind="stable")
         sorted_w = np.take_along_axis(weights, order, axis=1)
-        cum = np.cumsum(sorted_w, axis=1)
-        n_sig = np.sum(cum < s.adaptive_fraction * cum[:, -1:], axis=1) + 1
+        if s.adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (no rounding games)
+            n_sig = np.maximum((weights > 0).sum(axis=1), 1)
+        else:
+            cum = np.cumsum(sorted_w, axis=1)
+            n_sig = np.sum(cum < s.adaptive_fraction * cum[:, -1:], axis=1) + 1
         n_sig = np.minimum(n_sig, weights.shape[1])
         if s.max_significants > 0:
             n_sig = np.minimum(n_sig, s.max_significants)
