@@ -28,11 +28,16 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
               particles × 25 iterations; printed as Markdown and written as JSON (--json) with the
               device, versions, date and command.
 
-Extrapolation: each measured iteration's E-step and output writing scale with the particle
-count, its M-step does not; iterations beyond the measured ones (with --iterations, or an
-auto-refine that converged early) are taken to cost what the last measured one did, which
-understates them when the image size still grows. The one-off start (reference set-up and the
-initial noise spectra over all images) scales with the particle count.
+Warm-up: on the GPU each job first runs for 3 iterations on 200 of the particles, so that the
+kernels are compiled before the measurement (CuPy keeps compiled kernels on disk, so a machine
+pays this once per version); its time is reported apart (--no-warmup measures a cold start).
+
+Extrapolation: each measured iteration's E-step and the loop's own time for the outputs (building
+the tables, waiting for the writer thread when it lags) scale with the particle count, its M-step
+does not; iterations beyond the measured ones (with --iterations, or an auto-refine that converged
+early) are taken to cost what the last measured one did, which understates them when the image
+size still grows. The one-off start (reference set-up and the initial noise spectra over all
+images) scales with the particle count.
 
 `--engine numpy` runs the same at a tiny size on the CPU (the example map examples/ribosome_64px.mrc
 cropped to 32 px at 12 Å/px, 120 particles at SNR 1, 2 iterations): a check that the script works, not a
@@ -62,6 +67,7 @@ DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.
 EXAMPLE_MAP = REPO / "examples" / "ribosome_64px.mrc"
 FULL_PARTICLES, FULL_ITERATIONS = 105_247, 25
 PARTICLE_DIAMETER_ANGSTROM = 360.0
+WARMUP_PARTICLES, WARMUP_ITERATIONS = 200, 3  # Class3D: the cross-correlation, seeded and all-class iterations
 STAGES = (  # (label, stage names summed) in the order of an iteration
     ("image preparation", ("images",)),
     ("upload + shifted images", ("upload", "coarse_images")),
@@ -134,15 +140,31 @@ def simulate_particles(work, reference, args, xp):
 
 
 # ---------------------------------------------------------------------------------------------- a job
-def run_job(name, star, reference, work, args):
+def warm_up(name, star, reference, work, args):
+    """The job for WARMUP_ITERATIONS iterations on the first WARMUP_PARTICLES particles, so that CuPy compiles
+    the kernels (and caches them on disk, as any later run on the machine finds them) before the measurement;
+    returns its seconds."""
+    import starfile
+
+    blocks = starfile.read(star, always_dict=True)
+    blocks["particles"] = blocks["particles"].head(WARMUP_PARTICLES)
+    subset = star.parent / "warmup_particles.star"  # beside the full set: the same relative stack names
+    starfile.write(blocks, subset)
+    tic = time.perf_counter()
+    run_job(name, subset, reference, work / "warmup", args, iterations=WARMUP_ITERATIONS)
+    return time.perf_counter() - tic
+
+
+def run_job(name, star, reference, work, args, iterations=None):
     """Run one job in this process; returns its measured figures."""
     from cryorefine.cli import config_from_arguments
 
     command, template = JOB_ARGUMENTS[name]
     arguments = ["--i", star, "--ref", reference, "--o", work / name / "run"]
     arguments += [a.format(K=args.K) for a in template]
-    if args.iterations:
-        arguments += ["--iter", str(args.iterations)]
+    iterations = iterations or args.iterations
+    if iterations:
+        arguments += ["--iter", str(iterations)]
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
     config = config_from_arguments(command, arguments)
     if args.engine == "numpy":
@@ -281,6 +303,9 @@ def format_report(results):
         hw = job["arena_high_water_bytes"]
         if hw:
             lines.append("\nGPU arena high water (GB): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in hw.items()))
+        if job.get("warmup_seconds") is not None:
+            lines.append(f"\nwarm-up before the measurement (kernel compilation; CuPy caches kernels on disk, so "
+                         f"later runs on this machine skip most of it): {job['warmup_seconds']:.0f} s")
         lines.append(f"\njob wall time {job['wall_seconds']:.0f} s (start {s['start_seconds']:.0f} s); extrapolated "
                      f"({s['extrapolation']}): {s['extrapolated_seconds'] / 60:.1f} min")
     return "\n".join(lines)
@@ -305,6 +330,9 @@ def main(argv=None):
                         help="stop each job after this many iterations (default: 25 for Class3D, convergence for "
                              "refine; 2 with numpy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help=f"measure without first running each job on {WARMUP_PARTICLES} particles for "
+                             f"{WARMUP_ITERATIONS} iterations (which compiles the GPU kernels outside the measurement)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
@@ -336,7 +364,9 @@ def main(argv=None):
                "fp32_peak_tflops": peak / 1e12 if peak else None, "reference_seconds": reference_seconds,
                "simulate_seconds": simulate_seconds, "jobs": {}}
     for name in args.jobs:
+        warmup = warm_up(name, star, reference, args.work, args) if args.engine == "cuda" and args.warmup else None
         job = run_job(name, star, reference, args.work, args)
+        job["warmup_seconds"] = warmup
         job["summary"] = summarise(job, args.n, peak)
         results["jobs"][name] = job
         (args.work / "results.json").write_text(json.dumps(results, indent=1))

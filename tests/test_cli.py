@@ -143,3 +143,16 @@ def test_console_script_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cryorefine", "info", str(tmp_path / "x.star")],
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "x.star" in done.stderr
+
+
+def test_nan_pixels_met_by_refine_name_the_image_and_leave_no_iteration_files(tmp_path, capsys):
+    """The E-step reads images unchecked and checks them where it prepares them: the same one-line error."""
+    path, images = make_particle_set(tmp_path, n=6)
+    images[4, 3, 3] = np.nan
+    write_mrc(tmp_path / "stack.mrcs", images, pixel_size=1.5)
+    write_mrc(tmp_path / "ref.mrc", np.ones((16, 16, 16), np.float32), pixel_size=1.5)
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "refine", "--i", str(path), "--ref", str(tmp_path / "ref.mrc"), "--o",
+                       str(out / "run"), "--ini_high", "10", "--iter", "1", "--cpu")
+    assert_one_line_error(code, err, "5@", "NaN or Inf")
+    assert not list(out.glob("run_it*")) if out.exists() else True

@@ -59,9 +59,9 @@ def test_batch_reads_only_its_images(tmp_path, monkeypatch):
     with StackReader() as reader:
         original = reader.read
 
-        def spy(paths, indices):
+        def spy(paths, indices, **options):
             seen.extend(indices)
-            return original(paths, indices)
+            return original(paths, indices, **options)
 
         reader.read = spy
         parts.read_images(np.array([2, 5]), reader)

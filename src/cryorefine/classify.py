@@ -201,13 +201,14 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
         data_vs_prior=None if model.ssnr is None else model.ssnr[0][classes], padding_factor=config.padding_factor,
         avg_norm_correction=model.avg_norm_correction))
     old_angles = (state.rot_deg.copy(), state.tilt_deg.copy(), state.psi_deg.copy())
+    xp = refine_loop.image_array_module(engine)
     with particles.image_reader(np.arange(len(particles)) if config.preread_images else None) as reader:
-        for indices, images in particles.read_ahead(particles.batches(config.batch_size, members), reader):
+        for indices, images in particles.read_ahead(particles.batches(config.batch_size, members), reader, xp):
             tic = time.perf_counter()
             batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                   model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                   refine_loop.image_norms(config, state), state.class_index, old_angles,
-                                  xp=refine_loop.image_array_module(engine), images=images)
+                                  xp=xp, images=images)
             del images
             stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic
             result = engine.run(batch)

@@ -140,25 +140,47 @@ class ParticleSet:
         preread = getattr(self, "_preread", None)
         return preread if preread is not None else mrc.StackReader()
 
-    def read_images(self, indices, reader):
-        """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader`."""
+    def read_images(self, indices, reader, out=None, check_finite=True):
+        """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader` (into `out`
+        when given; `check_finite=False` leaves the NaN/Inf check to the caller, see `image_name`)."""
         indices = np.asarray(indices)
-        return reader.read(self.stack_paths[indices], self.stack_indices[indices])
+        return reader.read(self.stack_paths[indices], self.stack_indices[indices], out=out, check_finite=check_finite)
 
-    def read_ahead(self, batches, reader):
+    def image_name(self, index):
+        """RELION's `N@stack` name of particle `index` (0-based row)."""
+        return f"{self.stack_indices[index]}@{self.stack_paths[index]}"
+
+    def read_ahead(self, batches, reader, xp=np):
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a
-        thread while the caller works on the current one (reading overlaps the GPU's work)."""
+        thread while the caller works on the current one (reading overlaps the GPU's work).
+
+        Images come into two host buffers used in turn (pinned memory when `xp` is CuPy: uploads at the
+        bus's speed), so a batch's images are valid until the caller asks for the next batch. They are
+        not checked for NaN/Inf here: `images.prepare_batch` checks them where they are prepared.
+        """
         from concurrent.futures import ThreadPoolExecutor
+
+        from cryorefine.core.arrays import host_buffer
 
         batches = list(batches)
         if not batches:
             return
+        buffers = []
+
+        def read(i):
+            if i == 0:  # the first batch tells the box
+                return self.read_images(batches[0], reader, check_finite=False)
+            return self.read_images(batches[i], reader, out=buffers[i % 2], check_finite=False)
+
         with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
-            pending = pool.submit(self.read_images, batches[0], reader)
+            pending = pool.submit(read, 0)
             for i, indices in enumerate(batches):
                 images = pending.result()
+                if i == 0 and len(batches) > 1:
+                    shape = (max(b.size for b in batches),) + images.shape[1:]
+                    buffers.extend(host_buffer(shape, np.float32, xp) for _ in range(2))
                 if i + 1 < len(batches):
-                    pending = pool.submit(self.read_images, batches[i + 1], reader)
+                    pending = pool.submit(read, i + 1)
                 yield indices, images
 
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cryorefine.core import fourier
-from cryorefine.core.arrays import array_module, to_host
+from cryorefine.core.arrays import array_module, to_device, to_host
 from cryorefine.core.ctf import ctf_2d
+from cryorefine.errors import InputError
 from cryorefine.estep.engine import Batch
 
 
@@ -107,8 +108,9 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
                   images=None):
     """A `Batch` for the engine. Origins/norms/poses default to those in the particle set.
 
-    The images are read on the host (or given, as `ParticleSet.read_ahead` yields them); masks, transforms and CTFs are computed with `xp` (cupy for
-    the GPU engine: the batch's image arrays then live on the device), in float64.
+    The images are read on the host (or given, as `ParticleSet.read_ahead` yields them) and checked for
+    NaN/Inf where they are prepared; masks, transforms and CTFs are computed with `xp` (cupy for the GPU
+    engine: the batch's image arrays then live on the device), in float64.
     """
     indices = np.asarray(indices)
     n = settings.ori_size_px
@@ -120,8 +122,13 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     # integer part of the origin in real space, so that the mask is centred on the particle
     rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
     if images is None:
-        images = particles.read_images(indices, reader)
-    images = xp.asarray(images).astype(xp.float64)
+        images = particles.read_images(indices, reader, check_finite=False)
+    images = to_device(images, xp).astype(xp.float64)
+    finite = xp.isfinite(images).reshape(indices.size, -1).all(axis=1)
+    if not bool(finite.all()):
+        name = particles.image_name(indices[int(to_host(xp.flatnonzero(~finite))[0])])
+        raise InputError(f"{name}: image contains NaN or Inf pixels; remove the particle from the STAR file or "
+                         f"re-extract it")
     images *= xp.asarray(avg_norm_correction / norm)[:, None, None]
     if np.any(rx != 0) or np.any(ry != 0):
         images = roll_each(images, xp.asarray(rx), xp.asarray(ry), xp)

@@ -310,8 +310,8 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
         preread = np.arange(len(particles)) if config.preread_images else None
         with particles.image_reader(preread) as reader:
-            for batch_indices, images in particles.read_ahead(particles.batches(config.batch_size, members[h]),
-                                                              reader):
+            batches = particles.batches(config.batch_size, members[h])
+            for batch_indices, images in particles.read_ahead(batches, reader, image_array_module(engine)):
                 tic_images = time.perf_counter()
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
@@ -368,7 +368,7 @@ def _initial_noise(particles, settings, n_optics, batch_size, xp=np):
     """RELION's initial noise spectra from the masked images at their stored origins."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     with mrc.StackReader() as reader:
-        for indices, images in particles.read_ahead(particles.batches(batch_size), reader):
+        for indices, images in particles.read_ahead(particles.batches(batch_size), reader, xp):
             batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
                                   images=images)
             del images
