@@ -429,3 +429,20 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
         arena.close()
     print(f"arena high water: {peaks[60] / 1e6:.1f} MB with 2 batches of 60, {peaks[4] / 1e6:.1f} MB with 30 of 4")
     assert peaks[4] < 0.25 * peaks[60]
+
+
+def test_significance_on_the_device_matches_the_numpy_engine(cp):
+    from types import SimpleNamespace
+
+    from cryorefine.estep.cuda import significant_samples
+
+    rng = np.random.default_rng(21)
+    breadth = np.geomspace(0.05, 100.0, 64)[:, None]
+    weights = np.exp(-rng.exponential(1.0, (64, 20000)) * rng.uniform(1, 40, (64, 1)) / breadth)
+    weights[np.arange(64), rng.integers(0, 20000, 64)] = 1.0
+    for fraction, max_sig in ((0.999, 0), (0.9, 0), (0.999, 50)):
+        owner = SimpleNamespace(setup_=SimpleNamespace(adaptive_fraction=fraction, max_significants=max_sig))
+        want_mask, want_n = NumpyEngine._significant(owner, weights)
+        mask, n_sig = significant_samples(cp.asarray(weights), fraction, max_sig, cp)
+        np.testing.assert_array_equal(cp.asnumpy(n_sig), want_n)
+        np.testing.assert_array_equal(cp.asnumpy(mask), want_mask)
