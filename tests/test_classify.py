@@ -96,3 +96,28 @@ def test_auto_refine_options_are_refused(classified, tmp_path, capsys):
     assert code == 2
     assert "--auto_refine" in capsys.readouterr().err
     assert not list(tmp_path.glob("run_it*"))
+
+
+def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(classified, tmp_path):
+    """--continue from iteration 1 reproduces iteration 2 (the first over both classes) bit for bit."""
+    out = classified / "out"
+    code = run_cli("classify", "--continue", out / "run_it001_optimiser.star", "--o", tmp_path / "run", "--iter", 2)
+    assert code == 0
+    for k in (1, 2):
+        assert (tmp_path / f"run_it002_class{k:03d}.mrc").read_bytes() == (out / f"run_it002_class{k:03d}.mrc").read_bytes()
+    continued = starfile.read(tmp_path / "run_it002_data.star")["particles"]
+    original = starfile.read(out / "run_it002_data.star")["particles"]
+    for column in ("rlnClassNumber", "rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst",
+                   "rlnMaxValueProbDistribution"):
+        np.testing.assert_array_equal(continued[column], original[column])
+    model = starfile.read(tmp_path / "run_it002_model.star")["model_classes"]
+    want = starfile.read(out / "run_it002_model.star")["model_classes"]
+    np.testing.assert_array_equal(model["rlnClassDistribution"], want["rlnClassDistribution"])
+    assert (tmp_path / "run_it002_report.png").is_file()
+    assert not (tmp_path / "run_it001_data.star").exists()  # it went on from iteration 2
+
+
+def test_continue_refuses_a_run_of_the_other_kind(classified, capsys):
+    code = run_cli("refine", "--continue", classified / "out" / "run_it001_optimiser.star", "--iter", 2)
+    assert code == 2
+    assert "classify --continue" in capsys.readouterr().err

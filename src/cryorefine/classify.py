@@ -50,14 +50,15 @@ from cryorefine.state import ModelState
 log = logging.getLogger("cryorefine.classify")
 
 
-def classify(config, argv=(), make_engine=None, progress=None):
-    """Run a 3D classification of config.n_classes classes; returns the IterationReports."""
+def classify(config, argv=(), make_engine=None, progress=None, resume_from=None):
+    """Run a 3D classification of config.n_classes classes; returns the IterationReports. `resume_from`: a
+    run_itNNN_optimiser.star of an earlier run, continued from the iteration after it (--continue)."""
     if make_engine is None:
         make_engine = refine_loop.default_engine_factory(config)
     if config.symmetry.upper() != "C1":
         raise InputError(f"--sym {config.symmetry}: classify handles C1 only so far; run with --sym C1")
     with refine_loop._scope_of(make_engine, "run_scope"):
-        return _classify(config, argv, make_engine, progress)
+        return _classify(config, argv, make_engine, progress, resume_from)
 
 
 def initial_references(config, box, pixel):
@@ -80,37 +81,50 @@ def initial_references(config, box, pixel):
     return [single.copy() for _ in range(config.n_classes)], config.n_classes > 1
 
 
-def _classify(config, argv, make_engine, progress):
+def _classify(config, argv, make_engine, progress, resume_from=None):
     k_classes = int(config.n_classes)
     particles = load_particles(config.input_star)
     box, pixel = particles.geometry()
     if config.do_ctf:
         particles.require_ctf()
-    maps, seeded = initial_references(config, box, pixel)
     out_root = Path(config.output_root)
     out_root.parent.mkdir(parents=True, exist_ok=True)
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
     settings = ImageSettings(box, pixel, diameter, config.width_mask_edge_px, config.zero_mask, config.do_ctf,
                              config.random_seed)
-    n_optics = len(particles.optics_groups)
-    state = refine_loop.ParticleState.from_particles(particles, pixel)
-    optimiser, _ = schedule.initial_schedule(config)
-    model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
-                       padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
-                       sigma_offset_angstrom=refine_loop.INITIAL_SIGMA_OFFSET_ANGSTROM,
-                       scale_correction=np.ones(n_optics))
-    model.maps = [maps]
-    model.sigma2_noise = refine_loop._initial_noise(particles, settings, n_optics, config.batch_size,
-                                                    refine_loop.image_array_module(make_engine))
-    model.current_resolution_angstrom = schedule.current_resolution(
-        box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
-    n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
-    pdf_direction = np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir))
+    n_dir = schedule.sampling_from_optimiser(schedule.initial_schedule(config)[0], config).n_directions
+    if resume_from is not None:
+        model, optimiser, _, rng, state = refine_loop.load_resume(
+            resume_from, box, len(particles), classification=True,
+            map_paths=lambda root: [[f"{root}_class{k + 1:03d}.mrc" for k in range(k_classes)]])
+        carried = refine_loop.resume_extra_arrays(resume_from)
+        pdf_direction = carried["pdf_direction"]
+        distributions = list(carried["class_distributions"])
+        seeded = bool(carried["seeded"])
+        first_iteration = optimiser.iteration + 1
+    else:
+        maps, seeded = initial_references(config, box, pixel)
+        n_optics = len(particles.optics_groups)
+        state = refine_loop.ParticleState.from_particles(particles, pixel)
+        optimiser, _ = schedule.initial_schedule(config)
+        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
+                           padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
+                           sigma_offset_angstrom=refine_loop.INITIAL_SIGMA_OFFSET_ANGSTROM,
+                           scale_correction=np.ones(n_optics))
+        model.maps = [maps]
+        model.sigma2_noise = refine_loop._initial_noise(particles, settings, n_optics, config.batch_size,
+                                                        refine_loop.image_array_module(make_engine))
+        model.current_resolution_angstrom = schedule.current_resolution(
+            box, pixel, iteration=0,
+            ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
+        pdf_direction = np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir))
+        rng = np.random.default_rng(config.random_seed)
+        distributions = []
+        first_iteration = 1
     everyone = np.arange(len(particles))
-    rng = np.random.default_rng(config.random_seed)
-    reports, distributions = [], []
+    reports = []
     with BackgroundWriter() as writer:
-        for iteration in range(1, config.max_iterations + 1):
+        for iteration in range(first_iteration, config.max_iterations + 1):
             timings, stages, flops = {}, {}, {}
             optimiser = replace(optimiser, iteration=iteration)
             sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
@@ -157,6 +171,9 @@ def _classify(config, argv, make_engine, progress):
             tic = time.perf_counter()
             distributions.append(np.asarray(model.pdf_class, dtype=np.float64).copy())
             snapshot = state.copy()  # the next E-step changes `state` while the writer thread reads this
+            refine_loop.save_resume(f"{out_root}_it{iteration:03d}_resume.npz", config, model, optimiser, None, rng,
+                                    snapshot, {"pdf_direction": pdf_direction,
+                                               "class_distributions": np.array(distributions), "seeded": seeded})
             writes = _iteration_writes(out_root, iteration, particles, snapshot, model, optimiser, config, sampling,
                                        argv, pdf_direction)
             writes.insert(-1, partial(

@@ -192,28 +192,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
-        from dataclasses import replace
-
-        from cryorefine.refine import load_resume_config
-
-        config = load_resume_config(continue_from)
-        ctx = click.get_current_context()
-        from_command_line = [p.opts[0] for p in ctx.command.params
-                             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
-        ignored = [o for o in from_command_line
-                   if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory")]
-        if ignored:
-            logging.getLogger("cryorefine").warning(
-                "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
-        if "--gpu" in from_command_line or "--cpu" in from_command_line:
-            engine = engine_options(gpu, force_cpu, free_gpu_memory)
-        else:  # the run's own engine, where it can run
-            from cryorefine.estep.cuda import cupy_available
-
-            engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
-                      "free_gpu_memory_mb": free_gpu_memory}
-        config = replace(config, output_root=out or config.output_root,
-                         max_iterations=max_iterations or config.max_iterations, **engine)
+        config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
         reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
         _report_end(reports, config.output_root)
         return
@@ -223,6 +202,35 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
     config = _refine_config(**locals())
     reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
     _report_end(reports, out)
+
+
+def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
+    """The options of the run that `continue_from` (a run_itNNN_optimiser.star) belongs to, with the few that
+    --continue may change (--o, --iter, the engine); other options given on the command line are named in a
+    warning and ignored, as RELION does."""
+    import logging
+    from dataclasses import replace
+
+    from cryorefine.refine import load_resume_config
+
+    config = load_resume_config(continue_from)
+    ctx = click.get_current_context()
+    from_command_line = [p.opts[0] for p in ctx.command.params
+                         if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    ignored = [o for o in from_command_line
+               if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory")]
+    if ignored:
+        logging.getLogger("cryorefine").warning(
+            "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
+    if "--gpu" in from_command_line or "--cpu" in from_command_line:
+        engine = engine_options(gpu, force_cpu, free_gpu_memory)
+    else:  # the run's own engine, where it can run
+        from cryorefine.estep.cuda import cupy_available
+
+        engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
+                  "free_gpu_memory_mb": free_gpu_memory}
+    return replace(config, output_root=out or config.output_root,
+                   max_iterations=max_iterations or config.max_iterations, **engine)
 
 
 @cli.command()
@@ -236,7 +244,11 @@ def classify(n_classes, continue_from, **options):
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
-        raise InputError("classify --continue is not implemented yet; start the classification again")
+        config = _continued_config(continue_from, options["out"], options["max_iterations"], options["gpu"],
+                                   options["force_cpu"], options["free_gpu_memory"])
+        reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
+        _report_classes(reports, config.output_root)
+        return
     ctx = click.get_current_context()
     given = {p.opts[0] for p in ctx.command.params
              if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
@@ -253,10 +265,14 @@ def classify(n_classes, continue_from, **options):
             raise click.UsageError(f"Missing option '{name}'.")
     config = _classify_config(n_classes, options)
     reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar())
+    _report_classes(reports, options["out"])
+
+
+def _report_classes(reports, out):
     last = reports[-1] if reports else None
     if last:
         click.echo(f"{len(reports)} iterations; resolution {last.resolution_angstrom:.2f} Å; maps: "
-                   f"{options['out']}_it{last.iteration:03d}_class*.mrc")
+                   f"{out}_it{last.iteration:03d}_class*.mrc")
 
 
 @cli.command()

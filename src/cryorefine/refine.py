@@ -564,17 +564,20 @@ _MODEL_ARRAYS = ("pdf_class", "sigma2_noise", "tau2", "ssnr", "reference_sigma2"
                  "class_distribution")
 
 
-def save_resume(path, config, model, optimiser, sched, rng, state):
-    """Everything beyond RELION's files that an exact --continue needs, beside run_itNNN_optimiser.star."""
+def save_resume(path, config, model, optimiser, sched, rng, state, extra_arrays=None):
+    """Everything beyond RELION's files that an exact --continue needs, beside run_itNNN_optimiser.star
+    (`sched` None for a classification; `extra_arrays` what else the loop carries, see `resume_extra_arrays`)."""
     import json
 
     scalars = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
                if f.name not in _MODEL_ARRAYS + ("maps", "joined_map")}
     document = {"config": json.loads(config.to_json()), "model": scalars,
-                "optimiser": dataclasses.asdict(optimiser), "schedule": dataclasses.asdict(sched),
+                "optimiser": dataclasses.asdict(optimiser),
+                "schedule": None if sched is None else dataclasses.asdict(sched),
                 "rng": rng.bit_generator.state}
     arrays = {f"model_{name}": getattr(model, name) for name in _MODEL_ARRAYS if getattr(model, name) is not None}
     arrays.update({f"particle_{f.name}": getattr(state, f.name) for f in dataclasses.fields(state)})
+    arrays.update({f"extra_{name}": np.asarray(value) for name, value in (extra_arrays or {}).items()})
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as handle:
             np.savez(handle, document=np.array(json.dumps(document, default=_plain)), **arrays)
@@ -604,14 +607,26 @@ def load_resume_config(optimiser_star):
     return RefineConfig.from_json(json.dumps(document["config"]))
 
 
-def load_resume(optimiser_star, box, n_particles):
-    """(model, optimiser, schedule state, rng, particle state) after the iteration of `optimiser_star`."""
+def resume_extra_arrays(optimiser_star):
+    """The `extra_arrays` that save_resume stored beside `optimiser_star`."""
+    return {name[len("extra_"):]: value for name, value in _open_resume(optimiser_star).items()
+            if name.startswith("extra_")}
+
+
+def load_resume(optimiser_star, box, n_particles, map_paths=None, classification=False):
+    """(model, optimiser, schedule state, rng, particle state) after the iteration of `optimiser_star`.
+
+    The maps are read from the iteration's files: the two half maps, or `map_paths(root)` (a list of
+    paths per half set, e.g. the classes of a classification) where given."""
     import json
 
     from cryorefine.state import OptimiserState
 
     saved = _open_resume(optimiser_star)
     document = json.loads(str(saved["document"]))
+    if (document["schedule"] is None) != classification:
+        mine, other = ("classification", "classify") if document["schedule"] is None else ("refinement", "refine")
+        raise InputError(f"{optimiser_star}: belongs to a {mine}; continue it with `cryorefine {other} --continue`")
     model = ModelState(**document["model"])
     for name in _MODEL_ARRAYS:
         if f"model_{name}" in saved:
@@ -619,7 +634,7 @@ def load_resume(optimiser_star, box, n_particles):
     if model.ori_size_px != box:
         raise InputError(f"{optimiser_star}: the run was {model.ori_size_px} px, the particles are {box} px")
     optimiser = OptimiserState(**document["optimiser"])
-    sched = schedule.ScheduleState(**document["schedule"])
+    sched = None if document["schedule"] is None else schedule.ScheduleState(**document["schedule"])
     rng = np.random.default_rng()
     rng.bit_generator.state = document["rng"]
     state = ParticleState(**{f.name: saved[f"particle_{f.name}"] for f in dataclasses.fields(ParticleState)})
@@ -627,7 +642,8 @@ def load_resume(optimiser_star, box, n_particles):
         raise InputError(f"{optimiser_star}: the run had {state.rot_deg.size} particles, the STAR file has "
                          f"{n_particles}; continue with the same --i")
     root = str(optimiser_star)[: -len("_optimiser.star")]
-    model.maps = [[mrc.read_volume(f"{root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
+    paths = map_paths(root) if map_paths else [[f"{root}_half{h}_class001.mrc"] for h in (1, 2)]
+    model.maps = [[mrc.read_volume(path)[0] for path in half] for half in paths]
     return model, optimiser, sched, rng, state
 
 
