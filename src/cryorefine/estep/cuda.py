@@ -298,17 +298,27 @@ class CupyEngine:
             log.debug("GPU engine plan: %s", self.plan.describe())
 
     def _upload_references(self, s):
+        """The classes' padded transforms in one (K, …) complex64 array. From maps, the array is taken first
+        and each class's transform (temporaries of the padded box, gigabytes at 360 px) is computed in a
+        deeper scope that ends once it is copied in: on the arena's stack, temporaries freed below a
+        surviving array could not be reused until the iteration ends."""
+        from cryorefine.gpu.allocator import Scope
+
         cp = self.cp
-        projectors = []
         if s.maps is not None:
-            for volume in s.maps:
-                projectors.append(Projector(cp.asarray(volume), s.padding_factor, s.current_size_px // 2,
-                                            dtype=np.float32, xp=cp))
+            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+            self.ref_volumes = cp.empty((len(s.maps),) + grid.shape, dtype=cp.complex64)
+            for k, volume in enumerate(s.maps):
+                with self._scope(Scope.PARTICLE):
+                    projector = Projector(cp.asarray(volume), s.padding_factor, s.current_size_px // 2,
+                                          dtype=np.float32, xp=cp)
+                    assert projector.grid == grid
+                    self.ref_volumes[k] = projector.data
+                    del projector
         else:
-            projectors = s.projectors
-        grid = projectors[0].grid
+            grid = s.projectors[0].grid
+            self.ref_volumes = cp.stack([cp.asarray(p.data, dtype=cp.complex64) for p in s.projectors])
         self.ref_grid = grid
-        self.ref_volumes = cp.stack([cp.asarray(p.data, dtype=cp.complex64) for p in projectors])
         d, _, w = grid.shape
         pf = np.float32(grid.padding_factor)
         r_pad = grid.r_max_padded
