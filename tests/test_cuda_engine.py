@@ -446,3 +446,25 @@ def test_significance_on_the_device_matches_the_numpy_engine(cp):
         mask, n_sig = significant_samples(cp.asarray(weights), fraction, max_sig, cp)
         np.testing.assert_array_equal(cp.asnumpy(n_sig), want_n)
         np.testing.assert_array_equal(cp.asnumpy(mask), want_mask)
+
+
+def test_image_transforms_keep_one_plan_outside_the_arena_across_scopes(cp):
+    """The cuFFT plan of a batch shape is made once and kept with its work area outside the arena: the
+    transforms stay exact after the scopes it was made in have ended and their bytes were reused."""
+    from cryorefine.core import fourier
+    from cryorefine.gpu import fft_plans
+    from cryorefine.gpu.allocator import DeviceArena, Scope
+
+    images = np.random.default_rng(8).normal(size=(7, 48, 48))
+    want = fourier.rfft2_centered(images)
+    fft_plans.clear()
+    arena = DeviceArena(capacity_bytes=64 << 20)
+    with arena.installed(), arena.scope(Scope.GLOBAL):
+        for _ in range(3):
+            with arena.scope(Scope.ITERATION):
+                cp.full((1 << 20,), 7.0)  # overwrite what the last scope held
+                got = cp.asnumpy(fourier.rfft2_centered(cp.asarray(images), cp))
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
+        assert arena.top == 0
+    arena.close()
+    assert len(fft_plans._plans) == 1

@@ -16,7 +16,12 @@ import numpy as np
 
 def rfft2_centered(images, xp=np):
     """Forward 2D half transform of real images centred at N//2 (normalised by 1/N²)."""
-    return xp.fft.rfft2(xp.fft.ifftshift(images, axes=(-2, -1)), norm="forward")
+    shifted = xp.fft.ifftshift(images, axes=(-2, -1))
+    if xp is np:
+        return np.fft.rfft2(shifted, norm="forward")
+    from cryorefine.gpu.fft_plans import rfft2_forward  # plans kept across batches (see there)
+
+    return rfft2_forward(xp.ascontiguousarray(shifted))
 
 
 def irfft2_centered(ft, size_px, xp=np):
