@@ -142,6 +142,13 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
 
 
+@functools.lru_cache(maxsize=None)
+def _log_weight_kernel(cp):
+    """(prior_a + prior_b) − diff2 in float64, broadcasting its inputs (the numpy engine's order of operations)."""
+    return cp.ElementwiseKernel("float64 prior_a, float64 prior_b, float32 diff2", "float64 out",
+                                "out = (prior_a + prior_b) - (double)diff2", "cryorefine_coarse_log_weight")
+
+
 def significant_samples(weights, adaptive_fraction, max_significants, xp):
     """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
 
@@ -506,35 +513,35 @@ class CupyEngine:
             self.last_coarse_diff2.append(cp.asnumpy(diff2))
 
         # weights: priors + (min diff2 − diff2), exponentiated; CC keeps the best sample alone
-        log_prior = self._coarse_log_prior(pre, orient_log_prior, orient_sel)  # (B, K·R·T) float64
-        d2 = diff2.astype(cp.float64)
-        del diff2
+        # the priors of orientations and classes and those of the offsets broadcast over (B, K, R, T) in one
+        # pass with diff2 (no (B, K·R·T) prior array spelt out): (prior_orientation + prior_offset) − diff2
+        prior_ko, prior_t = self._coarse_log_prior(pre, orient_log_prior, orient_sel)
+        d2 = diff2.reshape(b_count, self.n_classes, n_sel, n_t)
         if s.do_cc:
-            score = cp.where(cp.isfinite(log_prior), d2, cp.inf)
-            weights = cp.zeros_like(d2)
+            allowed = cp.isfinite(prior_ko) & cp.isfinite(prior_t)
+            score = cp.where(allowed, d2, cp.inf).reshape(b_count, -1)
+            weights = cp.zeros(score.shape, dtype=cp.float64)
             weights[cp.arange(b_count), cp.argmin(score, axis=1)] = 1.0
-            del score
+            del score, allowed
         else:
-            weights = log_prior - d2
+            weights = _log_weight_kernel(cp)(prior_ko, prior_t, d2).reshape(b_count, -1)
             weights -= cp.max(weights, axis=1, keepdims=True)
             cp.exp(weights, out=weights)
-        del d2, log_prior
+        del d2, diff2, prior_ko, prior_t
         mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
         self._tick("weights", tic)
         return mask, cp.asnumpy(n_sig).astype(np.int64)
 
     def _coarse_log_prior(self, pre, orient_log_prior, orient_sel):
+        """Log priors of the coarse samples as two broadcasting parts: classes and orientations, offsets."""
         cp = self.cp
         s = self.setup_
-        b_count = pre["x"].shape[0]
         lp = cp.asarray(self.log_pdf_class)[None, :, None, None] + orient_log_prior[:, None, :, None]
         if self.log_pdf_direction is not None:
             lp = lp + cp.asarray(self.log_pdf_direction[:, self.direction_of[orient_sel]])[None, :, :, None]
         centre = pre["old"] if s.local_searches else None
         off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
-        lp_d = lp + cp.asarray(off)[:, None, None, :]
-        return cp.ascontiguousarray(cp.broadcast_to(
-            lp_d, (b_count, self.n_classes, orient_sel.size, self.n_trans))).reshape(b_count, -1)
+        return lp, cp.asarray(off)[:, None, None, :]  # (B, K, R_sel, 1) and (B, 1, 1, T), float64
 
     # ------------------------------------------------------------------ fine pass
     def _fine_pass(self, pre, b_blk, k_blk, o_blk, osel_blk, t_blk, orient_log_prior):
