@@ -19,6 +19,7 @@ _plans: OrderedDict = OrderedDict()
 def rfft2_forward(x):
     """cupy.fft.rfft2(x, norm="forward") over the last two axes of a C-contiguous real CuPy array."""
     import cupy
+    from cupy.cuda import cufft
     from cupyx.scipy import fft as cupyx_fft
 
     key = (cupy.cuda.runtime.getDevice(), x.shape, x.dtype.str)
@@ -27,7 +28,7 @@ def rfft2_forward(x):
         try:
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
                 plan = cupyx_fft.get_fft_plan(x, axes=(-2, -1), value_type="R2C")
-        except cupy.cuda.memory.OutOfMemoryError:
+        except (cupy.cuda.memory.OutOfMemoryError, cufft.CuFFTError):  # no room outside the arena
             return cupy.fft.rfft2(x, norm="forward")
         _plans[key] = plan
         while len(_plans) > MAX_PLANS:
