@@ -298,6 +298,8 @@ def test_out_of_memory_message_and_type():
         assert part in msg
     again = pickle.loads(pickle.dumps(err))
     assert str(again) == msg and again.scope is Scope.PARTICLE
+    whole_box = str(ArenaOutOfMemory(Scope.ITERATION, 8 * MB, 4 * MB, 10 * MB))
+    assert "--free_gpu_memory" in whole_box and "--batch does not change" in whole_box
 
 
 # -- peaks -------------------------------------------------------------------------------------

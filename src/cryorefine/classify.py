@@ -127,8 +127,8 @@ def _classify(config, argv, make_engine, progress, resume_from=None):
         for iteration in range(first_iteration, config.max_iterations + 1):
             timings, stages, flops = {}, {}, {}
             optimiser = replace(optimiser, iteration=iteration)
-            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
-                                         config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
+            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box,
+                                         pixel, config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
                                          oversampling=config.oversampling)
             model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
             do_cc = iteration == 1 and config.firstiter_cc
@@ -151,7 +151,8 @@ def _classify(config, argv, make_engine, progress, resume_from=None):
                     sums = _merge([_as_classes(p, [k], k_classes) for k, p in enumerate(parts)])
                 else:
                     sums = _expectation(config, make_engine, progress, particles, settings, model, sampling, sizes,
-                                        state, iteration, False, list(range(k_classes)), everyone, pdf_direction, stages, flops)
+                                        state, iteration, False, list(range(k_classes)), everyone, pdf_direction,
+                                        stages, flops)
                 refine_loop.keep_norms_unless_refined(config, old, state)
                 timings["expectation"] = time.perf_counter() - tic
                 tic = time.perf_counter()
@@ -182,7 +183,7 @@ def _classify(config, argv, make_engine, progress, resume_from=None):
                 pixel_size_angstrom=pixel, resolution_angstrom=model.current_resolution_angstrom,
                 rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)))
             writer.submit(writes)
-            timings["write"] = time.perf_counter() - tic  # the loop's own time: building the outputs, waiting for the last
+            timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, waiting for the last
             reports.append(refine_loop.IterationReport(
                 iteration, model.current_resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                 optimiser.healpix_order, False, changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax,

@@ -1,8 +1,8 @@
 """The particle set: per-particle arrays (struct of arrays) merged from a particle STAR file.
 
 Optics values (voltage, Cs, amplitude contrast, pixel size, box) are looked up per particle
-through its optics group. Images are not read here: `read_images` reads only a batch's images
-from their memory-mapped stacks.
+through its optics group. Images are not read up front: `read_images` reads only a batch's images
+from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the current one is worked on.
 """
 
 from __future__ import annotations

@@ -230,14 +230,16 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
             optimiser = replace(optimiser, iteration=iteration)
             optimiser = schedule.check_convergence(optimiser, sched)
             final = optimiser.do_join_halves
-            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box, pixel,
-                                         sched.incr_size_px, optimiser.has_high_fsc_at_resol_limit, final,
+            sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, diameter, box,
+                                         pixel, sched.incr_size_px, optimiser.has_high_fsc_at_resol_limit, final,
                                          ave_pmax=model.ave_pmax, oversampling=config.oversampling)
             model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
             do_cc = iteration == 1 and config.firstiter_cc
             if not do_cc and model.tau2 is not None:
-                acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, diameter, do_ctf=config.do_ctf)
-                optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+                acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, diameter,
+                                                             do_ctf=config.do_ctf)
+                optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg,
+                                    acc_trans_angstrom=acc.translations_angstrom)
                 model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
             if iteration > 1:
                 optimiser, sched = schedule.update_sampling(optimiser, model, config, sched)
@@ -247,13 +249,14 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
             expectation_maximization = getattr(make_engine, "expectation_maximization", _expectation_maximization)
             with _scope_of(make_engine, "iteration_scope"):
                 fsc, changes, timings, stages, flops = expectation_maximization(
-                    config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes, state,
-                    iteration, do_cc, final, timings)
+                    config, make_engine, progress, particles, settings, members, model, optimiser, sampling, sizes,
+                    state, iteration, do_cc, final, timings)
             tic = time.perf_counter()
             optimiser, sched = schedule.update_size_flags_from_fsc(optimiser, sched, fsc, sizes.current_size_px)
             res = schedule.current_resolution(box, pixel, fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
                                               halves_joined=final, iteration=iteration,
-                                              ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc)
+                                              ini_high_angstrom=config.ini_high_angstrom,
+                                              firstiter_cc=config.firstiter_cc)
             optimiser = schedule.update_change_counters(
                 optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
                 previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=pixel,
@@ -278,7 +281,7 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
             if final:
                 writes += _final_writes(out_root, particles, snapshot, halves, model, optimiser, config)
             writer.submit(writes)
-            timings["write"] = time.perf_counter() - tic  # the loop's own time: building the outputs, waiting for the last
+            timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, waiting for the last
             report = IterationReport(iteration, res.resolution_angstrom, sizes.current_size_px, sizes.coarse_size_px,
                                      optimiser.healpix_order, optimiser.local_searches, changes.orientations_deg,
                                      changes.offsets_angstrom, model.ave_pmax, timings, dict(stages), flops)

@@ -82,14 +82,22 @@ class ArenaOutOfMemory(InputError):
             message = (f"GPU memory arena full in the {self.scope.name} scope: a request of "
                        f"{_mb(self.request_bytes)} MB does not fit, {self.in_use_bytes} bytes "
                        f"({_mb(self.in_use_bytes)} MB) already in use of the "
-                       f"{_mb(self.capacity_bytes)} MB arena budget; lower --batch or raise the "
-                       f"arena by lowering --free_gpu_memory")
+                       f"{_mb(self.capacity_bytes)} MB arena budget; " + _out_of_memory_advice(self.scope))
         super().__init__(message)
 
     def __reduce__(self):
         # Keeps the exception picklable (it may travel between MPI ranks).
         return (type(self), (self.scope, self.request_bytes, self.in_use_bytes,
                              self.capacity_bytes, str(self)))
+
+
+def _out_of_memory_advice(scope):
+    """What to change: per-batch work (PARTICLE, ORIENTATION scopes) shrinks with --batch; the references and
+    reconstructions of the padded box (GLOBAL, ITERATION) do not."""
+    if Scope(scope) >= Scope.PARTICLE:
+        return "lower --batch or raise the arena by lowering --free_gpu_memory"
+    return ("the padded box's references and reconstructions need more: raise the arena by lowering "
+            "--free_gpu_memory, or run on a GPU with more memory (--batch does not change this part)")
 
 
 @dataclass(frozen=True)
