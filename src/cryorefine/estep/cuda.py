@@ -155,7 +155,8 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
     at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
     the samples before the cut are all candidates, and sorting a row's candidates gives the same count
-    as sorting the whole row. Rows of a converged refinement hold a few hundred candidates among
+    as sorting the whole row (up to the last bits of the row total, summed pairwise here and in sequence
+    there, which only matters for a weight exactly at the cut). Rows of a converged refinement hold a few hundred candidates among
     hundreds of thousands of samples.
     """
     b_count, n_samples = weights.shape
