@@ -69,6 +69,8 @@ FULL_PARTICLES, FULL_ITERATIONS = 105_247, 25
 PARTICLE_DIAMETER_ANGSTROM = 360.0
 WARMUP_PARTICLES, WARMUP_ITERATIONS = 200, 3  # Class3D: the cross-correlation, seeded and all-class iterations
 STAGES = (  # (label, stage names summed) in the order of an iteration
+    ("engine set-up (references, cached coarse slices)", ("setup",)),
+    ("waits for the image reads", ("read_wait",)),
     ("image preparation", ("images",)),
     ("upload + shifted images", ("upload", "coarse_images")),
     ("coarse diff2", ("coarse",)),
@@ -216,7 +218,7 @@ def summarise(job, n_particles, peak_flops):
         rows.append({"stage": label, "seconds": seconds, "particle_iterations_per_second": work / seconds
                      if seconds > 0 else None})
     accounted = sum(total.values())
-    rows.append({"stage": "E-step, other (engine set-up, waits for image reads, host bookkeeping)", "seconds": max(e_step - accounted, 0.0),
+    rows.append({"stage": "E-step, other (host bookkeeping: results, progress, sums)", "seconds": max(e_step - accounted, 0.0),
                  "particle_iterations_per_second": None})
     rows.append({"stage": "reduction (one process: none)", "seconds": 0.0, "particle_iterations_per_second": None})
     rows.append({"stage": "M-step", "seconds": m_step, "particle_iterations_per_second": work / m_step

@@ -44,6 +44,8 @@ def test_stage_table_accounts_for_the_measured_time(tiny_run):
         staged = sum(sum(it["stage_seconds"].values()) for it in iterations)
         assert 0 < staged <= e_step * 1.001
         assert rows["image preparation"]["seconds"] > 0
+        assert rows["engine set-up (references, cached coarse slices)"]["seconds"] > 0
+        assert all(it["stage_seconds"]["setup"] > 0 and "read_wait" in it["stage_seconds"] for it in iterations)
         loop = rows["whole iterations"]
         assert loop["seconds"] == pytest.approx(sum(sum(v for k, v in it["seconds"].items()
                                                         if k in ("expectation", "maximization", "write"))

@@ -202,6 +202,7 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
     """One engine over `members` against the classes `classes` (indices into model.maps[0]); results stored
     with those class numbers; returns the engine's sums (its class order = `classes`). Seconds per E-step
     stage are added to `stages`, the engine's operation counts to `flops`."""
+    tic_setup = time.perf_counter()
     engine = make_engine()
     # the class prior: RELION folds it into a per-class direction distribution, which with few particles
     # per direction shuts whole directions out; the class distribution alone is used here
@@ -220,9 +221,10 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
         avg_norm_correction=model.avg_norm_correction))
     old_angles = (state.rot_deg.copy(), state.tilt_deg.copy(), state.psi_deg.copy())
     xp = refine_loop.image_array_module(engine)
+    tic_wait = refine_loop.add_seconds(stages, "setup", tic_setup)
     with particles.image_reader(np.arange(len(particles)) if config.preread_images else None) as reader:
         for indices, images in particles.read_ahead(particles.batches(config.batch_size, members), reader, xp):
-            tic = time.perf_counter()
+            tic = refine_loop.add_seconds(stages, "read_wait", tic_wait)
             batch = prepare_batch(particles, indices, reader, settings, sizes.current_size_px,
                                   model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                   refine_loop.image_norms(config, state), state.class_index, old_angles,
@@ -235,6 +237,7 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
             state.store(indices, result)
             if progress:
                 progress(indices.size, len(particles))
+            tic_wait = time.perf_counter()
     refine_loop.add_engine_stages(stages, engine, flops)
     return engine.sums()
 

@@ -210,9 +210,10 @@ def _worker(comm, half_comm, config):
                 return
             model, optimiser, sampling, sizes, state, iteration, do_cc, final = payload
             with _scope_of(factory, "iteration_scope"):
+                tic_setup = time.perf_counter()
                 engine = factory()
                 engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, half, do_cc))
-                stages, flops = {"images": 0.0}, {}
+                stages, flops = {"setup": time.perf_counter() - tic_setup, "images": 0.0}, {}
                 comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
                 with particles.image_reader(mine if config.preread_images else None) as reader:
                     while True:

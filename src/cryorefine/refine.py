@@ -301,21 +301,23 @@ def _iterate(config, argv, make_engine, progress, particles, settings, halves, m
 def _expectation_maximization(config, make_engine, progress, particles, settings, members, model, optimiser, sampling,
                               sizes, state, iteration, do_cc, final, timings):
     """The E-step of both half sets (one engine each), then the M-step; returns (FSC, changes, timings, stages,
-    flops) with `stages` the E-step's seconds per stage (image preparation, then the engine's) and `flops` the
-    engine's useful floating-point operations per stage."""
+    flops) with `stages` the E-step's seconds per stage (engine set-up, waits for the read-ahead thread, image
+    preparation, then the engine's) and `flops` the engine's useful floating-point operations per stage."""
     tic = time.perf_counter()
     old = state.copy()
     sums = []
     stages = {}  # seconds per E-step stage: image preparation, then the engine's own
     flops = {}
     for h in (0, 1):
+        tic_setup = time.perf_counter()
         engine = make_engine()
         engine.setup(_iteration_setup(model, optimiser, config, sampling, sizes, h, do_cc))
+        tic_wait = add_seconds(stages, "setup", tic_setup)
         preread = np.arange(len(particles)) if config.preread_images else None
         with particles.image_reader(preread) as reader:
             batches = particles.batches(config.batch_size, members[h])
             for batch_indices, images in particles.read_ahead(batches, reader, image_array_module(engine)):
-                tic_images = time.perf_counter()
+                tic_images = add_seconds(stages, "read_wait", tic_wait)
                 batch = prepare_batch(particles, batch_indices, reader, settings, sizes.current_size_px,
                                       model.avg_norm_correction, iteration, state.origin_x_px, state.origin_y_px,
                                       image_norms(config, state), state.class_index,
@@ -327,6 +329,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
                 del batch  # its device arrays go before the next batch's (the arena is a stack)
                 if progress:
                     progress(batch_indices.size, len(particles))
+                tic_wait = time.perf_counter()
         sums.append(engine.sums())
         add_engine_stages(stages, engine, flops)
         del engine
@@ -352,6 +355,13 @@ def keep_norms_unless_refined(config, old, state):
     """Without --norm the particles keep the norm corrections they came with."""
     if not config.do_norm:
         state.norm_correction[:] = old.norm_correction
+
+
+def add_seconds(stages, name, tic):
+    """Add the seconds since `tic` to stages[name]; returns now (the next stage's tic)."""
+    now = time.perf_counter()
+    stages[name] = stages.get(name, 0.0) + now - tic
+    return now
 
 
 def add_engine_stages(stages, engine, flops=None):
