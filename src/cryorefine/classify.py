@@ -92,7 +92,8 @@ def _classify(config, argv, make_engine, progress, resume_from=None):
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
     settings = ImageSettings(box, pixel, diameter, config.width_mask_edge_px, config.zero_mask, config.do_ctf,
                              config.random_seed)
-    n_dir = schedule.sampling_from_optimiser(schedule.initial_schedule(config)[0], config).n_directions
+    initial_optimiser, _ = schedule.initial_schedule(config)
+    n_dir = schedule.sampling_from_optimiser(initial_optimiser, config).n_directions
     if resume_from is not None:
         model, optimiser, _, rng, state = refine_loop.load_resume(
             resume_from, box, len(particles), classification=True,
@@ -106,7 +107,7 @@ def _classify(config, argv, make_engine, progress, resume_from=None):
         maps, seeded = initial_references(config, box, pixel)
         n_optics = len(particles.optics_groups)
         state = refine_loop.ParticleState.from_particles(particles, pixel)
-        optimiser, _ = schedule.initial_schedule(config)
+        optimiser = initial_optimiser
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
                            padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
                            sigma_offset_angstrom=refine_loop.INITIAL_SIGMA_OFFSET_ANGSTROM,
@@ -230,7 +231,7 @@ def _expectation(config, make_engine, progress, particles, settings, model, samp
                                   refine_loop.image_norms(config, state), state.class_index, old_angles,
                                   xp=xp, images=images)
             del images
-            stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic
+            refine_loop.add_seconds(stages, "images", tic)
             result = engine.run(batch)
             del batch  # its device arrays go before the next batch's (the arena is a stack)
             result.class_index = np.asarray(classes)[np.asarray(result.class_index)]

@@ -142,13 +142,9 @@ class ParticleSet:
 
     def read_images(self, indices, reader, out=None, check_finite=True):
         """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader` (into `out`
-        when given; `check_finite=False` leaves the NaN/Inf check to the caller, see `image_name`)."""
+        when given; `check_finite=False` leaves the NaN/Inf check to the caller, as `images.prepare_batch` does)."""
         indices = np.asarray(indices)
         return reader.read(self.stack_paths[indices], self.stack_indices[indices], out=out, check_finite=check_finite)
-
-    def image_name(self, index):
-        """RELION's `N@stack` name of particle `index` (0-based row)."""
-        return f"{self.stack_indices[index]}@{self.stack_paths[index]}"
 
     def read_ahead(self, batches, reader, xp=np):
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a

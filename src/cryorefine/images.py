@@ -18,8 +18,8 @@ import numpy as np
 from cryorefine.core import fourier
 from cryorefine.core.arrays import array_module, to_device, to_host
 from cryorefine.core.ctf import ctf_2d
-from cryorefine.errors import InputError
 from cryorefine.estep.engine import Batch
+from cryorefine.io import mrc
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,10 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
         images = particles.read_images(indices, reader, check_finite=False)
     images = to_device(images, xp).astype(xp.float64)
     finite = xp.isfinite(images).reshape(indices.size, -1).all(axis=1)
-    if not bool(finite.all()):
-        name = particles.image_name(indices[int(to_host(xp.flatnonzero(~finite))[0])])
-        raise InputError(f"{name}: image contains NaN or Inf pixels; remove the particle from the STAR file or "
-                         f"re-extract it")
+    if not bool(finite.all()):  # the reader's check names the image
+        first = int(to_host(xp.flatnonzero(~finite))[0])
+        i = indices[first]
+        mrc.require_finite(to_host(images[first:first + 1]), particles.stack_paths[i], [particles.stack_indices[i]])
     images *= xp.asarray(avg_norm_correction / norm)[:, None, None]
     if np.any(rx != 0) or np.any(ry != 0):
         images = roll_each(images, xp.asarray(rx), xp.asarray(ry), xp)

@@ -306,7 +306,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
     tic = time.perf_counter()
     old = state.copy()
     sums = []
-    stages = {}  # seconds per E-step stage: image preparation, then the engine's own
+    stages = {}  # seconds per E-step stage: set-up, read waits, image preparation, then the engine's own
     flops = {}
     for h in (0, 1):
         tic_setup = time.perf_counter()
@@ -324,7 +324,7 @@ def _expectation_maximization(config, make_engine, progress, particles, settings
                                       (old.rot_deg, old.tilt_deg, old.psi_deg), xp=image_array_module(engine),
                                       images=images)
                 del images
-                stages["images"] = stages.get("images", 0.0) + time.perf_counter() - tic_images
+                add_seconds(stages, "images", tic_images)
                 state.store(batch_indices, engine.run(batch))
                 del batch  # its device arrays go before the next batch's (the arena is a stack)
                 if progress:

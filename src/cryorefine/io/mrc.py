@@ -76,7 +76,7 @@ def read_volume(path, require_cubic=True):
             raise InputError(f"{path}: the map is {data.shape[2]}×{data.shape[1]}×{data.shape[0]} voxels, not cubic; "
                              f"resize or pad it to a cube (e.g. relion_image_handler --new_box)")
         volume = data.astype(np.float32)
-    check_images(volume, path)
+    require_finite(volume, path)
     return volume, pixel
 
 
@@ -208,7 +208,7 @@ class StackReader:
         """Images (B, y, x) float32 for parallel sequences of stack paths and 1-based indices.
 
         `out`: an array of at least B images of the right box to read into (e.g. pinned host memory); the
-        first B are returned. `check_finite=False` leaves the NaN/Inf check to the caller (`check_images`).
+        first B are returned. `check_finite=False` leaves the NaN/Inf check to the caller (`require_finite`).
         """
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
@@ -235,7 +235,7 @@ class StackReader:
                                  f"refined together")
             self._read_runs(path, stack, wanted, rows, result)
             if check_finite:
-                check_images(result[rows], path, wanted)
+                require_finite(result[rows], path, wanted)
         return result if result is not None else np.empty((0, 0, 0), np.float32)
 
     def _read_runs(self, path, stack, wanted, rows, result):
@@ -265,7 +265,7 @@ class StackReader:
         return verified
 
 
-def check_images(array, path, indices_1based=None):
+def require_finite(array, path, indices_1based=None):
     """InputError naming the first image of `array` (read from `path`) with NaN or Inf pixels, if any."""
     if np.isfinite(array).all():
         return
