@@ -7,7 +7,7 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
 1. reference  a ribosome density at 1.34 Å/px in a 360 px box from an atomic model (--model, by
               default ../shared/data/real/models/7p6z.cif.gz; `cryorefine.density`, gemmi):
               WORK/reference_360px.mrc.
-2. particles  --n particles (default 20,000) simulated from it (`cryorefine.simulate`, on the GPU in
+2. particles  --n particles (default 20,000) simulated from it (`cryorefine.jobs.simulate`, on the GPU in
               batches when there is one): uniform poses, origins within 3 px, CTFs with defocus
               0.8–3 µm, 300 kV, Cs 2.7 mm, Q0 0.1, white noise at SNR 0.05 inside the 360 Å particle
               circle. The job is given WORK/sim_N/particles_unaligned.star, without pose and origin
@@ -120,7 +120,7 @@ def simulate_particles(work, reference, args, xp):
     """WORK/sim_N/particles_unaligned.star (cached): simulated particles without their poses and origins."""
     import starfile
 
-    from cryorefine.simulate import SimulationOptions, simulate
+    from cryorefine.jobs.simulate import SimulationOptions, simulate
 
     folder = work / f"sim_{args.n}"
     stamp = folder / "settings.json"
@@ -169,24 +169,16 @@ def run_job(name, star, reference, work, args, iterations=None):
         arguments += ["--iter", str(iterations)]
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
     config = config_from_arguments(command, arguments)
-    if args.engine == "numpy":
-        from cryorefine.refine import default_engine_factory
+    from cryorefine.gpu.backend import make_backend
+    from cryorefine.jobs import classify, refine
+    from cryorefine.runners.serial import SerialRunner
 
-        factory = default_engine_factory(config)
-    else:
-        from cryorefine.estep.cuda import CudaEngines
-
-        factory = CudaEngines(args.gpu, config.free_gpu_memory_mb)
+    backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
+    runner = SerialRunner(backend, config.batch_size, config.preread_images)
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
     tic = time.perf_counter()
-    if command == "classify":
-        from cryorefine.classify import classify
-
-        reports = classify(config, argv=[command, *map(str, arguments)], make_engine=factory)
-    else:
-        from cryorefine.refine import refine
-
-        reports = refine(config, argv=[command, *map(str, arguments)], make_engine=factory)
+    job = classify if command == "classify" else refine
+    reports = job.run(config, runner, argv=[command, *map(str, arguments)])
     wall = time.perf_counter() - tic
     iterations = [{
         "iteration": r.iteration, "current_size_px": r.current_size_px, "coarse_size_px": r.coarse_size_px,
@@ -194,7 +186,7 @@ def run_job(name, star, reference, work, args, iterations=None):
         "local_searches": r.local_searches, "seconds": dict(r.seconds), "stage_seconds": dict(r.stage_seconds),
         "stage_flops": dict(r.stage_flops)} for r in reports]
     return {"command": f"cryorefine {command} " + " ".join(map(str, arguments)), "wall_seconds": wall,
-            "iterations": iterations, "arena_high_water_bytes": dict(getattr(factory, "high_water_bytes", {}))}
+            "iterations": iterations, "arena_high_water_bytes": dict(backend.high_water_bytes)}
 
 
 def summarise(job, n_particles, peak_flops):
@@ -338,7 +330,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
-        from cryorefine.estep.cuda import cupy_available
+        from cryorefine.gpu.backend import cupy_available
 
         args.engine = "cuda" if cupy_available() else "numpy"
     tiny = args.engine == "numpy"

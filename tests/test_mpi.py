@@ -107,7 +107,7 @@ def test_two_ranks_are_refused(data):
 
 
 def test_mpi_is_recognised_from_the_launchers_environment(monkeypatch):
-    from cryorefine.parallel import half_of_rank, launched_with_mpi
+    from cryorefine.runners.mpi import half_of_rank, launched_with_mpi
 
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
@@ -119,3 +119,71 @@ def test_mpi_is_recognised_from_the_launchers_environment(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "5")
     assert launched_with_mpi()
     assert [half_of_rank(r) for r in (1, 2, 3, 4)] == [0, 1, 0, 1]  # odd ranks half 1, even ranks half 2
+
+
+# ---------------------------------------------------------------------------------------------- classify
+def run_classify(ranks, folder, out, *extra, env=None, timeout=600):
+    from test_classify import CLASSIFY_ARGS
+
+    command = [sys.executable, "-m", "cryorefine", "classify", "--i", str(folder / "mix.star"),
+               "--ref", str(folder / "avg.mrc"), "--o", str(folder / out / "run"), *map(str, CLASSIFY_ARGS), *extra]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    environment = dict(os.environ, **(env or {}))
+    environment.pop("PMI_SIZE", None)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    from test_classify import make_mixture
+
+    folder = tmp_path_factory.mktemp("mpi_classify")
+    make_mixture(folder, 30)
+    return folder
+
+
+def test_classify_under_mpi_writes_the_single_process_class_maps(mixture):
+    """K = 2, 2 iterations (the seeding iteration, then both classes): 2, 3 and 5 ranks give the class maps of
+    one process byte for byte (2 ranks: one worker serves both seed units in turn), every iteration is run (and logged) once, and only the master writes files."""
+    results = {ranks: run_classify(ranks, mixture, f"n{ranks}", "--iter", "2") for ranks in (1, 2, 3, 5)}
+    for ranks, result in results.items():
+        assert result.returncode == 0, (ranks, result.stderr[-2000:])
+        for it in (1, 2):
+            assert result.stderr.count(f"iteration {it}:") == 1, (ranks, result.stderr[-2000:])
+    single = sorted(p.name for p in (mixture / "n1").iterdir())
+    for ranks in (2, 3, 5):
+        assert sorted(p.name for p in (mixture / f"n{ranks}").iterdir()) == single
+        for it in (1, 2):
+            for k in (1, 2):
+                name = f"run_it{it:03d}_class{k:03d}.mrc"
+                assert (mixture / f"n{ranks}" / name).read_bytes() == (mixture / "n1" / name).read_bytes(), \
+                    (ranks, name)
+        import starfile
+
+        got = starfile.read(mixture / f"n{ranks}" / "run_it002_data.star")["particles"]
+        want = starfile.read(mixture / "n1" / "run_it002_data.star")["particles"]
+        np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
+
+
+def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture):
+    result = run_classify(3, mixture, "fail", "--iter", "3", env={"CRYOREFINE_FAULT": "2:2"}, timeout=300)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("cryorefine: error:")]
+    assert len(lines) == 1 and "rank 2 on " in lines[0] and "injected fault at iteration 2" in lines[0], \
+        result.stderr[-2000:]
+    assert (mixture / "fail" / "run_it001_optimiser.star").is_file()
+    assert not (mixture / "fail" / "run_it002_optimiser.star").exists()
+
+
+def test_work_units_are_shared_out_over_the_workers():
+    from cryorefine.runners.mpi import holder_of_unit, units_of_worker
+
+    assert [units_of_worker(w, 4, 2) for w in range(4)] == [[0], [1], [0], [1]]  # refine: halves alternate
+    assert [units_of_worker(w, 3, 1) for w in range(3)] == [[0], [0], [0]]  # classify: every worker, one unit
+    assert [units_of_worker(w, 2, 5) for w in range(2)] == [[0, 2, 4], [1, 3]]  # seeds of 5 classes on 2 workers
+    for n_workers, n_units in ((4, 2), (3, 1), (2, 5), (1, 3)):
+        served = [u for w in range(n_workers) for u in units_of_worker(w, n_workers, n_units)]
+        assert sorted(set(served)) == list(range(n_units))  # every unit served
+        for u in range(n_units):
+            assert u in units_of_worker(holder_of_unit(u, n_workers), n_workers, n_units)

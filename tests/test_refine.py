@@ -156,7 +156,7 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co."""
     from dataclasses import replace
 
-    from cryorefine import schedule
+    from cryorefine.em import schedule
 
     original = schedule.check_convergence
 

@@ -1,8 +1,6 @@
 """model.star, optimiser.star and sampling.star as RELION writes them, and the --continue round trip."""
 
-import dataclasses
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +10,9 @@ import starfile
 
 from cryorefine.config import RefineConfig
 from cryorefine.core.sampling import Sampling
-from cryorefine.errors import InputError
 from cryorefine.io import relion_outputs as ro
 from cryorefine.io.star import read_star, write_star
-from cryorefine.state import ModelState, OptimiserState
+from cryorefine.em.state import ModelState, OptimiserState
 
 # Labels RELION 3.0 wrote that RELION 3.1+ renamed (we write the new ones).
 RENAMED_30_TO_31 = {
@@ -113,7 +110,7 @@ def make_config(auto_refine=True, **kw):
                         particle_diameter_angstrom=200.0, auto_refine=auto_refine, tau2_fudge=4.0, **kw)
 
 
-def write_iteration(folder, model, optimiser, config, sampling=None, halves=True, extras=None):
+def write_iteration(folder, model, optimiser, config, sampling=None, halves=True):
     """Write one iteration's STAR files as the refinement loop does; returns the optimiser.star path."""
     root = f"{folder}/run"
     it = optimiser.iteration
@@ -134,8 +131,6 @@ def write_iteration(folder, model, optimiser, config, sampling=None, halves=True
     path = Path(f"{root}_it{it:03d}_optimiser.star")
     ro.write_optimiser_star(path, ro.optimiser_star_blocks(optimiser, model, config, root, it),
                             ["--o", root, "--i", "particles.star", "--healpix_order", "2"])
-    if extras is not None:
-        ro.write_resume_extras(ro.resume_extras_path(path), extras, model=model, optimiser=optimiser)
     return path
 
 
@@ -347,131 +342,6 @@ def test_written_files_read_back_with_starfile_and_read_star(tmp_path):
     assert len(sampling["sampling_directions"]) == 12 * 4 ** optimiser.healpix_order
 
 
-def _assert_model_equal(got, want, rows=(0, 1)):
-    for f in dataclasses.fields(ModelState):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if f.name == "maps":
-            assert a == []
-        elif f.name in ("tau2", "ssnr", "reference_sigma2"):
-            for r in rows:
-                np.testing.assert_array_equal(a[r], b[r], err_msg=f.name)
-        elif isinstance(b, np.ndarray):
-            np.testing.assert_array_equal(a, b, err_msg=f.name)
-        else:
-            assert a == b and type(a) is type(b), (f.name, a, b)
-
-
-def _assert_optimiser_equal(got, want, inexact=()):
-    for f in dataclasses.fields(OptimiserState):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if f.name in inexact:  # held in Å in sampling.star: px back within a few ulp
-            assert a == pytest.approx(b, rel=1e-15), f.name
-        else:
-            assert a == b and type(a) is type(b), (f.name, a, b)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_continue_round_trip_from_star_files(tmp_path, seed, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=seed, local=bool(seed % 2))
-    path = write_iteration("job", model, optimiser, make_config())
-    got_model, got_optimiser = ro.state_from_star_files(path)
-    _assert_optimiser_equal(got_optimiser, optimiser, inexact=("offset_range_px", "offset_step_px"))
-    # class_distribution is not held by RELION's files
-    _assert_model_equal(got_model, dataclasses.replace(model, class_distribution=None))
-
-
-@pytest.mark.parametrize("seed", [3, 4])
-def test_continue_round_trip_exact_with_side_file(tmp_path, seed, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=seed)
-    optimiser.smallest_changes_classes = 12.5  # not an integer: RELION's integer label cannot hold it
-    rng = np.random.default_rng(seed)
-    extras = {"perturbation_rng": rng.random(3), "config": make_config().to_json()}
-    extras["rng"] = rng.bit_generator.state
-    path = write_iteration("job", model, optimiser, make_config(), extras=extras)
-    assert ro.resume_extras_path(path).name == f"run_it{optimiser.iteration:03d}_optimiser_extra.json"
-    got_model, got_optimiser = ro.state_from_star_files(path)
-    _assert_optimiser_equal(got_optimiser, optimiser)
-    _assert_model_equal(got_model, model)
-    back = ro.read_resume_extras(ro.resume_extras_path(path))
-    np.testing.assert_array_equal(back["perturbation_rng"], extras["perturbation_rng"])
-    assert back["perturbation_rng"].dtype == np.float64
-    assert RefineConfig.from_json(back["config"]) == make_config()
-    again = np.random.default_rng()
-    again.bit_generator.state = back["rng"]
-    assert again.random() == rng.random()
-
-
-def test_continue_after_halves_joined_and_for_classification(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=5)
-    optimiser.do_join_halves = True
-    path = write_iteration("joined", model, optimiser, make_config())
-    assert ro.read_optimiser_star(path)[1]["rlnModelStarFile2"] == ""
-    got_model, got_optimiser = ro.state_from_star_files(path)
-    _assert_optimiser_equal(got_optimiser, optimiser, inexact=("offset_range_px", "offset_step_px"))
-    _assert_model_equal(got_model, dataclasses.replace(model, class_distribution=None), rows=(0,))
-    np.testing.assert_array_equal(got_model.tau2[1], model.tau2[0])  # one model file fills both rows
-
-    model, optimiser = make_states(seed=6, n_classes=3)
-    config = make_config(auto_refine=False)
-    path = write_iteration("class3d", model, optimiser, config, halves=False)
-    general = ro.read_optimiser_star(path)[1]
-    assert "rlnModelStarFile2" not in general and general["rlnDoSplitRandomHalves"] == 0
-    assert general["rlnJoinHalvesUntilThisResolution"] == -1
-    got_model, got_optimiser = ro.state_from_star_files(path)
-    assert got_optimiser.do_join_halves is False
-    _assert_model_equal(got_model, dataclasses.replace(model, class_distribution=None), rows=(0,))
-
-
-def test_continue_finds_files_beside_the_optimiser_star(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=7)
-    path = write_iteration("job", model, optimiser, make_config())
-    moved = tmp_path / "elsewhere"
-    shutil.copytree(tmp_path / "job", moved)
-    shutil.rmtree(tmp_path / "job")
-    _, got = ro.state_from_star_files(moved / path.name)
-    assert got.iteration == optimiser.iteration
-    (moved / f"run_it{optimiser.iteration:03d}_half2_model.star").unlink()
-    with pytest.raises(InputError, match="rlnModelStarFile2"):
-        ro.state_from_star_files(moved / path.name)
-
-
-def test_stale_side_file_is_refused(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=8)
-    path = write_iteration("job", model, optimiser, make_config())
-    stale = dataclasses.replace(optimiser, nr_iter_wo_resol_gain=optimiser.nr_iter_wo_resol_gain + 1)
-    ro.write_resume_extras(ro.resume_extras_path(path), {}, optimiser=stale)
-    with pytest.raises(InputError, match="nr_iter_wo_resol_gain"):
-        ro.state_from_star_files(path)
-
-
-def test_reads_relions_own_30_files(real_data, tmp_path, monkeypatch):
-    """RELION 3.0's tutorial output, under the names its optimiser.star gives them."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "test_output").mkdir()
-    for kind in ("optimiser", "model", "sampling", "data"):
-        shutil.copy(_outputs(real_data) / f"ref_it002_{kind}.star", tmp_path / f"test_output/out_it002_{kind}.star")
-    model, optimiser = ro.state_from_star_files("test_output/out_it002_optimiser.star")
-    assert optimiser.iteration == 2 and optimiser.healpix_order == 2
-    assert optimiser.offset_range_px == 5.0 and optimiser.offset_step_px == 2.0  # pixels in 3.0
-    assert optimiser.perturbation == pytest.approx(0.154692)
-    assert optimiser.acc_trans_angstrom == pytest.approx(6.433333 * 3.540002)
-    assert optimiser.best_resolution_so_far_inv_angstrom == pytest.approx(0.019774)
-    assert not optimiser.local_searches and not optimiser.do_join_halves
-    assert model.ori_size_px == 100 and model.pixel_size_angstrom == pytest.approx(3.540002)
-    assert model.current_resolution_angstrom == pytest.approx(70.80004)
-    assert model.sigma_offset_angstrom == pytest.approx(2.022183 * 3.540002)
-    assert model.accuracy_translations_angstrom == pytest.approx(6.433333 * 3.540002)
-    assert model.coarse_size_px == 30
-    assert model.tau2[0, 0, 1] == pytest.approx(0.030464) and model.ssnr[1, 0, 0] == pytest.approx(10.045096)
-    assert model.sigma2_noise.shape == (1, 51) and model.sigma2_noise[0, 1] == pytest.approx(1.898852e-04)
-    np.testing.assert_allclose(model.scale_correction, [1.0])
-
-
 # ------------------------------------------------------------------------------- atomic writes
 
 def test_failed_writes_leave_nothing(tmp_path, monkeypatch):
@@ -494,17 +364,3 @@ def test_failed_writes_leave_nothing(tmp_path, monkeypatch):
         ro.write_optimiser_star(target, blocks, ["--o", "other"])
     assert target.read_text() == before and os.listdir(tmp_path) == [target.name]
 
-    extras = tmp_path / "extra.json"
-    with pytest.raises(TypeError, match="object"):
-        ro.write_resume_extras(extras, {"a": 1.0, "z": object()})
-    assert not extras.exists() and os.listdir(tmp_path) == [target.name]
-
-
-def test_continue_round_trip_one_class_one_group_without_noise(tmp_path, monkeypatch):
-    """Single-row loops and an empty noise table (no shell with noise power yet) read back."""
-    monkeypatch.chdir(tmp_path)
-    model, optimiser = make_states(seed=9, n_classes=1, n_groups=1)
-    model.sigma2_noise[:] = 0.0
-    path = write_iteration("job", model, optimiser, make_config())
-    got_model, _ = ro.state_from_star_files(path)
-    _assert_model_equal(got_model, dataclasses.replace(model, class_distribution=None))

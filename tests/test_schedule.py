@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from cryorefine import schedule as sch
+from cryorefine.em import schedule as sch
 from cryorefine.config import RefineConfig
 from cryorefine.core.symmetry import symmetry_group
-from cryorefine.state import ModelState, OptimiserState
+from cryorefine.em.state import ModelState, OptimiserState
 
 BOX = 64
 PIXEL = 6.0  # Å; the box is 64·6 = 384 Å

@@ -34,7 +34,7 @@ def info(file, as_json, check_images):
     For particles: count, optics groups (pixel size, box, voltage, Cs, Q0), stacks and whether
     they exist, defocus range, pose columns. For MRC: shape, pixel size, min/max/mean/rms.
     """
-    from cryorefine.info import describe, format_text
+    from cryorefine.jobs.info import describe, format_text
 
     result = describe(file, check_images)
     click.echo(json.dumps(result, indent=2) if as_json else format_text(result))
@@ -75,8 +75,8 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
 
     The STAR file's pose, origin and CTF columns are the ground truth, in RELION's conventions.
     """
-    from cryorefine.simulate import SimulationOptions, parse_defocus_range_um
-    from cryorefine.simulate import simulate as run_simulation
+    from cryorefine.jobs.simulate import SimulationOptions, parse_defocus_range_um
+    from cryorefine.jobs.simulate import simulate as run_simulation
 
     options = SimulationOptions(
         n_particles=n_particles, snr=snr, defocus_range_um=parse_defocus_range_um(defocus),
@@ -113,8 +113,8 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
 @click.option("--batch", default=256, show_default=True, type=int, help="Images read per batch.")
 def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
     """Reconstruct a map from particles at the poses in their STAR file (relion_reconstruct)."""
-    from cryorefine.reconstruct import ReconstructOptions
-    from cryorefine.reconstruct import reconstruct as run_reconstruction
+    from cryorefine.jobs.reconstruct import ReconstructOptions
+    from cryorefine.jobs.reconstruct import reconstruct as run_reconstruction
 
     options = ReconstructOptions(do_ctf=ctf, symmetry=sym, maxres_angstrom=maxres, half_maps=half_maps,
                                  pixel_size_angstrom=angpix, padding_factor=pad, batch_size=batch)
@@ -188,20 +188,20 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
-    from cryorefine.refine import refine as run_refine
+    from cryorefine import runners
+    from cryorefine.jobs import refine as job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
         config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
-        reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
-        _report_end(reports, config.output_root)
-        return
-    for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
-        if not value:
-            raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
-    config = _refine_config(**locals())
-    reports = run_refine(config, argv=sys.argv[1:], progress=_progress_bar())
-    _report_end(reports, out)
+    else:
+        for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
+            if not value:
+                raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
+        config = _refine_config(**locals())
+    runner = runners.for_config(config, job.RefineJob.min_mpi_ranks)
+    reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
+    _report_end(reports, config.output_root)
 
 
 def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
@@ -211,9 +211,10 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     import logging
     from dataclasses import replace
 
-    from cryorefine.refine import load_resume_config
+    from cryorefine.config import RefineConfig
+    from cryorefine.io import resume
 
-    config = load_resume_config(continue_from)
+    config = RefineConfig.from_json(json.dumps(resume.load_config_values(continue_from)))
     ctx = click.get_current_context()
     from_command_line = [p.opts[0] for p in ctx.command.params
                          if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
@@ -225,7 +226,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     if "--gpu" in from_command_line or "--cpu" in from_command_line:
         engine = engine_options(gpu, force_cpu, free_gpu_memory)
     else:  # the run's own engine, where it can run
-        from cryorefine.estep.cuda import cupy_available
+        from cryorefine.gpu.backend import cupy_available
 
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
                   "free_gpu_memory_mb": free_gpu_memory}
@@ -240,13 +241,15 @@ def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging
 
-    from cryorefine.classify import classify as run_classify
+    from cryorefine import runners
+    from cryorefine.jobs import classify as job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
         config = _continued_config(continue_from, options["out"], options["max_iterations"], options["gpu"],
                                    options["force_cpu"], options["free_gpu_memory"])
-        reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
+        runner = runners.for_config(config, job.ClassifyJob.min_mpi_ranks)
+        reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
         _report_classes(reports, config.output_root)
         return
     ctx = click.get_current_context()
@@ -264,11 +267,14 @@ def classify(n_classes, continue_from, **options):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
     config = _classify_config(n_classes, options)
-    reports = run_classify(config, argv=sys.argv[1:], progress=_progress_bar())
+    runner = runners.for_config(config, job.ClassifyJob.min_mpi_ranks)
+    reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar())
     _report_classes(reports, options["out"])
 
 
 def _report_classes(reports, out):
+    if reports is None:  # an MPI worker: the master reports
+        return
     last = reports[-1] if reports else None
     if last:
         click.echo(f"{len(reports)} iterations; resolution {last.resolution_angstrom:.2f} Å; maps: "
@@ -286,7 +292,7 @@ def plan(gpu_memory, gpu_tflops, as_json, **options):
     """Predict GPU memory per scope, batch sizes and E-step time of a refine run, without running it."""
     from dataclasses import asdict
 
-    from cryorefine.plan import GpuSpec, format_plan, plan_run
+    from cryorefine.jobs.plan import GpuSpec, format_plan, plan_run
 
     if not options["star"]:
         raise click.UsageError("Missing option '--i'.")
@@ -357,7 +363,7 @@ def parse_gpu_ids(text):
 
 def engine_options(gpu, force_cpu, free_gpu_memory):
     """The engine fields of RefineConfig from --gpu/--cpu/--free_gpu_memory."""
-    from cryorefine.estep.cuda import cupy_available
+    from cryorefine.gpu.backend import cupy_available
 
     if gpu is not None and force_cpu:
         raise click.UsageError("--gpu and --cpu exclude each other; give one")
@@ -434,7 +440,7 @@ def _command(exc):
 def _fail(message, code, debug):
     if debug:
         raise
-    from cryorefine.parallel import launched_with_mpi, rank_from_environment
+    from cryorefine.runners.mpi import launched_with_mpi, rank_from_environment
 
     if not (launched_with_mpi() and rank_from_environment() > 0):  # under mpirun every rank sees it: say it once
         click.echo(f"cryorefine: error: {' '.join(str(message).split())}", err=True)

@@ -7,7 +7,7 @@ from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,8 @@ class ParticleSet:
     norm_correction: np.ndarray
     random_subset: np.ndarray  # 0 where the file has none
     class_number: np.ndarray
+    preread: object = field(default=None, init=False, repr=False)  # mrc.PrereadImages once read
+    preread_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), init=False, repr=False)
 
     def __len__(self):
         return int(self.optics_index.size)
@@ -103,6 +105,11 @@ class ParticleSet:
                              f"rescale the particles to one pixel size before refining them together")
         return boxes.pop(), float(self.optics_groups[0].pixel_size_angstrom)
 
+    def optics_names_and_counts(self):
+        """The optics groups' names and their numbers of particles, in group order."""
+        names = [g.name for g in self.optics_groups]
+        return names, [int((self.optics_index == i).sum()) for i in range(len(names))]
+
     def require_ctf(self):
         missing = [] if "rlnDefocusU" in self.star.particles.columns else ["rlnDefocusU"]
         for group in self.optics_groups:
@@ -133,12 +140,16 @@ class ParticleSet:
 
     def image_reader(self, preread_indices=None):
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
-        were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls."""
-        if preread_indices is not None and getattr(self, "_preread", None) is None:
-            idx = np.asarray(preread_indices)
-            self._preread = mrc.PrereadImages(self.stack_paths[idx], self.stack_indices[idx])
-        preread = getattr(self, "_preread", None)
-        return preread if preread is not None else mrc.StackReader()
+        were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls
+        (read again, for all particles asked for so far, when a call asks for particles it lacks)."""
+        if preread_indices is not None:
+            wanted = np.unique(np.asarray(preread_indices, dtype=np.int64))
+            if not np.isin(wanted, self.preread_indices).all():
+                held = np.union1d(self.preread_indices, wanted)
+                self.preread = None  # let the old copy go before the new one is read
+                self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held])
+                self.preread_indices = held
+        return self.preread if self.preread is not None else mrc.StackReader()
 
     def read_images(self, indices, reader, out=None, check_finite=True):
         """float32 images (B, box, box) of the given particles, read through a `mrc.StackReader` (into `out`
@@ -150,34 +161,43 @@ class ParticleSet:
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a
         thread while the caller works on the current one (reading overlaps the GPU's work).
 
-        Images come into two host buffers used in turn (pinned memory when `xp` is CuPy: uploads at the
-        bus's speed), so a batch's images are valid until the caller asks for the next batch. They are
-        not checked for NaN/Inf here: `images.prepare_batch` checks them where they are prepared.
+        `batches` is consumed one batch ahead, in the caller's thread (an MPI worker's batches come
+        from the master on request). Images come into two host buffers used in turn (pinned memory
+        when `xp` is CuPy: uploads at the bus's speed), so a batch's images are valid until the caller
+        asks for the next batch. They are not checked for NaN/Inf here: `images.prepare_batch` checks
+        them where they are prepared.
         """
         from concurrent.futures import ThreadPoolExecutor
 
         from cryorefine.core.arrays import host_buffer
 
-        batches = list(batches)
-        if not batches:
+        buffers = [None, None]
+
+        def read(i, indices):
+            buffer = buffers[i % 2]
+            if buffer is None or buffer.shape[0] < indices.size:
+                return self.read_images(indices, reader, check_finite=False)
+            return self.read_images(indices, reader, out=buffer, check_finite=False)
+
+        source = iter(batches)
+        current = next(source, None)
+        if current is None:
             return
-        buffers = []
-
-        def read(i):
-            if i == 0:  # the first batch tells the box
-                return self.read_images(batches[0], reader, check_finite=False)
-            return self.read_images(batches[i], reader, out=buffers[i % 2], check_finite=False)
-
         with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
-            pending = pool.submit(read, 0)
-            for i, indices in enumerate(batches):
+            pending = pool.submit(read, 0, current)
+            i = 0
+            while current is not None:
                 images = pending.result()
-                if i == 0 and len(batches) > 1:
-                    shape = (max(b.size for b in batches),) + images.shape[1:]
-                    buffers.extend(host_buffer(shape, np.float32, xp) for _ in range(2))
-                if i + 1 < len(batches):
-                    pending = pool.submit(read, i + 1)
-                yield indices, images
+                following = next(source, None)
+                if following is not None:
+                    slot = (i + 1) % 2
+                    if buffers[slot] is None or buffers[slot].shape[0] < following.size:
+                        size = max(following.size, current.size)
+                        buffers[slot] = host_buffer((size,) + images.shape[1:], np.float32, xp)
+                    pending = pool.submit(read, i + 1, following)
+                yield current, images
+                current = following
+                i += 1
 
 
 def load_particles(star_path, check_stacks=True):

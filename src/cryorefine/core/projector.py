@@ -30,94 +30,13 @@ complex arrays follow as complex64 or complex128). Nothing here imports cupy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
 from cryorefine.core import fourier
-
-
-def relion_round(value):
-    """RELION's ROUND: floor(x + 0.5) as a Python int (Python's round is banker's rounding)."""
-    return int(np.floor(float(value) + 0.5))
-
-
-def padded_size_px(size_px, padding_factor):
-    """Size of the padded real-space box: round(padding_factor·N), made even (RELION)."""
-    padded = relion_round(padding_factor * size_px)
-    return padded + padded % 2
-
-
-def complex_dtype_for(real_dtype):
-    """complex64 for float32, complex128 for float64."""
-    return np.result_type(np.dtype(real_dtype), np.complex64)
-
-
-@dataclass(frozen=True)
-class PaddedGrid:
-    """Geometry of a padded Fourier volume in RELION's compact layout.
-
-    size_px:        N, the box size of the (unpadded) map in pixels.
-    padded_size_px: Np = round(pf·N) made even; the padding factor in use is Np / N.
-    r_max_px:       largest frequency kept, in Fourier pixels of the unpadded map (≤ N/2).
-    """
-
-    size_px: int
-    padded_size_px: int
-    r_max_px: int
-
-    @classmethod
-    def create(cls, size_px, padding_factor=2.0, r_max_px=None):
-        size_px = int(size_px)
-        r_max = size_px // 2 if r_max_px is None else int(r_max_px)
-        r_max = max(1, min(r_max, size_px // 2))
-        return cls(size_px, padded_size_px(size_px, padding_factor), r_max)
-
-    @property
-    def padding_factor(self):
-        return self.padded_size_px / self.size_px
-
-    @property
-    def r_max_padded(self):
-        """R = round(r_max · pf): the radius of the stored sphere in padded Fourier pixels."""
-        return relion_round(self.r_max_px * self.padding_factor)
-
-    @property
-    def origin(self):
-        """Index of frequency 0 along the z and y axes of the compact arrays (R + 1)."""
-        return self.r_max_padded + 1
-
-    @property
-    def shape(self):
-        """(2R+3, 2R+3, R+2): RELION's pad_size = 2·(R+1)+1 on the z and y axes."""
-        d = 2 * self.r_max_padded + 3
-        return (d, d, self.r_max_padded + 2)
-
-    def frequencies(self, xp=np):
-        """Padded integer frequencies (z, y, x), each broadcastable to `shape`, as float64."""
-        d, _, w = self.shape
-        k = xp.arange(d, dtype=xp.float64) - self.origin
-        kx = xp.arange(w, dtype=xp.float64)
-        return k[:, None, None], k[None, :, None], kx[None, None, :]
-
-    def radius2(self, xp=np):
-        """|k|² in padded Fourier pixels for every compact element (float64)."""
-        kz, ky, kx = self.frequencies(xp)
-        return kz * kz + ky * ky + kx * kx
-
-
-def trilinear_gridding_kernel(size_px, padded_size_px, xp=np):
-    """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64.
-
-    Trilinear interpolation in the padded Fourier grid multiplies the map by (approximately)
-    this function; RELION divides by it before the transform of a projector and after the
-    inverse transform of a reconstruction (Projector::griddingCorrect).
-    """
-    c = size_px // 2
-    z, y, x = xp.meshgrid(*(xp.arange(size_px, dtype=xp.float64) - c,) * 3, indexing="ij")
-    t = xp.sqrt(x * x + y * y + z * z) / float(padded_size_px)
-    return xp.sinc(t) ** 2
+from cryorefine.core import reconstruct
+from cryorefine.core.grid import PaddedGrid, complex_dtype_for, trilinear_gridding_kernel
 
 
 @lru_cache(maxsize=64)
@@ -418,8 +337,6 @@ class BackProjector:
         Splats that fell on the x = 0 plane are added to their Friedel mates (−z, −y, 0);
         the sums themselves are left unchanged.
         """
-        from cryorefine.core import reconstruct
-
         return reconstruct.enforce_hermitian_symmetry(self.data, self.weight, self.xp)
 
     def downsampled_average(self, divide=True):
@@ -429,14 +346,10 @@ class BackProjector:
         data is divided by the binned weight (else by the count). Frequencies beyond r_max are
         zero. Use for the FSC between half sets (`fsc.fourier_shell_correlation`).
         """
-        from cryorefine.core import reconstruct
-
         return reconstruct.downsampled_average(self.data, self.weight, self.grid, divide, self.xp)
 
     def noise_sigma2(self):
         """Per-shell noise power of the reconstruction (N//2+1,), RELION's sigma2 (see reconstruct)."""
-        from cryorefine.core import reconstruct
-
         return reconstruct.reconstruction_noise_sigma2(self.weight, self.grid, self.xp)
 
     def reconstruct(self, tau2=None, tau2_fudge=1.0, minres_map_px=0, enforce_hermitian=True,
@@ -449,8 +362,6 @@ class BackProjector:
         slices that are projections (normalised as `Projector.project`) of a map over
         many uniformly distributed poses, the result is that map.
         """
-        from cryorefine.core import reconstruct
-
         data, weight = self.data, self.weight
         if enforce_hermitian:
             data, weight = reconstruct.enforce_hermitian_symmetry(data, weight, self.xp)

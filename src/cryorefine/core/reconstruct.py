@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from cryorefine.core import fourier
-from cryorefine.core.projector import PaddedGrid, relion_round, trilinear_gridding_kernel
+from cryorefine.core.grid import PaddedGrid, relion_round, trilinear_gridding_kernel
 
 __all__ = [
     "enforce_hermitian_symmetry",

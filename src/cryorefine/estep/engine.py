@@ -15,7 +15,8 @@ and without k = 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -82,20 +83,151 @@ class BatchResult:
     norm_correction: np.ndarray  # new rlnNormCorrection
 
 
+def _per_class(default=None, factory=None):
+    """A WeightedSums field indexed by class first (a list per class, or an array with a class axis 0)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"per_class": True})
+    return field(default=default, metadata={"per_class": True})
+
+
 @dataclass
 class WeightedSums:
-    """Sums over the particles of one half set, reduced over workers before the M-step."""
+    """Sums over the particles of one work unit (a half set, or a set of classes), reduced over workers
+    before the M-step.
 
-    data: list  # per class: complex padded Fourier data (BackProjector.data)
-    weight: list  # per class: real padded weights
-    sigma2_noise: np.ndarray  # (n_optics, n_shells) Σ w |X − CTF·P|² per shell
-    sumw_group: np.ndarray  # (n_optics,) Σ w (number of particles, weights sum to 1 each)
+    Every field is handled by `pack`/`unpack`, `spread_to_classes` and `total` through
+    `dataclasses.fields`, so a new field travels through MPI and class merges without more code:
+    a list (one volume per class) or an array travels as float64, a number as one element of the
+    scalars vector. Fields marked per class have the class as their first index.
+    """
+
+    data: list = _per_class(factory=list)  # per class: complex padded Fourier data (BackProjector.data)
+    weight: list = _per_class(factory=list)  # per class: real padded weights
+    sigma2_noise: np.ndarray | None = None  # (n_optics, n_shells) Σ w |X − CTF·P|² per shell
+    sumw_group: np.ndarray | None = None  # (n_optics,) Σ w (number of particles, weights sum to 1 each)
     sigma2_offset_angstrom2: float = 0.0  # Σ w |offset − prior|² in Å²
-    pdf_class: np.ndarray = field(default_factory=lambda: np.zeros(1))  # (K,)
-    pdf_direction: np.ndarray | None = None  # (K, n_directions)
+    pdf_class: np.ndarray = _per_class(factory=lambda: np.zeros(1))  # (K,)
+    pdf_direction: np.ndarray | None = _per_class()  # (K, n_directions)
     norm_correction: float = 0.0  # Σ new norm corrections
     scale_xa: np.ndarray | None = None  # (n_optics,)
     scale_aa: np.ndarray | None = None  # (n_optics,)
     log_likelihood: float = 0.0
     sum_pmax: float = 0.0
     n_particles: int = 0
+
+    @classmethod
+    def zeros(cls, volume_shape, n_classes, n_optics, n_shells, n_directions, xp=np, data=None, weight=None):
+        """Empty sums of `n_classes` classes; the volumes (complex128 data, float64 weights of
+        `volume_shape`) are made with `xp` unless an engine gives its own (lists of K arrays)."""
+        return cls(data=data if data is not None else [xp.zeros(volume_shape, xp.complex128) for _ in range(n_classes)],
+                   weight=weight if weight is not None else [xp.zeros(volume_shape, xp.float64)
+                                                             for _ in range(n_classes)],
+                   sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
+                   pdf_class=np.zeros(n_classes), pdf_direction=np.zeros((n_classes, n_directions)),
+                   scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
+
+    @property
+    def n_classes(self):
+        return len(self.data)
+
+    def pack(self):
+        """The sums as a list of flat float64 host arrays (complex volumes viewed as float64 pairs), every
+        array field in field order and, last, one vector of the number fields."""
+        from cryorefine.core.arrays import to_host
+
+        def flat(a):
+            a = to_host(a)
+            if np.iscomplexobj(a):
+                a = np.ascontiguousarray(a, dtype=np.complex128).view(np.float64)
+            return np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+
+        arrays, scalars = [], []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                arrays.extend(flat(v) for v in value)
+            elif value is None:
+                arrays.append(np.zeros(0))
+            elif np.ndim(value) == 0:
+                scalars.append(float(value))
+            else:
+                arrays.append(flat(value))
+        return arrays + [np.asarray(scalars, dtype=np.float64)]
+
+    def unpack(self, arrays):
+        """New host sums shaped like these (the template) from `pack`'s list of arrays."""
+        arrays = list(arrays)
+        scalars = iter(arrays.pop().tolist())
+        arrays = iter(arrays)
+
+        def shaped(template, flat):
+            if np.iscomplexobj(template):
+                return np.asarray(flat, dtype=np.float64).view(np.complex128).reshape(template.shape)
+            return np.asarray(flat, dtype=np.float64).reshape(np.shape(template))
+
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                values[f.name] = [shaped(v, next(arrays)) for v in value]
+            elif value is None:
+                next(arrays)
+                values[f.name] = None
+            elif np.ndim(value) == 0:
+                values[f.name] = type(value)(round(next(scalars)) if isinstance(value, int) else next(scalars))
+            else:
+                values[f.name] = shaped(value, next(arrays))
+        return WeightedSums(**values)
+
+    def spread_to_classes(self, classes, n_classes):
+        """These sums of the classes `classes` (their numbers, in this order) as sums of all `n_classes`:
+        zeros for the others. The volumes stay where they are (host or device)."""
+        from cryorefine.core.arrays import array_module, to_host
+
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata.get("per_class") or value is None:
+                values[f.name] = value
+            elif isinstance(value, list):
+                xp = array_module(value[0])
+                given = {int(k): v for k, v in zip(classes, value)}
+                values[f.name] = [given[k] if k in given else xp.zeros_like(value[0]) for k in range(n_classes)]
+            else:
+                value = to_host(value)
+                out = np.zeros((n_classes,) + value.shape[1:], dtype=value.dtype)
+                out[np.asarray(classes)] = value
+                values[f.name] = out
+        return WeightedSums(**values)
+
+    @staticmethod
+    def total(parts):
+        """Field-wise sum of WeightedSums of the same shapes."""
+        first = parts[0]
+        values = {}
+        for f in fields(first):
+            items = [getattr(p, f.name) for p in parts]
+            if items[0] is None:
+                values[f.name] = None
+            elif isinstance(items[0], list):
+                values[f.name] = [sum(column[1:], column[0]) for column in zip(*items)]
+            else:
+                values[f.name] = sum(items[1:], items[0])
+        return WeightedSums(**values)
+
+
+class Engine(Protocol):
+    """What the E-step's batch loop (`em.estep`) asks of an engine, for one work unit of one iteration."""
+
+    array_module: Any  # numpy or cupy: the module batches are prepared with (images.prepare_batch)
+    stage_seconds: dict  # seconds per stage of the engine's own work, summed over its batches
+    stage_flops: dict  # useful floating-point operations per stage (may be empty)
+
+    def setup(self, setup: IterationSetup) -> None:
+        """References, noise model, sampling and priors of the iteration; sums start at zero."""
+
+    def run(self, batch: Batch) -> BatchResult:
+        """The E-step of one batch: per-particle results; the weighted sums are accumulated."""
+
+    def sums(self) -> WeightedSums:
+        """The sums accumulated over every batch since `setup`."""

@@ -101,7 +101,9 @@ class NumpyEngine:
         self.complex = np.result_type(self.real, np.complex64)
         self.setup_ = None
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
+        self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
+        self.stage_flops = {}  # not counted on the host
 
     # ------------------------------------------------------------------ iteration set-up
     def setup(self, setup: IterationSetup):

@@ -1,4 +1,4 @@
-"""RELION's per-iteration STAR outputs: model.star, optimiser.star, sampling.star, and --continue.
+"""RELION's per-iteration STAR outputs: model.star, optimiser.star, sampling.star, data.star's table.
 
 Writers return {block name: dict (single values) or DataFrame (loop)} for `io.star.write_star`,
 with RELION 4/5 labels in RELION's order (src/ml_model.cpp MlModel::write, src/ml_optimiser.cpp
@@ -11,10 +11,10 @@ MlOptimiser::write, src/healpix_sampling.cpp HealpixSampling::write):
   line as a comment at the top as RELION writes it.
 - `sampling_star_blocks`: run_itNNN_sampling.star (sampling_general, sampling_directions).
 
-Readers for --continue: `read_optimiser_star` and `state_from_star_files`, which re-reads the
-optimiser.star, the model.star file(s) and the sampling.star it names. What RELION's files do not
-hold (random generator state, the configuration, ...) goes into a JSON side file beside the
-optimiser.star (`resume_extras_path`), written by `write_resume_extras`.
+- `particle_table`: the particle table of run_itNNN_data.star with the run's poses.
+
+`read_optimiser_star` reads an optimiser.star's general block back. --continue itself reads
+`io.resume`'s file beside the optimiser.star.
 
 Units, as RELION 3.1+ writes them: rlnCurrentResolution, rlnAngstromResolution,
 rlnEstimatedResolution in Å; rlnResolution and rlnBestResolutionThusFar in 1/Å;
@@ -37,12 +37,9 @@ Deliberate differences from RELION's own files:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import math
 import shlex
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -51,20 +48,17 @@ from cryorefine import __version__
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
 from cryorefine.io.star import read_star, star_to_string
-from cryorefine.state import ModelState, OptimiserState
 
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
 PRIOR_MODE_ROT_TILT_PSI = 1  # RELION's PRIOR_ROTTILT_PSI, used for local searches
 DEFAULT_PERTURBATION_FACTOR = 0.5  # relion_refine --perturb
 NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not limited
-EXTRAS_FORMAT = "cryorefine-resume-extras"
-EXTRAS_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------- model.star
 
-def model_star_blocks(model: ModelState, optimiser: OptimiserState, config, half: int | None,
+def model_star_blocks(model, optimiser, config, half: int | None,
                       reference_image_names: list[str], optics_group_names: list[str],
                       optics_group_counts: list[int], *, fourier_completeness=None,
                       orientability_contribution=None, pdf_direction=None) -> dict:
@@ -229,7 +223,7 @@ def _shell_resolution_angstrom(shells, ori_size, pixel):
 
 # ------------------------------------------------------------------------------ optimiser.star
 
-def optimiser_star_blocks(optimiser: OptimiserState, model: ModelState, config, output_root: str,
+def optimiser_star_blocks(optimiser, model, config, output_root: str,
                           iteration: int | None = None) -> dict:
     """The data_optimiser_general block of RELION's run_itNNN_optimiser.star.
 
@@ -356,7 +350,7 @@ def read_optimiser_star(path) -> tuple[int, dict]:
 
 # ------------------------------------------------------------------------------- sampling.star
 
-def sampling_star_blocks(sampling, optimiser: OptimiserState, config, pixel_size_angstrom: float) -> dict:
+def sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom: float) -> dict:
     """Blocks of RELION's run_itNNN_sampling.star (offsets in Å, as RELION 3.1+ writes them).
 
     sampling_directions holds the coarse directions (rot, tilt) of `sampling`, unperturbed, in
@@ -393,301 +387,27 @@ def sampling_star_blocks(sampling, optimiser: OptimiserState, config, pixel_size
     return {"sampling_general": general, "sampling_directions": table}
 
 
-# ------------------------------------------------------------------------------- --continue
+# ------------------------------------------------------------------------------- data.star
 
-def state_from_star_files(optimiser_star_path) -> tuple[ModelState, OptimiserState]:
-    """(ModelState without maps, OptimiserState) from an optimiser.star and the files it names.
+def particle_table(table, state, halves, pixel_size_angstrom):
+    """The particle table `table` (a DataFrame of the input STAR file) with the run's per-particle values of
+    `state` (poses in RELION's columns, origins in Å, class numbers from 1) and `halves` (rlnRandomSubset;
+    None: no half sets, the column is left as the input has it)."""
+    table = table.copy()
+    table["rlnAngleRot"] = state.rot_deg
+    table["rlnAngleTilt"] = state.tilt_deg
+    table["rlnAnglePsi"] = state.psi_deg
+    table["rlnOriginXAngst"] = state.origin_x_px * pixel_size_angstrom
+    table["rlnOriginYAngst"] = state.origin_y_px * pixel_size_angstrom
+    table["rlnClassNumber"] = state.class_index + 1
+    table["rlnNormCorrection"] = state.norm_correction
+    table["rlnLogLikeliContribution"] = state.log_likelihood
+    table["rlnMaxValueProbDistribution"] = state.pmax
+    table["rlnNrOfSignificantSamples"] = state.n_significant
+    if halves is not None:
+        table["rlnRandomSubset"] = halves
+    return table
 
-    Reads the model.star file(s) (half 1 into row 0 and half 2 into row 1 of the per-half spectra;
-    one model.star fills both rows) and the sampling.star. Names in the optimiser.star are tried
-    as written (relative to the working directory, as RELION does), then beside the optimiser.star.
-    Reads RELION 3.0 labels too (pixel-unit offsets and accuracies).
-
-    From the STAR files alone every value is exact except the offset range/step in pixels (held
-    in Å: within a few ulp), rlnSmallestChangesClasses (an integer label) and
-    `class_distribution` (not held: None). Where the side file of `write_resume_extras`
-    (`resume_extras_path`) exists and holds the states, its values replace the STAR files' ones,
-    after checking that every scalar agrees (else InputError: a side file of another iteration).
-    The maps are left to the caller (run_itNNN_half{1,2}_class001.mrc).
-    """
-    optimiser_star_path = Path(optimiser_star_path)
-    iteration, general = read_optimiser_star(optimiser_star_path)
-    folder = optimiser_star_path.parent
-    relion30 = "rlnOverallAccuracyTranslationsAngst" not in general
-    split = bool(int(general.get("rlnDoSplitRandomHalves", 0)))
-    model2_name = str(general.get("rlnModelStarFile2", "")) if split else ""
-    joined = split and model2_name in ("", "None")
-    model1 = _read_model_star(_locate(general, "rlnModelStarFile", folder, optimiser_star_path))
-    model2 = model1 if (not split or joined) else _read_model_star(
-        _locate(general, "rlnModelStarFile2", folder, optimiser_star_path))
-    sampling_general = _read_sampling_star(_locate(general, "rlnOrientSamplingStarFile", folder, optimiser_star_path))
-
-    g1 = model1["general"]
-    pixel = float(g1["rlnPixelSize"])
-    offset_unit = 1.0 if relion30 else pixel  # 3.0 sampling offsets are in pixels, 3.1+ in Å
-    acc_trans = general.get("rlnOverallAccuracyTranslationsAngst")
-    if acc_trans is None:
-        acc_trans = float(general["rlnOverallAccuracyTranslations"]) * pixel
-    model = ModelState(
-        ori_size_px=int(g1["rlnOriginalImageSize"]),
-        pixel_size_angstrom=pixel,
-        n_classes=int(g1["rlnNrClasses"]),
-        padding_factor=float(g1["rlnPaddingFactor"]),
-        maps=[],
-        pdf_class=model1["pdf_class"],
-        sigma2_noise=model1["sigma2_noise"],
-        tau2=np.stack([model1["tau2"], model2["tau2"]]),
-        ssnr=np.stack([model1["ssnr"], model2["ssnr"]]),
-        reference_sigma2=np.stack([model1["reference_sigma2"], model2["reference_sigma2"]]),
-        fsc_halves=model1["fsc"],
-        sigma_offset_angstrom=model1["sigma_offset_angstrom"],
-        avg_norm_correction=float(g1["rlnNormCorrectionAverage"]),
-        scale_correction=model1["scale_correction"],
-        current_resolution_angstrom=float(g1["rlnCurrentResolution"]),
-        current_size_px=int(g1["rlnCurrentImageSize"]),
-        coarse_size_px=int(general.get("rlnCoarseImageSize", 0)),
-        log_likelihood=float(g1["rlnLogLikelihood"]),
-        ave_pmax=float(g1["rlnAveragePmax"]),
-        accuracy_rotations_deg=model1["accuracy_rotations_deg"],
-        accuracy_translations_angstrom=model1["accuracy_translations_angstrom"],
-        class_distribution=None,
-    )
-    optimiser = OptimiserState(
-        iteration=iteration,
-        healpix_order=int(sampling_general["rlnHealpixOrder"]),
-        offset_range_px=float(sampling_general["rlnOffsetRange"]) / offset_unit,
-        offset_step_px=float(sampling_general["rlnOffsetStep"]) / offset_unit,
-        perturbation=float(sampling_general.get("rlnSamplingPerturbInstance", 0.0)),
-        local_searches=int(g1["rlnOrientationalPriorMode"]) != PRIOR_MODE_NONE,
-        sigma_rot_deg=float(g1["rlnSigmaPriorRotAngle"]),
-        sigma_tilt_deg=float(g1["rlnSigmaPriorTiltAngle"]),
-        sigma_psi_deg=float(g1["rlnSigmaPriorPsiAngle"]),
-        nr_iter_wo_resol_gain=int(general["rlnNumberOfIterWithoutResolutionGain"]),
-        nr_iter_wo_large_hidden_variable_changes=int(general["rlnNumberOfIterWithoutChangingAssignments"]),
-        best_resolution_so_far_inv_angstrom=float(general["rlnBestResolutionThusFar"]),
-        changes_optimal_orientations_deg=float(general["rlnChangesOptimalOrientations"]),
-        changes_optimal_offsets_angstrom=float(general["rlnChangesOptimalOffsets"]),
-        changes_optimal_classes=float(general["rlnChangesOptimalClasses"]),
-        smallest_changes_orientations_deg=float(general["rlnSmallestChangesOrientations"]),
-        smallest_changes_offsets_angstrom=float(general["rlnSmallestChangesOffsets"]),
-        smallest_changes_classes=float(general["rlnSmallestChangesClasses"]),
-        has_converged=bool(int(general["rlnHasConverged"])),
-        has_high_fsc_at_resol_limit=bool(int(general["rlnHasHighFscAtResolLimit"])),
-        has_large_size_increase_iterations_ago=int(general["rlnHasLargeSizeIncreaseIterationsAgo"]),
-        do_join_halves=joined,
-        acc_rot_deg=float(general["rlnOverallAccuracyRotations"]),
-        acc_trans_angstrom=float(acc_trans),
-    )
-    extras_file = resume_extras_path(optimiser_star_path)
-    if extras_file.is_file():
-        saved = _read_extras_document(extras_file)
-        model = _apply_saved_state(model, saved.get("model_state"), extras_file, "model_state")
-        optimiser = _apply_saved_state(optimiser, saved.get("optimiser_state"), extras_file, "optimiser_state")
-    return model, optimiser
-
-
-def _locate(general, label, folder, optimiser_path):
-    name = general.get(label)
-    if name is None or str(name) in ("", "None"):
-        raise InputError(f"{optimiser_path}: data_optimiser_general has no file name in {label}")
-    written = Path(str(name))
-    for candidate in (written, folder / written.name):
-        if candidate.is_file():
-            return candidate
-    raise InputError(f"{optimiser_path}: {label} names {written}, which is found neither from the working "
-                     f"directory nor in {folder}; run from the directory the refinement ran in")
-
-
-def _read_model_star(path):
-    blocks = read_star(path)
-    general = blocks.get("model_general")
-    if not isinstance(general, dict):
-        raise InputError(f"{path}: no single-value block data_model_general; give a model.star")
-    general = dict(general)
-    n_classes = int(general["rlnNrClasses"])
-    n_shells = int(general["rlnOriginalImageSize"]) // 2 + 1
-    pixel = float(general["rlnPixelSize"])
-    classes = _table(blocks, "model_classes", path)
-    if len(classes) != n_classes:
-        raise InputError(f"{path}: data_model_classes has {len(classes)} rows for rlnNrClasses {n_classes}")
-    if "rlnAccuracyTranslationsAngst" in classes.columns:
-        acc_trans = classes["rlnAccuracyTranslationsAngst"].to_numpy(np.float64)
-    else:
-        acc_trans = classes["rlnAccuracyTranslations"].to_numpy(np.float64) * pixel
-    if "rlnSigmaOffsetsAngst" in general:
-        sigma_offset = float(general["rlnSigmaOffsetsAngst"])
-    else:
-        sigma_offset = float(general["rlnSigmaOffsets"]) * pixel
-    spectra = {key: np.zeros((n_classes, n_shells)) for key in ("tau2", "ssnr", "reference_sigma2", "fsc")}
-    columns = {"tau2": "rlnReferenceTau2", "ssnr": "rlnSsnrMap", "reference_sigma2": "rlnReferenceSigma2",
-               "fsc": "rlnGoldStandardFsc"}
-    for k in range(n_classes):
-        table = _table(blocks, f"model_class_{k + 1}", path)
-        idx = _spectral_index(table, n_shells, path, f"model_class_{k + 1}")
-        for key, column in columns.items():
-            spectra[key][k, idx] = table[column].to_numpy(np.float64)
-    noise_names = sorted((n for n in blocks if n.startswith("model_optics_group_")),
-                         key=lambda n: int(n.rsplit("_", 1)[1]))
-    if not noise_names:  # before RELION 4.0: one noise spectrum per group, the first stands for all
-        noise_names = ["model_group_1"] if "model_group_1" in blocks else []
-    sigma2_noise = np.zeros((len(noise_names), n_shells))
-    for g, name in enumerate(noise_names):
-        table = _table(blocks, name, path)
-        if len(table):
-            sigma2_noise[g, _spectral_index(table, n_shells, path, name)] = table["rlnSigma2Noise"].to_numpy(np.float64)
-    scale = None
-    if "model_groups" in blocks:
-        groups = _table(blocks, "model_groups", path).sort_values("rlnGroupNumber")
-        scale = groups["rlnGroupScaleCorrection"].to_numpy(np.float64)
-    return {
-        "general": general,
-        "pdf_class": classes["rlnClassDistribution"].to_numpy(np.float64),
-        "accuracy_rotations_deg": float(classes["rlnAccuracyRotations"].iloc[0]),
-        "accuracy_translations_angstrom": float(acc_trans[0]),
-        "sigma_offset_angstrom": sigma_offset,
-        "sigma2_noise": sigma2_noise,
-        "scale_correction": scale,
-        **spectra,
-    }
-
-
-def _read_sampling_star(path):
-    general = read_star(path).get("sampling_general")
-    if not isinstance(general, dict):
-        raise InputError(f"{path}: no single-value block data_sampling_general; give a sampling.star")
-    for label in ("rlnHealpixOrder", "rlnOffsetRange", "rlnOffsetStep"):
-        if label not in general:
-            raise InputError(f"{path}: data_sampling_general has no {label}")
-    return general
-
-
-def _table(blocks, name, path):
-    block = blocks.get(name)
-    if block is None:
-        raise InputError(f"{path}: block data_{name} is missing")
-    if isinstance(block, dict):  # a loop of one row may come back as single values
-        return pd.DataFrame([block])
-    return block
-
-
-def _spectral_index(table, n_shells, path, name):
-    idx = table["rlnSpectralIndex"].to_numpy(np.int64)
-    if idx.size and (idx.min() < 0 or idx.max() >= n_shells):
-        raise InputError(f"{path}: data_{name} has rlnSpectralIndex outside 0 … {n_shells - 1}")
-    return idx
-
-
-# ---------------------------------------------------------------------------- resume extras
-
-def resume_extras_path(optimiser_star_path) -> Path:
-    """The side file beside run_itNNN_optimiser.star: run_itNNN_optimiser_extra.json."""
-    path = Path(optimiser_star_path)
-    stem = path.name[: -len(".star")] if path.name.endswith(".star") else path.name
-    return path.with_name(f"{stem}_extra.json")
-
-
-def write_resume_extras(path, extras: dict, *, model: ModelState | None = None,
-                        optimiser: OptimiserState | None = None) -> None:
-    """Write what --continue needs beyond RELION's files as JSON, atomically.
-
-    `extras` maps names to JSON values, numpy arrays or numpy scalars (arrays come back as
-    arrays of the same dtype and shape; floats are exact). Given `model` and/or `optimiser`, their
-    scalars and arrays (not the maps) are stored too; `state_from_star_files` then uses them
-    where the STAR files hold a value only after a unit conversion or not at all.
-    """
-    document = {"format": EXTRAS_FORMAT, "version": EXTRAS_VERSION, "extras": _encode(extras)}
-    if model is not None:
-        document["model_state"] = _encode({f.name: getattr(model, f.name)
-                                           for f in dataclasses.fields(model) if f.name != "maps"})
-    if optimiser is not None:
-        document["optimiser_state"] = _encode(dataclasses.asdict(optimiser))
-    with atomic_path(path) as tmp:
-        with open(tmp, "w") as fh:
-            json.dump(document, fh, indent=1, allow_nan=True)
-
-
-def read_resume_extras(path) -> dict:
-    """The `extras` dict given to `write_resume_extras`, arrays restored."""
-    return _read_extras_document(Path(path)).get("extras", {})
-
-
-def _read_extras_document(path):
-    if not path.is_file():
-        raise InputError(f"{path}: file not found; it is written beside each run_itNNN_optimiser.star")
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(document, dict) or document.get("format") != EXTRAS_FORMAT:
-        raise InputError(f"{path}: not a cryorefine resume file (no format {EXTRAS_FORMAT!r})")
-    return _decode(document)
-
-
-def _apply_saved_state(state, saved, path, what):
-    """`state` with the saved values, after checking that its scalars agree with the STAR files'."""
-    if not saved:
-        return state
-    names = {f.name for f in dataclasses.fields(state)}
-    changes = {}
-    for name, exact in saved.items():
-        if name not in names or name == "maps":
-            continue
-        current = getattr(state, name)
-        if np.ndim(current) == 0 and not _agrees(current, exact):
-            raise InputError(f"{path}: {what}.{name} = {exact!r} disagrees with the STAR files ({current!r}); "
-                             f"the side file belongs to another iteration: remove it to resume from the STAR "
-                             f"files alone")
-        changes[name] = exact
-    return dataclasses.replace(state, **changes)
-
-
-def _agrees(from_star, exact):
-    """Scalars equal to 1e-9 relative (the STAR value may have gone through a unit conversion or
-    been rounded to an integer label)."""
-    if from_star is None or exact is None:  # not held in the STAR files, or not set when saved
-        return True
-    if np.ndim(exact) != 0:
-        return False
-    a, b = float(from_star), float(exact)
-    if math.isinf(a) or math.isinf(b) or math.isnan(a) or math.isnan(b):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    if a.is_integer() and round(b) == a:  # an integer label (rlnSmallestChangesClasses)
-        return True
-    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
-
-
-def _encode(value):
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biuf":
-            raise TypeError(f"cannot store a numpy array of dtype {value.dtype} in the resume file")
-        return {"__ndarray__": value.ravel().tolist(), "dtype": value.dtype.str, "shape": list(value.shape)}
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"resume file keys must be strings, got {key!r}")
-            out[key] = _encode(item)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"cannot store {type(value).__name__} in the resume file; convert it to JSON values")
-
-
-def _decode(value):
-    if isinstance(value, dict):
-        if "__ndarray__" in value:
-            return np.asarray(value["__ndarray__"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-# ------------------------------------------------------------------------------------ helpers
 
 def _iteration_root(output_root, iteration):
     return str(output_root) if iteration is None else f"{output_root}_it{int(iteration):03d}"

@@ -226,7 +226,7 @@ def initial_schedule(config):
     beyond --auto_local_healpix_order, local searches start at once with σ = 2·step (the
     oversampled step), as RELION does at iteration 0.
     """
-    from cryorefine.state import OptimiserState
+    from cryorefine.em.state import OptimiserState
 
     local = config.auto_refine and config.healpix_order >= config.auto_local_healpix_order
     sigma = local_search_sigma_deg(config.healpix_order, config.oversampling) if local else 0.0
@@ -433,6 +433,19 @@ def angular_distance_deg(rot1_deg, tilt1_deg, psi1_deg, rot2_deg, tilt2_deg, psi
         dist = xp.mean(xp.rad2deg(xp.arccos(dots)), axis=-1)
         best = dist if best is None else xp.minimum(best, dist)
     return best
+
+
+def hidden_variable_changes(old, new, pixel_size_angstrom: float, symmetry: str) -> HiddenVariableChanges:
+    """The changes from ParticleState `old` to `new`: mean orientation change (degrees, modulo the
+    point group), RMS offset change per dimension (Å) and the fraction of particles that changed class."""
+    from cryorefine.core.symmetry import symmetry_group
+
+    mats = symmetry_group(symmetry).rotations if symmetry.upper() != "C1" else None
+    angles = angular_distance_deg(old.rot_deg, old.tilt_deg, old.psi_deg, new.rot_deg, new.tilt_deg, new.psi_deg,
+                                  symmetry_matrices=mats)
+    d2 = ((new.origin_x_px - old.origin_x_px) ** 2 + (new.origin_y_px - old.origin_y_px) ** 2) * pixel_size_angstrom ** 2
+    return hidden_variable_changes_from_sums(float(np.sum(angles)), float(np.sum(d2)),
+                                             float(np.sum(new.class_index != old.class_index)), float(new.rot_deg.size))
 
 
 def update_hidden_variable_counters(optimiser, changes_orientations_deg: float, changes_offsets_angstrom: float,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cryorefine import schedule
-from cryorefine.core.projector import PaddedGrid, padded_size_px
+from cryorefine.em import schedule
+from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda import FINE_SAMPLE_BYTES, per_particle_bytes, plan_batches

@@ -1,0 +1,139 @@
+"""The one batch loop of the E-step, for every job and runner.
+
+An iteration's E-step is a list of work units (`WorkUnit`: the particles of a half set, or of a
+set of classes, with the engine set-up they are compared under). Whoever runs the E-step (one
+process, or an MPI worker fed by the master) hands `run_batches` a stream of (unit, particle
+indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
+one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
+An engine is set up when its unit's first batch arrives and its weighted sums are collected when
+the unit's batches end. Every second is added to a named stage: `setup` (engines), `read_wait`
+(waiting for the read-ahead thread), `images` (preparation), then the engine's own stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from cryorefine.core.grid import PaddedGrid
+from cryorefine.estep.engine import IterationSetup, WeightedSums
+from cryorefine.images import NoiseEstimate, prepare_batch
+from cryorefine.io import mrc
+
+
+@dataclass
+class WorkUnit:
+    """Particles compared under one engine set-up: `setup.maps` are the references of the classes
+    `classes` (their numbers in the model), and results' class indices are mapped through it."""
+
+    name: str
+    members: np.ndarray  # particle indices
+    classes: np.ndarray  # (len(setup.maps),) class numbers, 0-based
+    setup: IterationSetup
+
+
+@dataclass
+class BatchInputs:
+    """What preparing an iteration's batches needs beyond the particles and the image settings."""
+
+    iteration: int
+    current_size_px: int
+    avg_norm_correction: float
+    previous: object  # em.state.ParticleState at the start of the iteration (origins, norms, poses, classes)
+    use_norms: bool  # --norm: images are scaled by their norm corrections
+
+
+def add_seconds(stages, name, tic):
+    """Add the seconds since `tic` to stages[name]; returns now (the next stage's tic)."""
+    now = time.perf_counter()
+    stages[name] = stages.get(name, 0.0) + now - tic
+    return now
+
+
+def add_counts(totals, counts):
+    """Add a dict of per-stage numbers into `totals`."""
+    for name, value in counts.items():
+        totals[name] = totals.get(name, 0.0) + value
+
+
+def run_batches(backend, units, work, particles, settings, inputs, reader, on_result, stages, flops):
+    """The E-step over `work`, an iterable of (unit index, particle indices) in which each unit's batches
+    come together; `on_result(unit index, indices, BatchResult)` after each batch. Returns the weighted
+    sums of each unit that had batches {unit index: WeightedSums}. Seconds per stage are added to
+    `stages`, the engines' operation counts to `flops`."""
+    xp = backend.array_module
+    previous = inputs.previous
+    norms = previous.norm_correction if inputs.use_norms else np.ones_like(previous.norm_correction)
+    poses = (previous.rot_deg, previous.tilt_deg, previous.psi_deg)
+    unit_of_batch = deque()
+
+    def batches():
+        for u, indices in work:
+            unit_of_batch.append(u)
+            yield indices
+
+    sums = {}
+    engine, current = None, None
+    tic_wait = time.perf_counter()
+    for indices, images in particles.read_ahead(batches(), reader, xp):
+        u = unit_of_batch.popleft()
+        tic = add_seconds(stages, "read_wait", tic_wait)
+        if u != current:
+            if engine is not None:
+                sums[current] = _collect(engine, stages, flops)
+                engine = None  # its device buffers go before the next engine takes its own
+            engine = backend.make_engine()
+            engine.setup(units[u].setup)
+            current = u
+            tic = add_seconds(stages, "setup", tic)
+        batch = prepare_batch(particles, indices, reader, settings, inputs.current_size_px,
+                              inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px,
+                              previous.origin_y_px, norms, previous.class_index, poses, xp=xp, images=images)
+        del images
+        add_seconds(stages, "images", tic)
+        result = engine.run(batch)
+        del batch  # its device arrays go before the next batch's (the arena is a stack)
+        result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
+        on_result(u, indices, result)
+        tic_wait = time.perf_counter()
+    if engine is not None:
+        sums[current] = _collect(engine, stages, flops)
+    return sums
+
+
+def _collect(engine, stages, flops):
+    sums = engine.sums()
+    add_counts(stages, engine.stage_seconds)
+    add_counts(flops, engine.stage_flops)
+    return sums
+
+
+def empty_sums(unit, xp=np):
+    """Zero WeightedSums of a unit, shaped as its engine's would be (a unit without batches; a template to
+    receive sums into)."""
+    s = unit.setup
+    grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+    n_optics, n_shells = np.asarray(s.sigma2_noise).shape
+    return WeightedSums.zeros(grid.shape, len(unit.classes), n_optics, n_shells, s.sampling.n_directions, xp=xp)
+
+
+def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np):
+    """RELION's initial noise spectra from the masked images at their stored origins."""
+    noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
+    with mrc.StackReader() as reader:
+        for indices, images in particles.read_ahead(particles.batches(batch_size), reader, xp):
+            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
+                                  images=images)
+            del images
+            noise.add(batch.images_ft, batch.optics_index, batch.power_beyond_current)
+            del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
+    return noise.sigma2()
+
+
+def keep_norms_unless_refined(use_norms, previous, state):
+    """Without --norm the particles keep the norm corrections they came with."""
+    if not use_norms:
+        state.norm_correction[:] = previous.norm_correction

@@ -1,0 +1,194 @@
+"""The one iteration loop that every job runs, serially or under MPI.
+
+    session (the backend's run scope; under MPI the workers are told the run is set up)
+    job.load → job.start (or the saved state of --continue)
+    for each iteration:
+        job.plan          schedule: image sizes, sampling, the E-step's work units
+        runner            E-step of every unit (batches, per-particle results), sums reduced,
+                          job.maximize on them (the M-step: new maps and model)
+        job.update        resolution, convergence, what the job keeps between iterations
+        outputs           --continue's state, then job.outputs written on a thread
+        until job.finished or --iter
+
+A job (`Job`) states what it needs from the loop; the runner (`runners.serial.SerialRunner`,
+`runners.mpi.MpiRunner`) decides where each step runs. Nothing here knows how an engine computes
+or how many processes there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from cryorefine.em import schedule
+from cryorefine.em.estep import keep_norms_unless_refined
+from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunState
+from cryorefine.errors import InputError
+from cryorefine.io import resume
+from cryorefine.io.background import BackgroundWriter
+
+log = logging.getLogger("cryorefine")
+
+
+@dataclass
+class IterationPlan:
+    """What one iteration's E- and M-step do: sent to every MPI worker."""
+
+    iteration: int
+    sizes: Any  # em.schedule.ImageSizes
+    sampling: Any  # core.sampling.Sampling (perturbed)
+    do_cc: bool  # cross-correlation instead of likelihood (--firstiter_cc, first iteration)
+    units: list  # em.estep.WorkUnit: the E-step's work, one engine set-up each
+    final: bool = False  # the last iteration (a refinement's halves joined, to Nyquist)
+
+
+@dataclass
+class StepOutcome:
+    """What a runner's E- and M-step gave: the new model, and where the time went."""
+
+    model: Any  # em.state.ModelState after the M-step
+    stages: dict  # E-step seconds per stage (summed over workers under MPI)
+    flops: dict  # useful floating-point operations per engine stage
+    expectation_seconds: float
+    maximization_seconds: float
+
+
+class Job(Protocol):
+    """A kind of run (refine, classify): what the loop asks of it."""
+
+    kind: str  # "refine" or "classify": what --continue checks a saved run against
+    config: Any  # config.RefineConfig
+    min_mpi_ranks: int  # the fewest MPI ranks (master included) the job runs on
+
+    def load(self):
+        """(ParticleSet, images.ImageSettings), inputs checked and the output folder made."""
+
+    def start(self, particles, settings, xp) -> RunState:
+        """The state before iteration 1 (initial maps, noise spectra with `xp`, schedule)."""
+
+    def resume(self, run: RunState, particles, iteration_root: str) -> None:
+        """A --continue state checked against the particles (InputError), its maps read from the files of
+        `iteration_root` (out/run_itNNN)."""
+
+    def plan(self, run: RunState, iteration: int) -> IterationPlan:
+        """The schedule of `iteration` (updates run.optimiser); its work units."""
+
+    def maximize(self, model, sums: list, plan: IterationPlan):
+        """The M-step: a new ModelState from `model` and the reduced WeightedSums of each unit."""
+
+    def update(self, run: RunState, plan: IterationPlan, changes) -> None:
+        """After the M-step (run.model is the new model): resolution, convergence, the job's extras."""
+
+    def outputs(self, run: RunState, plan: IterationPlan, snapshot, timings: dict, stages: dict, argv) -> list:
+        """The iteration's files as callables (run on the writer thread), RELION's names."""
+
+    def summary(self, run: RunState, plan: IterationPlan, changes) -> str:
+        """The iteration's log line, after "iteration N: "."""
+
+    def finished(self, run: RunState, plan: IterationPlan) -> bool:
+        """True when `plan` was the last iteration (a refinement's final one)."""
+
+
+def run(job, runner, argv=(), progress=None, resume_from=None):
+    """Run `job` to its end with `runner`; the IterationReports (None on an MPI worker).
+
+    `progress(done, total)` is called as batches finish; `resume_from` is a run_itNNN_optimiser.star:
+    the run goes on from iteration NNN + 1 exactly as it would have.
+    """
+    if not runner.leads:  # an MPI worker: serves the master's E- and M-steps until the run ends
+        runner.serve(job)
+        return None
+    config = job.config
+    with runner.session() as session:
+        particles, settings = job.load()
+        if resume_from is not None:
+            state = restored_state(resume_from, job.kind)
+            job.resume(state, particles, resume.iteration_root(resume_from))
+        else:
+            state = job.start(particles, settings, runner.array_module)
+        session.announce(particles, settings)
+        reports = []
+        out_root = config.output_root
+        with BackgroundWriter() as writer:
+            for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
+                plan = job.plan(state, iteration)
+                previous = state.particles.copy()
+                outcome = runner.expectation_maximization(job, plan, state.model, previous, particles, settings,
+                                                          state.particles.store, progress)
+                tic = time.perf_counter()
+                keep_norms_unless_refined(config.do_norm, previous, state.particles)
+                changes = schedule.hidden_variable_changes(previous, state.particles,
+                                                           state.model.pixel_size_angstrom, config.symmetry)
+                state.model = outcome.model
+                job.update(state, plan, changes)
+                timings = {"expectation": outcome.expectation_seconds,
+                           "maximization": outcome.maximization_seconds + time.perf_counter() - tic}
+
+                tic = time.perf_counter()
+                snapshot = state.particles.copy()  # the next E-step changes the state while the writer reads this
+                resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
+                                                                                          snapshot))
+                writer.submit(job.outputs(state, plan, snapshot, timings, outcome.stages, argv))
+                timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs
+                model, optimiser = state.model, state.optimiser
+                reports.append(IterationReport(
+                    iteration, model.current_resolution_angstrom, plan.sizes.current_size_px,
+                    plan.sizes.coarse_size_px, optimiser.healpix_order, bool(optimiser.local_searches),
+                    changes.orientations_deg, changes.offsets_angstrom, model.ave_pmax, timings,
+                    dict(outcome.stages), dict(outcome.flops)))
+                log.info("iteration %d: %s, E %.1f s, M %.1f s", iteration, job.summary(state, plan, changes),
+                         timings["expectation"], timings["maximization"])
+                log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
+                                                               for name, seconds in outcome.stages.items()))
+                if job.finished(state, plan):
+                    break
+    return reports
+
+
+# ---------------------------------------------------------------------- --continue
+MODEL_ARRAYS = ("pdf_class", "sigma2_noise", "tau2", "ssnr", "reference_sigma2", "fsc_halves", "scale_correction",
+                "class_distribution", "pdf_direction")
+
+
+def saved_state(kind, config, state, particles):
+    """(document, arrays) of io.resume for `state` with the per-particle values `particles`."""
+    import json
+
+    scalars = {f.name: getattr(state.model, f.name) for f in dataclasses.fields(state.model)
+               if f.name not in MODEL_ARRAYS + ("maps", "joined_map")}
+    document = {"config": json.loads(config.to_json()), "job": kind, "model": scalars,
+                "optimiser": dataclasses.asdict(state.optimiser),
+                "schedule": None if state.schedule is None else dataclasses.asdict(state.schedule),
+                "rng": state.rng.bit_generator.state,
+                "extras": {k: v for k, v in state.extras.items() if np.ndim(v) == 0}}
+    arrays = {f"model_{name}": getattr(state.model, name) for name in MODEL_ARRAYS
+              if getattr(state.model, name) is not None}
+    arrays.update({f"particle_{f.name}": getattr(particles, f.name) for f in dataclasses.fields(particles)})
+    arrays.update({f"extra_{k}": np.asarray(v) for k, v in state.extras.items() if np.ndim(v) > 0})
+    return document, arrays
+
+
+def restored_state(optimiser_star, kind):
+    """The RunState saved beside `optimiser_star` (without maps: the job reads them), checked to be of `kind`."""
+    document, arrays = resume.load(optimiser_star)
+    saved_kind = document.get("job") or ("classify" if document["schedule"] is None else "refine")
+    if saved_kind != kind:
+        mine = "classification" if saved_kind == "classify" else "refinement"
+        raise InputError(f"{optimiser_star}: belongs to a {mine}; continue it with `cryorefine {saved_kind} "
+                         f"--continue`")
+    model = ModelState(**document["model"])
+    for name in MODEL_ARRAYS:
+        if f"model_{name}" in arrays:
+            setattr(model, name, arrays[f"model_{name}"])
+    rng = np.random.default_rng()
+    rng.bit_generator.state = document["rng"]
+    particles = ParticleState(**{f.name: arrays[f"particle_{f.name}"] for f in dataclasses.fields(ParticleState)})
+    extras = dict(document.get("extras", {}))
+    extras.update({name[len("extra_"):]: value for name, value in arrays.items() if name.startswith("extra_")})
+    sched = None if document["schedule"] is None else schedule.ScheduleState(**document["schedule"])
+    return RunState(model, OptimiserState(**document["optimiser"]), particles, rng, sched, extras)

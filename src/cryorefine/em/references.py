@@ -1,0 +1,31 @@
+"""The starting references of a run: a map read and checked against the particles, and the
+--ini_high low-pass that refine and classify apply to it (classify also to its class-1 map after a
+cross-correlation iteration)."""
+
+from __future__ import annotations
+
+from cryorefine.core import fourier
+from cryorefine.core.arrays import array_module
+from cryorefine.errors import InputError
+from cryorefine.io import mrc
+
+
+def read_reference(path, box, pixel):
+    """A reference map checked against the particles: cubic of their box, at their pixel size."""
+    reference, ref_pixel = mrc.read_volume(path)
+    if reference.shape[0] != box:
+        raise InputError(f"{path}: the reference is {reference.shape[0]} px but the particles are "
+                         f"{box} px; resize the reference (relion_image_handler --new_box {box})")
+    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
+        raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
+                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler --rescale_angpix)")
+    return reference
+
+
+def lowpass_to_ini_high(volume, config, box, pixel):
+    """The volume low-passed to --ini_high (unchanged without it), with numpy or cupy as the volume is."""
+    if not config.ini_high_angstrom:
+        return volume
+    xp = array_module(volume)
+    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume, xp), box, config.ini_high_angstrom, pixel, xp=xp)
+    return fourier.irfft3_centered(ft, box, xp)

@@ -1,0 +1,143 @@
+"""The compute backend of one process: numpy on the host, or CuPy on one GPU with its stack arena.
+
+A backend is an object passed to whoever needs it (never a global): the array module batches are
+prepared with, a fresh E-step engine per work unit, and the device-memory lifetimes as context
+managers: `run_scope()` for the whole run (the GPU arena and its GLOBAL scope), `iteration_scope()`
+around one iteration's E- and M-step, `maximization_scope()` around the M-step. On the host the
+scopes do nothing. Importing this module imports neither CuPy nor an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def cupy_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+def make_backend(config, device_id=None):
+    """The backend config.engine names: "numpy" (at config.dtype), or "cuda" on `device_id` (default
+    config.gpu_ids[0], else 0) with an arena of the free memory minus config.free_gpu_memory_mb."""
+    if config.engine == "cuda":
+        if device_id is None:
+            device_id = config.gpu_ids[0] if config.gpu_ids else 0
+        return CudaBackend(device_id, config.free_gpu_memory_mb)
+    return NumpyBackend(np.dtype(config.dtype))
+
+
+class NumpyBackend:
+    """The numpy engine (`estep.reference`) on the host."""
+
+    name = "numpy"
+    array_module = np
+
+    def __init__(self, dtype=np.float64):
+        self.dtype = np.dtype(dtype)
+        self.high_water_bytes = {}
+
+    def describe(self):
+        return f"numpy ({self.dtype})"
+
+    def make_engine(self):
+        from cryorefine.estep.reference import NumpyEngine
+
+        return NumpyEngine(self.dtype)
+
+    def asarray(self, array):
+        return np.asarray(array)
+
+    def run_scope(self):
+        return contextlib.nullcontext(self)
+
+    def iteration_scope(self):
+        return contextlib.nullcontext(self)
+
+    def maximization_scope(self):
+        return contextlib.nullcontext(self)
+
+
+class CudaBackend:
+    """The CuPy engine (`estep.cuda`) on one device, its memory from one stack arena.
+
+    `run_scope()` creates the arena (free memory minus `free_gpu_memory_mb`), installs it as CuPy's
+    allocator and opens the GLOBAL scope; `iteration_scope()` opens an ITERATION scope, so everything
+    of an iteration is freed at once; `make_engine()` gives a fresh `CupyEngine` on the arena.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True):
+        self.device_id = int(device_id)
+        self.free_gpu_memory_mb = float(free_gpu_memory_mb)
+        self.use_arena = use_arena
+        self.arena = None
+        self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
+
+    def describe(self):
+        return f"GPU {self.device_id} (CuPy kernels)"
+
+    @property
+    def array_module(self):
+        """cupy: images are prepared on the device (images.prepare_batch, the initial noise spectra)."""
+        import cupy
+
+        return cupy
+
+    def make_engine(self):
+        from cryorefine.estep.cuda import CupyEngine
+
+        return CupyEngine(self.device_id, self.arena)
+
+    def asarray(self, array):
+        return self.array_module.asarray(array)
+
+    @contextlib.contextmanager
+    def run_scope(self):
+        import cupy
+
+        from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
+
+        with cupy.cuda.Device(self.device_id):
+            if not self.use_arena:
+                yield self
+                return
+            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb)
+            try:
+                with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
+                    yield self
+                log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
+            finally:
+                self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}
+                self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
+                self.arena.close()
+                self.arena = None
+
+    @contextlib.contextmanager
+    def iteration_scope(self):
+        from cryorefine.gpu.allocator import Scope
+
+        if self.arena is None:
+            yield self
+            return
+        with self.arena.scope(Scope.ITERATION):
+            yield self
+
+    @contextlib.contextmanager
+    def maximization_scope(self):
+        """The M-step's many large temporaries come from a caching pool inside the iteration's scope."""
+        if self.arena is None:
+            yield self
+            return
+        with self.arena.pooled():
+            yield self

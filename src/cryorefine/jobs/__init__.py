@@ -1,0 +1,1 @@
+"""One module per command: refine, classify, reconstruct, simulate, plan, info."""

@@ -1,0 +1,283 @@
+"""3D classification into K classes (relion_refine --K N, without --auto_refine).
+
+All particles form one set; K references are refined side by side. RELION's rules:
+- references: a single map is copied to all K classes (low-passed to --ini_high); in the first
+  likelihood iteration (the second with --firstiter_cc) every particle is compared with one
+  class drawn at random, so each class is rebuilt from a random ~1/K of the data ("seeds"); a
+  STAR file of maps (rlnReferenceImage) gives one class per map and no seeds;
+- with --firstiter_cc the first iteration uses class 1 alone (cross-correlation), and its map,
+  low-passed to --ini_high again, is copied to every class;
+- τ² of a class is the power spectrum of its previous reference (as the projector computes it);
+  the reconstruction adds 1/(pf³·tau2_fudge·τ²) to the weights; the SSNR (data vs prior) is
+  tau2_fudge·τ²/σ²_reconstruction; the resolution is where the best class's SSNR drops below 1;
+- the class distribution is Σw per class and the class prior of the next search (RELION folds it
+  into per-class direction distributions, which with few particles per direction shut directions
+  out; those are written to the model file but not used as a prior); the sampling stays as given
+  (no auto-sampling) and every one of --iter iterations runs (no convergence test).
+Each iteration's E-step is one work unit of all particles against all classes, or, in the
+cross-correlation iteration, against class 1, or, in the seeding iteration, one unit per class
+of the particles drawn for it. Outputs per iteration: run_itNNN_data.star (rlnClassNumber),
+run_itNNN_classKKK.mrc, run_itNNN_model.star (K classes), run_itNNN_optimiser.star,
+run_itNNN_sampling.star, and run_itNNN_report.png (class distributions over the iterations,
+SSNR per class, orientations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine.core.arrays import array_module, to_host
+from cryorefine.core.projector import Projector
+from cryorefine.core.sampling import next_perturbation
+from cryorefine.data import load_particles
+from cryorefine.em import loop, mstep, schedule
+from cryorefine.em.estep import WorkUnit, initial_noise_spectra
+from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.state import ModelState, ParticleState, RunState
+from cryorefine.errors import InputError
+from cryorefine.estep.engine import IterationSetup, WeightedSums
+from cryorefine.images import ImageSettings
+from cryorefine.io import mrc
+from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
+                                          sampling_star_blocks, write_optimiser_star)
+from cryorefine.io.star import read_star, write_particle_star, write_star
+from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
+from cryorefine.report import write_classification_report
+
+
+def run(config, runner, argv=(), progress=None, resume_from=None):
+    """Run a 3D classification of config.n_classes classes with `runner`; the IterationReports (None on an MPI
+    worker). `resume_from`: a run_itNNN_optimiser.star of an earlier run, continued from the iteration after it."""
+    return loop.run(ClassifyJob(config), runner, argv, progress, resume_from)
+
+
+def initial_references(config, box, pixel):
+    """K maps (float64) and whether they came from one map (then iteration 1 or 2 draws random seeds)."""
+    path = Path(config.reference_map)
+    if path.suffix.lower() == ".star":
+        table = read_star(path)
+        rows = next((b for b in table.values() if hasattr(b, "columns") and "rlnReferenceImage" in b.columns), None)
+        if rows is None:
+            raise InputError(f"{path}: no rlnReferenceImage column; give a map, or a STAR file listing one map per "
+                             f"class")
+        names = [str(n) for n in rows["rlnReferenceImage"]]
+        if len(names) != config.n_classes:
+            raise InputError(f"{path}: lists {len(names)} maps but --K is {config.n_classes}; give --K {len(names)}")
+        maps = [lowpass_to_ini_high(read_reference(path.parent / n, box, pixel).astype(np.float64), config, box, pixel)
+                for n in names]
+        return maps, False
+    single = lowpass_to_ini_high(read_reference(path, box, pixel).astype(np.float64), config, box, pixel)
+    return [single.copy() for _ in range(config.n_classes)], config.n_classes > 1
+
+
+class ClassifyJob:
+    """The classification as the iteration loop (`em.loop`) runs it. Its extras: the class distribution of
+    every iteration so far (`class_distributions`) and whether the classes start from seeds (`seeded`)."""
+
+    kind = "classify"
+    min_mpi_ranks = 2  # a master and a worker
+
+    def __init__(self, config):
+        self.config = config
+        self.particles = None
+
+    # ------------------------------------------------------------------ set-up
+    def load(self):
+        config = self.config
+        if config.symmetry.upper() != "C1":
+            raise InputError(f"--sym {config.symmetry}: classify handles C1 only so far; run with --sym C1")
+        particles = load_particles(config.input_star)
+        box, pixel = particles.geometry()
+        if config.do_ctf:
+            particles.require_ctf()
+        Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
+        self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
+        settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
+                                 config.do_ctf, config.random_seed)
+        self.particles, self.box = particles, box
+        return particles, settings
+
+    def start(self, particles, settings, xp):
+        config = self.config
+        k_classes = int(config.n_classes)
+        box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
+        maps, seeded = initial_references(config, box, pixel)
+        n_optics = len(particles.optics_groups)
+        optimiser, _ = schedule.initial_schedule(config)
+        n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
+        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
+                           padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
+                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics),
+                           pdf_direction=np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir)))
+        model.maps = [maps]
+        model.sigma2_noise = initial_noise_spectra(particles, settings, n_optics, config.batch_size, xp)
+        model.current_resolution_angstrom = schedule.current_resolution(
+            box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
+        return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
+                        np.random.default_rng(config.random_seed),
+                        extras={"class_distributions": np.zeros((0, k_classes)), "seeded": seeded})
+
+    def resume(self, run, particles, iteration_root):
+        root = f"{iteration_root}_optimiser.star"
+        if run.model.ori_size_px != self.box:
+            raise InputError(f"{root}: the run was {run.model.ori_size_px} px, the particles are {self.box} px")
+        if run.particles.rot_deg.size != len(particles):
+            raise InputError(f"{root}: the run had {run.particles.rot_deg.size} particles, the STAR file has "
+                             f"{len(particles)}; continue with the same --i")
+        run.extras["seeded"] = bool(run.extras["seeded"])
+        run.model.maps = [[mrc.read_volume(f"{iteration_root}_class{k + 1:03d}.mrc")[0]
+                           for k in range(self.config.n_classes)]]
+
+    # ------------------------------------------------------------------ one iteration
+    def plan(self, run, iteration):
+        config, model = self.config, run.model
+        k_classes = int(config.n_classes)
+        optimiser = replace(run.optimiser, iteration=iteration)
+        sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
+                                     model.ori_size_px, model.pixel_size_angstrom, config.incr_size_px, False, False,
+                                     ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+        model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        do_cc = iteration == 1 and config.firstiter_cc
+        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+        run.optimiser = optimiser
+        everyone = np.arange(len(run.particles.rot_deg))
+        seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
+
+        def unit(name, members, classes, class_prior):
+            return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
+                            self._setup(model, sampling, sizes, classes, do_cc, class_prior))
+
+        if do_cc:  # class 1 alone, all particles
+            units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
+        elif seeds_now:  # each particle against one random class
+            draw = np.random.default_rng(config.random_seed + iteration).integers(0, k_classes, everyone.size)
+            units = [unit(f"class {k + 1} seeds", np.flatnonzero(draw == k), [k], False) for k in range(k_classes)]
+        else:
+            units = [unit("all classes", everyone, list(range(k_classes)), True)]
+        return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
+
+    def _setup(self, model, sampling, sizes, classes, do_cc, class_prior):
+        """The engine set-up of a unit of `classes`; the class prior is the class distribution where
+        `class_prior` (RELION folds it into a per-class direction distribution, which with few particles per
+        direction shuts whole directions out; the class distribution alone is used here), else flat."""
+        config = self.config
+        with np.errstate(divide="ignore"):
+            log_class = (np.log(np.asarray(model.pdf_class, dtype=np.float64)[classes]) if class_prior
+                         else np.zeros(len(classes)))
+        return IterationSetup(
+            projectors=None, maps=[model.maps[0][k] for k in classes], sigma2_noise=model.sigma2_noise,
+            sampling=sampling, ori_size_px=model.ori_size_px, current_size_px=sizes.current_size_px,
+            coarse_size_px=sizes.coarse_size_px, pixel_size_angstrom=model.pixel_size_angstrom,
+            log_pdf_class=log_class, sigma_offset_px=model.sigma_offset_angstrom / model.pixel_size_angstrom,
+            do_cc=do_cc, adaptive_fraction=config.adaptive_fraction, max_significants=config.max_significants,
+            scale_correction=model.scale_correction if config.do_scale else None,
+            data_vs_prior=None if model.ssnr is None else model.ssnr[0][classes],
+            padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction)
+
+    def maximize(self, model, sums, plan):
+        """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
+        distributions and the rest."""
+        config = self.config
+        model = dataclasses.replace(model)
+        k_classes = model.n_classes
+        sums = WeightedSums.total([s.spread_to_classes(unit.classes, k_classes) for s, unit in zip(sums, plan.units)])
+        box, n_shells = model.ori_size_px, model.n_shells
+        r_max = plan.sizes.current_size_px // 2
+        tau2 = np.zeros((1, k_classes, n_shells))
+        ssnr = np.zeros((1, k_classes, n_shells))
+        ref_sigma2 = np.zeros((1, k_classes, n_shells))
+        total_weight = float(np.sum(sums.pdf_class))
+        pdf_class = np.asarray(sums.pdf_class, dtype=np.float64) / max(total_weight, 1e-300)
+        new_maps = []
+        for k in range(k_classes):
+            previous = model.maps[0][k]
+            xp = array_module(sums.data[k])
+            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, xp=xp).power_spectrum)
+            t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
+            t2[r_max + 1:] = 0.0
+            bp = mstep.backprojector(sums.data[k], sums.weight[k], model, config, plan.sizes.current_size_px, xp)
+            if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
+                new_maps.append(np.zeros_like(previous, dtype=np.float32))
+                continue
+            sigma2 = to_host(bp.noise_sigma2())[:n_shells]
+            new_maps.append(mstep.reconstruct_map(bp, t2, model, config, xp))
+            del bp
+            tau2[0, k, : t2.size] = t2
+            ref_sigma2[0, k, : sigma2.size] = sigma2
+            with np.errstate(divide="ignore", invalid="ignore"):
+                s = np.where(sigma2 > 0, config.tau2_fudge * t2[: sigma2.size] / sigma2, 0.0)
+            s[r_max + 1:] = 0.0
+            ssnr[0, k, : s.size] = s
+        if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
+            xp = array_module(sums.data[0])
+            first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
+                                                model.pixel_size_angstrom))
+            new_maps = [first.astype(np.float32) for _ in range(k_classes)]
+            tau2[0, :], ssnr[0, :], ref_sigma2[0, :] = tau2[0, 0], ssnr[0, 0], ref_sigma2[0, 0]
+            pdf_class = np.full(k_classes, 1.0 / k_classes)
+        model.maps = [new_maps]
+        model.tau2, model.ssnr, model.reference_sigma2 = tau2, ssnr, ref_sigma2
+        model.pdf_class = pdf_class
+        model.class_distribution = pdf_class
+        pdf = np.asarray(sums.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
+        total = pdf.sum()
+        model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
+        mstep.maximize_other_parameters(model, config, [sums], plan.do_cc)
+        return model
+
+    def update(self, run, plan, changes):
+        config, model = self.config, run.model
+        model.current_resolution_angstrom = schedule.current_resolution(
+            model.ori_size_px, model.pixel_size_angstrom, data_vs_prior=model.ssnr[0], iteration=plan.iteration,
+            ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
+            check_high_res_side=False).resolution_angstrom
+        run.optimiser = replace(run.optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                                changes_optimal_classes=changes.classes)
+        history = np.asarray(run.extras["class_distributions"], dtype=np.float64).reshape(-1, model.n_classes)
+        run.extras["class_distributions"] = np.vstack([history, np.asarray(model.pdf_class, dtype=np.float64)])
+
+    def finished(self, run, plan):
+        return False  # every one of --iter iterations runs
+
+    def summary(self, run, plan, changes):
+        model = run.model
+        return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
+                f"{plan.sizes.coarse_size_px} px, classes {' '.join(f'{100 * p:.0f}%' for p in model.pdf_class)}, "
+                f"Δangle {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
+                f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
+
+    # ------------------------------------------------------------------ outputs
+    def outputs(self, run, plan, snapshot, timings, stages, argv):
+        """The writes of one iteration's files as callables over what they need now (tables and STAR blocks are
+        built here; the maps are the model's, which the next M-step replaces rather than changes); the
+        optimiser STAR file comes last."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        root = f"{out_root}_it{plan.iteration:03d}"
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        table = particle_table(particles.star.particles, snapshot, None, pixel)  # no half sets
+        names, counts = particles.optics_names_and_counts()
+        maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
+        writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
+        writes += [
+            partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
+                                                  pdf_direction=model.pdf_direction), f"{root}_model.star"),
+            partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel), f"{root}_sampling.star"),
+            partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
+                    class_distributions=np.array(run.extras["class_distributions"]), ssnr=model.ssnr[0].copy(),
+                    ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
+                    resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
+                    tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)),
+            partial(write_optimiser_star, f"{root}_optimiser.star",
+                    optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv)),
+        ]
+        return writes

@@ -1,0 +1,266 @@
+"""Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves).
+
+Two half sets, each refined against its own map: every iteration is one work unit per half
+(`em.estep.WorkUnit`), the half maps' FSC gives τ² and the resolution, RELION's auto-sampling
+schedule (`em.schedule`) refines the angular and translational sampling, switches to local
+searches and decides convergence; the final iteration joins the halves to Nyquist. Outputs per
+iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc, run_itNNN_half{1,2}_model.star,
+run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png; at the end run_data.star,
+run_class001.mrc, run_half{1,2}_class001_unfil.mrc and run_model.star.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine.core.arrays import array_module, to_host
+from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
+from cryorefine.core.sampling import next_perturbation
+from cryorefine.data import load_particles
+from cryorefine.em import loop, mstep, schedule
+from cryorefine.em.estep import WorkUnit, initial_noise_spectra
+from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.state import ModelState, ParticleState, RunState
+from cryorefine.errors import InputError
+from cryorefine.estep.engine import IterationSetup
+from cryorefine.images import ImageSettings
+from cryorefine.io import mrc
+from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
+                                          sampling_star_blocks, write_optimiser_star)
+from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.report import write_iteration_report
+
+log = logging.getLogger("cryorefine.refine")
+
+INITIAL_SIGMA_OFFSET_ANGSTROM = 10.0  # RELION's --offset
+
+
+def run(config, runner, argv=(), progress=None, resume_from=None):
+    """Run a refinement with `runner` (runners.serial or runners.mpi); the IterationReports (None on an MPI
+    worker). `resume_from`: a run_itNNN_optimiser.star, continued from the iteration after it."""
+    return loop.run(RefineJob(config), runner, argv, progress, resume_from)
+
+
+class RefineJob:
+    """The refinement as the iteration loop (`em.loop`) runs it."""
+
+    kind = "refine"
+    min_mpi_ranks = 3  # a master and one worker per half set
+
+    def __init__(self, config):
+        self.config = config
+        self.halves = None  # half set (1 or 2) per particle, once loaded
+        self.particles = None
+
+    # ------------------------------------------------------------------ set-up
+    def load(self):
+        config = self.config
+        if config.symmetry.upper() != "C1":
+            raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not "
+                             f"yet symmetrise the half maps); run with --sym C1")
+        particles = load_particles(config.input_star)
+        box, pixel = particles.geometry()
+        if config.do_ctf:
+            particles.require_ctf()
+        self.reference = read_reference(config.reference_map, box, pixel)
+        Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
+        self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
+        settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
+                                 config.do_ctf, config.random_seed)
+        halves = particles.half_sets(config.random_seed)
+        if "rlnRandomSubset" in particles.star.particles.columns and not np.array_equal(halves,
+                                                                                       particles.random_subset):
+            log.warning("%s: rlnRandomSubset does not split the particles into two halves; using a random split "
+                        "(seed %d)", config.input_star, config.random_seed)
+        self.members = [np.flatnonzero(halves == h) for h in (1, 2)]
+        if min(m.size for m in self.members) == 0:
+            raise InputError(f"{config.input_star}: refinement needs at least 2 particles, one per half set")
+        self.halves, self.particles = halves, particles
+        return particles, settings
+
+    def start(self, particles, settings, xp):
+        config = self.config
+        box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
+        n_optics = len(particles.optics_groups)
+        optimiser, sched = schedule.initial_schedule(config)
+        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
+                           padding_factor=config.padding_factor, pdf_class=np.ones(1),
+                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics))
+        first = lowpass_to_ini_high(self.reference.astype(np.float64), config, box, pixel)
+        model.maps = [[first.copy()], [first.copy()]]
+        model.sigma2_noise = initial_noise_spectra(particles, settings, n_optics, config.batch_size, xp)
+        if not config.ini_high_angstrom:
+            log.warning("no --ini_high: the reference is used unfiltered and the first image size is set for %.0f Å",
+                        schedule.DEFAULT_START_RESOLUTION_ANGSTROM)
+        model.current_resolution_angstrom = schedule.current_resolution(
+            box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
+        return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
+                        np.random.default_rng(config.random_seed), sched)
+
+    def resume(self, run, particles, iteration_root):
+        if run.model.ori_size_px != self.reference.shape[0]:
+            raise InputError(f"{iteration_root}_optimiser.star: the run was {run.model.ori_size_px} px, the "
+                             f"particles are {self.reference.shape[0]} px")
+        if run.particles.rot_deg.size != len(particles):
+            raise InputError(f"{iteration_root}_optimiser.star: the run had {run.particles.rot_deg.size} particles, "
+                             f"the STAR file has {len(particles)}; continue with the same --i")
+        run.model.maps = [[mrc.read_volume(f"{iteration_root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
+
+    # ------------------------------------------------------------------ one iteration
+    def plan(self, run, iteration):
+        config, model = self.config, run.model
+        box, pixel = model.ori_size_px, model.pixel_size_angstrom
+        optimiser = replace(run.optimiser, iteration=iteration)
+        optimiser = schedule.check_convergence(optimiser, run.schedule)
+        final = optimiser.do_join_halves
+        sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
+                                     box, pixel, run.schedule.incr_size_px, optimiser.has_high_fsc_at_resol_limit,
+                                     final, ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+        model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        do_cc = iteration == 1 and config.firstiter_cc
+        if not do_cc and model.tau2 is not None:
+            acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, self.diameter_angstrom,
+                                                         do_ctf=config.do_ctf)
+            optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+            model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
+        if iteration > 1:
+            optimiser, run.schedule = schedule.update_sampling(optimiser, model, config, run.schedule)
+        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+        run.optimiser = optimiser
+        units = [WorkUnit(f"half {h + 1}", self.members[h], np.zeros(1, np.int64),
+                          self._setup(model, optimiser, sampling, sizes, h, do_cc)) for h in (0, 1)]
+        return loop.IterationPlan(iteration, sizes, sampling, do_cc, units, final)
+
+    def _setup(self, model, optimiser, sampling, sizes, half, do_cc):
+        config = self.config
+        return IterationSetup(
+            projectors=None, maps=[model.maps[half][0]], sigma2_noise=model.sigma2_noise, sampling=sampling,
+            ori_size_px=model.ori_size_px, current_size_px=sizes.current_size_px, coarse_size_px=sizes.coarse_size_px,
+            pixel_size_angstrom=model.pixel_size_angstrom, log_pdf_class=np.log(np.maximum(model.pdf_class, 1e-300)),
+            sigma_offset_px=model.sigma_offset_angstrom / model.pixel_size_angstrom, do_cc=do_cc,
+            adaptive_fraction=config.adaptive_fraction, max_significants=config.max_significants,
+            local_searches=optimiser.local_searches, sigma_rot_deg=optimiser.sigma_rot_deg,
+            sigma_psi_deg=optimiser.sigma_psi_deg, scale_correction=model.scale_correction if config.do_scale else None,
+            data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
+            avg_norm_correction=model.avg_norm_correction)
+
+    def maximize(self, model, sums, plan):
+        """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
+
+        Runs where the sums are: on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU
+        engine's sums, with numpy otherwise; the maps come back to the host.
+        """
+        config = self.config
+        model = dataclasses.replace(model)
+        joined = plan.final
+        current = plan.sizes.current_size_px
+        n_shells = model.n_shells
+        xp = array_module(sums[0].data[0])
+        bps = [mstep.backprojector(s.data[0], s.weight[0], model, config, current, xp) for s in sums]
+        if joined:
+            joined_bp = mstep.backprojector(bps[0].data + bps[1].data, bps[0].weight + bps[1].weight, model, config,
+                                            current, xp)
+        avg = [bp.downsampled_average() for bp in bps]
+        fsc = np.zeros(n_shells)
+        fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
+        del avg
+        fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
+        if config.low_resol_join_halves_angstrom and not joined:
+            mstep.join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
+        tau2 = np.zeros((2, 1, n_shells))
+        ssnr = np.zeros((2, 1, n_shells))
+        ref_sigma2 = np.zeros((2, 1, n_shells))
+
+        def reconstruct(bp, whole):
+            sigma2 = to_host(bp.noise_sigma2())[:n_shells]
+            t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
+            return mstep.reconstruct_map(bp, t2, model, config, xp), sigma2, t2
+
+        maps = []
+        for h, bp in enumerate(bps):
+            volume, sigma2, t2 = reconstruct(bp, False)
+            tau2[h, 0, : t2.size] = t2
+            ref_sigma2[h, 0, : sigma2.size] = sigma2
+            s = np.asarray(ssnr_from_fsc(fsc, config.tau2_fudge, whole_instead_of_half=joined))
+            ssnr[h, 0, : s.size] = s[:n_shells]
+            maps.append([volume])
+        model.maps = maps
+        model.joined_map = reconstruct(joined_bp, True)[0] if joined else None
+        model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
+        mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
+        model.class_distribution = np.ones(1)
+        return model
+
+    def update(self, run, plan, changes):
+        config, model = self.config, run.model
+        fsc = model.fsc_halves[0]
+        optimiser, run.schedule = schedule.update_size_flags_from_fsc(run.optimiser, run.schedule, fsc,
+                                                                      plan.sizes.current_size_px)
+        res = schedule.current_resolution(model.ori_size_px, model.pixel_size_angstrom, fsc_halves=fsc,
+                                          tau2_fudge=config.tau2_fudge, halves_joined=plan.final,
+                                          iteration=plan.iteration, ini_high_angstrom=config.ini_high_angstrom,
+                                          firstiter_cc=config.firstiter_cc)
+        optimiser = schedule.update_change_counters(
+            optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
+            previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=model.pixel_size_angstrom,
+            oversampling=config.oversampling)
+        model.current_resolution_angstrom = res.resolution_angstrom
+        run.optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                                changes_optimal_classes=changes.classes)
+
+    def finished(self, run, plan):
+        return plan.final
+
+    def summary(self, run, plan, changes):
+        optimiser = run.optimiser
+        return (f"resolution {run.model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
+                f"{plan.sizes.coarse_size_px} px, healpix {optimiser.healpix_order}"
+                f"{' (local)' if optimiser.local_searches else ''}, Δangle {changes.orientations_deg:.2f}°, "
+                f"Δoffset {changes.offsets_angstrom:.2f} Å, pmax {run.model.ave_pmax:.3f}")
+
+    # ------------------------------------------------------------------ outputs
+    def outputs(self, run, plan, snapshot, timings, stages, argv):
+        """The iteration's files as callables over what they need now (the particle table and the STAR blocks are
+        built here; the maps are the model's, which the next M-step replaces rather than changes); the optimiser
+        STAR file comes last but for the final files."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        root = f"{out_root}_it{plan.iteration:03d}"
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        names, counts = particles.optics_names_and_counts()
+        table = particle_table(particles.star.particles, snapshot, self.halves, pixel)
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
+        for h in (1, 2):
+            writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
+                       partial(write_star, model_star_blocks(model, optimiser, config, h,
+                                                             [f"{root}_half{h}_class001.mrc"], names, counts),
+                               f"{root}_half{h}_model.star")]
+        writes += [partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel),
+                           f"{root}_sampling.star"),
+                   partial(write_iteration_report, f"{root}_report.png", iteration=plan.iteration,
+                           fsc=np.array(model.fsc_halves[0]), ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
+                           resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
+                           tilt_deg=snapshot.tilt_deg,
+                           timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
+                                            "M-step": timings["maximization"]},
+                           halves_joined=plan.final),
+                   partial(write_optimiser_star, f"{root}_optimiser.star",
+                           optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv))]
+        if plan.final:  # the converged run's files
+            writes += [partial(write_particle_star, particles.star, f"{out_root}_data.star", table),
+                       partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
+            writes += [partial(mrc.write_volume, f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
+                       for h in (1, 2)]
+            writes.append(partial(write_star, model_star_blocks(model, optimiser, config, None,
+                                                                [f"{out_root}_class001.mrc"], names, counts),
+                                  f"{out_root}_model.star"))
+        return writes

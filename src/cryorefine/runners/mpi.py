@@ -1,0 +1,318 @@
+"""MPI master and workers: `mpirun -n N cryorefine refine|classify ...` serves every job.
+
+Rank 0 is the master: it runs the iteration loop (`em.loop`: set-up, schedule, every output
+file) and, for each iteration's E-step, broadcasts the plan (the work units) and the model and
+hands out (work unit, batch of particle indices) on request, storing each batch's per-particle
+results as they come back. Workers (ranks 1 … N−1) are assigned work units: with at least as many
+workers as units, worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else
+worker w serves the units u with u mod W = w, one after the other. A worker reads its batches'
+images itself (the next batch's while the GPU works on the current one), runs its own engine (the
+GPU engine on one device each when CuPy sees one, else numpy; `--preread_images` keeps its
+units' images in memory) and asks for the next batch before it starts on the current one.
+
+At the end of the E-step the sums of each unit are added up by MPI reductions inside the
+communicator of the unit's workers (in chunks of host buffers) onto the unit's first worker,
+which passes them to rank 1; rank 1 runs the job's M-step (on its GPU when it has one) and sends
+the new model to the master. The M-step is the job's own code, so results do not depend on the
+number of ranks beyond the order of floating-point sums.
+
+Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
+aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A bad input found while
+the master sets the run up ends every rank with exit code 2 and one message from the master.
+
+CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of that iteration:
+the hook the failure tests use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+
+from cryorefine.data import load_particles
+from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches
+from cryorefine.em.loop import StepOutcome
+from cryorefine.errors import InputError
+from cryorefine.gpu.backend import make_backend
+
+TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
+TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
+TAG_SUMS = 13  # a unit's first worker -> rank 1: the unit's reduced sums
+TAG_MODEL = 14  # rank 1 -> master: the model after the M-step
+REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI message or reduction (128 MB)
+# the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
+SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "SLURM_LOCALID", "PMIX_LOCAL_RANK")
+
+
+def launched_with_mpi():
+    """True when this process is one of several started by mpirun/mpiexec/srun (from their environment)."""
+    for name in SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value and value.isdigit() and int(value) > 1:
+            return True
+    return False
+
+
+def rank_from_environment():
+    """This process's rank as mpirun/srun set it (0 without MPI)."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
+def half_of_rank(rank):
+    """0 (half 1) for odd ranks, 1 (half 2) for even ranks > 0: the unit of a refinement's worker."""
+    return (rank - 1) % 2
+
+
+def units_of_worker(worker, n_workers, n_units):
+    """The work units worker `worker` (0-based, of `n_workers`) serves, in the order it serves them."""
+    if n_workers >= n_units:
+        return [worker % n_units]
+    return [u for u in range(n_units) if u % n_workers == worker]
+
+
+def holder_of_unit(unit, n_workers):
+    """The worker that holds a unit's reduced sums (its first worker)."""
+    return unit % n_workers
+
+
+def _local_rank(rank):
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return rank
+
+
+def _abort(comm, exc):
+    """One line naming the rank, host and cause, then end every rank of the job."""
+    rank = comm.Get_rank()
+    message = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+    sys.stderr.write(f"cryorefine: error: rank {rank} on {socket.gethostname()}: {message}\n")
+    sys.stderr.flush()
+    time.sleep(1.0)  # let mpirun forward the line before the abort tears the job down
+    comm.Abort(2)
+
+
+class MpiRunner:
+    """The master (rank 0) runs the loop; the workers serve it (`serve`)."""
+
+    def __init__(self, config, min_ranks):
+        from mpi4py import MPI
+
+        self.config = config
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size < min_ranks:
+            if self.rank == 0:
+                raise InputError(f"mpirun -n {self.size}: this job needs at least {min_ranks} MPI ranks (a master "
+                                 f"and {'one worker per half set' if min_ranks > 2 else 'a worker'}); run with -n "
+                                 f"{min_ranks} or more, or without mpirun")
+            sys.exit(2)
+        self.leads = self.rank == 0
+        self.n_workers = self.size - 1
+        # the workers alone (rank 1 is worker 0), to split into the communicators of units
+        self.workers = self.comm.Split(MPI.UNDEFINED if self.rank == 0 else 0, self.rank)
+        self.announced = False
+        self._unit_comms = {}
+
+    @property
+    def array_module(self):
+        return np  # the master prepares images (the initial noise spectra) on the host
+
+    # ------------------------------------------------------------------ master
+    @contextlib.contextmanager
+    def session(self):
+        """The master's run: a failure before the workers were told the run is set up ends every rank with
+        the master's message; after that, it aborts the job."""
+        try:
+            yield self
+        except BaseException as exc:
+            if not self.announced:  # nothing distributed yet: every rank ends quietly, the master reports
+                self.comm.bcast(("error", None), root=0)
+                raise
+            _abort(self.comm, exc)
+        self.comm.bcast(("stop", None), root=0)
+
+    def announce(self, particles, settings):
+        """First broadcast: the run is set up (the workers load the particles and go on)."""
+        self.comm.bcast(("setup", settings), root=0)
+        self.announced = True
+
+    def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress):
+        from mpi4py import MPI
+
+        comm = self.comm
+        tic = time.perf_counter()
+        comm.bcast(("iteration", (plan, model, previous)), root=0)
+        batch_size = self.config.batch_size
+        queues = [deque(particles.batches(batch_size, unit.members)) for unit in plan.units]
+        n_units = len(plan.units)
+        served = {w: units_of_worker(w, self.n_workers, n_units) for w in range(self.n_workers)}
+        workers_left, outstanding = self.n_workers, 0
+        status = MPI.Status()
+        while workers_left or outstanding:
+            while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=status):
+                time.sleep(0.0005)  # poll gently: the master must not take a core from the workers
+            source = status.Get_source()
+            kind, payload = comm.recv(source=source, tag=TAG_REQUEST)
+            if kind == "result":
+                _, indices, result = payload
+                store(indices, result)
+                outstanding -= 1
+                if progress:
+                    progress(indices.size, len(particles))
+                continue
+            unit = next((u for u in served[source - 1] if queues[u]), None)
+            if unit is None:
+                comm.send(None, dest=source, tag=TAG_WORK)
+                workers_left -= 1
+            else:
+                comm.send((unit, queues[unit].popleft()), dest=source, tag=TAG_WORK)
+                outstanding += 1
+        stages, flops = {}, {}
+        for worker_stages, worker_flops in comm.gather(({}, {}), root=0)[1:]:  # the workers' E-steps are over
+            add_counts(stages, worker_stages)
+            add_counts(flops, worker_flops)
+        expectation = time.perf_counter() - tic
+        tic = time.perf_counter()
+        new_model = comm.recv(source=1, tag=TAG_MODEL)  # the M-step runs on rank 1
+        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)
+
+    # ------------------------------------------------------------------ workers
+    def serve(self, job):
+        """A worker's run: E-steps of its units and, on rank 1, the M-steps, until the master stops."""
+        try:
+            self._serve(job)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
+            _abort(self.comm, exc)
+
+    def _serve(self, job):
+        comm = self.comm
+        kind, settings = comm.bcast(None, root=0)
+        if kind != "setup":  # the master could not set the run up and says why
+            sys.exit(2)
+        particles = load_particles(self.config.input_star, check_stacks=False)
+        backend = make_backend(self._worker_config())
+        with backend.run_scope():
+            while True:
+                kind, payload = comm.bcast(None, root=0)
+                if kind != "iteration":
+                    return
+                plan, model, previous = payload
+                with backend.iteration_scope():
+                    self._iteration(job, backend, particles, settings, plan, model, previous)
+
+    def _iteration(self, job, backend, particles, settings, plan, model, previous):
+        comm, worker = self.comm, self.rank - 1
+        n_units = len(plan.units)
+        mine = units_of_worker(worker, self.n_workers, n_units)
+        stages, flops = {}, {}
+        inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
+                             self.config.do_norm)
+
+        def on_result(u, indices, result):
+            comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
+
+        preread = np.concatenate([plan.units[u].members for u in mine]) if self.config.preread_images else None
+        with particles.image_reader(preread) as reader:
+            sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
+                               on_result, stages, flops)
+        host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u])) for u in mine}
+        del sums
+        host = self._reduce(host, plan, n_units)
+        comm.gather((stages, flops), root=0)
+        if worker == 0:
+            all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers))
+                        for u in range(n_units)]
+            with backend.maximization_scope():
+                for s in all_sums:
+                    s.data = [backend.asarray(d) for d in s.data]
+                    s.weight = [backend.asarray(w) for w in s.weight]
+                new_model = job.maximize(model, all_sums, plan)
+                del all_sums
+            comm.send(new_model, dest=0, tag=TAG_MODEL)
+        else:
+            for u, s in host.items():
+                self._send_sums(s, dest=1)
+
+    def _work(self, iteration):
+        """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""
+        comm = self.comm
+        fault_rank, _, fault_iteration = os.environ.get("CRYOREFINE_FAULT", "").partition(":")
+        while True:
+            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
+            item = comm.recv(source=0, tag=TAG_WORK)
+            if item is None:
+                return
+            if fault_rank == str(self.rank) and fault_iteration == str(iteration):
+                raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
+            yield item
+
+    def _worker_config(self):
+        """This worker's engine: its GPU (from --gpu, else local rank modulo the visible GPUs)."""
+        config = self.config
+        if config.engine != "cuda":
+            return config
+        worker = self.rank - 1
+        if config.gpu_ids:
+            device = config.gpu_ids[worker % len(config.gpu_ids)]
+        else:
+            import cupy
+
+            device = _local_rank(self.rank) % max(1, cupy.cuda.runtime.getDeviceCount())
+        return replace(config, gpu_ids=(device,))
+
+    # ------------------------------------------------------------------ sums
+    def _reduce(self, sums, plan, n_units):
+        """{unit: host WeightedSums} of this worker after the reduction over each unit's workers: the sums of the
+        units this worker holds (`holder_of_unit`), nothing for the others."""
+        from mpi4py import MPI
+
+        worker = self.rank - 1
+        if self.n_workers < n_units:  # each unit has one worker, which holds it
+            return {u: s.unpack(s.pack()) for u, s in sums.items()}
+        (u, s), = sums.items()
+        if n_units not in self._unit_comms:
+            self._unit_comms[n_units] = self.workers.Split(worker % n_units, worker)
+        unit_comm = self._unit_comms[n_units]
+        root = unit_comm.Get_rank() == 0
+        totals = []
+        for flat in s.pack():
+            out = np.zeros_like(flat) if root else None
+            for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+                stop = min(flat.size, start + REDUCE_CHUNK_ELEMENTS)
+                unit_comm.Reduce(flat[start:stop], out[start:stop] if root else None, op=MPI.SUM, root=0)
+            totals.append(out)
+        return {u: s.unpack(totals)} if root else {}
+
+    def _send_sums(self, sums, dest):
+        for flat in sums.pack():
+            for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+                self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest, tag=TAG_SUMS)
+
+    def _receive_sums(self, unit, holder):
+        """A unit's sums sent by its holder (`_send_sums`), received into the unit's shapes."""
+        template = empty_sums(unit)
+        totals = []
+        for like in template.pack():
+            flat = np.empty(like.size)
+            for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+                self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=holder + 1, tag=TAG_SUMS)
+            totals.append(flat)
+        return template.unpack(totals)

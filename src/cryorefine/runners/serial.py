@@ -1,0 +1,63 @@
+"""One process runs the whole job: every work unit's batches in turn on its backend (the GPU engine
+when CuPy sees a device, else numpy), then the job's M-step on the same backend."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from cryorefine.em.estep import BatchInputs, empty_sums, run_batches
+from cryorefine.em.loop import StepOutcome
+
+
+class SerialRunner:
+    """Runs the E- and M-steps in this process on `backend` (gpu.backend)."""
+
+    leads = True  # runs the iteration loop itself
+
+    def __init__(self, backend, batch_size, preread_images=False):
+        self.backend = backend
+        self.batch_size = int(batch_size)
+        self.preread_images = bool(preread_images)
+
+    @property
+    def array_module(self):
+        return self.backend.array_module
+
+    @contextlib.contextmanager
+    def session(self):
+        """The whole run inside the backend's run scope (the GPU arena)."""
+        with self.backend.run_scope():
+            yield self
+
+    def announce(self, particles, settings):
+        """Nothing to tell: there are no workers."""
+
+    def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress):
+        tic = time.perf_counter()
+        stages, flops = {}, {}
+        inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
+                             job.config.do_norm)
+        work = ((u, indices) for u, unit in enumerate(plan.units)
+                for indices in particles.batches(self.batch_size, unit.members))
+
+        def on_result(u, indices, result):
+            store(indices, result)
+            if progress:
+                progress(indices.size, len(particles))
+
+        with self.backend.iteration_scope():
+            preread = np.arange(len(particles)) if self.preread_images else None
+            with particles.image_reader(preread) as reader:
+                sums = run_batches(self.backend, plan.units, work, particles, settings, inputs, reader, on_result,
+                                   stages, flops)
+            sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module)
+                    for u, unit in enumerate(plan.units)]
+            expectation = time.perf_counter() - tic
+            tic = time.perf_counter()
+            with self.backend.maximization_scope():
+                new_model = job.maximize(model, sums, plan)
+            del sums
+        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)

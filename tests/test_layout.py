@@ -1,0 +1,107 @@
+"""The package's imports run one way: no cycles, no private names across modules, layers respected.
+
+Walks the source with `ast` (nothing is imported), so a cycle hidden inside a function still counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cryorefine"
+
+# higher layers may import lower ones, never the reverse (cli → jobs → runners → em → the rest)
+LAYERS = {"cli": 5, "__main__": 5, "jobs": 4, "runners": 3, "em": 2}
+BOTTOM = 1  # estep, gpu, io, core, data, images, report, density, config, errors …
+
+
+def module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path):
+    """(imported module, [names], line) of every import in a file, relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.append((base, [a.name for a in node.names], node.lineno))
+    return found
+
+
+def graph():
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names, _ in imports_of(path):
+            if not module.startswith("cryorefine"):
+                continue
+            for imported in names or [None]:  # `from pkg import module` imports the module
+                full = f"{module}.{imported}" if imported and f"{module}.{imported}" in modules else module
+                if full in modules and full != name:
+                    targets.add(full)
+        edges[name] = targets
+    return modules, edges
+
+
+def layer(module):
+    parts = module.split(".")
+    return LAYERS.get(parts[1], BOTTOM) if len(parts) > 1 else BOTTOM
+
+
+def test_there_is_no_import_cycle():
+    _, edges = graph()
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(edges[node]):
+            if state.get(target) == "open":
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules, _ = graph()
+    offences = []
+    for name, path in modules.items():
+        for module, names, line in imports_of(path):
+            if module.startswith("cryorefine") and module != name:
+                offences += [f"{path.name}:{line} imports {module}.{n}" for n in names if n.startswith("_")
+                             and not n.startswith("__")]
+    assert not offences, offences
+
+
+def test_imports_run_from_the_command_line_down_to_the_engines():
+    _, edges = graph()
+    upward = [f"{a} -> {b}" for a, targets in edges.items() for b in targets
+              if layer(b) > layer(a) and not (a == "cryorefine" or b.endswith("__init__"))]
+    assert not upward, upward
+
+
+def test_the_walk_sees_the_package():
+    """The checks above are only as good as the graph: it must hold the modules and the edges we know of."""
+    modules, edges = graph()
+    assert {"cryorefine.cli", "cryorefine.em.loop", "cryorefine.runners.mpi", "cryorefine.jobs.refine"} <= set(modules)
+    assert "cryorefine.em.loop" in edges["cryorefine.jobs.refine"]
+    assert "cryorefine.em.estep" in edges["cryorefine.runners.mpi"]
