@@ -169,7 +169,7 @@ def run_job(name, star, reference, work, args, iterations=None):
         arguments += ["--iter", str(iterations)]
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
     config = config_from_arguments(command, arguments)
-    from cryorefine.gpu.backend import make_backend
+    from cryorefine.estep.backend import make_backend
     from cryorefine.jobs import classify, refine
     from cryorefine.runners.serial import SerialRunner
 
@@ -330,7 +330,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
-        from cryorefine.gpu.backend import cupy_available
+        from cryorefine.estep.backend import cupy_available
 
         args.engine = "cuda" if cupy_available() else "numpy"
     tiny = args.engine == "numpy"

@@ -124,11 +124,11 @@ def measure_fp32_peak(cp):
 
 def time_coarse_kernel(cp, n_particles, n_translations, n_orientations, n_coef, repeats=5):
     """The coarse_diff2 kernel alone on the shapes of one batch; also cuBLAS SGEMM (cupy.matmul) on them."""
-    from cryorefine.estep.cuda import GEMM_BK, GEMM_BM, GEMM_BN, _round_up, kernel_module
+    from cryorefine.estep.kernels import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, kernel_module, round_up
 
     rng = cp.random.default_rng(0)
     m = n_particles * n_translations
-    lda, ldb, kd = _round_up(m, GEMM_BM), _round_up(n_orientations, GEMM_BN), _round_up(2 * n_coef, GEMM_BK)
+    lda, ldb, kd = round_up(m, GEMM_BM), round_up(n_orientations, GEMM_BN), round_up(2 * n_coef, GEMM_BK)
     a = rng.standard_normal((kd, lda), dtype=cp.float32)
     b = rng.standard_normal((kd, ldb), dtype=cp.float32)
     a[2 * n_coef:] = 0  # the padding rows are zero in the engine too
@@ -141,7 +141,7 @@ def time_coarse_kernel(cp, n_particles, n_translations, n_orientations, n_coef, 
             np.int32(n_translations), row, pair, np.int32(0), np.int32(n_orientations), np.int32(0), out)
 
     def launch():
-        fn((ldb // GEMM_BN, lda // GEMM_BM), (256,), args)
+        fn((ldb // GEMM_BN, lda // GEMM_BM), (GEMM_THREADS,), args)
 
     def timed(f):
         f()
@@ -260,7 +260,7 @@ def main(argv=None):
         setup, batch = make_inputs(n, args.particles, args.snr, seed=n, xp=cp)
         print(f"box {n}: inputs in {time.perf_counter() - tic:.1f} s", flush=True)
         gpu = run_gpu(cp, setup, batch, args.batch, args.free_gpu_memory)
-        from cryorefine.estep.reference import Coefficients
+        from cryorefine.estep.common import Coefficients
 
         kc = Coefficients.create(n).positions.size
         kernel = time_coarse_kernel(cp, min(args.batch, args.particles), setup.sampling.n_translations,

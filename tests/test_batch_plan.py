@@ -1,6 +1,6 @@
 """The GPU engine's batch and chunk sizes, chosen from free device memory (pure arithmetic: runs on the CPU)."""
 
-from cryorefine.estep.cuda import plan_batches
+from cryorefine.estep.cuda_plan import plan_batches
 
 
 def sizes(free_gb, box=360):

@@ -9,8 +9,9 @@ import pytest
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling
+from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
-from cryorefine.estep.reference import Coefficients, NumpyEngine
+from cryorefine.estep.reference import NumpyEngine
 from conftest import cupy_or_skip, run_cli
 
 pytestmark = pytest.mark.gpu
@@ -81,8 +82,22 @@ def run_both(cp, setup, batch):
 
 
 # ---------------------------------------------------------------------------------------- kernels
+def test_kernel_modules_are_compiled_once_per_device_and_instances(cp):
+    from cryorefine.estep.kernels import KERNEL_DIR, KERNEL_FILES, fine_kernel_names, kernel_module, kernel_source
+
+    source = kernel_source()
+    for name in KERNEL_FILES:  # compiler messages name the .cu file and its line
+        assert f'#line 1 "{KERNEL_DIR / name}"\n' in source
+    device = cp.cuda.runtime.getDevice()
+    plain = kernel_module()
+    assert kernel_module(device_id=device) is plain
+    names = fine_kernel_names(8, 4)
+    assert kernel_module(names, device) is kernel_module(list(names)) is not plain
+    assert kernel_module(names).get_function(names[0]) is not None
+
+
 def test_projection_kernel_matches_projector(cp):
-    from cryorefine.estep.cuda import kernel_module
+    from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(1)
     n = 48
@@ -105,7 +120,7 @@ def test_projection_kernel_matches_projector(cp):
 
 
 def test_backprojection_kernel_matches_backprojector(cp):
-    from cryorefine.estep.cuda import kernel_module
+    from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(2)
     n, rows = 32, 40
@@ -133,7 +148,7 @@ def test_backprojection_kernel_matches_backprojector(cp):
 
 
 def test_segment_reductions_match_numpy(cp):
-    from cryorefine.estep.cuda import kernel_module
+    from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(3)
     sizes = rng.integers(1, 3000, 20)
@@ -295,7 +310,7 @@ def test_refinement_on_the_gpu_matches_the_cpu(cp, tmp_path):
         assert fsc[1:shell_limit + 1].min() >= 0.99, (half, fsc[: shell_limit + 1])
     a = starfile.read(tmp_path / "cpu" / "run_it003_data.star")["particles"]
     b = starfile.read(tmp_path / "gpu" / "run_it003_data.star")["particles"]
-    from cryorefine import schedule
+    from cryorefine.em import schedule
 
     angles = schedule.angular_distance_deg(a["rlnAngleRot"].to_numpy(), a["rlnAngleTilt"].to_numpy(),
                                            a["rlnAnglePsi"].to_numpy(), b["rlnAngleRot"].to_numpy(),
@@ -311,9 +326,10 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
 
     from cryorefine.cli import main
     from cryorefine.config import RefineConfig
-    from cryorefine.estep.cuda import CudaEngines
-    from cryorefine.plan import GpuSpec, plan_run
-    from cryorefine.refine import refine
+    from cryorefine.estep.backend import CudaBackend
+    from cryorefine.jobs.plan import GpuSpec, plan_run
+    from cryorefine.jobs.refine import run as run_refine
+    from cryorefine.runners.serial import SerialRunner
 
     example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
     try:
@@ -324,12 +340,12 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
     config = RefineConfig(input_star=str(tmp_path / "sim" / "particles.star"), output_root=str(tmp_path / "run"),
                           reference_map=str(example), ini_high_angstrom=30.0, do_ctf=True, max_iterations=1,
                           engine="cuda", gpu_ids=(0,))
-    factory = CudaEngines(0, config.free_gpu_memory_mb)
-    refine(config, make_engine=factory)
-    measured = factory.high_water_bytes["total"]
+    backend = CudaBackend(0, config.free_gpu_memory_mb)
+    run_refine(config, SerialRunner(backend, config.batch_size))
+    measured = backend.high_water_bytes["total"]
     predicted = plan_run(config, GpuSpec.detect(0)).get("moments")[0].peak_bytes
     print(f"plan: first iteration predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB "
-          f"(per scope {factory.high_water_bytes})")
+          f"(per scope {backend.high_water_bytes})")
     assert measured <= predicted <= 4 * measured + (64 << 20)
 
 
@@ -387,7 +403,7 @@ def test_simulation_on_the_device_makes_the_same_stack(cp, tmp_path):
 
     from cryorefine.core.fourier import downsample_volume
     from cryorefine.io.mrc import read_volume, write_volume
-    from cryorefine.simulate import SimulationOptions, simulate
+    from cryorefine.jobs.simulate import SimulationOptions, simulate
 
     example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
     write_volume(tmp_path / "ref.mrc", downsample_volume(read_volume(example)[0], 40), 9.6)
@@ -414,7 +430,7 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
     from cryorefine.data import load_particles
     from cryorefine.gpu.allocator import DeviceArena, Scope
     from cryorefine.images import ImageSettings
-    from cryorefine.refine import _initial_noise
+    from cryorefine.em.estep import initial_noise_spectra
 
     star, _ = make_particle_set(tmp_path, n=120, box=64, pixel_size=2.0, seed=1)
     particles = load_particles(star)
@@ -423,7 +439,7 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
     for batch_size in (60, 4):
         arena = DeviceArena(capacity_bytes=256 << 20)
         with arena.installed(), arena.scope(Scope.GLOBAL):
-            _initial_noise(particles, settings, 1, batch_size, xp=cp)
+            initial_noise_spectra(particles, settings, 1, batch_size, xp=cp)
             assert arena.top == 0
         peaks[batch_size] = arena.high_water_bytes
         arena.close()
@@ -434,7 +450,7 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
 def test_significance_on_the_device_matches_the_numpy_engine(cp):
     from types import SimpleNamespace
 
-    from cryorefine.estep.cuda import significant_samples
+    from cryorefine.estep.common import significant_samples
 
     rng = np.random.default_rng(21)
     breadth = np.geomspace(0.05, 100.0, 64)[:, None]

@@ -6,8 +6,9 @@ import pytest
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling
+from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
-from cryorefine.estep.reference import Coefficients, NumpyEngine
+from cryorefine.estep.reference import NumpyEngine
 
 N = 16
 
@@ -186,18 +187,16 @@ def test_coefficients_cover_the_half_plane_once():
                 assert (x, y) in full or (-x, -y) in full
 
 
-def test_fine_pass_in_groups_gives_the_same_result(problem, monkeypatch):
+def test_fine_pass_in_groups_gives_the_same_result(problem):
     """Splitting a batch's fine pass into groups of particles (to bound memory) changes nothing."""
-    from cryorefine.estep import reference
-
     rng, volume, projector, sampling, sigma2 = problem
     images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
     images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.05)
     batch = make_batch(images, np.ones((5, N, N // 2 + 1)), rng.uniform(-1, 1, (5, 2)))
     outputs = []
     for limit in (1 << 20, 1):  # one group; one particle per group
-        monkeypatch.setattr(reference, "_MAX_FINE_SAMPLES", limit)
         engine = NumpyEngine()
+        engine.fine_samples_per_group = limit
         engine.setup(setup_for(projector, sampling, sigma2 * 100))
         outputs.append((engine.run(batch), engine.sums()))
     (a, sa), (b, sb) = outputs
@@ -224,8 +223,7 @@ def _weight_rows(seed, n_rows=40, n_samples=5000):
 def test_significance_on_candidates_equals_the_full_sort(fraction, max_sig):
     from types import SimpleNamespace
 
-    from cryorefine.estep.cuda import significant_samples
-    from cryorefine.estep.reference import NumpyEngine
+    from cryorefine.estep.common import significant_samples
 
     weights = _weight_rows(11)
     owner = SimpleNamespace(setup_=SimpleNamespace(adaptive_fraction=fraction, max_significants=max_sig))

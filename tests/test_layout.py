@@ -10,9 +10,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cryorefine"
 
-# higher layers may import lower ones, never the reverse (cli → jobs → runners → em → the rest)
-LAYERS = {"cli": 5, "__main__": 5, "jobs": 4, "runners": 3, "em": 2}
-BOTTOM = 1  # estep, gpu, io, core, data, images, report, density, config, errors …
+# higher layers may import lower ones, never the reverse (cli → jobs → runners → em → the rest → gpu)
+LAYERS = {"cli": 6, "__main__": 6, "jobs": 5, "runners": 4, "em": 3, "gpu": 1, "errors": 1}
+BOTTOM = 2  # estep, io, core, data, images, report, density, config …
 
 
 def module_name(path):

@@ -226,7 +226,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     if "--gpu" in from_command_line or "--cpu" in from_command_line:
         engine = engine_options(gpu, force_cpu, free_gpu_memory)
     else:  # the run's own engine, where it can run
-        from cryorefine.gpu.backend import cupy_available
+        from cryorefine.estep.backend import cupy_available
 
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
                   "free_gpu_memory_mb": free_gpu_memory}
@@ -363,7 +363,7 @@ def parse_gpu_ids(text):
 
 def engine_options(gpu, force_cpu, free_gpu_memory):
     """The engine fields of RefineConfig from --gpu/--cpu/--free_gpu_memory."""
-    from cryorefine.gpu.backend import cupy_available
+    from cryorefine.estep.backend import cupy_available
 
     if gpu is not None and force_cpu:
         raise click.UsageError("--gpu and --cpu exclude each other; give one")

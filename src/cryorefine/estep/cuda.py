@@ -1,7 +1,8 @@
 """The CuPy engine: the E-step of `estep.reference.NumpyEngine` on one GPU, with RawKernels.
 
-Same contract (`estep.engine`) and the same arithmetic as the numpy engine at float32, stage
-by stage (the kernels live in `estep/kernels/*.cu`, each with its numpy twin):
+Same contract (`estep.engine`), the same set-up tables (`estep.common.IterationTables`) and the same
+arithmetic as the numpy engine at float32, stage by stage (the kernels live in `estep/kernels/*.cu`,
+each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 
 1. coarse pass: the projected slices of every orientation (`project_slices_planar`), the images
    moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
@@ -17,7 +18,7 @@ by stage (the kernels live in `estep/kernels/*.cu`, each with its numpy twin):
 Device memory comes from the stack arena (`gpu.allocator`) when one is given: the loop opens
 the ITERATION scope, every sub-batch of particles a PARTICLE scope and every orientation or
 block chunk an ORIENTATION scope. Sub-batch and chunk sizes follow from the arena's free
-space and the current image sizes (`BatchPlan`); the choices are logged.
+space and the current image sizes (`estep.cuda_plan.plan_batches`); the choices are logged.
 """
 
 from __future__ import annotations
@@ -26,62 +27,19 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
+from cryorefine.estep.common import FineBlocks, IterationTables, groups_by_size, significant_samples
+from cryorefine.estep.cuda_plan import plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
-from cryorefine.estep.reference import Coefficients, FineBlocks, inverse_sigma2
+from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_GRID_Y, SEG_THREADS,
+                                      fine_kernel_names, kernel_module, round_up)
 
 log = logging.getLogger(__name__)
-
-KERNEL_DIR = Path(__file__).with_name("kernels")
-KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segments.cu")
-GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
-FINE_THREADS = 128
-SEG_THREADS = 256
-FINE_SAMPLES_PER_GROUP_MAX = 1 << 22
-FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
-
-
-def cupy_available():
-    """True when CuPy imports and sees at least one CUDA device."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_module(name_expressions=()):
-    """The kernels of KERNEL_FILES compiled once per process (and per set of template instances).
-
-    Every file comes with a `#line` directive so compiler messages name the .cu file and line.
-    """
-    import cupy
-
-    defines = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
-               "SEG_THREADS": SEG_THREADS}
-    parts = [f"#define {k} {v}" for k, v in defines.items()]
-    for name in KERNEL_FILES:
-        path = KERNEL_DIR / name
-        parts.append(f'#line 1 "{path}"')
-        parts.append(path.read_text())
-    return cupy.RawModule(code="\n".join(parts), options=("-std=c++17",), name_expressions=name_expressions)
-
-
-def _fine_names(nfo, nft):
-    return (f"fine_diff2<{nfo}, {nft}, false>", f"fine_diff2<{nfo}, {nft}, true>", f"fine_sums<{nfo}, {nft}>")
-
-
-def _round_up(value, multiple):
-    return (int(value) + multiple - 1) // multiple * multiple
 
 
 def _i32(v):
@@ -92,99 +50,13 @@ def _f32(v):
     return np.float32(v)
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """Sizes of one iteration's device work, chosen from the free device memory."""
-
-    particles_per_batch: int  # particles per sub-batch on the device
-    orientations_per_chunk: int  # coarse orientations projected and compared at once
-    cache_coarse_slices: bool  # the coarse slices of all orientations kept for the iteration
-    fine_samples_per_group: int  # fine samples (children) per group of particles
-    slice_rows_per_chunk: int  # per-orientation slices accumulated before back-projection
-
-    def describe(self):
-        return (f"{self.particles_per_batch} particles per batch, {self.orientations_per_chunk} orientations "
-                f"per chunk{' (coarse slices cached)' if self.cache_coarse_slices else ''}, "
-                f"{self.fine_samples_per_group} fine samples per group, {self.slice_rows_per_chunk} slices "
-                f"per back-projection")
-
-
-def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
-    """Device bytes one particle of a sub-batch takes: shifted images 2·Kc·T·4, coarse weights
-    (diff2 float32; weights, sorted copy, cumulative sums float64) 36·K·R·T, its images, CTF
-    and their uploaded half transforms about 120·Kf, fine-pass tables about 24·Kf."""
-    return (2 * n_coarse_coef * n_translations * 4 + 36 * n_classes * n_orientations * n_translations
-            + 144 * n_fine_coef)
-
-
-def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
-                 children_per_block):
-    """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
-
-    The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
-    the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
-    and cumulative sums float64) 4·8·K·R·T; per fine sample about 64 bytes; per slice row
-    12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
-    """
-    free = max(int(free_bytes), 1 << 20)
-    kc, kf = int(n_coarse_coef), int(n_fine_coef)
-    slice_bytes = 3 * _round_up(2 * kc, GEMM_BK) * 4 // 2
-    all_slices = slice_bytes * n_orientations * n_classes
-    cache = all_slices <= free // 4
-    budget = free - (all_slices if cache else 0)
-    chunk = n_orientations if cache else max(GEMM_BN, min(n_orientations, (budget // 8) // max(slice_bytes, 1)))
-    chunk = min(chunk, n_orientations)
-    per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
-    particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
-    # ≈ 160 device bytes per fine sample at peak; at most 4M samples (≈ 0.7 GB) per group of particles
-    fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // 160))
-    rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
-    return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
-
-
 @functools.lru_cache(maxsize=None)
 def _log_weight_kernel(cp):
-    """(prior_a + prior_b) − diff2 in float64, broadcasting its inputs (the numpy engine's order of operations)."""
+    """(prior_a + prior_b) − diff2 in float64, broadcasting its inputs (the numpy engine's order of operations).
+
+    An ElementwiseKernel: CuPy compiles it for each device it is launched on, so one object serves all."""
     return cp.ElementwiseKernel("float64 prior_a, float64 prior_b, float32 diff2", "float64 out",
                                 "out = (prior_a + prior_b) - (double)diff2", "cryorefine_coarse_log_weight")
-
-
-def significant_samples(weights, adaptive_fraction, max_significants, xp):
-    """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
-
-    The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
-    at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
-    the samples before the cut are all candidates, and sorting a row's candidates gives the same count
-    as sorting the whole row (up to the last bits of the row total, summed pairwise here and in sequence
-    there, which only matters for a weight exactly at the cut). Rows of a converged refinement hold a few hundred candidates among
-    hundreds of thousands of samples.
-    """
-    b_count, n_samples = weights.shape
-    total = weights.sum(axis=1)
-    epsilon = (1.0 - adaptive_fraction) * total / (2.0 * n_samples)
-    candidate = weights > epsilon[:, None]
-    counts = candidate.sum(axis=1)
-    width = max(1, int(counts.max()))
-    rows, cols = xp.nonzero(candidate)
-    del candidate
-    starts = xp.cumsum(counts) - counts
-    packed = xp.zeros((b_count, width), dtype=weights.dtype)
-    packed[rows, xp.arange(rows.size) - starts[rows]] = weights[rows, cols]
-    del rows, cols
-    sorted_w = -xp.sort(-packed, axis=1)
-    del packed
-    if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)
-        n_sig = xp.maximum(counts, 1)
-    else:
-        cum = xp.cumsum(sorted_w, axis=1)
-        n_sig = xp.sum(cum < adaptive_fraction * total[:, None], axis=1) + 1
-        del cum
-        n_sig = xp.minimum(n_sig, xp.maximum(counts, 1))
-    if max_significants > 0:
-        n_sig = xp.minimum(n_sig, max_significants)
-    threshold = sorted_w[xp.arange(b_count), n_sig - 1]
-    mask = (weights >= threshold[:, None]) & (weights > 0)
-    return mask, n_sig
 
 
 class CupyEngine:
@@ -207,8 +79,9 @@ class CupyEngine:
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
         self.stage_flops = {"coarse": 0.0, "fine": 0.0}
-        self.plan = None
+        self.plan = None  # estep.cuda_plan.BatchPlan of the iteration
         self.setup_ = None
+        self.tables = None  # estep.common.IterationTables of the iteration
 
     # ------------------------------------------------------------------ helpers
     def _scope(self, level):
@@ -232,56 +105,37 @@ class CupyEngine:
     def setup(self, setup: IterationSetup):
         cp = self.cp
         s = self.setup_ = setup
+        t = self.tables = IterationTables.create(s)
         with cp.cuda.Device(self.device_id):
-            self.n_classes = len(s.projectors) if s.projectors else len(s.maps)
-            self.fine = Coefficients.create(s.current_size_px)
-            self.coarse = Coefficients.create(s.coarse_size_px)
-            sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
-            self.minv_fine = cp.asarray(inverse_sigma2(sigma2, self.fine.shell, False), dtype=cp.float32)
-            self.minv_store = cp.asarray(inverse_sigma2(sigma2, self.fine.shell, True), dtype=cp.float32)
-            minv_coarse = inverse_sigma2(sigma2, self.coarse.shell, False)
-            self.minv_coarse = cp.asarray(minv_coarse, dtype=cp.float32)
-            shell = self.fine.shell
-            valid = (shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1])
-            self.logsigma2 = np.where(valid, np.log(2 * np.pi * np.maximum(
-                sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300)), 0.0).sum(axis=1)
+            # host tables (float64, as the numpy engine's), and their device copies the kernels read
+            self.n_classes = t.n_classes
+            self.fine, self.coarse = t.fine, t.coarse
+            self.coarse_sel = t.coarse_selection
+            self.logsigma2 = t.logsigma2
+            self.n_orient, self.n_trans = t.n_orientations, t.n_translations
+            self.n_fo, self.n_ft, self.children = t.n_fine_orientations, t.n_fine_translations, t.children_per_block
+            self.matrices_host = t.matrices.reshape(-1, 9)
+            self.translations, self.fine_translations = t.translations, t.fine_translations  # (T, 2), (T, nft, 2)
+            self.direction_of, self.psi_index_of = t.direction_of, t.psi_index_of
+            self.scale = t.scale
+            self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
+            self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
+            self._fine_angles = self._fine_matrices = self._fine_known = None  # filled on demand
+
+            self.minv_fine = cp.asarray(t.minv_fine, dtype=cp.float32)
+            self.minv_store = cp.asarray(t.minv_store, dtype=cp.float32)
+            self.minv_coarse = cp.asarray(t.minv_coarse, dtype=cp.float32)
             self.fine_positions_d = cp.asarray(self.fine.positions)
             self.kx_f = cp.asarray(self.fine.kx, dtype=cp.float32)
             self.ky_f = cp.asarray(self.fine.ky, dtype=cp.float32)
             self.kx_c = cp.asarray(self.coarse.kx, dtype=cp.float32)
             self.ky_c = cp.asarray(self.coarse.ky, dtype=cp.float32)
-            self.shell_f = cp.asarray(np.minimum(shell, 2 ** 31 - 1), dtype=cp.int32)
-            r2 = self.fine.kx ** 2 + self.fine.ky ** 2
-            self.coarse_sel = np.flatnonzero(r2 <= (s.coarse_size_px / 2) ** 2)
-            assert self.coarse_sel.size == self.coarse.positions.size
-
-            sampling = s.sampling
-            self.n_orient = sampling.n_orientations
-            self.n_trans = sampling.n_translations
-            self.n_fo = sampling.n_fine_orientations()
-            self.n_ft = sampling.n_fine_translations()
-            self.children = self.n_fo * self.n_ft
-            mats = np.asarray(sampling.orientation_matrices(), dtype=np.float64).reshape(-1, 9)
-            self.matrices_host = mats
-            self.translations = np.asarray(sampling.translations_px(), dtype=np.float64)
-            self.fine_translations = np.asarray(sampling.fine_translations_px(np.arange(self.n_trans)),
-                                                dtype=np.float64)  # (T, nft, 2)
+            self.shell_f = cp.asarray(np.minimum(self.fine.shell, 2 ** 31 - 1), dtype=cp.int32)
             self.trans_d = cp.asarray(self.translations, dtype=cp.float32)
             self.fine_trans_d = cp.asarray(self.fine_translations, dtype=cp.float32)
             self.fine_trans_d64 = cp.asarray(self.fine_translations, dtype=cp.float64)
-            self.direction_of = np.arange(self.n_orient) // sampling.n_psi
-            self.psi_index_of = np.arange(self.n_orient) % sampling.n_psi
             self.direction_of_d = cp.asarray(self.direction_of)
-            self._fine_angles = self._fine_matrices = self._fine_known = None  # filled on demand
-            self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
-            self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
-            self.scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
-                          else np.asarray(s.scale_correction, np.float64))
-            use = None
-            if s.data_vs_prior is not None and s.scale_correction is not None:
-                dvp = np.asarray(s.data_vs_prior)
-                use = (dvp[:, np.minimum(shell, dvp.shape[1] - 1)] > 3.0).astype(np.float32)
-            self.scale_use = None if use is None else cp.asarray(use)
+            self.scale_use = None if t.scale_use is None else cp.asarray(t.scale_use, dtype=cp.float32)
 
             # back-projection sums first (they outlive this half's E-step), then the references
             grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
@@ -289,17 +143,12 @@ class CupyEngine:
             self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex128)
             self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float64)
             self._upload_references(s)
-            n_optics, n_shells = sigma2.shape
-            self.n_shells = n_shells
-            self.sums_ = WeightedSums(
-                data=[self.bp_data[k] for k in range(self.n_classes)],
-                weight=[self.bp_weight[k] for k in range(self.n_classes)],
-                sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
-                pdf_class=np.zeros(self.n_classes), pdf_direction=np.zeros((self.n_classes, sampling.n_directions)),
-                scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
-            n_coarse_orient = self.n_orient
+            self.n_shells = t.n_shells
+            self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
+                                            data=[self.bp_data[k] for k in range(self.n_classes)],
+                                            weight=[self.bp_weight[k] for k in range(self.n_classes)])
             self.plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
-                                     n_coarse_orient, self.n_trans, self.n_classes, 1 << 30, self.children)
+                                     self.n_orient, self.n_trans, self.n_classes, 1 << 30, self.children)
             self.coarse_cache = None
             if not s.local_searches and self.plan.cache_coarse_slices:
                 self.coarse_cache = [self._project_planar(k, np.arange(self.n_orient)) for k in range(self.n_classes)]
@@ -343,12 +192,12 @@ class CupyEngine:
         cp = self.cp
         kc = self.coarse.positions.size
         n = orientations.size
-        ldb = _round_up(max(n, 1), GEMM_BN)
-        kd = _round_up(2 * kc, GEMM_BK)
+        ldb = round_up(max(n, 1), GEMM_BN)
+        kd = round_up(2 * kc, GEMM_BK)
         b = cp.zeros((kd, ldb), dtype=cp.float32)
-        p2 = cp.zeros((_round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
+        p2 = cp.zeros((round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
         mats = cp.asarray(self.matrices_host[orientations], dtype=cp.float32)
-        fn = kernel_module().get_function("project_slices_planar")
+        fn = kernel_module(device_id=self.device_id).get_function("project_slices_planar")
         fn(((n + 31) // 32, min((kc + 7) // 8, MAX_GRID_Y)), (32, 8),
            (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb), b, p2))
         return b, p2, n
@@ -416,7 +265,6 @@ class CupyEngine:
         o_idx = cp.asarray(orient_sel)[o_sel]
         olp = orient_log_prior
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
-        from cryorefine.estep.reference import groups_by_size
         results, blocks = [], []
         starts = np.r_[0, np.cumsum(per_particle)]
         for group in groups_by_size(per_particle * self.children, self.plan.fine_samples_per_group):
@@ -462,9 +310,9 @@ class CupyEngine:
         minv_c = self.minv_coarse[pre["optics_d"]]
         n_t = self.n_trans
         m = b_count * n_t
-        lda = _round_up(m, GEMM_BM)
-        kd = _round_up(2 * kc, GEMM_BK)
-        kp = _round_up(kc, GEMM_BK)
+        lda = round_up(m, GEMM_BM)
+        kd = round_up(2 * kc, GEMM_BK)
+        kp = round_up(kc, GEMM_BK)
         if s.do_cc:
             scale_a = ctf_c
             pair_a = ctf_c * ctf_c
@@ -476,12 +324,12 @@ class CupyEngine:
             row_term = (0.5 * cp.sum(minv_c * (x_c.real ** 2 + x_c.imag ** 2), axis=1)).astype(cp.float32)
             mode = 0
         a_mat = cp.zeros((kd, lda), dtype=cp.float32)
-        module = kernel_module()
+        module = kernel_module(device_id=self.device_id)
         module.get_function("shift_images_planar")(
             ((m + 127) // 128, min(kc, MAX_GRID_Y)), (128,),
             (x_c, scale_a.astype(cp.float32), self.kx_c, self.ky_c, pre["residual_d"], self.trans_d,
              _i32(b_count), _i32(n_t), _i32(kc), _f32(2.0 / s.ori_size_px), _i32(lda), a_mat))
-        ldp = _round_up(b_count, GEMM_BM)
+        ldp = round_up(b_count, GEMM_BM)
         pair_mat = cp.zeros((kp, ldp), dtype=cp.float32)
         pair_mat[:kc, :b_count] = pair_a.T
         tic = self._tick("coarse_images", tic)
@@ -501,12 +349,12 @@ class CupyEngine:
                     ldb = b_mat.shape[1]
                     pair = cp.empty((b_count, nc), dtype=cp.float32)
                     grid = (ldb // GEMM_BN, ldp // GEMM_BM)
-                    gemm(grid, (256,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count), _i32(nc),
-                                        _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair))
+                    gemm(grid, (GEMM_THREADS,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count),
+                                                 _i32(nc), _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair))
                     grid = (ldb // GEMM_BN, lda // GEMM_BM)
-                    gemm(grid, (256,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc), _i32(n_t),
-                                        row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
-                                        _i32(k * n_sel + start), diff2))
+                    gemm(grid, (GEMM_THREADS,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc),
+                                                 _i32(n_t), row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
+                                                 _i32(k * n_sel + start), diff2))
                     self.stage_flops["coarse"] += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
         del a_mat, pair_mat
         tic = self._tick("coarse", tic)
@@ -561,8 +409,8 @@ class CupyEngine:
         blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
-        names = _fine_names(nfo, nft)
-        module = kernel_module(names)
+        names = fine_kernel_names(nfo, nft)
+        module = kernel_module(names, self.device_id)
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
@@ -663,7 +511,7 @@ class CupyEngine:
         out = cp.empty(n_seg, dtype=cp.float64)
         arg = cp.empty(n_seg, dtype=cp.int64)
         if n_seg:
-            kernel_module().get_function("segment_reduce")(
+            kernel_module(device_id=self.device_id).get_function("segment_reduce")(
                 (n_seg,), (SEG_THREADS,), (cp.ascontiguousarray(values, dtype=cp.float64), starts, _i32(op), out,
                                            arg))
         return out, arg
@@ -702,9 +550,9 @@ class CupyEngine:
         xa = cp.zeros(b_count, dtype=cp.float64)
         aa = cp.zeros(b_count, dtype=cp.float64)
         w_blocks = w_norm.reshape(-1, nf)
-        module = kernel_module(_fine_names(nfo, nft))
-        fn = module.get_function(_fine_names(nfo, nft)[2])
-        bp_fn = kernel_module().get_function("backproject_slices")
+        names = fine_kernel_names(nfo, nft)
+        fn = kernel_module(names, self.device_id).get_function(names[2])
+        bp_fn = kernel_module(device_id=self.device_id).get_function("backproject_slices")
         # group the blocks by (class, coarse orientation) pair, a chunk of pairs at a time
         pair = k_blk * n_unique + u_blk
         order = cp.argsort(pair)
@@ -774,70 +622,3 @@ class CupyEngine:
         self.ref_volumes = None
         self.coarse_cache = None
         return self.sums_
-
-
-class CudaEngines:
-    """The GPU engine factory of a refinement: one device, one stack arena, the scopes of its lifetimes.
-
-    `run_scope()` creates the arena (free memory minus `free_gpu_memory_mb`), installs it as
-    CuPy's allocator and opens the GLOBAL scope; `iteration_scope()` opens an ITERATION scope
-    around one iteration's E- and M-step, so everything of an iteration is freed at once;
-    calling the factory gives a fresh `CupyEngine` on the arena.
-    """
-
-    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True):
-        self.device_id = int(device_id)
-        self.free_gpu_memory_mb = float(free_gpu_memory_mb)
-        self.use_arena = use_arena
-        self.arena = None
-        self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
-
-    def __call__(self):
-        return CupyEngine(self.device_id, self.arena)
-
-    @property
-    def array_module(self):
-        """cupy: images are prepared on the device (images.prepare_batch, the initial noise spectra)."""
-        import cupy
-
-        return cupy
-
-    @contextlib.contextmanager
-    def run_scope(self):
-        import cupy
-
-        from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
-
-        with cupy.cuda.Device(self.device_id):
-            if not self.use_arena:
-                yield self
-                return
-            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb)
-            try:
-                with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
-                    yield self
-                log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
-            finally:
-                self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}
-                self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
-                self.arena.close()
-                self.arena = None
-
-    @contextlib.contextmanager
-    def iteration_scope(self):
-        from cryorefine.gpu.allocator import Scope
-
-        if self.arena is None:
-            yield self
-            return
-        with self.arena.scope(Scope.ITERATION):
-            yield self
-
-    @contextlib.contextmanager
-    def maximization_scope(self):
-        """The M-step's many large temporaries come from a caching pool inside the iteration's scope."""
-        if self.arena is None:
-            yield self
-            return
-        with self.arena.pooled():
-            yield self

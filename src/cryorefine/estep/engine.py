@@ -5,6 +5,11 @@ batch of particles (returning a `BatchResult`), then `engine.sums()` for the acc
 `WeightedSums` of the half set the engine serves. The numpy engine (`estep.reference`) is the
 oracle; the CuPy engine implements the same contract.
 
+The layer: `estep.common` holds what both engines share (the coefficient layout, the set-up tables
+`IterationTables`, the compressed fine weights, the significance rule), `estep.reference` the numpy
+engine, `estep.cuda` the CuPy engine, `estep.cuda_plan` its batch and chunk sizes (no CuPy import),
+`estep.kernels` the CUDA sources and their per-device loader; `estep.backend` makes the engines.
+
 Conventions (RELION's): images are half transforms (`core.fourier`) windowed to the current
 size; a particle's origin o (px) means its centre sits at N//2 − o, so shifting the image by
 +o centres it; the translation t searched in an iteration is relative to the old origin, and
@@ -177,7 +182,7 @@ class WeightedSums:
                 values[f.name] = type(value)(round(next(scalars)) if isinstance(value, int) else next(scalars))
             else:
                 values[f.name] = shaped(value, next(arrays))
-        return WeightedSums(**values)
+        return type(self)(**values)
 
     def spread_to_classes(self, classes, n_classes):
         """These sums of the classes `classes` (their numbers, in this order) as sums of all `n_classes`:
@@ -198,7 +203,7 @@ class WeightedSums:
                 out = np.zeros((n_classes,) + value.shape[1:], dtype=value.dtype)
                 out[np.asarray(classes)] = value
                 values[f.name] = out
-        return WeightedSums(**values)
+        return type(self)(**values)
 
     @staticmethod
     def total(parts):
@@ -213,7 +218,7 @@ class WeightedSums:
                 values[f.name] = [sum(column[1:], column[0]) for column in zip(*items)]
             else:
                 values[f.name] = sum(items[1:], items[0])
-        return WeightedSums(**values)
+        return type(first)(**values)
 
 
 class Engine(Protocol):

@@ -18,79 +18,18 @@ Precision is selectable: float64 for the oracle, float32 to mirror the GPU engin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 
 from cryorefine.core import euler
-from cryorefine.core.projector import BackProjector
+from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
+from cryorefine.estep.common import FineBlocks, IterationTables, groups_by_size
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 _SAMPLES_PER_CHUNK_ELEMENTS = 1 << 22  # sample × coefficient elements handled at once
-_MAX_FINE_SAMPLES = 1 << 20  # fine samples per group of particles in the fine pass
-
-
-@dataclass(frozen=True)
-class Coefficients:
-    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order.
-
-    |k| ≤ n/2, without the kx = 0, ky < 0 half column (Friedel mates of kx = 0, ky > 0).
-    """
-
-    size_px: int
-    positions: np.ndarray  # flat positions in the (n, n//2+1) array
-    kx: np.ndarray
-    ky: np.ndarray
-    shell: np.ndarray  # round(|k|)
-
-    @classmethod
-    def create(cls, size_px, radius_px=None):
-        from cryorefine.core.fourier import signed_frequencies
-
-        r = size_px / 2 if radius_px is None else radius_px
-        ky = signed_frequencies(size_px).astype(np.int64)[:, None]
-        kx = np.arange(size_px // 2 + 1)[None, :]
-        keep = (kx * kx + ky * ky <= r * r) & ~((kx == 0) & (ky < 0))
-        keep = np.broadcast_to(keep, (size_px, size_px // 2 + 1))
-        pos = np.flatnonzero(keep)
-        kxf = np.broadcast_to(kx, keep.shape).reshape(-1)[pos]
-        kyf = np.broadcast_to(ky, keep.shape).reshape(-1)[pos]
-        shell = np.rint(np.sqrt(kxf * kxf + kyf * kyf)).astype(np.int64)
-        return cls(size_px, pos, kxf.astype(np.float64), kyf.astype(np.float64), shell)
-
-    def positions_in(self, size_px):
-        """Flat positions of these coefficients in a half transform of another size."""
-        return (self.ky.astype(np.int64) % size_px) * (size_px // 2 + 1) + self.kx.astype(np.int64)
-
-    def gather(self, arrays):
-        """(…, n, n//2+1) -> (…, n_coefficients)."""
-        return arrays.reshape(arrays.shape[:-2] + (-1,))[..., self.positions]
-
-    def scatter(self, values, xp=np):
-        """(…, n_coefficients) -> (…, n, n//2+1), zeros elsewhere."""
-        out = xp.zeros(values.shape[:-1] + (self.size_px * (self.size_px // 2 + 1),), dtype=values.dtype)
-        out[..., self.positions] = values
-        return out.reshape(values.shape[:-1] + (self.size_px, self.size_px // 2 + 1))
-
-    def phase(self, shifts_px, ori_size_px, dtype):
-        """exp(−2πi k·s/N) (…, n_coefficients) for shifts (…, 2) in px: moves images by +s."""
-        s = np.asarray(shifts_px)
-        arg = (-2.0 * np.pi / ori_size_px) * (s[..., 0:1] * self.kx + s[..., 1:2] * self.ky)
-        return np.exp(1j * arg).astype(dtype)
-
-
-@dataclass
-class FineBlocks:
-    """Fine weights of one particle, compressed: one base index per block of children.
-
-    `coarse_index[i]` = (class·n_orientations + orientation)·n_translations + translation of a
-    significant coarse sample; `weights[i, f]` the normalised weight of its child f =
-    io·n_fine_translations + it (RELION's oversampled order), zero where not significant.
-    """
-
-    coarse_index: np.ndarray  # (n_blocks,) int64
-    weights: np.ndarray  # (n_blocks, children per block)
+FINE_SAMPLES_PER_GROUP = 1 << 20  # fine samples per group of particles in the fine pass (the default)
 
 
 class NumpyEngine:
@@ -100,7 +39,9 @@ class NumpyEngine:
         self.real = np.dtype(dtype)
         self.complex = np.result_type(self.real, np.complex64)
         self.setup_ = None
+        self.tables = None  # IterationTables of the iteration set up
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
+        self.fine_samples_per_group = FINE_SAMPLES_PER_GROUP  # bounds the fine pass's memory
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
         self.stage_flops = {}  # not counted on the host
@@ -109,34 +50,19 @@ class NumpyEngine:
     def setup(self, setup: IterationSetup):
         s = setup
         if s.projectors is None:
-            from dataclasses import replace
-
-            from cryorefine.core.projector import Projector
-
             s = replace(s, projectors=[Projector(m, s.padding_factor, s.current_size_px // 2) for m in s.maps])
         self.setup_ = s
-        self.n_classes = len(s.projectors)
-        self.fine = Coefficients.create(s.current_size_px)
-        self.coarse = Coefficients.create(s.coarse_size_px)
-        sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
-        self.minv_fine = inverse_sigma2(sigma2, self.fine.shell, keep_origin=False)
-        self.minv_store = inverse_sigma2(sigma2, self.fine.shell, keep_origin=True)
-        self.minv_coarse = inverse_sigma2(sigma2, self.coarse.shell, keep_origin=False)
-        valid_log = np.where((self.fine.shell[None, :] > 0) & (self.fine.shell[None, :] < sigma2.shape[1]),
-                             np.log(2 * np.pi * np.maximum(sigma2[:, np.minimum(self.fine.shell, sigma2.shape[1] - 1)],
-                                                           1e-300)), 0.0)
-        self.logsigma2 = valid_log.sum(axis=1)  # (n_optics,)
-        sampling = s.sampling
-        self.rot, self.tilt, self.psi = (np.asarray(a) for a in sampling.orientations_deg())
-        self.matrices = np.asarray(sampling.orientation_matrices())
-        self.translations = np.asarray(sampling.translations_px(), dtype=np.float64)  # (T, 2)
-        n_t = self.translations.shape[0]
-        self.fine_translations = np.asarray(sampling.fine_translations_px(np.arange(n_t)))  # (T, nft, 2)
-        self.n_orient = self.matrices.shape[0]
-        self.n_trans = n_t
-        self.children_per_block = sampling.n_fine_orientations() * sampling.n_fine_translations()
-        self.direction_of = np.arange(self.n_orient) // sampling.n_psi
-        self.psi_index_of = np.arange(self.n_orient) % sampling.n_psi
+        t = self.tables = IterationTables.create(s)
+        self.n_classes = t.n_classes
+        self.fine, self.coarse = t.fine, t.coarse
+        self.minv_fine, self.minv_store, self.minv_coarse = t.minv_fine, t.minv_store, t.minv_coarse
+        self.logsigma2 = t.logsigma2
+        self.matrices, self.translations, self.fine_translations = t.matrices, t.translations, t.fine_translations
+        self.n_orient, self.n_trans = t.n_orientations, t.n_translations
+        self.children_per_block = t.children_per_block
+        self.direction_of, self.psi_index_of = t.direction_of, t.psi_index_of
+        self.scale = t.scale
+        self.avg_norm = s.avg_norm_correction
         if s.local_searches:
             self.coarse_projections = None  # computed per batch for the orientations in range
         else:
@@ -144,16 +70,9 @@ class NumpyEngine:
         r_max = s.current_size_px // 2
         self.backprojectors = [BackProjector(s.ori_size_px, s.padding_factor, r_max, dtype=self.real)
                                for _ in range(self.n_classes)]
-        n_optics, n_shells = sigma2.shape
-        self.sums_ = WeightedSums(
-            data=[b.data for b in self.backprojectors], weight=[b.weight for b in self.backprojectors],
-            sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
-            pdf_class=np.zeros(self.n_classes),
-            pdf_direction=np.zeros((self.n_classes, sampling.n_directions)),
-            scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
-        scale = np.ones(n_optics) if s.scale_correction is None else np.asarray(s.scale_correction, np.float64)
-        self.scale = scale
-        self.avg_norm = s.avg_norm_correction
+        self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
+                                        data=[b.data for b in self.backprojectors],
+                                        weight=[b.weight for b in self.backprojectors])
 
     def _project(self, projector, matrices, coefficients):
         out = []
@@ -182,7 +101,7 @@ class NumpyEngine:
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
         parts, blocks = [], []
-        for rows in groups_by_size(n_significant * self.children_per_block, _MAX_FINE_SAMPLES):
+        for rows in groups_by_size(n_significant * self.children_per_block, self.fine_samples_per_group):
             sub = {name: value[rows] for name, value in pre.items()}
             parts.append(self._fine_pass(sub, significant[rows], orient_log_prior[rows], orient_sel))
             blocks.extend(self.last_blocks)
@@ -260,11 +179,8 @@ class NumpyEngine:
 
     # ------------------------------------------------------------------ pieces
     def _fine_to_coarse_selection(self):
-        r2 = self.fine.kx ** 2 + self.fine.ky ** 2
-        sel = np.flatnonzero(r2 <= (self.setup_.coarse_size_px / 2) ** 2)
-        # the coarse coefficient order must equal this selection's order
-        assert sel.size == self.coarse.positions.size
-        return sel
+        """Positions of the coarse coefficients among the fine ones (IterationTables.coarse_selection)."""
+        return self.tables.coarse_selection
 
     def _orientation_priors(self, batch):
         s = self.setup_
@@ -462,7 +378,6 @@ class NumpyEngine:
         used_rows, slot = np.unique(inverse[sel], return_inverse=True)
         data_slices = np.zeros((used_rows.size, n_coef), self.complex)
         weight_slices = np.zeros((used_rows.size, n_coef), self.real)
-        dvp = None if s.data_vs_prior is None else np.asarray(s.data_vs_prior)
         x_res, phase_t = self._shift_tables(x, residual)
         x_nomask_res, _ = self._shift_tables(x_nomask, residual)
         chunk = max(1, _SAMPLES_PER_CHUNK_ELEMENTS // max(1, n_coef))
@@ -479,8 +394,8 @@ class NumpyEngine:
             idx = (optics[b][:, None] * n_shells + np.minimum(self.fine.shell, n_shells - 1)[None, :])
             sums.sigma2_noise += np.bincount(idx.reshape(-1), weights=wd2.reshape(-1),
                                              minlength=sums.sigma2_noise.size).reshape(sums.sigma2_noise.shape)
-            if dvp is not None and s.scale_correction is not None:
-                use = dvp[fine["k"][ss]][:, np.minimum(self.fine.shell, dvp.shape[1] - 1)] > 3.0
+            if self.tables.scale_use is not None:
+                use = self.tables.scale_use[fine["k"][ss]]
                 xa = np.sum(use * ws * (cp.real * shifted.real + cp.imag * shifted.imag), axis=1)
                 aa = np.sum(use * ws * (cp.real ** 2 + cp.imag ** 2), axis=1)
                 scale = self.scale[optics[b]]
@@ -523,29 +438,6 @@ class NumpyEngine:
         new_norm = pre["norm"] / self.avg_norm * np.sqrt(2.0 * wdiff_total)
         sums.norm_correction += float(new_norm.sum())
         return new_norm
-
-
-def inverse_sigma2(sigma2, shell, keep_origin):
-    """1/σ² (n_optics, n_coefficients) at the coefficients' shells; 0 beyond the spectra (and at k = 0
-    unless `keep_origin`: RELION leaves k = 0 out of the likelihood but not out of the sums)."""
-    inside = shell < sigma2.shape[1]
-    values = np.where(inside[None, :], 1.0 / np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300),
-                      0.0)
-    if not keep_origin:
-        values[:, shell == 0] = 0.0
-    return values
-
-
-def groups_by_size(sizes, limit):
-    """Consecutive index groups whose sizes add up to at most `limit` (a group holds at least one)."""
-    groups, start, total = [], 0, 0
-    for i, size in enumerate(np.asarray(sizes).tolist()):
-        if i > start and total + size > limit:
-            groups.append(np.arange(start, i))
-            start, total = i, 0
-        total += size
-    groups.append(np.arange(start, len(sizes)))
-    return groups
 
 
 def _real_cross(a, p):

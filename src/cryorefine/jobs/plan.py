@@ -3,7 +3,7 @@
 For three moments of a run — the first iteration (image size from --ini_high, global search at
 --healpix_order), a late iteration (local searches at --auto_local_healpix_order, the image size
 at three quarters of Nyquist) and the final iteration (the whole box, halves joined) — the plan
-gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda.plan_batches`
+gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
 sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
 M-step's reconstruction), and an estimated E-step time per iteration from the coarse pass's
@@ -24,7 +24,7 @@ from cryorefine.em import schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
-from cryorefine.estep.cuda import FINE_SAMPLE_BYTES, per_particle_bytes, plan_batches
+from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, per_particle_bytes, plan_batches
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -80,7 +80,7 @@ class Moment:
 
 
 def _coefficients(size_px):
-    from cryorefine.estep.reference import Coefficients
+    from cryorefine.estep.common import Coefficients
 
     return Coefficients.create(size_px).positions.size
 

@@ -13,7 +13,7 @@ def for_config(config, min_mpi_ranks):
 
     if launched_with_mpi():
         return MpiRunner(config, min_mpi_ranks)
-    from cryorefine.gpu.backend import make_backend
+    from cryorefine.estep.backend import make_backend
     from cryorefine.runners.serial import SerialRunner
 
     backend = make_backend(config)

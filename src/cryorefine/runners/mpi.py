@@ -40,7 +40,7 @@ from cryorefine.data import load_particles
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError
-from cryorefine.gpu.backend import make_backend
+from cryorefine.estep.backend import make_backend
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done

@@ -13,7 +13,7 @@ from cryorefine.em.loop import StepOutcome
 
 
 class SerialRunner:
-    """Runs the E- and M-steps in this process on `backend` (gpu.backend)."""
+    """Runs the E- and M-steps in this process on `backend` (estep.backend)."""
 
     leads = True  # runs the iteration loop itself
 

@@ -1,4 +1,5 @@
-"""The compute backend of one process: numpy on the host, or CuPy on one GPU with its stack arena.
+"""The compute backend of one process: numpy on the host, or CuPy on one GPU with its stack arena
+(`gpu.allocator`): what makes the engines of this package.
 
 A backend is an object passed to whoever needs it (never a global): the array module batches are
 prepared with, a fresh E-step engine per work unit, and the device-memory lifetimes as context

@@ -1,0 +1,221 @@
+"""What both E-step engines share: the coefficient layout, the compressed fine weights, the host tables
+of an iteration's set-up, and array-module-generic helpers.
+
+`IterationTables.create(setup)` is the set-up arithmetic both engines start from (1/σ² at the
+coefficients, the log normalisation of the likelihood, the sampling's tables); the numpy engine uses
+the tables as they are (float64), the CuPy engine uploads them (float32 where its kernels are). Every
+function here takes host arrays, or an `xp` (numpy or cupy), and imports no CuPy itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order.
+
+    |k| ≤ n/2, without the kx = 0, ky < 0 half column (Friedel mates of kx = 0, ky > 0).
+    """
+
+    size_px: int
+    positions: np.ndarray  # flat positions in the (n, n//2+1) array
+    kx: np.ndarray
+    ky: np.ndarray
+    shell: np.ndarray  # round(|k|)
+
+    @classmethod
+    def create(cls, size_px, radius_px=None):
+        from cryorefine.core.fourier import signed_frequencies
+
+        r = size_px / 2 if radius_px is None else radius_px
+        ky = signed_frequencies(size_px).astype(np.int64)[:, None]
+        kx = np.arange(size_px // 2 + 1)[None, :]
+        keep = (kx * kx + ky * ky <= r * r) & ~((kx == 0) & (ky < 0))
+        keep = np.broadcast_to(keep, (size_px, size_px // 2 + 1))
+        pos = np.flatnonzero(keep)
+        kxf = np.broadcast_to(kx, keep.shape).reshape(-1)[pos]
+        kyf = np.broadcast_to(ky, keep.shape).reshape(-1)[pos]
+        shell = np.rint(np.sqrt(kxf * kxf + kyf * kyf)).astype(np.int64)
+        return cls(size_px, pos, kxf.astype(np.float64), kyf.astype(np.float64), shell)
+
+    def positions_in(self, size_px):
+        """Flat positions of these coefficients in a half transform of another size."""
+        return (self.ky.astype(np.int64) % size_px) * (size_px // 2 + 1) + self.kx.astype(np.int64)
+
+    def gather(self, arrays):
+        """(…, n, n//2+1) -> (…, n_coefficients)."""
+        return arrays.reshape(arrays.shape[:-2] + (-1,))[..., self.positions]
+
+    def scatter(self, values, xp=np):
+        """(…, n_coefficients) -> (…, n, n//2+1), zeros elsewhere."""
+        out = xp.zeros(values.shape[:-1] + (self.size_px * (self.size_px // 2 + 1),), dtype=values.dtype)
+        out[..., self.positions] = values
+        return out.reshape(values.shape[:-1] + (self.size_px, self.size_px // 2 + 1))
+
+    def phase(self, shifts_px, ori_size_px, dtype):
+        """exp(−2πi k·s/N) (…, n_coefficients) for shifts (…, 2) in px: moves images by +s."""
+        s = np.asarray(shifts_px)
+        arg = (-2.0 * np.pi / ori_size_px) * (s[..., 0:1] * self.kx + s[..., 1:2] * self.ky)
+        return np.exp(1j * arg).astype(dtype)
+
+
+@dataclass
+class FineBlocks:
+    """Fine weights of one particle, compressed: one base index per block of children.
+
+    `coarse_index[i]` = (class·n_orientations + orientation)·n_translations + translation of a
+    significant coarse sample; `weights[i, f]` the normalised weight of its child f =
+    io·n_fine_translations + it (RELION's oversampled order), zero where not significant.
+    """
+
+    coarse_index: np.ndarray  # (n_blocks,) int64
+    weights: np.ndarray  # (n_blocks, children per block)
+
+
+@dataclass(frozen=True, eq=False)
+class IterationTables:
+    """The host tables of one iteration's set-up (`IterationSetup`), the same for both engines."""
+
+    n_classes: int
+    fine: Coefficients  # the coefficients at the current size
+    coarse: Coefficients  # the coefficients at the coarse size
+    coarse_selection: np.ndarray  # positions of the coarse coefficients among the fine ones, in coarse order
+    sigma2: np.ndarray  # (n_optics, n_shells) float64 noise spectra
+    minv_fine: np.ndarray  # (n_optics, n_fine) 1/σ² of the likelihood (0 at k = 0)
+    minv_store: np.ndarray  # (n_optics, n_fine) 1/σ² of the sums (k = 0 kept)
+    minv_coarse: np.ndarray  # (n_optics, n_coarse) 1/σ² of the coarse likelihood
+    logsigma2: np.ndarray  # (n_optics,) Σ log(2πσ²) over the valid coefficients: the likelihood's normalisation
+    matrices: np.ndarray  # (R, 3, 3) float64 orientation matrices (perturbed)
+    translations: np.ndarray  # (T, 2) float64 coarse translations (px)
+    fine_translations: np.ndarray  # (T, n_fine_translations, 2) float64 their children (px)
+    n_fine_orientations: int  # children of a coarse orientation
+    n_fine_translations: int  # children of a coarse translation
+    direction_of: np.ndarray  # (R,) direction index of each orientation
+    psi_index_of: np.ndarray  # (R,) psi index of each orientation
+    scale: np.ndarray  # (n_optics,) float64 scale corrections (ones without)
+    scale_use: np.ndarray | None  # (K, n_fine) bool: coefficients in the scale sums (data_vs_prior > 3), or None
+
+    @classmethod
+    def create(cls, setup):
+        s = setup
+        n_classes = len(s.projectors) if s.projectors is not None else len(s.maps)
+        fine = Coefficients.create(s.current_size_px)
+        coarse = Coefficients.create(s.coarse_size_px)
+        r2 = fine.kx ** 2 + fine.ky ** 2
+        coarse_selection = np.flatnonzero(r2 <= (s.coarse_size_px / 2) ** 2)
+        # the coarse coefficient order must equal this selection's order
+        assert coarse_selection.size == coarse.positions.size
+        sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
+        shell = fine.shell
+        valid_log = np.where((shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1]),
+                             np.log(2 * np.pi * np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)],
+                                                           1e-300)), 0.0)
+        sampling = s.sampling
+        matrices = np.asarray(sampling.orientation_matrices(), dtype=np.float64)
+        translations = np.asarray(sampling.translations_px(), dtype=np.float64)
+        n_orient, n_trans = matrices.shape[0], translations.shape[0]
+        fine_translations = np.asarray(sampling.fine_translations_px(np.arange(n_trans)), dtype=np.float64)
+        scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
+                 else np.asarray(s.scale_correction, np.float64))
+        scale_use = None
+        if s.data_vs_prior is not None and s.scale_correction is not None:
+            dvp = np.asarray(s.data_vs_prior)
+            scale_use = dvp[:, np.minimum(shell, dvp.shape[1] - 1)] > 3.0
+        return cls(n_classes=n_classes, fine=fine, coarse=coarse, coarse_selection=coarse_selection, sigma2=sigma2,
+                   minv_fine=inverse_sigma2(sigma2, shell, keep_origin=False),
+                   minv_store=inverse_sigma2(sigma2, shell, keep_origin=True),
+                   minv_coarse=inverse_sigma2(sigma2, coarse.shell, keep_origin=False),
+                   logsigma2=valid_log.sum(axis=1), matrices=matrices, translations=translations,
+                   fine_translations=fine_translations, n_fine_orientations=sampling.n_fine_orientations(),
+                   n_fine_translations=sampling.n_fine_translations(),
+                   direction_of=np.arange(n_orient) // sampling.n_psi,
+                   psi_index_of=np.arange(n_orient) % sampling.n_psi, scale=scale, scale_use=scale_use)
+
+    @property
+    def n_orientations(self):
+        return self.matrices.shape[0]
+
+    @property
+    def n_translations(self):
+        return self.translations.shape[0]
+
+    @property
+    def children_per_block(self):
+        """Fine samples per significant coarse sample: n_fine_orientations × n_fine_translations."""
+        return self.n_fine_orientations * self.n_fine_translations
+
+    @property
+    def n_optics(self):
+        return self.sigma2.shape[0]
+
+    @property
+    def n_shells(self):
+        return self.sigma2.shape[1]
+
+
+def inverse_sigma2(sigma2, shell, keep_origin):
+    """1/σ² (n_optics, n_coefficients) at the coefficients' shells; 0 beyond the spectra (and at k = 0
+    unless `keep_origin`: RELION leaves k = 0 out of the likelihood but not out of the sums)."""
+    inside = shell < sigma2.shape[1]
+    values = np.where(inside[None, :], 1.0 / np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)], 1e-300),
+                      0.0)
+    if not keep_origin:
+        values[:, shell == 0] = 0.0
+    return values
+
+
+def groups_by_size(sizes, limit):
+    """Consecutive index groups whose sizes add up to at most `limit` (a group holds at least one)."""
+    groups, start, total = [], 0, 0
+    for i, size in enumerate(np.asarray(sizes).tolist()):
+        if i > start and total + size > limit:
+            groups.append(np.arange(start, i))
+            start, total = i, 0
+        total += size
+    groups.append(np.arange(start, len(sizes)))
+    return groups
+
+
+def significant_samples(weights, adaptive_fraction, max_significants, xp):
+    """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
+
+    Here rather than in `estep.cuda` because it is array-module generic: the CuPy engine's coarse pass
+    runs it on the device, the tests check it with numpy against `NumpyEngine._significant` without a GPU.
+
+    The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
+    at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
+    the samples before the cut are all candidates, and sorting a row's candidates gives the same count
+    as sorting the whole row (up to the last bits of the row total, summed pairwise here and in sequence
+    there, which only matters for a weight exactly at the cut). Rows of a converged refinement hold a few
+    hundred candidates among hundreds of thousands of samples.
+    """
+    b_count, n_samples = weights.shape
+    total = weights.sum(axis=1)
+    epsilon = (1.0 - adaptive_fraction) * total / (2.0 * n_samples)
+    candidate = weights > epsilon[:, None]
+    counts = candidate.sum(axis=1)
+    width = max(1, int(counts.max()))
+    rows, cols = xp.nonzero(candidate)
+    del candidate
+    starts = xp.cumsum(counts) - counts
+    packed = xp.zeros((b_count, width), dtype=weights.dtype)
+    packed[rows, xp.arange(rows.size) - starts[rows]] = weights[rows, cols]
+    del rows, cols
+    sorted_w = -xp.sort(-packed, axis=1)
+    del packed
+    if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)
+        n_sig = xp.maximum(counts, 1)
+    else:
+        cum = xp.cumsum(sorted_w, axis=1)
+        n_sig = xp.sum(cum < adaptive_fraction * total[:, None], axis=1) + 1
+        del cum
+        n_sig = xp.minimum(n_sig, xp.maximum(counts, 1))
+    if max_significants > 0:
+        n_sig = xp.minimum(n_sig, max_significants)
+    threshold = sorted_w[xp.arange(b_count), n_sig - 1]
+    mask = (weights >= threshold[:, None]) & (weights > 0)
+    return mask, n_sig

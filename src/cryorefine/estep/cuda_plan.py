@@ -1,0 +1,64 @@
+"""The GPU engine's batch and chunk sizes, chosen from the free device memory (pure arithmetic).
+
+`CupyEngine.setup` plans every iteration with `plan_batches`; `cryorefine plan` (jobs.plan) predicts a
+run's device memory with the same functions. Importing this module imports neither CuPy nor the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, round_up
+
+FINE_SAMPLES_PER_GROUP_MAX = 1 << 22  # fine samples (children) per group of particles, at most
+FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sizes of one iteration's device work, chosen from the free device memory."""
+
+    particles_per_batch: int  # particles per sub-batch on the device
+    orientations_per_chunk: int  # coarse orientations projected and compared at once
+    cache_coarse_slices: bool  # the coarse slices of all orientations kept for the iteration
+    fine_samples_per_group: int  # fine samples (children) per group of particles
+    slice_rows_per_chunk: int  # per-orientation slices accumulated before back-projection
+
+    def describe(self):
+        return (f"{self.particles_per_batch} particles per batch, {self.orientations_per_chunk} orientations "
+                f"per chunk{' (coarse slices cached)' if self.cache_coarse_slices else ''}, "
+                f"{self.fine_samples_per_group} fine samples per group, {self.slice_rows_per_chunk} slices "
+                f"per back-projection")
+
+
+def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
+    """Device bytes one particle of a sub-batch takes: shifted images 2·Kc·T·4, coarse weights
+    (diff2 float32; weights, sorted copy, cumulative sums float64) 36·K·R·T, its images, CTF
+    and their uploaded half transforms about 120·Kf, fine-pass tables about 24·Kf."""
+    return (2 * n_coarse_coef * n_translations * 4 + 36 * n_classes * n_orientations * n_translations
+            + 144 * n_fine_coef)
+
+
+def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
+                 children_per_block):
+    """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
+
+    The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
+    the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
+    and cumulative sums float64) 4·8·K·R·T; per fine sample about FINE_SAMPLE_BYTES; per slice
+    row 12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
+    """
+    free = max(int(free_bytes), 1 << 20)
+    kc, kf = int(n_coarse_coef), int(n_fine_coef)
+    slice_bytes = 3 * round_up(2 * kc, GEMM_BK) * 4 // 2
+    all_slices = slice_bytes * n_orientations * n_classes
+    cache = all_slices <= free // 4
+    budget = free - (all_slices if cache else 0)
+    chunk = n_orientations if cache else max(GEMM_BN, min(n_orientations, (budget // 8) // max(slice_bytes, 1)))
+    chunk = min(chunk, n_orientations)
+    per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
+    particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
+    # FINE_SAMPLE_BYTES per fine sample at peak; at most FINE_SAMPLES_PER_GROUP_MAX (≈ 0.7 GB) per group
+    fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // FINE_SAMPLE_BYTES))
+    rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
+    return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))

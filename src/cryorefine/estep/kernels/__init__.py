@@ -1,0 +1,77 @@
+"""The CUDA kernels of the GPU engine (`estep.cuda`): their sources beside this file, the compile-time
+constants the kernels and the host code must agree on, and the loader.
+
+The tile and block sizes below are the one place these numbers live: they are passed to the compiler
+as `#define`s (the `#ifndef` defaults in the .cu files only serve a file compiled on its own), the
+engine launches with them, and the batch planner (`estep.cuda_plan`) pads its buffers to them.
+Importing this module does not import CuPy.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segments.cu")
+COMPILE_OPTIONS = ("-std=c++17",)
+
+# coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
+# × orientation product, K staged GEMM_BK at a time; its operands are padded to these multiples (`round_up`)
+GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
+GEMM_THREADS = 256  # threads per coarse_diff2 block (its __launch_bounds__)
+FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
+SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
+
+DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
+           "SEG_THREADS": SEG_THREADS}
+
+_modules = {}  # (device id, name expressions) -> cupy.RawModule
+_lock = threading.Lock()
+
+
+def round_up(value, multiple):
+    """`value` rounded up to a multiple of `multiple` (the padded sizes of the kernels' operands)."""
+    return (int(value) + multiple - 1) // multiple * multiple
+
+
+def fine_kernel_names(nfo, nft):
+    """The template instances of fine.cu for NFO child orientations × NFT child translations: the fine diff2
+    (likelihood, then cross-correlation) and the fine sums; pass them to `kernel_module` as name expressions."""
+    return (f"fine_diff2<{nfo}, {nft}, false>", f"fine_diff2<{nfo}, {nft}, true>", f"fine_sums<{nfo}, {nft}>")
+
+
+def kernel_source():
+    """The kernels of KERNEL_FILES as one compilation unit: the DEFINES first, then every file after a
+    `#line 1 "file.cu"` directive, so compiler messages name the .cu file and its line."""
+    parts = [f"#define {k} {v}" for k, v in DEFINES.items()]
+    for name in KERNEL_FILES:
+        path = KERNEL_DIR / name
+        parts.append(f'#line 1 "{path}"')
+        parts.append(path.read_text())
+    return "\n".join(parts)
+
+
+def kernel_module(name_expressions=(), device_id=None):
+    """The kernels compiled for device `device_id` (default: CuPy's current device), once per device and set
+    of template instances (`name_expressions`, e.g. `fine_kernel_names(8, 4)`).
+
+    A loaded module belongs to the CUDA context of the device it was loaded on, so several GPUs in one
+    process each get their own; launch its functions with that device current.
+    """
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    key = (int(device_id), tuple(name_expressions))
+    module = _modules.get(key)
+    if module is None:
+        with _lock:
+            module = _modules.get(key)
+            if module is None:
+                with cupy.cuda.Device(key[0]):
+                    module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS,
+                                            name_expressions=key[1])
+                _modules[key] = module
+    return module
