@@ -35,26 +35,30 @@ starfile.write({"optics": tables[0]["optics"], "particles": pd.concat([t["partic
 PY
 args="--i $work/mix.star --ref $work/avg.mrc --K 2 --iter $iters --tau2_fudge 4 --particle_diameter 300 --ini_high 40
       --ctf --zero_mask --flatten_solvent --healpix_order 2 --offset_range 5 --offset_step 2 --random_seed 1"
-tic=$(date +%s.%N)
+tic=$(date +%s%N)
 one_gpu="--gpu 0"; [ "$ngpu" = 0 ] && one_gpu="--cpu"
 python3 -m cryorefine classify $args --o "$work/n1/run" $one_gpu 2>&1 | grep "^iteration\|error" | tee "$out/classify_n1.log"
-echo "one process: $(echo "$(date +%s.%N) - $tic" | bc) s"
+echo "one process: $(( ($(date +%s%N) - tic) / 1000000 )) ms"
 for r in $ranks; do
   engine="--cpu"
   if [ "$ngpu" != 0 ]; then
     ids=$(for ((w = 0; w < r - 1; w++)); do printf "%d:" $(( w % ngpu )); done); engine="--gpu ${ids%:}"
   fi
-  tic=$(date +%s.%N)
+  tic=$(date +%s%N)
   $mpirun -n "$r" python3 -m cryorefine classify $args --o "$work/n$r/run" $engine \
-      2>&1 | grep "^iteration\|error" | tee "$out/classify_n$r.log"
-  echo "mpirun -n $r ($engine): $(echo "$(date +%s.%N) - $tic" | bc) s"
+      2>&1 | grep "^iteration\|error\|rank" | tee "$out/classify_n$r.log"
+  echo "mpirun -n $r ($engine): $(( ($(date +%s%N) - tic) / 1000000 )) ms"
 done
 python3 - "$work" "$iters" $ranks <<'PY'
 import sys
 import numpy as np, starfile
 work, iters, ranks = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def read(r):
-    return starfile.read(f"{work}/n{r}/run_it{iters:03d}_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    path = f"{work}/n{r}/run_it{iters:03d}_data.star"
+    try:
+        return starfile.read(path)["particles"]["rlnClassNumber"].to_numpy()
+    except FileNotFoundError:
+        sys.exit(f"{path}: missing (the run failed)")
 one = read(1)
 truth = np.r_[np.zeros(one.size // 2), np.ones(one.size - one.size // 2)]
 print(f"{'run':>8} {'class 1':>8} {'class 2':>8} {'same as n1':>10} {'accuracy':>9}")

@@ -27,13 +27,14 @@ def cupy_available():
         return False
 
 
-def make_backend(config, device_id=None):
+def make_backend(config, device_id=None, shared_by=1):
     """The backend config.engine names: "numpy" (at config.dtype), or "cuda" on `device_id` (default
-    config.gpu_ids[0], else 0) with an arena of the free memory minus config.free_gpu_memory_mb."""
+    config.gpu_ids[0], else 0) with an arena of the free memory minus config.free_gpu_memory_mb (at most
+    an equal share of the card when `shared_by` processes use it)."""
     if config.engine == "cuda":
         if device_id is None:
             device_id = config.gpu_ids[0] if config.gpu_ids else 0
-        return CudaBackend(device_id, config.free_gpu_memory_mb)
+        return CudaBackend(device_id, config.free_gpu_memory_mb, shared_by=shared_by)
     return NumpyBackend(np.dtype(config.dtype))
 
 
@@ -78,9 +79,10 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True):
+    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True, shared_by=1):
         self.device_id = int(device_id)
         self.free_gpu_memory_mb = float(free_gpu_memory_mb)
+        self.shared_by = int(shared_by)
         self.use_arena = use_arena
         self.arena = None
         self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
@@ -113,7 +115,7 @@ class CudaBackend:
             if not self.use_arena:
                 yield self
                 return
-            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb)
+            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
             try:
                 with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
                     yield self

@@ -300,20 +300,24 @@ class DeviceArena(StackArena):
 
     The capacity is ``capacity_bytes`` when given, otherwise the device's free memory (after
     CuPy's default pool has given back its cached blocks) minus ``free_gpu_memory_mb`` MB,
-    which stays free for cuFFT, cuBLAS and the CUDA context.
+    which stays free for cuFFT, cuBLAS and the CUDA context. A device ``shared_by`` several
+    processes (MPI workers on one GPU) gives each at most 1/shared_by of its total memory, less
+    their reserves.
     """
 
     def __init__(self, device_id: int = 0, free_gpu_memory_mb: float = 0.0,
-                 capacity_bytes: int | None = None, alignment: int = 256):
+                 capacity_bytes: int | None = None, alignment: int = 256, shared_by: int = 1):
         import cupy
 
         self.device_id = int(device_id)
         self._memory = None
         with cupy.cuda.Device(self.device_id):
             cupy.get_default_memory_pool().free_all_blocks()
-            free, _total = cupy.cuda.runtime.memGetInfo()
+            free, total = cupy.cuda.runtime.memGetInfo()
             if capacity_bytes is None:
                 capacity_bytes = int(free - free_gpu_memory_mb * MB)
+                if shared_by > 1:  # an equal share of the card for each process on it, whoever starts first
+                    capacity_bytes = min(capacity_bytes, int((total - shared_by * free_gpu_memory_mb * MB) / shared_by))
             capacity_bytes = int(capacity_bytes) // alignment * alignment
             if capacity_bytes <= 0:
                 raise ArenaOutOfMemory(

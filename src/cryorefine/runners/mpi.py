@@ -208,7 +208,10 @@ class MpiRunner:
         if kind != "setup":  # the master could not set the run up and says why
             sys.exit(2)
         particles = load_particles(self.config.input_star, check_stacks=False)
-        backend = make_backend(self._worker_config())
+        config = self._worker_config()
+        device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
+        shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
+        backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             while True:
                 kind, payload = comm.bcast(None, root=0)
