@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 select="not refinement"
 [ "$mode" = full ] && select=""
-python3 -m pytest -q -x -s -p no:cacheprovider -m gpu tests/test_cuda_engine.py tests/test_allocator.py tests/test_ctf.py \
+python3 -m pytest -q -x -s -p no:cacheprovider -m gpu tests/estep/test_cuda.py tests/gpu/test_allocator.py tests/core/test_ctf.py \
     ${select:+-k "$select"} 2>&1 | tee "$out/pytest.log" | tail -40
 [ "$mode" = tests ] && exit 0
 boxes="128"; particles=128

@@ -10,7 +10,9 @@ import pandas as pd
 import pytest
 import starfile
 
-REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+REPO = Path(__file__).resolve().parents[1]
+REAL_DATA = REPO.parent / "shared" / "data" / "real"
+EXAMPLE_MAP = REPO / "examples" / "ribosome_64px.mrc"
 
 
 @pytest.fixture
@@ -88,3 +90,29 @@ def cupy_or_skip():
     except cp.cuda.runtime.CUDARuntimeError:
         pytest.skip("no CUDA device")
     return cp
+
+
+def make_mixture(folder, n_each):
+    """Particles of two different maps (the ribosome, and the ribosome with a piece removed and a blob added),
+    n_each of each (a first, then b) in folder/mix.star, and their average map folder/avg.mrc."""
+    from cryorefine.core.fourier import downsample_volume
+    from cryorefine.io.mrc import read_volume, write_volume
+
+    a = downsample_volume(read_volume(EXAMPLE_MAP)[0], 32)
+    z, y, x = np.mgrid[:32, :32, :32] - 16
+    b = a.copy()
+    b[(x - 6) ** 2 + (y - 2) ** 2 + (z + 3) ** 2 < 36] = 0.0
+    b += 0.6 * a.max() * np.exp(-((x + 9) ** 2 + (y + 4) ** 2 + (z - 5) ** 2) / 8.0)
+    for name, volume in (("a", a), ("b", b), ("avg", (a + b) / 2)):
+        write_volume(folder / f"{name}.mrc", volume, 12.0)
+    for seed, name in ((1, "a"), (2, "b")):
+        assert run_cli("simulate", "--ref", folder / f"{name}.mrc", "--n", n_each, "--snr", 0.5, "--seed", seed,
+                       "--o", folder / f"sim_{name}") == 0
+    tables = [starfile.read(folder / f"sim_{n}" / "particles.star") for n in ("a", "b")]
+    mixed = pd.concat([t["particles"].assign(rlnImageName=t["particles"]["rlnImageName"].str.replace("@", f"@sim_{n}/"))
+                       for t, n in zip(tables, ("a", "b"))]).reset_index(drop=True)
+    starfile.write({"optics": tables[0]["optics"], "particles": mixed}, folder / "mix.star")
+
+
+CLASSIFY_ARGS = ("--K", 2, "--ini_high", 40, "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask",
+                 "--offset_range", 3, "--offset_step", 1, "--healpix_order", 1, "--cpu")

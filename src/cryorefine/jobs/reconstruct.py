@@ -2,7 +2,7 @@
 
 The job of relion_reconstruct (src/reconstructor.cpp in 3dem/relion): every image is read,
 moved by +origin (RELION's sign: the particle centre lies at N//2 − origin, see
-`cryorefine.simulate`), Fourier transformed, its zero frequency set to 0, windowed to the
+`cryorefine.jobs.simulate`), Fourier transformed, its zero frequency set to 0, windowed to the
 frequencies that --maxres keeps, and with --ctf multiplied by its CTF while CTF² goes into the
 weights (images whose optics group says rlnCtfDataAreCtfPremultiplied = 1 are not multiplied
 again). Slices are back-projected at the STAR poses into padded Fourier sums

@@ -1,41 +1,12 @@
 """`cryorefine classify` end to end on a simulated mixture (numpy engine): RELION's files, K classes, seeds."""
 
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import starfile
 
-from cryorefine.core.fourier import downsample_volume
-from cryorefine.io.mrc import read_volume, write_volume
-from conftest import run_cli
-
-EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
-
-
-def make_mixture(folder, n_each):
-    """Particles of two different maps (the ribosome, and the ribosome with a piece removed and a blob added),
-    n_each of each (a first, then b) in folder/mix.star, and their average map folder/avg.mrc."""
-    a = downsample_volume(read_volume(EXAMPLE_MAP)[0], 32)
-    z, y, x = np.mgrid[:32, :32, :32] - 16
-    b = a.copy()
-    b[(x - 6) ** 2 + (y - 2) ** 2 + (z + 3) ** 2 < 36] = 0.0
-    b += 0.6 * a.max() * np.exp(-((x + 9) ** 2 + (y + 4) ** 2 + (z - 5) ** 2) / 8.0)
-    for name, volume in (("a", a), ("b", b), ("avg", (a + b) / 2)):
-        write_volume(folder / f"{name}.mrc", volume, 12.0)
-    for seed, name in ((1, "a"), (2, "b")):
-        assert run_cli("simulate", "--ref", folder / f"{name}.mrc", "--n", n_each, "--snr", 0.5, "--seed", seed,
-                       "--o", folder / f"sim_{name}") == 0
-    tables = [starfile.read(folder / f"sim_{n}" / "particles.star") for n in ("a", "b")]
-    mixed = pd.concat([t["particles"].assign(rlnImageName=t["particles"]["rlnImageName"].str.replace("@", f"@sim_{n}/"))
-                       for t, n in zip(tables, ("a", "b"))]).reset_index(drop=True)
-    starfile.write({"optics": tables[0]["optics"], "particles": mixed}, folder / "mix.star")
-
-
-CLASSIFY_ARGS = ("--K", 2, "--ini_high", 40, "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask",
-                 "--offset_range", 3, "--offset_step", 1, "--healpix_order", 1, "--cpu")
-
+from conftest import CLASSIFY_ARGS, make_mixture, run_cli
 
 @pytest.fixture(scope="module")
 def classified(tmp_path_factory):

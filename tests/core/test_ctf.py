@@ -12,7 +12,7 @@ from cryorefine.core import fourier
 from cryorefine.core.ctf import ctf_2d, electron_wavelength_angstrom
 from conftest import cupy_or_skip
 
-REAL = Path(__file__).resolve().parents[2] / "shared/data/real"
+REAL = Path(__file__).resolve().parents[3] / "shared/data/real"
 
 # CODATA 2018 exact / recommended values (SI).
 PLANCK_J_S = 6.62607015e-34

@@ -15,7 +15,7 @@ from cryorefine.core.sampling import (
 )
 from cryorefine.core.symmetry import asymmetric_unit_mask, symmetry_group
 
-RELION_OUTPUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "real" / "relion_outputs"
+RELION_OUTPUTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "real" / "relion_outputs"
 
 
 def _angle_deg(a, b):

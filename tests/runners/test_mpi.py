@@ -17,7 +17,7 @@ from cryorefine.io.mrc import read_volume, write_volume
 
 pytestmark = pytest.mark.mpi
 
-EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 REFINE_ARGS = ("--ini_high", "50", "--ctf", "--particle_diameter", "320", "--flatten_solvent", "--zero_mask",
                "--offset_range", "3", "--offset_step", "1", "--cpu")
 
@@ -123,7 +123,7 @@ def test_mpi_is_recognised_from_the_launchers_environment(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- classify
 def run_classify(ranks, folder, out, *extra, env=None, timeout=600):
-    from test_classify import CLASSIFY_ARGS
+    from conftest import CLASSIFY_ARGS
 
     command = [sys.executable, "-m", "cryorefine", "classify", "--i", str(folder / "mix.star"),
                "--ref", str(folder / "avg.mrc"), "--o", str(folder / out / "run"), *map(str, CLASSIFY_ARGS), *extra]
@@ -136,7 +136,7 @@ def run_classify(ranks, folder, out, *extra, env=None, timeout=600):
 
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory):
-    from test_classify import make_mixture
+    from conftest import make_mixture
 
     folder = tmp_path_factory.mktemp("mpi_classify")
     make_mixture(folder, 30)

@@ -288,7 +288,7 @@ def test_refinement_on_the_gpu_matches_the_cpu(cp, tmp_path):
     from cryorefine.core.fsc import fsc_volumes
     from cryorefine.io.mrc import read_volume, write_volume
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+    example = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
     box, pixel = 32, 12.0
     write_volume(tmp_path / "truth.mrc", downsample_volume(read_volume(example)[0], box), pixel)
     assert run_cli("simulate", "--ref", tmp_path / "truth.mrc", "--n", 300, "--snr", 0.5, "--seed", 4,
@@ -331,7 +331,7 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
     from cryorefine.jobs.refine import run as run_refine
     from cryorefine.runners.serial import SerialRunner
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+    example = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
     try:
         main(["simulate", "--ref", str(example), "--n", "200", "--snr", "0.1", "--seed", "2", "--o",
               str(tmp_path / "sim")])
@@ -379,7 +379,7 @@ def test_classification_on_the_gpu_separates_the_mixture_and_agrees_with_the_cpu
     ≥ 95 % in the class of their map, and ≥ 95 % of the class assignments equal to the CPU engine's."""
     import starfile
 
-    from test_classify import CLASSIFY_ARGS, make_mixture
+    from conftest import CLASSIFY_ARGS, make_mixture
 
     make_mixture(tmp_path, 150)
     args = [a for a in CLASSIFY_ARGS if a != "--cpu"]
@@ -405,7 +405,7 @@ def test_simulation_on_the_device_makes_the_same_stack(cp, tmp_path):
     from cryorefine.io.mrc import read_volume, write_volume
     from cryorefine.jobs.simulate import SimulationOptions, simulate
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+    example = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
     write_volume(tmp_path / "ref.mrc", downsample_volume(read_volume(example)[0], 40), 9.6)
     options = SimulationOptions(n_particles=20, snr=0.1, seed=5, batch_size=8, noise="coloured")
     simulate(tmp_path / "ref.mrc", tmp_path / "cpu", options)

@@ -7,7 +7,7 @@ import pytest
 
 from cryorefine.cli import main
 
-EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 
 
 def run_cli(capsys, *args):

@@ -12,7 +12,7 @@ from cryorefine.core.fsc import fsc_volumes
 from cryorefine.io.mrc import read_volume, write_volume
 from conftest import run_cli
 
-EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
+EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 BOX, PIXEL = 32, 12.0
 
 
