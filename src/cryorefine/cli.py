@@ -113,9 +113,11 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
 @click.option("--batch", default=256, show_default=True, type=int, help="Images read per batch.")
 def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
     """Reconstruct a map from particles at the poses in their STAR file (relion_reconstruct)."""
+    from cryorefine.config import check_output_folder
     from cryorefine.jobs.reconstruct import ReconstructOptions
     from cryorefine.jobs.reconstruct import reconstruct as run_reconstruction
 
+    check_output_folder("--o", Path(out).parent)
     options = ReconstructOptions(do_ctf=ctf, symmetry=sym, maxres_angstrom=maxres, half_maps=half_maps,
                                  pixel_size_angstrom=angpix, padding_factor=pad, batch_size=batch)
     result = run_reconstruction(star, out, options, log=lambda message: click.echo(message, err=True))
@@ -296,6 +298,9 @@ def plan(gpu_memory, gpu_tflops, as_json, **options):
 
     if not options["star"]:
         raise click.UsageError("Missing option '--i'.")
+    for option, value in (("--gpu_memory", gpu_memory), ("--gpu_tflops", gpu_tflops)):
+        if value is not None and not value > 0:
+            raise InputError(f"{option} {value:g}: out of range; give more than 0")
     options.update(gpu=None, force_cpu=True)
     config = _refine_config(**options)
     device = parse_gpu_ids(options.get("gpu") or "")[0]
@@ -313,8 +318,9 @@ def _classify_config(n_classes, options):
 
     if n_classes < 1:
         raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
+    iterations = options["max_iterations"]
     return replace(_refine_config(**options), n_classes=n_classes, auto_refine=False,
-                   max_iterations=options["max_iterations"] or 25)
+                   max_iterations=25 if iterations is None else iterations).check()
 
 
 def config_from_arguments(command, arguments):
@@ -343,9 +349,10 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
-        dtype="float64" if precision == "double" else "float32", max_iterations=max_iterations or 50,
+        dtype="float64" if precision == "double" else "float32",
+        max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, **engine_options(gpu, force_cpu, free_gpu_memory))
-    return config
+    return config.check()
 
 
 def parse_gpu_ids(text):
@@ -367,6 +374,8 @@ def engine_options(gpu, force_cpu, free_gpu_memory):
 
     if gpu is not None and force_cpu:
         raise click.UsageError("--gpu and --cpu exclude each other; give one")
+    if free_gpu_memory < 0:
+        raise InputError(f"--free_gpu_memory {free_gpu_memory:g}: out of range; give 0 MB or more")
     if force_cpu:
         return {"engine": "numpy"}
     if gpu is None and not cupy_available():

@@ -8,6 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
+
+from cryorefine.errors import InputError
+
+MAX_HEALPIX_ORDER = 8  # RELION's finest angular sampling, 0.23° (order 0: 60°)
+MAX_OVERSAMPLING = 4
+MAX_PADDING_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,43 @@ class RefineConfig:
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
     dtype: str = "float64"  # numpy engine precision: float64 (oracle) or float32 (mirrors the GPU)
 
+    def check(self):
+        """This config, or an InputError naming the first option out of RELION's range and what to give."""
+        rules = [
+            ("--healpix_order", self.healpix_order, 0 <= self.healpix_order <= MAX_HEALPIX_ORDER,
+             f"an order from 0 (60°) to {MAX_HEALPIX_ORDER} (0.23°)"),
+            ("--auto_local_healpix_order", self.auto_local_healpix_order,
+             0 <= self.auto_local_healpix_order <= MAX_HEALPIX_ORDER, f"an order from 0 to {MAX_HEALPIX_ORDER}"),
+            ("--offset_range", self.offset_range_px, self.offset_range_px >= 0, "0 pixels or more"),
+            ("--offset_step", self.offset_step_px, self.offset_step_px > 0, "more than 0 pixels"),
+            ("--oversampling", self.oversampling, 0 <= self.oversampling <= MAX_OVERSAMPLING,
+             f"0 to {MAX_OVERSAMPLING}"),
+            ("--tau2_fudge", self.tau2_fudge, self.tau2_fudge > 0, "more than 0 (RELION's T: 1 to 4 usually)"),
+            ("--iter", self.max_iterations, self.max_iterations >= 1, "1 or more"),
+            ("--adaptive_fraction", self.adaptive_fraction, 0 < self.adaptive_fraction <= 1,
+             "a fraction above 0 and at most 1 (RELION: 0.999)"),
+            ("--particle_diameter", self.particle_diameter_angstrom,
+             self.particle_diameter_angstrom is None or self.particle_diameter_angstrom > 0, "more than 0 Å"),
+            ("--ini_high", self.ini_high_angstrom, self.ini_high_angstrom is None or self.ini_high_angstrom > 0,
+             "more than 0 Å"),
+            ("--pad", self.padding_factor, 1 <= self.padding_factor <= MAX_PADDING_FACTOR,
+             f"1 to {MAX_PADDING_FACTOR:g} (RELION: 2)"),
+            ("--batch", self.batch_size, self.batch_size >= 1, "1 or more particles"),
+            ("--free_gpu_memory", self.free_gpu_memory_mb, self.free_gpu_memory_mb >= 0, "0 MB or more"),
+            ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
+            ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more"),
+        ]
+        for option, value, ok, wanted in rules:
+            if not ok:
+                raise InputError(f"{option} {value:g}: out of range; give {wanted}")
+        for option, path in (("--i", self.input_star), ("--ref", self.reference_map)):
+            if path and not Path(path).is_file():
+                raise InputError(f"{option} {path}: file not found; check the path (relative paths start from "
+                                 f"{Path.cwd()})")
+        if self.output_root:
+            check_output_folder("--o", Path(self.output_root).parent)
+        return self
+
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
@@ -61,3 +105,12 @@ class RefineConfig:
         if "gpu_ids" in values:
             values["gpu_ids"] = tuple(values["gpu_ids"])
         return cls(**values)
+
+
+def check_output_folder(option, folder):
+    """InputError when `folder` (where outputs go) cannot be made: it, or a folder above it, is a file."""
+    for place in [Path(folder), *Path(folder).parents]:
+        if place.exists():
+            if not place.is_dir():
+                raise InputError(f"{option}: {place} is a file, not a folder; choose another output path")
+            return

@@ -213,10 +213,21 @@ def local_search_sigma_deg(healpix_order: int, oversampling: int) -> float:
 
 
 def default_particle_diameter_angstrom(config, ori_size_px: int, pixel_size_angstrom: float) -> float:
-    """--particle_diameter, or RELION's default (ori_size − width_mask_edge)·pixel_size in Å."""
+    """--particle_diameter, or RELION's default (ori_size − width_mask_edge)·pixel_size in Å; a diameter larger
+    than that is clipped to it (the mask stays inside the box, with background around it)."""
+    largest = (ori_size_px - config.width_mask_edge_px) * pixel_size_angstrom
     if config.particle_diameter_angstrom is not None and config.particle_diameter_angstrom > 0:
-        return float(config.particle_diameter_angstrom)
-    return (ori_size_px - config.width_mask_edge_px) * pixel_size_angstrom
+        return min(float(config.particle_diameter_angstrom), largest)
+    return largest
+
+
+def warn_if_diameter_clipped(config, ori_size_px: int, pixel_size_angstrom: float, log) -> None:
+    """A warning on `log` when --particle_diameter does not fit the box and the mask is clipped."""
+    used = default_particle_diameter_angstrom(config, ori_size_px, pixel_size_angstrom)
+    if config.particle_diameter_angstrom is not None and config.particle_diameter_angstrom > used:
+        log.warning("--particle_diameter %g Å is larger than the box allows (%d px × %g Å/px less the %g px mask edge); "
+                    "the mask is clipped to %.1f Å", config.particle_diameter_angstrom, ori_size_px,
+                    pixel_size_angstrom, config.width_mask_edge_px, used)
 
 
 def initial_schedule(config):

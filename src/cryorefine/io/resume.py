@@ -47,9 +47,13 @@ def load(optimiser_star):
         raise InputError(f"{optimiser_star}: file not found; give a run_itNNN_optimiser.star of an earlier run")
     if not path.is_file():
         raise InputError(f"{path}: not found; --continue needs the files an iteration writes beside its optimiser.star")
-    with np.load(path) as data:
-        arrays = {name: data[name] for name in data.files}
-    return json.loads(str(arrays.pop("document"))), arrays
+    try:
+        with np.load(path) as data:
+            arrays = {name: data[name] for name in data.files}
+        return json.loads(str(arrays.pop("document"))), arrays
+    except Exception as exc:  # a cut or foreign file: zipfile, numpy and json raise assorted errors
+        raise InputError(f"{path}: unreadable ({type(exc).__name__}: {exc}); continue from an earlier iteration's "
+                         f"optimiser.star, or start the run again") from None
 
 
 def load_config_values(optimiser_star):

@@ -25,6 +25,23 @@ FLOAT_FORMAT = "%.12g"
 OPTICS_COLUMNS_30 = ("rlnVoltage", "rlnSphericalAberration", "rlnAmplitudeContrast",
                      "rlnMagnification", "rlnDetectorPixelSize", "rlnImagePixelSize", "rlnImageSize")
 
+# Numeric columns of particle files that are read, with the values RELION accepts: (low, high, low is allowed,
+# integer). None: no bound. Every value must be a finite number.
+NUMERIC_COLUMNS = {
+    "rlnDefocusU": (None, None, True, False), "rlnDefocusV": (None, None, True, False),
+    "rlnDefocusAngle": (None, None, True, False), "rlnPhaseShift": (None, None, True, False),
+    "rlnCtfBfactor": (None, None, True, False), "rlnCtfScalefactor": (None, None, True, False),
+    "rlnAngleRot": (None, None, True, False), "rlnAngleTilt": (None, None, True, False),
+    "rlnAnglePsi": (None, None, True, False), "rlnOriginXAngst": (None, None, True, False),
+    "rlnOriginYAngst": (None, None, True, False), "rlnOriginX": (None, None, True, False),
+    "rlnOriginY": (None, None, True, False), "rlnNormCorrection": (0.0, None, False, False),
+    "rlnRandomSubset": (0, None, True, True), "rlnClassNumber": (0, None, True, True),
+    "rlnOpticsGroup": (1, None, True, True), "rlnImagePixelSize": (0.0, None, False, False),
+    "rlnImageSize": (1, None, True, True), "rlnVoltage": (0.0, None, False, False),
+    "rlnSphericalAberration": (None, None, True, False), "rlnAmplitudeContrast": (0.0, 1.0, True, False),
+    "rlnMagnification": (0.0, None, False, False), "rlnDetectorPixelSize": (0.0, None, False, False),
+}
+
 
 def read_star(path):
     """Every block of a STAR file: {name: DataFrame (loops) or dict (single values)}."""
@@ -68,8 +85,8 @@ def read_particle_star(path):
     path = Path(path)
     blocks = read_star(path)
     if "optics" in blocks and "particles" in blocks:
-        particles = _as_table(blocks["particles"], path, "data_particles")
-        optics = _as_table(blocks["optics"], path, "data_optics")
+        particles = _numeric(_as_table(blocks["particles"], path, "data_particles"), path, "data_particles")
+        optics = _numeric(_as_table(blocks["optics"], path, "data_optics"), path, "data_optics")
         _require(particles, "rlnOpticsGroup", path, "data_particles")
         _require(optics, "rlnOpticsGroup", path, "data_optics")
         unknown = sorted(set(particles["rlnOpticsGroup"]) - set(optics["rlnOpticsGroup"]))
@@ -86,7 +103,7 @@ def read_particle_star(path):
         raise InputError(f"{path}: no particle table found (no block with column rlnImageName); "
                          f"give a RELION particles STAR file")
     name, table = tables[0]
-    return _from_relion30(table.reset_index(drop=True), path, f"data_{name}")
+    return _from_relion30(_numeric(table.reset_index(drop=True), path, f"data_{name}"), path, f"data_{name}")
 
 
 def write_particle_star(star, path, particles=None):
@@ -141,6 +158,38 @@ def _check_pixel_conflict(table, path, block):
         i = bad[0]
         raise InputError(f"{path}: {block} row {i + 1}: conflicting pixel sizes, rlnImagePixelSize {given[i]:g} Å but "
                          f"rlnDetectorPixelSize·1e4/rlnMagnification = {derived[i]:g} Å; remove one of them")
+
+
+def _numeric(table, path, block):
+    """`table` with its known numeric columns (NUMERIC_COLUMNS) as numbers; InputError naming the file, block,
+    column, row and value of the first one that is not a finite number in RELION's range."""
+    if table.empty:
+        raise InputError(f"{path}: {block} has no rows; give a STAR file with particles")
+    table = table.copy()
+    for column, (low, high, low_allowed, integer) in NUMERIC_COLUMNS.items():
+        if column not in table.columns:
+            continue
+        raw = table[column]
+        values = pd.to_numeric(raw, errors="coerce").to_numpy(np.float64)
+        if integer:
+            bad = ~np.isfinite(values) | (values != np.round(values))
+        else:
+            bad = ~np.isfinite(values)
+        if low is not None:
+            bad |= (values < low) if low_allowed else (values <= low)
+        if high is not None:
+            bad |= values > high
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            wanted = "a whole number" if integer else "a finite number"
+            if low is not None or high is not None:
+                span = (f"{'≥' if low_allowed else '>'} {low:g}" if low is not None else "") + \
+                       (f"{' and ' if low is not None else ''}≤ {high:g}" if high is not None else "")
+                wanted += f" {span}"
+            raise InputError(f"{path}: {block} row {i + 1}, column {column}: {raw.iloc[i]!r} is not {wanted}; fix the "
+                             f"value or remove the row")
+        table[column] = values.astype(np.int64) if integer else values
+    return table
 
 
 def _as_table(block, path, name):

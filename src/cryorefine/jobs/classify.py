@@ -25,6 +25,7 @@ SSNR per class, orientations).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -48,6 +49,8 @@ from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_bloc
 from cryorefine.io.star import read_star, write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
+
+log = logging.getLogger("cryorefine.classify")
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None):
@@ -97,6 +100,7 @@ class ClassifyJob:
             particles.require_ctf()
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
+        schedule.warn_if_diameter_clipped(config, box, pixel, log)
         settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
                                  config.do_ctf, config.random_seed)
         self.particles, self.box = particles, box

@@ -56,6 +56,8 @@ def _running_stats(data):
 
 def describe_star(path, check_images=False):
     blocks = read_star(path)
+    if not blocks:
+        raise InputError(f"{path}: no data_ block in it; not a STAR file (or an empty one)")
     if not any(getattr(b, "columns", None) is not None and "rlnImageName" in b.columns for b in blocks.values()):
         return {"file": str(path), "kind": "star",
                 "blocks": {name: (f"{len(b)} rows × {b.shape[1]} columns" if hasattr(b, "shape") else f"{len(b)} values")

@@ -71,6 +71,7 @@ class RefineJob:
         self.reference = read_reference(config.reference_map, box, pixel)
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
+        schedule.warn_if_diameter_clipped(config, box, pixel, log)
         settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
                                  config.do_ctf, config.random_seed)
         halves = particles.half_sets(config.random_seed)
@@ -172,7 +173,7 @@ class RefineJob:
         fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
         del avg
         fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
-        if config.low_resol_join_halves_angstrom and not joined:
+        if config.low_resol_join_halves_angstrom > 0 and not joined:  # RELION: 0 or less joins nothing
             mstep.join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
         tau2 = np.zeros((2, 1, n_shells))
         ssnr = np.zeros((2, 1, n_shells))
