@@ -6,6 +6,7 @@ exit code 2 (a traceback only with --debug).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -165,7 +166,15 @@ def _refine_options(command):
                     help="Accepted for RELION command lines: refine always uses gold-standard halves."),
         click.option("--dont_combine_weights_via_disc", is_flag=True,
                     help="Accepted for RELION command lines: sums are never combined through files."),
-        click.option("--batch", default=128, show_default=True, type=int, help="Particles per E-step batch."),
+        click.option("--batch", default=None, type=int, help="Particles per E-step batch [default: --pool, else 128]."),
+        click.option("--pool", default=None, type=int, help="RELION's particles per batch: --batch unless that is given."),
+        click.option("--j", "threads", default=None, type=int,
+                     help="Threads for host work and the CPU engine (numpy's BLAS) [default: the cores present]."),
+        click.option("--dont_check_norm", is_flag=True,
+                     help="Accepted for RELION command lines: images are not checked for normalisation here."),
+        click.option("--pipeline_control", default=None, type=click.Path(file_okay=False),
+                     help="RELION's job folder: RELION_JOB_EXIT_SUCCESS/FAILURE/ABORTED written there at the end; "
+                          "RELION_JOB_ABORT_NOW there stops the run before its next iteration."),
         click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
                     help="Arithmetic of the CPU engine."),
         click.option("--preread_images", is_flag=True,
@@ -185,25 +194,25 @@ def _refine_options(command):
 def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
-           split_random_halves, dont_combine_weights_via_disc, batch, precision, preread_images, gpu, force_cpu,
-           free_gpu_memory):
+           split_random_halves, dont_combine_weights_via_disc, batch, pool, threads, dont_check_norm, pipeline_control,
+           precision, preread_images, gpu, force_cpu, free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
-    from cryorefine import runners
     from cryorefine.jobs import refine as job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if continue_from:
-        config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
-    else:
-        for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
-            if not value:
-                raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
-        config = _refine_config(**locals())
-    runner = runners.for_config(config, job.RefineJob.min_mpi_ranks)
-    reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
-    _report_end(reports, config.output_root)
+    with _pipeline(pipeline_control) as control:
+        _host_threads(threads, dont_check_norm)
+        if continue_from:
+            config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
+        else:
+            for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
+                if not value:
+                    raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
+            config = _refine_config(**locals())
+        reports = _run_job(job, job.RefineJob.min_mpi_ranks, config, continue_from, control)
+        _report_end(reports, config.output_root)
 
 
 def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
@@ -243,15 +252,21 @@ def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging
 
-    from cryorefine import runners
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with _pipeline(options["pipeline_control"]) as control:
+        _host_threads(options["threads"], options["dont_check_norm"])
+        _classify(n_classes, continue_from, options, control)
+
+
+def _classify(n_classes, continue_from, options, control):
+    import logging
+
     from cryorefine.jobs import classify as job
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if continue_from:
         config = _continued_config(continue_from, options["out"], options["max_iterations"], options["gpu"],
                                    options["force_cpu"], options["free_gpu_memory"])
-        runner = runners.for_config(config, job.ClassifyJob.min_mpi_ranks)
-        reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=continue_from)
+        reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, continue_from, control)
         _report_classes(reports, config.output_root)
         return
     ctx = click.get_current_context()
@@ -269,9 +284,58 @@ def classify(n_classes, continue_from, **options):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
     config = _classify_config(n_classes, options)
-    runner = runners.for_config(config, job.ClassifyJob.min_mpi_ranks)
-    reports = job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar())
+    reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, None, control)
     _report_classes(reports, options["out"])
+
+
+def _run_job(job, min_mpi_ranks, config, resume_from, control):
+    """`job.run` (jobs.refine or jobs.classify) with the runner this process was started for."""
+    from cryorefine import runners
+    from cryorefine.io.pipeline import FAILURE
+
+    on_abort = (lambda: control.finished(FAILURE)) if control else None
+    runner = runners.for_config(config, min_mpi_ranks, on_abort=on_abort)
+    return job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=resume_from,
+                   stop_requested=control.abort_requested if control else None)
+
+
+@contextlib.contextmanager
+def _pipeline(folder):
+    """--pipeline_control: RELION_JOB_EXIT_SUCCESS, _FAILURE or _ABORTED in `folder` as the command ends
+    (written by the MPI master; a failing MPI rank writes _FAILURE itself before the job is aborted)."""
+    if not folder:
+        yield None
+        return
+    from cryorefine.io.pipeline import ABORTED, FAILURE, SUCCESS, PipelineControl
+    from cryorefine.runners.mpi import rank_from_environment
+
+    control = PipelineControl(folder)
+    master = rank_from_environment() == 0
+    try:
+        yield control
+    except BaseException as exc:
+        if master and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            control.finished(FAILURE)
+        raise
+    if master:
+        control.finished(ABORTED if control.abort_requested() else SUCCESS)
+
+
+def _host_threads(threads, dont_check_norm):
+    """--j: numpy's BLAS threads (set before numpy loads, as the command line does); --dont_check_norm: noted."""
+    import logging
+    import os
+
+    log = logging.getLogger("cryorefine")
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--j {threads}: out of range; give 1 thread or more")
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = str(threads)
+        if "numpy" in sys.modules:
+            log.info("--j %d: numpy was loaded before the option was read; its threads stay as they are", threads)
+    if dont_check_norm:
+        log.info("--dont_check_norm: accepted; changes nothing here (images are not checked for normalisation)")
 
 
 def _report_classes(reports, out):
@@ -337,7 +401,7 @@ def config_from_arguments(command, arguments):
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
-                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, **_ignored):
+                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
     from cryorefine.config import RefineConfig
 
@@ -348,7 +412,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
-        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch,
+        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else (pool if pool is not None else 128),
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, **engine_options(gpu, force_cpu, free_gpu_memory))

@@ -187,3 +187,12 @@ def test_work_units_are_shared_out_over_the_workers():
         assert sorted(set(served)) == list(range(n_units))  # every unit served
         for u in range(n_units):
             assert u in units_of_worker(holder_of_unit(u, n_workers), n_workers, n_units)
+
+
+def test_a_failing_worker_leaves_relions_failure_file(mixture):
+    job = mixture / "pipeline_fail"
+    job.mkdir()
+    result = run_classify(3, mixture, "pipeline_fail", "--iter", "2", "--pipeline_control", str(job),
+                          env={"CRYOREFINE_FAULT": "1:1"}, timeout=300)
+    assert result.returncode != 0
+    assert sorted(p.name for p in job.glob("RELION_JOB_*")) == ["RELION_JOB_EXIT_FAILURE"], result.stderr[-2000:]

@@ -94,11 +94,13 @@ class Job(Protocol):
         """True when `plan` was the last iteration (a refinement's final one)."""
 
 
-def run(job, runner, argv=(), progress=None, resume_from=None):
+def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
     """Run `job` to its end with `runner`; the IterationReports (None on an MPI worker).
 
     `progress(done, total)` is called as batches finish; `resume_from` is a run_itNNN_optimiser.star:
-    the run goes on from iteration NNN + 1 exactly as it would have.
+    the run goes on from iteration NNN + 1 exactly as it would have. `stop_requested()` is asked before
+    each iteration: when it says so, the run ends there (its last iteration's files stay valid for
+    --continue).
     """
     if not runner.leads:  # an MPI worker: serves the master's E- and M-steps until the run ends
         runner.serve(job)
@@ -116,6 +118,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None):
         out_root = config.output_root
         with BackgroundWriter() as writer:
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
+                if stop_requested is not None and stop_requested():
+                    log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
+                    break
                 plan = job.plan(state, iteration)
                 previous = state.particles.copy()
                 outcome = runner.expectation_maximization(job, plan, state.model, previous, particles, settings,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 
-def for_config(config, min_mpi_ranks):
-    """The MPI runner when this process was started by mpirun/srun (the job needs `min_mpi_ranks`), else one
-    process on the backend config.engine names."""
+def for_config(config, min_mpi_ranks, on_abort=None):
+    """The MPI runner when this process was started by mpirun/srun (the job needs `min_mpi_ranks`; `on_abort()` is
+    called on a failing rank before the job is aborted), else one process on the backend config.engine names."""
     from cryorefine.runners.mpi import MpiRunner, launched_with_mpi
 
     if launched_with_mpi():
-        return MpiRunner(config, min_mpi_ranks)
+        return MpiRunner(config, min_mpi_ranks, on_abort)
     from cryorefine.estep.backend import make_backend
     from cryorefine.runners.serial import SerialRunner
 

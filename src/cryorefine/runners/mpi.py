@@ -97,8 +97,13 @@ def _local_rank(rank):
     return rank
 
 
-def _abort(comm, exc):
+def _abort(comm, exc, on_abort=None):
     """One line naming the rank, host and cause, then end every rank of the job."""
+    if on_abort is not None:
+        try:
+            on_abort()
+        except OSError:
+            pass  # the job ends either way
     rank = comm.Get_rank()
     message = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
     sys.stderr.write(f"cryorefine: error: rank {rank} on {socket.gethostname()}: {message}\n")
@@ -110,10 +115,11 @@ def _abort(comm, exc):
 class MpiRunner:
     """The master (rank 0) runs the loop; the workers serve it (`serve`)."""
 
-    def __init__(self, config, min_ranks):
+    def __init__(self, config, min_ranks, on_abort=None):
         from mpi4py import MPI
 
         self.config = config
+        self.on_abort = on_abort
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if self.size < min_ranks:
@@ -144,7 +150,7 @@ class MpiRunner:
             if not self.announced:  # nothing distributed yet: every rank ends quietly, the master reports
                 self.comm.bcast(("error", None), root=0)
                 raise
-            _abort(self.comm, exc)
+            _abort(self.comm, exc, self.on_abort)
         self.comm.bcast(("stop", None), root=0)
 
     def announce(self, particles, settings):
@@ -200,7 +206,7 @@ class MpiRunner:
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
-            _abort(self.comm, exc)
+            _abort(self.comm, exc, self.on_abort)
 
     def _serve(self, job):
         comm = self.comm
