@@ -230,7 +230,8 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     from_command_line = [p.opts[0] for p in ctx.command.params
                          if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
     ignored = [o for o in from_command_line
-               if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory")]
+               if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory", "--j",
+                            "--dont_check_norm", "--pipeline_control")]
     if ignored:
         logging.getLogger("cryorefine").warning(
             "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
