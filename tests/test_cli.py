@@ -156,3 +156,17 @@ def test_nan_pixels_met_by_refine_name_the_image_and_leave_no_iteration_files(tm
                        str(out / "run"), "--ini_high", "10", "--iter", "1", "--cpu")
     assert_one_line_error(code, err, "5@", "NaN or Inf")
     assert not list(out.glob("run_it*")) if out.exists() else True
+
+
+def test_relion_gpu_strings_give_one_device_per_worker():
+    import click
+
+    from cryorefine.cli import parse_gpu_ids
+
+    assert parse_gpu_ids("") == (0,)
+    assert parse_gpu_ids("1") == (1,)
+    assert parse_gpu_ids("0:1:2:3") == (0, 1, 2, 3)
+    assert parse_gpu_ids("0,1:2,3") == (0, 2)  # RELION: ':' between MPI workers, ',' between a worker's threads
+    assert parse_gpu_ids("2,3") == (2,)
+    with pytest.raises(click.UsageError):
+        parse_gpu_ids("0:gpu1")

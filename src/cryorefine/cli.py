@@ -421,15 +421,24 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
 
 
 def parse_gpu_ids(text):
-    """RELION's --gpu syntax: "" (device 0), "0", "0:1", "0,1:2" (ranks split by ':', threads by ',')."""
-    ids = []
-    for part in str(text).replace(",", ":").split(":"):
-        part = part.strip()
-        if not part:
+    """RELION's --gpu syntax: "" (device 0), "0", "0:1", "0,1:2,3": one group per MPI worker, split by ':', and
+    in a group the devices of that worker's threads, split by ','. A worker here drives one GPU: the first of
+    its group (the others are named in one INFO line)."""
+    import logging
+
+    ids, unused = [], []
+    for group in str(text).split(":"):
+        devices = [d.strip() for d in group.split(",") if d.strip()]
+        if not devices:
             continue
-        if not part.isdigit():
-            raise click.UsageError(f"--gpu {text!r}: expected device numbers such as 0 or 0:1")
-        ids.append(int(part))
+        if not all(d.isdigit() for d in devices):
+            raise click.UsageError(f"--gpu {text!r}: expected device numbers such as 0, 0:1 or 0,1:2,3")
+        ids.append(int(devices[0]))
+        unused += devices[1:]
+    if unused:
+        logging.getLogger("cryorefine").info(
+            "--gpu %s: each process drives one GPU here (the first of its group); not used: %s; run more MPI "
+            "workers to use them", text, ", ".join(unused))
     return tuple(ids) or (0,)
 
 
