@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -160,3 +162,36 @@ def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
     assert [list(i) for i, _ in got] == [list(b) for b in batches]
     for indices, read in got:
         np.testing.assert_array_equal(read, images[indices])
+
+
+def test_scratch_copy_reads_the_same_images_from_copies_and_removes_them(tmp_path):
+    import logging
+
+    from cryorefine.data import scratch_copy
+
+    star, images = make_particle_set(tmp_path / "project", n=5, box=16)
+    particles = load_particles(star)
+    scratch = tmp_path / "scratch"
+    with scratch_copy(particles, scratch, logging.getLogger("test")) as staged:
+        copies = set(staged.stack_paths.tolist())
+        assert all(Path(c).parent.parent == scratch and Path(c).is_file() for c in copies)
+        with StackReader() as reader:
+            np.testing.assert_array_equal(staged.read_images(np.arange(5), reader), images)
+    assert list(scratch.iterdir()) == []  # removed at the end
+    assert all(Path(p).parent == tmp_path / "project" for p in particles.stack_paths.tolist())
+
+
+def test_refine_with_a_scratch_dir_gives_the_same_map(tmp_path):
+    from conftest import run_cli
+    from cryorefine.io.mrc import read_volume
+
+    star, _ = make_particle_set(tmp_path, n=6, box=16, pixel_size=4.0, seed=5)
+    write_mrc(tmp_path / "ref.mrc", np.random.default_rng(6).normal(size=(16, 16, 16)).astype(np.float32),
+              pixel_size=4.0, stack=False)
+    args = ["refine", "--i", star, "--ref", tmp_path / "ref.mrc", "--particle_diameter", 40, "--cpu", "--iter", 1]
+    assert run_cli(*args, "--o", tmp_path / "a" / "run") == 0
+    assert run_cli(*args, "--o", tmp_path / "b" / "run", "--scratch_dir", tmp_path / "scratch") == 0
+    for half in (1, 2):
+        name = f"run_it001_half{half}_class001.mrc"
+        np.testing.assert_array_equal(read_volume(tmp_path / "a" / name)[0], read_volume(tmp_path / "b" / name)[0])
+    assert list((tmp_path / "scratch").iterdir()) == []

@@ -177,6 +177,9 @@ def _refine_options(command):
                           "RELION_JOB_ABORT_NOW there stops the run before its next iteration."),
         click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
                     help="Arithmetic of the CPU engine."),
+        click.option("--scratch_dir", default=None, type=click.Path(file_okay=False),
+                     help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end "
+                          "(under MPI once per node)."),
         click.option("--preread_images", is_flag=True,
                      help="Read the images once into memory (each MPI worker its half set)."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
@@ -195,7 +198,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
            split_random_halves, dont_combine_weights_via_disc, batch, pool, threads, dont_check_norm, pipeline_control,
-           precision, preread_images, gpu, force_cpu, free_gpu_memory):
+           precision, preread_images, scratch_dir, gpu, force_cpu, free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
@@ -402,7 +405,8 @@ def config_from_arguments(command, arguments):
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
-                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, **_ignored):
+                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, scratch_dir=None,
+                   **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
     from cryorefine.config import RefineConfig
 
@@ -416,7 +420,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else (pool if pool is not None else 128),
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
-        preread_images=preread_images, **engine_options(gpu, force_cpu, free_gpu_memory))
+        preread_images=preread_images, scratch_dir=scratch_dir, **engine_options(gpu, force_cpu, free_gpu_memory))
     return config.check()
 
 

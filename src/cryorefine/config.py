@@ -53,6 +53,7 @@ class RefineConfig:
     incr_size_px: int = 10  # RELION's --incr_size
     batch_size: int = 256
     preread_images: bool = False  # --preread_images: read the images once into memory
+    scratch_dir: str | None = None  # --scratch_dir: the stacks copied to this (local) disk for the run
     engine: str = "numpy"  # "numpy" or "cuda"
     gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0)
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
@@ -93,6 +94,8 @@ class RefineConfig:
                                  f"{Path.cwd()})")
         if self.output_root:
             check_output_folder("--o", Path(self.output_root).parent)
+        if self.scratch_dir:
+            check_output_folder("--scratch_dir", self.scratch_dir)
         return self
 
     def to_json(self):

@@ -7,6 +7,10 @@ from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the c
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,6 +202,55 @@ class ParticleSet:
                 yield current, images
                 current = following
                 i += 1
+
+
+@contextlib.contextmanager
+def scratch_copy(particles, scratch_dir, log, share=None):
+    """--scratch_dir: the particles' stacks copied once into a new folder under `scratch_dir`, and their images read
+    from there until the block ends; then the copies are removed. When the stacks do not fit in the free space
+    (with 10 % to spare), a warning says so and the images are read where they are, as RELION does.
+
+    `share` (an MPI communicator of the processes of one node) makes its first process copy for all of them.
+    """
+    if not scratch_dir:
+        yield particles
+        return
+    first = share is None or share.Get_rank() == 0
+    folder = None
+    if first:
+        stacks = sorted(set(particles.stack_paths.tolist()))
+        need = sum(os.path.getsize(path) for path in stacks)
+        Path(scratch_dir).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(scratch_dir).free
+        if need * 1.1 > free:
+            log.warning("--scratch_dir %s: the stacks need %.1f GB but %.1f GB are free; images are read where they "
+                        "are", scratch_dir, need / 1e9, free / 1e9)
+        else:
+            folder = tempfile.mkdtemp(prefix="cryorefine_", dir=scratch_dir)
+            for i, path in enumerate(stacks):
+                shutil.copyfile(path, Path(folder) / f"{i:05d}_{Path(path).name}")
+            log.info("--scratch_dir: %d stacks (%.1f GB) copied to %s", len(stacks), need / 1e9, folder)
+    if share is not None:
+        folder = share.bcast(folder, root=0)
+    if folder is None:
+        yield particles
+        return
+    stacks = sorted(set(particles.stack_paths.tolist()))
+    copies = {path: str(Path(folder) / f"{i:05d}_{Path(path).name}") for i, path in enumerate(stacks)}
+    original = particles.stack_paths
+    particles.stack_paths = np.array([copies[path] for path in original.tolist()])
+    try:
+        yield particles
+    except BaseException:
+        particles.stack_paths = original
+        if share is None:  # under MPI a failure aborts the job: the others are not waited for
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    particles.stack_paths = original
+    if share is not None:
+        share.Barrier()  # every process of the node is done reading
+    if first:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_particles(star_path, check_stacks=True):

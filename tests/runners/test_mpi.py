@@ -196,3 +196,18 @@ def test_a_failing_worker_leaves_relions_failure_file(mixture):
                           env={"CRYOREFINE_FAULT": "1:1"}, timeout=300)
     assert result.returncode != 0
     assert sorted(p.name for p in job.glob("RELION_JOB_*")) == ["RELION_JOB_EXIT_FAILURE"], result.stderr[-2000:]
+
+
+def test_classify_under_mpi_reads_from_a_scratch_copy_and_removes_it(mixture):
+    """The workers of a node copy the stacks once to --scratch_dir and read them there: the same class maps as one
+    process reading the stacks where they are; nothing left in the scratch folder."""
+    scratch = mixture / "scratch"
+    results = {r: run_classify(r, mixture, f"scratch_n{r}", "--iter", "2", *(("--scratch_dir", str(scratch)) if r > 1
+                                                                             else ())) for r in (1, 3)}
+    for r, result in results.items():
+        assert result.returncode == 0, (r, result.stderr[-2000:])
+    assert "copied to" in results[3].stderr
+    for k in (1, 2):
+        name = f"run_it002_class{k:03d}.mrc"
+        assert (mixture / "scratch_n3" / name).read_bytes() == (mixture / "scratch_n1" / name).read_bytes()
+    assert list(scratch.iterdir()) == []

@@ -17,6 +17,7 @@ or how many processes there are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -106,8 +107,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         runner.serve(job)
         return None
     config = job.config
-    with runner.session() as session:
+    with runner.session() as session, contextlib.ExitStack() as stack:
         particles, settings = job.load()
+        particles = stack.enter_context(runner.staged(particles))
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)
             job.resume(state, particles, resume.iteration_root(resume_from))

@@ -27,6 +27,7 @@ the hook the failure tests use.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -36,7 +37,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from cryorefine.data import load_particles
+from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError
@@ -153,6 +154,10 @@ class MpiRunner:
             _abort(self.comm, exc, self.on_abort)
         self.comm.bcast(("stop", None), root=0)
 
+    def staged(self, particles):
+        """The master reads its images (the initial noise spectra) where they are; workers copy to --scratch_dir."""
+        return contextlib.nullcontext(particles)
+
     def announce(self, particles, settings):
         """First broadcast: the run is set up (the workers load the particles and go on)."""
         self.comm.bcast(("setup", settings), root=0)
@@ -218,7 +223,11 @@ class MpiRunner:
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
         backend = make_backend(config, shared_by=shared_by)
-        with backend.run_scope():
+        from mpi4py import MPI
+
+        node = self.workers.Split_type(MPI.COMM_TYPE_SHARED) if self.config.scratch_dir else None
+        with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node), \
+                backend.run_scope():
             while True:
                 kind, payload = comm.bcast(None, root=0)
                 if kind != "iteration":

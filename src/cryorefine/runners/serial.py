@@ -4,12 +4,16 @@ when CuPy sees a device, else numpy), then the job's M-step on the same backend.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import numpy as np
 
+from cryorefine.data import scratch_copy
 from cryorefine.em.estep import BatchInputs, empty_sums, run_batches
 from cryorefine.em.loop import StepOutcome
+
+log = logging.getLogger("cryorefine")
 
 
 class SerialRunner:
@@ -17,10 +21,11 @@ class SerialRunner:
 
     leads = True  # runs the iteration loop itself
 
-    def __init__(self, backend, batch_size, preread_images=False):
+    def __init__(self, backend, batch_size, preread_images=False, scratch_dir=None):
         self.backend = backend
         self.batch_size = int(batch_size)
         self.preread_images = bool(preread_images)
+        self.scratch_dir = scratch_dir
 
     @property
     def array_module(self):
@@ -34,6 +39,10 @@ class SerialRunner:
 
     def announce(self, particles, settings):
         """Nothing to tell: there are no workers."""
+
+    def staged(self, particles):
+        """The particles read from copies of their stacks under --scratch_dir for the run (data.scratch_copy)."""
+        return scratch_copy(particles, self.scratch_dir, log)
 
     def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress):
         tic = time.perf_counter()
