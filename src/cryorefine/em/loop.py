@@ -95,6 +95,25 @@ class Job(Protocol):
         """True when `plan` was the last iteration (a refinement's final one)."""
 
 
+class Runner(Protocol):
+    """Where the loop's steps run (`runners.serial.SerialRunner`, `runners.mpi.MpiRunner`): what the loop asks."""
+
+    leads: bool  # this process runs the loop (False: an MPI worker, which serves instead)
+    array_module: Any  # numpy or cupy: what the leading process prepares images with (the initial noise pass)
+
+    def serve(self, job) -> None:
+        """An MPI worker's part of the whole run."""
+
+    def session(self):
+        """A context manager around the run (the device arena; MPI: the workers' start and stop, failures)."""
+
+    def staged(self, particles):
+        """A context manager giving the particles whose images the run reads (--scratch_dir copies)."""
+
+    def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress) -> StepOutcome:
+        """The E-step of every unit of `plan` (results through `store(indices, BatchResult)`) and `job.maximize`."""
+
+
 def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
     """Run `job` to its end with `runner`; the IterationReports (None on an MPI worker).
 
