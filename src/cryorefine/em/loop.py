@@ -22,14 +22,17 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from cryorefine.data import load_particles
 from cryorefine.em import schedule
 from cryorefine.em.estep import keep_norms_unless_refined
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunState
 from cryorefine.errors import InputError
+from cryorefine.images import ImageSettings
 from cryorefine.io import resume
 from cryorefine.io.background import BackgroundWriter
 
@@ -67,14 +70,15 @@ class Job(Protocol):
     min_mpi_ranks: int  # the fewest MPI ranks (master included) the job runs on
 
     def load(self):
-        """(ParticleSet, images.ImageSettings), inputs checked and the output folder made."""
+        """(ParticleSet, images.ImageSettings), the inputs checked (`particles_and_settings` does the common part);
+        the loop then makes the output folder."""
 
     def start(self, particles, settings, xp) -> RunState:
         """The state before iteration 1 (initial maps, noise spectra with `xp`, schedule)."""
 
     def resume(self, run: RunState, particles, iteration_root: str) -> None:
-        """A --continue state checked against the particles (InputError), its maps read from the files of
-        `iteration_root` (out/run_itNNN)."""
+        """A --continue state (its box and particle count already checked) completed: its maps read from the
+        files of `iteration_root` (out/run_itNNN)."""
 
     def plan(self, run: RunState, iteration: int) -> IterationPlan:
         """The schedule of `iteration` (updates run.optimiser); its work units."""
@@ -128,9 +132,16 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
     config = job.config
     with runner.session() as session, contextlib.ExitStack() as stack:
         particles, settings = job.load()
+        Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)
+            if state.model.ori_size_px != settings.ori_size_px:
+                raise InputError(f"{resume_from}: the run was {state.model.ori_size_px} px, the particles are "
+                                 f"{settings.ori_size_px} px")
+            if state.particles.rot_deg.size != len(particles):
+                raise InputError(f"{resume_from}: the run had {state.particles.rot_deg.size} particles, the STAR "
+                                 f"file has {len(particles)}; continue with the same --i")
             job.resume(state, particles, resume.iteration_root(resume_from))
         else:
             state = job.start(particles, settings, runner.array_module)
@@ -174,6 +185,19 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 if job.finished(state, plan):
                     break
     return reports
+
+
+def particles_and_settings(config):
+    """The particle set of config.input_star (with CTF columns for --ctf) and the image settings of the run
+    (the particle diameter clipped to the box, with a warning)."""
+    particles = load_particles(config.input_star)
+    box, pixel = particles.geometry()
+    if config.do_ctf:
+        particles.require_ctf()
+    schedule.warn_if_diameter_clipped(config, box, pixel, log)
+    settings = ImageSettings(box, pixel, schedule.default_particle_diameter_angstrom(config, box, pixel),
+                             config.width_mask_edge_px, config.zero_mask, config.do_ctf, config.random_seed)
+    return particles, settings
 
 
 # ---------------------------------------------------------------------- --continue

@@ -35,14 +35,12 @@ import numpy as np
 from cryorefine.core.arrays import array_module, to_host
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
-from cryorefine.data import load_particles
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, initial_noise_spectra
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
-from cryorefine.images import ImageSettings
 from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
                                           sampling_star_blocks, write_optimiser_star)
@@ -94,16 +92,9 @@ class ClassifyJob:
         config = self.config
         if config.symmetry.upper() != "C1":
             raise InputError(f"--sym {config.symmetry}: classify handles C1 only so far; run with --sym C1")
-        particles = load_particles(config.input_star)
-        box, pixel = particles.geometry()
-        if config.do_ctf:
-            particles.require_ctf()
-        Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
-        self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
-        schedule.warn_if_diameter_clipped(config, box, pixel, log)
-        settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
-                                 config.do_ctf, config.random_seed)
-        self.particles, self.box = particles, box
+        particles, settings = loop.particles_and_settings(config)
+        self.diameter_angstrom = settings.particle_diameter_angstrom
+        self.particles = particles
         return particles, settings
 
     def start(self, particles, settings, xp):
@@ -127,12 +118,6 @@ class ClassifyJob:
                         extras={"class_distributions": np.zeros((0, k_classes)), "seeded": seeded})
 
     def resume(self, run, particles, iteration_root):
-        root = f"{iteration_root}_optimiser.star"
-        if run.model.ori_size_px != self.box:
-            raise InputError(f"{root}: the run was {run.model.ori_size_px} px, the particles are {self.box} px")
-        if run.particles.rot_deg.size != len(particles):
-            raise InputError(f"{root}: the run had {run.particles.rot_deg.size} particles, the STAR file has "
-                             f"{len(particles)}; continue with the same --i")
         run.extras["seeded"] = bool(run.extras["seeded"])
         run.model.maps = [[mrc.read_volume(f"{iteration_root}_class{k + 1:03d}.mrc")[0]
                            for k in range(self.config.n_classes)]]

@@ -15,21 +15,18 @@ import dataclasses
 import logging
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
 from cryorefine.core.arrays import array_module, to_host
 from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
-from cryorefine.data import load_particles
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, initial_noise_spectra
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
-from cryorefine.images import ImageSettings
 from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
                                           sampling_star_blocks, write_optimiser_star)
@@ -64,16 +61,9 @@ class RefineJob:
         if config.symmetry.upper() != "C1":
             raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not "
                              f"yet symmetrise the half maps); run with --sym C1")
-        particles = load_particles(config.input_star)
-        box, pixel = particles.geometry()
-        if config.do_ctf:
-            particles.require_ctf()
-        self.reference = read_reference(config.reference_map, box, pixel)
-        Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
-        self.diameter_angstrom = schedule.default_particle_diameter_angstrom(config, box, pixel)
-        schedule.warn_if_diameter_clipped(config, box, pixel, log)
-        settings = ImageSettings(box, pixel, self.diameter_angstrom, config.width_mask_edge_px, config.zero_mask,
-                                 config.do_ctf, config.random_seed)
+        particles, settings = loop.particles_and_settings(config)
+        self.reference = read_reference(config.reference_map, settings.ori_size_px, settings.pixel_size_angstrom)
+        self.diameter_angstrom = settings.particle_diameter_angstrom
         halves = particles.half_sets(config.random_seed)
         if "rlnRandomSubset" in particles.star.particles.columns and not np.array_equal(halves,
                                                                                        particles.random_subset):
@@ -105,12 +95,6 @@ class RefineJob:
                         np.random.default_rng(config.random_seed), sched)
 
     def resume(self, run, particles, iteration_root):
-        if run.model.ori_size_px != self.reference.shape[0]:
-            raise InputError(f"{iteration_root}_optimiser.star: the run was {run.model.ori_size_px} px, the "
-                             f"particles are {self.reference.shape[0]} px")
-        if run.particles.rot_deg.size != len(particles):
-            raise InputError(f"{iteration_root}_optimiser.star: the run had {run.particles.rot_deg.size} particles, "
-                             f"the STAR file has {len(particles)}; continue with the same --i")
         run.model.maps = [[mrc.read_volume(f"{iteration_root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
 
     # ------------------------------------------------------------------ one iteration
