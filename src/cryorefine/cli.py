@@ -169,14 +169,15 @@ def _refine_options(command):
         click.option("--batch", default=None, type=int, help="Particles per E-step batch [default: --pool, else 128]."),
         click.option("--pool", default=None, type=int, help="RELION's particles per batch: --batch unless that is given."),
         click.option("--j", "threads", default=None, type=int,
-                     help="Threads for host work and the CPU engine (numpy's BLAS) [default: the cores present]."),
+                     help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) "
+                          "[default: the cores present, shared among the MPI ranks on a node]."),
         click.option("--dont_check_norm", is_flag=True,
                      help="Accepted for RELION command lines: images are not checked for normalisation here."),
         click.option("--pipeline_control", default=None, type=click.Path(file_okay=False),
                      help="RELION's job folder: RELION_JOB_EXIT_SUCCESS/FAILURE/ABORTED written there at the end; "
                           "RELION_JOB_ABORT_NOW there stops the run before its next iteration."),
-        click.option("--precision", type=click.Choice(["double", "single"]), default="double", show_default=True,
-                    help="Arithmetic of the CPU engine."),
+        click.option("--precision", type=click.Choice(["double", "single"]), default="single", show_default=True,
+                    help="Arithmetic of the CPU engine: single as the GPU's, double for the reference engine."),
         click.option("--scratch_dir", default=None, type=click.Path(file_okay=False),
                      help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end "
                           "(under MPI once per node)."),
@@ -326,18 +327,16 @@ def _pipeline(folder):
 
 
 def _host_threads(threads, dont_check_norm):
-    """--j: numpy's BLAS threads (set before numpy loads, as the command line does); --dont_check_norm: noted."""
+    """--j: the CPU engine's threads (config.threads); numpy's BLAS runs one thread in each (set before
+    numpy loads, unless the environment says otherwise). --dont_check_norm: noted."""
     import logging
     import os
 
     log = logging.getLogger("cryorefine")
-    if threads is not None:
-        if threads < 1:
-            raise InputError(f"--j {threads}: out of range; give 1 thread or more")
-        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[name] = str(threads)
-        if "numpy" in sys.modules:
-            log.info("--j %d: numpy was loaded before the option was read; its threads stay as they are", threads)
+    if threads is not None and threads < 1:
+        raise InputError(f"--j {threads}: out of range; give 1 thread or more")
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
     if dont_check_norm:
         log.info("--dont_check_norm: accepted; changes nothing here (images are not checked for normalisation)")
 
@@ -406,7 +405,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
                    precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, scratch_dir=None,
-                   **_ignored):
+                   threads=None, **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
     from cryorefine.config import RefineConfig
 
@@ -420,7 +419,8 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else (pool if pool is not None else 128),
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
-        preread_images=preread_images, scratch_dir=scratch_dir, **engine_options(gpu, force_cpu, free_gpu_memory))
+        preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,
+        **engine_options(gpu, force_cpu, free_gpu_memory))
     return config.check()
 
 

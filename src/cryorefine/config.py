@@ -57,7 +57,8 @@ class RefineConfig:
     engine: str = "numpy"  # "numpy" or "cuda"
     gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0)
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
-    dtype: str = "float64"  # numpy engine precision: float64 (oracle) or float32 (mirrors the GPU)
+    dtype: str = "float32"  # numpy engine precision: float32 (as the GPU), or float64 (the oracle's)
+    threads: int | None = None  # --j: the CPU engine's threads (None: this machine's cores, shared among its ranks)
 
     def check(self):
         """This config, or an InputError naming the first option out of RELION's range and what to give."""
@@ -84,6 +85,7 @@ class RefineConfig:
             ("--free_gpu_memory", self.free_gpu_memory_mb, self.free_gpu_memory_mb >= 0, "0 MB or more"),
             ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
             ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more"),
+            ("--j", self.threads, self.threads is None or self.threads >= 1, "1 thread or more"),
         ]
         for option, value, ok, wanted in rules:
             if not ok:

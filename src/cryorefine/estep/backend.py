@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import numpy as np
 
@@ -28,14 +29,24 @@ def cupy_available():
 
 
 def make_backend(config, device_id=None, shared_by=1):
-    """The backend config.engine names: "numpy" (at config.dtype), or "cuda" on `device_id` (default
-    config.gpu_ids[0], else 0) with an arena of the free memory minus config.free_gpu_memory_mb (at most
-    an equal share of the card when `shared_by` processes use it)."""
+    """The backend config.engine names: "numpy" (at config.dtype, on config.threads threads, by default
+    an equal share of this machine's cores among the `shared_by` processes on it), or "cuda" on
+    `device_id` (default config.gpu_ids[0], else 0) with an arena of the free memory minus
+    config.free_gpu_memory_mb (at most an equal share of the card when `shared_by` processes use it)."""
     if config.engine == "cuda":
         if device_id is None:
             device_id = config.gpu_ids[0] if config.gpu_ids else 0
         return CudaBackend(device_id, config.free_gpu_memory_mb, shared_by=shared_by)
-    return NumpyBackend(np.dtype(config.dtype))
+    threads = config.threads if config.threads is not None else max(1, available_cores() // max(1, shared_by))
+    return NumpyBackend(np.dtype(config.dtype), threads)
+
+
+def available_cores():
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class NumpyBackend:
@@ -44,17 +55,18 @@ class NumpyBackend:
     name = "numpy"
     array_module = np
 
-    def __init__(self, dtype=np.float64):
+    def __init__(self, dtype=np.float64, threads=1):
         self.dtype = np.dtype(dtype)
+        self.threads = int(threads)
         self.high_water_bytes = {}
 
     def describe(self):
-        return f"numpy ({self.dtype})"
+        return f"numpy ({self.dtype}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
     def make_engine(self):
         from cryorefine.estep.reference import NumpyEngine
 
-        return NumpyEngine(self.dtype)
+        return NumpyEngine(self.dtype, self.threads)
 
     def asarray(self, array):
         return np.asarray(array)

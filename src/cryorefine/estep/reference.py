@@ -18,30 +18,32 @@ Precision is selectable: float64 for the oracle, float32 to mirror the GPU engin
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables, groups_by_size
+from cryorefine.estep.common import FineBlocks, IterationTables
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
-_SAMPLES_PER_CHUNK_ELEMENTS = 1 << 22  # sample × coefficient elements handled at once
-FINE_SAMPLES_PER_GROUP = 1 << 20  # fine samples per group of particles in the fine pass (the default)
+FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fine table (the default; ~400 MB at float32)
 
 
 class NumpyEngine:
     """The reference engine for one half set (all classes)."""
 
-    def __init__(self, dtype=np.float64):
+    def __init__(self, dtype=np.float64, threads: int = 1):
         self.real = np.dtype(dtype)
+        self.threads = max(1, int(threads))  # particles of the fine pass run on this many threads
+        self._pool = None
         self.complex = np.result_type(self.real, np.complex64)
         self.setup_ = None
         self.tables = None  # IterationTables of the iteration set up
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
-        self.fine_samples_per_group = FINE_SAMPLES_PER_GROUP  # bounds the fine pass's memory
+        self.fine_table_elements = FINE_TABLE_ELEMENTS_PER_GROUP  # bounds the fine pass's memory
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
         self.stage_flops = {}  # not counted on the host
@@ -60,6 +62,7 @@ class NumpyEngine:
         self.matrices, self.translations, self.fine_translations = t.matrices, t.translations, t.fine_translations
         self.n_orient, self.n_trans = t.n_orientations, t.n_translations
         self.children_per_block = t.children_per_block
+        self.phase_t = self.fine.phase(self.fine_translations.reshape(-1, 2), s.ori_size_px, self.complex)  # (T·nft, K)
         self.direction_of, self.psi_index_of = t.direction_of, t.psi_index_of
         self.scale = t.scale
         self.avg_norm = s.avg_norm_correction
@@ -101,7 +104,7 @@ class NumpyEngine:
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
         parts, blocks = [], []
-        for rows in groups_by_size(n_significant * self.children_per_block, self.fine_samples_per_group):
+        for rows in self._fine_groups(significant, orient_sel.size):
             sub = {name: value[rows] for name, value in pre.items()}
             parts.append(self._fine_pass(sub, significant[rows], orient_log_prior[rows], orient_sel))
             blocks.extend(self.last_blocks)
@@ -111,6 +114,23 @@ class NumpyEngine:
         self.sums_.sum_pmax += float(merged["pmax"].sum())
         self.sums_.n_particles += batch.indices.size
         return BatchResult(n_significant=n_significant, **merged)
+
+    def _fine_groups(self, significant, n_selected):
+        """Consecutive particles whose fine table (the union of their significant (class, orientation)
+        pairs, n_fine_orientations rows each) holds at most `fine_table_elements` rows × coefficients;
+        a group holds one particle at least."""
+        b_count = significant.shape[0]
+        used = significant.reshape(b_count, self.n_classes * n_selected, self.n_trans).any(axis=2)  # (B, K·R)
+        row_elements = self.tables.n_fine_orientations * self.fine.positions.size
+        groups, start = [], 0
+        while start < b_count:
+            rest = used[start:]
+            first_user = np.where(rest.any(axis=0), rest.argmax(axis=0), rest.shape[0])
+            union = np.cumsum(np.bincount(first_user, minlength=rest.shape[0] + 1)[:rest.shape[0]])
+            size = max(1, int(np.searchsorted(union * row_elements, self.fine_table_elements, side="right")))
+            groups.append(np.arange(start, start + size))
+            start += size
+        return groups
 
     def _coarse_pass(self, pre, orient_log_prior, orient_sel):
         """Coarse diff2 and weights; returns the significance mask (B, K·R·T) and counts (B,)."""
@@ -139,43 +159,71 @@ class NumpyEngine:
         return self._significant(weights)
 
     def _fine_pass(self, pre, significant, orient_log_prior, orient_sel):
-        """Fine samples of the significant coarse ones, their weights, the sums; per-particle results."""
+        """Fine samples of the significant coarse ones, their weights, the sums; per-particle results.
+
+        Per particle, the children of its significant coarse samples are laid out as one dense table:
+        rows the fine orientations of its significant (class, orientation) pairs, columns the fine
+        translations of its significant translations. diff2 over the table is one matrix product (as
+        in the coarse pass); cells outside a significant (orientation, translation) pair are left out.
+        The sums are matrix products of the same table: Σ_t w·X_t per row for the back-projection,
+        Σ_r w·P_r per column for the noise spectra.
+        """
         s = self.setup_
         b_count = pre["x"].shape[0]
-        optics, old = pre["optics"], pre["old"]
+        tic = time.perf_counter()
         b_idx, flat = np.nonzero(significant)
-        k_idx, o_sel, t_idx = np.unravel_index(flat, (self.n_classes, orient_sel.size, self.n_trans))
-        o_idx = orient_sel[o_sel]
-        tic = time.perf_counter()
-        fine = self._fine_samples(b_idx, k_idx, o_idx, t_idx)
-        diff2_fine = self._diff2_samples(fine, pre["x"], pre["ctf"], self.minv_fine[optics], pre["residual"])
-        prior_fine = (np.asarray(s.log_pdf_class)[fine["k"]]
-                      + orient_log_prior[fine["b"], np.searchsorted(orient_sel, fine["o"])])
-        if s.log_pdf_direction is not None:
-            prior_fine = prior_fine + np.asarray(s.log_pdf_direction)[fine["k"], self.direction_of[fine["o"]]]
-        off = old[fine["b"]] + fine["t_px"]
-        centre = old[fine["b"]] if s.local_searches else 0.0
-        prior_fine = prior_fine - np.sum((off - centre) ** 2, axis=1) / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
-        w_fine, min_diff2, sum_w, log_scale = self._sample_weights(diff2_fine, prior_fine, fine["b"], b_count)
-        kept = self._significant_samples(w_fine, fine["b"], b_count)
-        w_norm = np.where(kept, w_fine / sum_w[fine["b"]], 0.0)
+        ko_flat, t_flat = np.divmod(flat, self.n_trans)  # ko = class · n_selected + selected orientation
+        table = self._fine_table(ko_flat, orient_sel)
+        phase_res = self.fine.phase(pre["residual"], s.ori_size_px, self.complex)
+        pre = dict(pre, x_res=pre["x"] * phase_res, x_nomask_res=pre["x_nomask"] * phase_res)
+        n_rows, n_coef = table.proj.shape
+        slices = {"data": np.zeros((n_rows, n_coef), self.complex), "weight": np.zeros((n_rows, n_coef), self.real)}
+        ko_of_table = np.searchsorted(table.ko, ko_flat)
+        starts = np.searchsorted(b_idx, np.arange(b_count + 1))
         self.stage_seconds["fine"] += time.perf_counter() - tic
-        self._store_blocks(fine, w_norm, b_count)
-        best = self._best_sample(w_norm, fine["b"], b_count)
-        if s.do_cc:
-            log_likelihood = -min_diff2
-        else:
-            log_likelihood = np.log(sum_w) + log_scale - min_diff2 - self.logsigma2[optics]
+
+        def particle(b):
+            return self._fine_particle(b, pre, table, ko_of_table[starts[b]:starts[b + 1]],
+                                       t_flat[starts[b]:starts[b + 1]], orient_log_prior[b])
+
         tic = time.perf_counter()
-        new_norm = self._weighted_sums(fine, w_norm, kept, pre)
+        out, seconds = [], np.zeros(2)
+        for result, contribution, particle_seconds in self._map(particle, range(b_count)):
+            self._add_particle_sums(contribution, slices)  # in particle order: the same sums on any thread count
+            out.append(result)
+            seconds += particle_seconds
+        # the wall time of the particles' passes, shared between the two stages as their thread time is
+        wall = time.perf_counter() - tic
+        self.stage_seconds["fine"] += wall * seconds[0] / max(seconds.sum(), 1e-12)
+        self.stage_seconds["sums"] += wall * seconds[1] / max(seconds.sum(), 1e-12)
+        self.last_blocks = [o.pop("blocks") for o in out]
+        tic = time.perf_counter()
+        self._backproject(table, slices)
+        # power beyond the current size counts as noise (RELION extends the spectra with it)
+        sums = self.sums_
+        n_shells = sums.sigma2_noise.shape[1]
+        beyond = pre["power_beyond"].copy()
+        beyond[:, : s.current_size_px // 2 + 1] = 0.0
+        beyond = beyond[:, :n_shells]
+        np.add.at(sums.sigma2_noise, pre["optics"], beyond)
+        sums.sumw_group += np.bincount(pre["optics"], minlength=sums.sumw_group.size)
+        wdiff_total = np.array([o.pop("wdiff") for o in out]) + beyond.sum(axis=1)
+        new_norm = pre["norm"] / self.avg_norm * np.sqrt(2.0 * wdiff_total)
+        sums.norm_correction += float(new_norm.sum())
         self.stage_seconds["sums"] += time.perf_counter() - tic
-        origin = old + fine["t_px"][best]
-        return {"rot_deg": fine["rot"][best], "tilt_deg": fine["tilt"][best], "psi_deg": fine["psi"][best],
-                "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1], "class_index": fine["k"][best],
-                "pmax": w_norm[best], "log_likelihood": log_likelihood, "norm_correction": new_norm}
+        merged = {name: np.array([o[name] for o in out]) for name in out[0]}
+        return dict(merged, norm_correction=new_norm)
 
     def sums(self):
         return self.sums_
+
+    def _map(self, function, items):
+        """function over items, in order; on `threads` threads when there are several."""
+        if self.threads == 1:
+            return map(function, items)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cryorefine-fine")
+        return self._pool.map(function, items)
 
     # ------------------------------------------------------------------ pieces
     def _fine_to_coarse_selection(self):
@@ -235,214 +283,220 @@ class NumpyEngine:
         mask = (weights >= threshold[:, None]) & (weights > 0)
         return mask, n_sig
 
-    def _fine_samples(self, b_idx, k_idx, o_idx, t_idx):
-        """All children of the significant coarse samples, block by block (32 per block at oversampling 1)."""
+    def _fine_table(self, ko, orient_sel):
+        """The fine orientations of the distinct significant (class, orientation) pairs of a group of
+        particles, their projections at the current size and the priors that depend on them alone."""
         s = self.setup_
-        unique_o, inverse = np.unique(o_idx, return_inverse=True)
-        rot, tilt, psi = (np.asarray(a) for a in s.sampling.fine_orientations_deg(unique_o))  # (U, nfo)
-        n_fo = rot.shape[1]
-        n_ft = self.fine_translations.shape[1]
-        n_blocks = b_idx.size
-        jo = np.repeat(np.arange(n_fo), n_ft)  # child orientation of fine sample f
-        jt = np.tile(np.arange(n_ft), n_fo)  # child translation of fine sample f
-        rows = inverse[:, None] * n_fo + jo[None, :]  # (n_blocks, F) rows of the fine orientation table
-        return {
-            "b": np.repeat(b_idx, n_fo * n_ft), "k": np.repeat(k_idx, n_fo * n_ft),
-            "o": np.repeat(o_idx, n_fo * n_ft), "t": np.repeat(t_idx, n_fo * n_ft),
-            "block": np.repeat(np.arange(n_blocks), n_fo * n_ft),
-            "row": rows.reshape(-1), "unique_o": unique_o,
-            "rot": rot.reshape(-1)[rows.reshape(-1)], "tilt": tilt.reshape(-1)[rows.reshape(-1)],
-            "psi": psi.reshape(-1)[rows.reshape(-1)],
-            "t_px": self.fine_translations[np.repeat(t_idx, n_fo * n_ft), np.tile(jt, n_blocks)],
-            "tf": np.repeat(t_idx, n_fo * n_ft) * n_ft + np.tile(jt, n_blocks),
-            "children": n_fo * n_ft, "n_blocks": n_blocks, "k_of_block": k_idx, "o_of_block": o_idx,
-            "t_of_block": t_idx, "b_of_block": b_idx,
-        }
-
-    def _fine_projections(self, fine):
-        """Projections (per class) at the current size for the fine orientation table rows."""
-        s = self.setup_
-        # one projection per distinct (class, fine orientation row)
-        key = fine["k"] * (fine["row"].max() + 1 if fine["row"].size else 1) + fine["row"]
-        unique_key, inverse = np.unique(key, return_inverse=True)
-        first = np.zeros(unique_key.size, dtype=np.int64)
-        first[inverse[::-1]] = np.arange(key.size)[::-1]
-        mats = euler.euler_to_matrix(fine["rot"][first], fine["tilt"][first], fine["psi"][first])
-        proj = np.empty((unique_key.size, self.fine.positions.size), self.complex)
+        n_fo = self.tables.n_fine_orientations
+        ko = np.unique(ko)
+        k_of, selected = np.divmod(ko, orient_sel.size)
+        o_of = orient_sel[selected]
+        rot, tilt, psi = (np.asarray(a).reshape(-1) for a in s.sampling.fine_orientations_deg(o_of))
+        mats = euler.euler_to_matrix(rot, tilt, psi)
+        k_rows = np.repeat(k_of, n_fo)
+        proj = np.empty((k_rows.size, self.fine.positions.size), self.complex)
         for k, projector in enumerate(s.projectors):
-            sel = np.flatnonzero(fine["k"][first] == k)
-            if sel.size:
-                proj[sel] = self._project(projector, mats[sel], self.fine)
-        return proj, inverse, mats, fine["k"][first]
+            rows = np.flatnonzero(k_rows == k)
+            if rows.size:
+                proj[rows] = self._project(projector, mats[rows], self.fine)
+        prior = np.asarray(s.log_pdf_class, dtype=np.float64)[k_of]
+        if s.log_pdf_direction is not None:
+            prior = prior + np.asarray(s.log_pdf_direction)[k_of, self.direction_of[o_of]]
+        return _FineTable(ko=ko, k=k_of, o=o_of, selected=selected, rot=rot, tilt=tilt, psi=psi, mats=mats,
+                          proj=proj, proj2=(proj.real ** 2 + proj.imag ** 2).astype(self.real), prior=prior)
 
-    def _diff2_samples(self, fine, x, ctf, minv, residual):
-        """diff2 of every fine sample, gathered per sample (the GPU's sparse fine kernel)."""
+    def _fine_particle(self, b, pre, table, ko_pos_all, t_all, orient_log_prior):
+        """One particle's fine pass over its dense table: its results, its share of the sums (to add with
+        `_add_particle_sums`) and the seconds of its two stages (fine, sums). Safe to run on threads."""
         s = self.setup_
-        proj, inverse, mats, classes = self._fine_projections(fine)
-        self._fine_proj = (proj, inverse, mats, classes)
-        n = inverse.size
-        out = np.empty(n)
-        x_res, phase_t = self._shift_tables(x, residual)
-        chunk = max(1, _SAMPLES_PER_CHUNK_ELEMENTS // max(1, x.shape[1]))
-        for start in range(0, n, chunk):
-            sl = slice(start, start + chunk)
-            b = fine["b"][sl]
-            p = proj[inverse[sl]]
-            shifted = x_res[b] * phase_t[fine["tf"][sl]]
-            cp = ctf[b] * p
-            if s.do_cc:
-                cross = np.sum(shifted.real * cp.real + shifted.imag * cp.imag, axis=1)
-                norm = np.sqrt(np.maximum(np.sum(np.abs(cp) ** 2, axis=1), 1e-300)
-                               * np.maximum(np.sum(np.abs(x[b]) ** 2, axis=1), 1e-300))
-                out[sl] = -cross / norm
-            else:
-                diff = shifted - cp
-                out[sl] = 0.5 * np.sum(minv[b] * (diff.real ** 2 + diff.imag ** 2), axis=1)
+        tic = time.perf_counter()
+        n_fo, n_ft = self.tables.n_fine_orientations, self.tables.n_fine_translations
+        u_ko, ko_pos = np.unique(ko_pos_all, return_inverse=True)  # rows of the table (positions in `table`)
+        u_t, t_pos = np.unique(t_all, return_inverse=True)  # coarse translations
+        n_ko, n_t = u_ko.size, u_t.size
+        rows = (u_ko[:, None] * n_fo + np.arange(n_fo)).reshape(-1)
+        proj, proj2 = table.proj[rows], table.proj2[rows]
+        optics = pre["optics"][b]
+        ctf = pre["ctf"][b]
+        shifts = self.fine_translations[u_t].reshape(-1, 2)  # (T, 2) fine translations (px)
+        phases = self.phase_t.reshape(self.n_trans, n_ft, -1)[u_t].reshape(n_t * n_ft, -1)
+        shifted = pre["x_res"][b] * phases  # (T, K)
+        x2 = pre["x"][b].real ** 2 + pre["x"][b].imag ** 2
+        # diff2 (R, T)
+        if s.do_cc:
+            cross = _real_cross(shifted * ctf, proj).T.astype(np.float64)
+            norm_p = np.sqrt(np.maximum(proj2 @ (ctf ** 2), 1e-300))
+            norm_x = np.sqrt(max(float(x2.sum()), 1e-300))
+            diff2 = -cross / (norm_p[:, None] * norm_x)
+        else:
+            minv = self.minv_fine[optics]
+            a = 0.5 * float(np.sum(minv * x2))
+            c = 0.5 * (proj2 @ (minv * ctf ** 2).astype(self.real)).astype(np.float64)
+            cross = _real_cross(shifted * (minv * ctf).astype(self.real), proj).T.astype(np.float64)
+            diff2 = a + c[:, None] - cross
+        in_block = np.zeros((n_ko, n_t), bool)
+        in_block[ko_pos, t_pos] = True
+        centre = pre["old"][b] if s.local_searches else 0.0
+        offset_d2 = np.sum((pre["old"][b] + shifts - centre) ** 2, axis=1)  # (T,)
+        row_prior = np.repeat(table.prior[u_ko] + orient_log_prior[table.selected[u_ko]], n_fo)
+        col_prior = -offset_d2 / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
+        prior = row_prior[:, None] + col_prior[None, :]
+        considered = np.repeat(np.repeat(in_block, n_fo, axis=0), n_ft, axis=1) & np.isfinite(prior)
+        score = np.where(considered, diff2, np.inf)
+        min_diff2 = float(score.min())
+        # RELION's order of samples: block by block (class, orientation, translation), children inside
+        canonical = (n_ko, n_t, n_fo, n_ft)
+
+        def canonical_index(values, pick):
+            flat = pick(values.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3))
+            i, j, jo, jt = np.unravel_index(flat, canonical)
+            return i * n_fo + jo, j * n_ft + jt
+
+        if s.do_cc:
+            w = np.zeros_like(diff2)
+            w[canonical_index(score, np.argmin)] = 1.0
+            sum_w, top = 1.0, 0.0
+        else:
+            log_w = np.where(considered, prior - (diff2 - min_diff2), -np.inf)
+            top = float(log_w.max())
+            w = np.exp(log_w - top)
+            sum_w = float(w.sum())
+        # the fewest fine samples holding adaptive_fraction of the mass
+        positive = np.sort(w[w > 0])[::-1]
+        cum = np.cumsum(positive)
+        cut = int(np.searchsorted(cum, s.adaptive_fraction * sum_w, side="left"))
+        threshold = positive[cut] if cut < positive.size else 0.0
+        w_norm = np.where((w >= threshold) & (w > 0), w / sum_w, 0.0)
+        best_row, best_col = canonical_index(w_norm, np.argmax)
+        blocks = w_norm.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3)[ko_pos, t_pos].reshape(
+            ko_pos.size, n_fo * n_ft)
+        ko_index = u_ko[ko_pos]
+        coarse_index = (table.k[ko_index] * self.n_orient + table.o[ko_index]) * self.n_trans + u_t[t_pos]
+        if s.do_cc:
+            log_likelihood = -min_diff2
+        else:
+            log_likelihood = np.log(sum_w) + top - min_diff2 - self.logsigma2[optics]
+        t_fine = time.perf_counter()
+        contribution = self._particle_sums(b, pre, table, rows, u_ko, u_t, proj, proj2, shifted, x2,
+                                           w_norm.astype(self.real), offset_d2)
+        seconds = (t_fine - tic, time.perf_counter() - t_fine)
+        best_table_row = rows[best_row]
+        origin = pre["old"][b] + shifts[best_col]
+        return {"rot_deg": table.rot[best_table_row], "tilt_deg": table.tilt[best_table_row],
+                "psi_deg": table.psi[best_table_row], "origin_x_px": origin[0], "origin_y_px": origin[1],
+                "class_index": table.k[u_ko[best_row // n_fo]], "pmax": w_norm[best_row, best_col],
+                "log_likelihood": log_likelihood, "wdiff": contribution["wdiff"],
+                "blocks": FineBlocks(coarse_index, blocks)}, contribution, seconds
+
+    def _particle_sums(self, b, pre, table, rows, u_ko, u_t, proj, proj2, shifted, x2, w, offset_d2):
+        """One particle's noise, scale, offset, class and direction sums, its slices to back-project and
+        its Σ w·|X − CTF·P|² (for the norm correction)."""
+        s = self.setup_
+        sums = self.sums_
+        out = {"optics": pre["optics"][b]}
+        n_fo = self.tables.n_fine_orientations
+        optics = pre["optics"][b]
+        ctf = pre["ctf"][b]
+        w_row, w_col = w.sum(axis=1), w.sum(axis=0)
+        total = float(w_row.sum())
+        used = np.flatnonzero(w_row > 0)  # rows with a kept sample: few, once the weights are sharp
+        k_used = np.repeat(table.k[u_ko], n_fo)[used]
+        # Σ_t w·X_t per used row, of the masked image (noise, scale) and of the unmasked one (back-projection)
+        phases = self.phase_t.reshape(self.n_trans, self.tables.n_fine_translations, -1)[u_t].reshape(w.shape[1], -1)
+        per_row = _real_weighted(w[used], np.concatenate([shifted, pre["x_nomask_res"][b] * phases], axis=1))
+        n_coef = shifted.shape[1]
+        per_row_masked, per_row_unmasked = per_row[:, :n_coef], per_row[:, n_coef:]
+        proj_used = proj[used]
+        # Σ_{r,t} w |X_t − CTF·P_r|² per coefficient = Σw·|X|² + CTF²·Σ_r w_r|P_r|² − 2·CTF·Re Σ_r (Σ_t w X_t)·conj(P_r)
+        cross_rows = per_row_masked.real * proj_used.real + per_row_masked.imag * proj_used.imag  # (R_used, K)
+        cross = cross_rows.sum(axis=0)
+        proj_power = w_row[used] @ proj2[used]
+        wd2 = total * x2 + ctf ** 2 * proj_power - 2.0 * ctf * cross
+        n_shells = sums.sigma2_noise.shape[1]
+        out["sigma2_noise"] = np.bincount(np.minimum(self.fine.shell, n_shells - 1), weights=wd2, minlength=n_shells)
+        out["scale_xa"], out["scale_aa"] = 0.0, 0.0
+        if self.tables.scale_use is not None:
+            scale = self.scale[optics]
+            for k in np.unique(k_used):
+                r = k_used == k
+                use = self.tables.scale_use[k]
+                xa = np.sum(use * ctf * cross_rows[r].sum(axis=0))
+                aa = np.sum(use * ctf ** 2 * (w_row[used[r]] @ proj2[used[r]]))
+                out["scale_xa"] += xa / scale
+                out["scale_aa"] += aa / scale ** 2
+        # the back-projection: Σ_t w·X_t (unmasked image) per row, times CTF/σ²; weight Σ_t w · CTF²/σ²
+        store = (self.minv_store[optics] * ctf).astype(self.real)
+        out["rows"] = rows[used]
+        out["data"] = per_row_unmasked * store
+        out["weight"] = w_row[used, None] * (store * ctf)
+        # offsets (Å²), classes, directions
+        out["sigma2_offset_angstrom2"] = float(w_col @ offset_d2) * s.pixel_size_angstrom ** 2
+        w_ko = w_row.reshape(-1, n_fo).sum(axis=1)
+        k_of, o_of = table.k[u_ko], table.o[u_ko]
+        out["pdf_class"] = np.bincount(k_of, weights=w_ko, minlength=self.n_classes)
+        n_dir = sums.pdf_direction.shape[1]
+        out["pdf_direction"] = np.bincount(k_of * n_dir + self.direction_of[o_of], weights=w_ko,
+                                           minlength=sums.pdf_direction.size).reshape(sums.pdf_direction.shape)
+        out["wdiff"] = float(wd2.sum())
         return out
 
-    def _shift_tables(self, x, residual):
-        """Images moved by their residual origins (B, K) and the phases of all fine translations (T·nft, K).
-
-        A fine sample's shifted image is x_res[b] · phase_t[tf]: shifts add, phases multiply.
-        """
-        ori = self.setup_.ori_size_px
-        x_res = x * self.fine.phase(residual, ori, self.complex)
-        phase_t = self.fine.phase(self.fine_translations.reshape(-1, 2), ori, self.complex)
-        return x_res, phase_t
-
-    def _sample_weights(self, diff2, log_prior, b, b_count):
-        """Fine-sample weights (max 1 per particle), min diff2, Σw and the log scale of Σw per particle."""
-        min_diff2 = np.full(b_count, np.inf)
-        np.minimum.at(min_diff2, b, np.where(np.isfinite(log_prior), diff2, np.inf))
-        if self.setup_.do_cc:
-            w = np.zeros_like(diff2)
-            score = np.where(np.isfinite(log_prior), diff2, np.inf)
-            order = np.lexsort((score, b))
-            first = order[np.r_[True, b[order][1:] != b[order][:-1]]]
-            w[first] = 1.0
-            return w, min_diff2, np.ones(b_count), np.zeros(b_count)
-        log_w = log_prior - (diff2 - min_diff2[b])
-        top = np.full(b_count, -np.inf)
-        np.maximum.at(top, b, log_w)
-        w = np.exp(log_w - top[b])
-        # Σw per particle is returned in log form: RELION's Σ exp(prior + min − diff2) = exp(top)·Σw
-        return w, min_diff2, np.bincount(b, weights=w, minlength=b_count), top
-
-    def _significant_samples(self, w, b, b_count):
-        """Per particle, the fewest fine samples holding adaptive_fraction of the mass."""
-        frac = self.setup_.adaptive_fraction
-        order = np.lexsort((-w, b))
-        wb = w[order]
-        bb = b[order]
-        total = np.bincount(b, weights=w, minlength=b_count)
-        cum = np.cumsum(wb)
-        start = np.searchsorted(bb, np.arange(b_count))
-        before = np.where(start > 0, cum[np.maximum(start - 1, 0)], 0.0)
-        cum_in = cum - before[bb]
-        first_over = cum_in >= frac * total[bb]
-        # threshold per particle: the weight at the first position where the mass is reached
-        idx = np.flatnonzero(first_over)
-        pos = np.full(b_count, np.iinfo(np.int64).max)
-        np.minimum.at(pos, bb[idx], idx)
-        threshold = np.where(pos < np.iinfo(np.int64).max, wb[np.minimum(pos, wb.size - 1)], 0.0)
-        return (w >= threshold[b]) & (w > 0)
-
-    def _store_blocks(self, fine, w_norm, b_count):
-        blocks = []
-        weights = w_norm.reshape(fine["n_blocks"], fine["children"]) if fine["n_blocks"] else np.zeros((0, 1))
-        coarse_index = ((fine["k_of_block"] * self.n_orient + fine["o_of_block"]) * self.n_trans
-                        + fine["t_of_block"])
-        for b in range(b_count):
-            sel = fine["b_of_block"] == b
-            blocks.append(FineBlocks(coarse_index[sel], weights[sel]))
-        self.last_blocks = blocks
-
-    def _best_sample(self, w, b, b_count):
-        order = np.lexsort((-w, b))
-        first = np.searchsorted(b[order], np.arange(b_count))
-        return order[first]
-
-    def _weighted_sums(self, fine, w, kept, pre):
-        """Noise, norm, scale, offset, class and direction sums; back-projection of kept samples."""
-        s = self.setup_
-        x, x_nomask, ctf = pre["x"], pre["x_nomask"], pre["ctf"]
-        optics, residual, old = pre["optics"], pre["residual"], pre["old"]
+    def _add_particle_sums(self, c, slices):
         sums = self.sums_
-        proj, inverse, mats, classes = self._fine_proj
-        sel = np.flatnonzero(kept)
-        n_coef = self.fine.positions.size
-        n_shells = sums.sigma2_noise.shape[1]
-        b_count = x.shape[0]
-        wdiff_total = np.zeros(b_count)
-        # one slice per fine orientation that a kept sample uses
-        used_rows, slot = np.unique(inverse[sel], return_inverse=True)
-        data_slices = np.zeros((used_rows.size, n_coef), self.complex)
-        weight_slices = np.zeros((used_rows.size, n_coef), self.real)
-        x_res, phase_t = self._shift_tables(x, residual)
-        x_nomask_res, _ = self._shift_tables(x_nomask, residual)
-        chunk = max(1, _SAMPLES_PER_CHUNK_ELEMENTS // max(1, n_coef))
-        for start in range(0, sel.size, chunk):
-            ss = sel[start:start + chunk]
-            b = fine["b"][ss]
-            ws = w[ss][:, None]
-            phase = phase_t[fine["tf"][ss]]
-            cp = ctf[b] * proj[inverse[ss]]
-            shifted = x_res[b] * phase
-            diff = shifted - cp
-            wd2 = ws * (diff.real ** 2 + diff.imag ** 2)
-            wdiff_total += np.bincount(b, weights=wd2.sum(axis=1), minlength=b_count)
-            idx = (optics[b][:, None] * n_shells + np.minimum(self.fine.shell, n_shells - 1)[None, :])
-            sums.sigma2_noise += np.bincount(idx.reshape(-1), weights=wd2.reshape(-1),
-                                             minlength=sums.sigma2_noise.size).reshape(sums.sigma2_noise.shape)
-            if self.tables.scale_use is not None:
-                use = self.tables.scale_use[fine["k"][ss]]
-                xa = np.sum(use * ws * (cp.real * shifted.real + cp.imag * shifted.imag), axis=1)
-                aa = np.sum(use * ws * (cp.real ** 2 + cp.imag ** 2), axis=1)
-                scale = self.scale[optics[b]]
-                sums.scale_xa += np.bincount(optics[b], weights=xa / scale, minlength=sums.scale_xa.size)
-                sums.scale_aa += np.bincount(optics[b], weights=aa / scale ** 2, minlength=sums.scale_aa.size)
-            minv = self.minv_store[optics[b]]
-            store = ws * minv * ctf[b]
-            contrib = x_nomask_res[b] * phase * store
-            # sum the samples of each fine orientation (segments of the sorted rows), then add per row
-            rows = slot[start:start + chunk]
-            order = np.argsort(rows, kind="stable")
-            starts = np.r_[0, np.flatnonzero(np.diff(rows[order])) + 1]
-            touched = rows[order][starts]
-            data_slices[touched] += np.add.reduceat(contrib[order], starts, axis=0).astype(self.complex)
-            weight_slices[touched] += np.add.reduceat((store * ctf[b])[order], starts, axis=0).astype(self.real)
-        # the back-projection of every orientation that received weight
+        sums.sigma2_noise[c["optics"]] += c["sigma2_noise"]
+        sums.scale_xa[c["optics"]] += c["scale_xa"]
+        sums.scale_aa[c["optics"]] += c["scale_aa"]
+        sums.sigma2_offset_angstrom2 += c["sigma2_offset_angstrom2"]
+        sums.pdf_class += c["pdf_class"]
+        sums.pdf_direction += c["pdf_direction"]
+        slices["data"][c["rows"]] += c["data"]
+        slices["weight"][c["rows"]] += c["weight"]
+
+    def _backproject(self, table, slices):
+        """Back-project the summed slices of every fine orientation that received weight."""
+        n_fo = self.tables.n_fine_orientations
+        k_rows = np.repeat(table.k, n_fo)
+        touched = np.flatnonzero(slices["weight"].any(axis=1))
         for k in range(self.n_classes):
-            rows = np.flatnonzero(classes[used_rows] == k)
+            rows = touched[k_rows[touched] == k]
             for start in range(0, rows.size, 512):
                 r = rows[start:start + 512]
-                self.backprojectors[k].backproject(self.fine.scatter(data_slices[r]),
-                                                   self.fine.scatter(weight_slices[r]), mats[used_rows[r]])
-        # power beyond the current size counts as noise (RELION extends the spectra with it)
-        beyond = pre["power_beyond"].copy()
-        beyond[:, : s.current_size_px // 2 + 1] = 0.0
-        beyond = beyond[:, :n_shells]
-        np.add.at(sums.sigma2_noise, optics, beyond)
-        wdiff_total += beyond.sum(axis=1)
-        sums.sumw_group += np.bincount(optics, minlength=sums.sumw_group.size)
-        # offsets (Å²), classes, directions
-        off = old[fine["b"][sel]] + fine["t_px"][sel]
-        centre = old[fine["b"][sel]] if s.local_searches else 0.0
-        d2 = np.sum((off - centre) ** 2, axis=1)
-        sums.sigma2_offset_angstrom2 += float(np.sum(w[sel] * d2)) * s.pixel_size_angstrom ** 2
-        sums.pdf_class += np.bincount(fine["k"][sel], weights=w[sel], minlength=self.n_classes)
-        n_dir = sums.pdf_direction.shape[1]
-        sums.pdf_direction += np.bincount(fine["k"][sel] * n_dir + self.direction_of[fine["o"][sel]],
-                                          weights=w[sel], minlength=sums.pdf_direction.size).reshape(
-            sums.pdf_direction.shape)
-        new_norm = pre["norm"] / self.avg_norm * np.sqrt(2.0 * wdiff_total)
-        sums.norm_correction += float(new_norm.sum())
-        return new_norm
-
+                self.backprojectors[k].backproject(self.fine.scatter(slices["data"][r]),
+                                                   self.fine.scatter(slices["weight"][r]), table.mats[r])
 
 def _real_cross(a, p):
-    """Re(a · conj(p)ᵀ) for a (…, K) and p (R, K) as one real matrix product -> (…, R)."""
+    """Re(a · conj(p)ᵀ) for a (…, K) and p (R, K) as one real matrix product -> (…, R).
+
+    Re(a·conj(p)) summed over K is the dot product of the interleaved (re, im) pairs: the complex
+    arrays are viewed as real ones of twice the length, without a copy when they are contiguous.
+    """
     lead = a.shape[:-1]
-    a2 = np.concatenate([a.real, a.imag], axis=-1).reshape(-1, 2 * a.shape[-1])
-    p2 = np.concatenate([p.real, p.imag], axis=-1)
+    a = np.ascontiguousarray(a)
+    p = np.ascontiguousarray(p, dtype=a.dtype)
+    a2 = a.view(a.real.dtype).reshape(-1, 2 * a.shape[-1])
+    p2 = p.view(p.real.dtype).reshape(-1, 2 * p.shape[-1])
     return (a2 @ p2.T).reshape(lead + (p.shape[0],))
+
+
+def _real_weighted(w, values):
+    """w (M, N) real times values (N, K) complex, as one real matrix product over (re, im) pairs."""
+    values = np.ascontiguousarray(values)
+    pairs = values.view(values.real.dtype).reshape(values.shape[0], -1)
+    return np.ascontiguousarray(w.astype(pairs.dtype) @ pairs).view(values.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class _FineTable:
+    """The fine orientations of a group's significant (class, orientation) pairs: n_fine_orientations
+    rows per pair, in the order of `ko` (class · n_selected + selected orientation, ascending)."""
+
+    ko: np.ndarray  # (U,) the pairs
+    k: np.ndarray  # (U,) their class
+    o: np.ndarray  # (U,) their orientation (index in the whole grid)
+    selected: np.ndarray  # (U,) their orientation's position among the selected orientations
+    rot: np.ndarray  # (U·n_fo,) fine orientations (deg)
+    tilt: np.ndarray
+    psi: np.ndarray
+    mats: np.ndarray  # (U·n_fo, 3, 3)
+    proj: np.ndarray  # (U·n_fo, K) projections at the current size
+    proj2: np.ndarray  # (U·n_fo, K) |projection|²
+    prior: np.ndarray  # (U,) log prior of the class and direction
