@@ -12,8 +12,9 @@ Steps, in one work folder:
             circle), and the map low-passed to 40 Å as the reference. Image names in the STAR file
             are absolute, so RELION (which reads them relative to where it runs) finds them too.
 2. relion   `relion_refine` (RELION's CPU build, e.g. Debian's `relion` package; --relion names
-            another binary or a command prefix) with the job's options and `--j J`; skipped when it
-            is not found.
+            another binary or a command prefix) with the job's options and `--j J`; for refine
+            `mpirun -n 3 relion_refine_mpi` (RELION splits random halves only under MPI: a master and
+            a worker per half, each worker with --j J/2); skipped when it is not found.
 3. ours     `python -m cryorefine classify|refine` with the same options, `--cpu --j J`.
 4. report   wall seconds of each whole command (start-up included) and per iteration (between the
             iterations' run_itNNN_model.star files, the same rule for both programs), their ratio,
@@ -48,6 +49,8 @@ BOX_PX, PIXEL_ANGSTROM = 64, 4.57
 
 COMMON = ["--particle_diameter", "270", "--ini_high", "40", "--ctf", "--zero_mask", "--flatten_solvent",
           "--pad", "2", "--oversampling", "1", "--random_seed", "1"]
+RELION = {"classify": "relion_refine",
+          "refine": "mpirun --allow-run-as-root --oversubscribe -n 3 relion_refine_mpi"}
 JOBS = {
     "classify": ["--K", "1", "--iter", "2", "--healpix_order", "1", "--offset_range", "3", "--offset_step", "2",
                  "--tau2_fudge", "4"] + COMMON,
@@ -56,15 +59,15 @@ JOBS = {
 }
 
 
-def make_data(work: Path, n: int, snr: float, seed: int) -> tuple[Path, Path]:
+def make_data(work: Path, n: int, snr: float, seed: int, model: Path) -> tuple[Path, Path]:
     from cryorefine.core.fourier import lowpass_filter_3d
     from cryorefine.io.mrc import read_volume, write_volume
 
     truth = work / "truth.mrc"
-    if MODEL.exists():
+    if model.exists():
         from cryorefine.density import density_from_model
 
-        volume = np.asarray(density_from_model(MODEL, BOX_PX, PIXEL_ANGSTROM, 10.0), np.float32)
+        volume = np.asarray(density_from_model(model, BOX_PX, PIXEL_ANGSTROM, 10.0), np.float32)
     else:
         volume, _ = read_volume(REPO / "examples/ribosome_64px.mrc")
     write_volume(truth, volume, PIXEL_ANGSTROM)
@@ -109,6 +112,7 @@ def timed(command: list[str], folder: Path, log: Path) -> dict:
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
+    command = command + ["--o", str(folder / "run")]
     start = time.time()
     tic = time.perf_counter()
     with open(log, "w") as out:
@@ -127,25 +131,32 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=300)
     parser.add_argument("--snr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--model", type=Path, default=MODEL, help="atomic model of the map [default: %(default)s]")
     parser.add_argument("--j", type=int, default=2, help="threads of both programs")
-    parser.add_argument("--relion", default="relion_refine", help="RELION's binary (or a command prefix)")
+    parser.add_argument("--relion", default=None,
+                        help="RELION's command prefix [default: relion_refine for classify; for refine, whose "
+                             "random halves RELION only splits under MPI, mpirun -n 3 relion_refine_mpi: a master "
+                             "and one worker per half, as RELION runs it]")
     parser.add_argument("--skip_relion", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    star, reference = make_data(work, args.n, args.snr, args.seed)
+    star, reference = make_data(work, args.n, args.snr, args.seed, args.model)
     options = JOBS[args.job]
     report = {"job": args.job, "n_particles": args.n, "snr": args.snr, "threads": args.j,
               "box_px": BOX_PX, "pixel_size_angstrom": PIXEL_ANGSTROM, "options": " ".join(options),
               "cpus_allowed": len(os.sched_getaffinity(0))}
-    relion = args.relion.split()
+    relion = (args.relion or RELION[args.job]).split()
     if not args.skip_relion and shutil.which(relion[0]):
-        report["relion"] = timed(relion + ["--i", str(star), "--ref", str(reference), "--o", "run"] + options
-                                 + ["--j", str(args.j)], work / "relion", work / "relion.log")
+        # under MPI each of RELION's two workers gets half of the threads: both programs on J cores
+        relion_threads = max(1, args.j // 2) if args.job == "refine" and args.relion is None else args.j
+        report["relion_threads_per_rank"] = relion_threads
+        report["relion"] = timed(relion + ["--i", str(star), "--ref", str(reference)] + options
+                                 + ["--j", str(relion_threads)], work / "relion", work / "relion.log")
     ours_command = [sys.executable, "-m", "cryorefine", "refine" if args.job == "refine" else "classify",
-                    "--i", str(star), "--ref", str(reference), "--o", "run", "--cpu", "--j", str(args.j)]
+                    "--i", str(star), "--ref", str(reference), "--cpu", "--j", str(args.j)]
     ours_options = [o for o in options if o not in ("--auto_refine", "--split_random_halves")]
     report["cryorefine"] = timed(ours_command + ours_options, work / "cryorefine", work / "cryorefine.log")
     if "relion" in report:

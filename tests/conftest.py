@@ -92,6 +92,25 @@ def cupy_or_skip():
     return cp
 
 
+def significance_by_full_sort(weights, adaptive_fraction, max_significants=0):
+    """The significance rule stated plainly, the brute force the engines are checked against: per row,
+    sort all weights, cumulate, keep the fewest samples holding `adaptive_fraction` of the row's mass
+    (every sample of positive weight at a fraction of 1), at most `max_significants`; ties at the cut
+    are kept. Returns the mask and the counts."""
+    order = np.argsort(-weights, axis=1, kind="stable")
+    sorted_w = np.take_along_axis(weights, order, axis=1)
+    if adaptive_fraction >= 1.0:
+        n_sig = np.maximum((weights > 0).sum(axis=1), 1)
+    else:
+        cum = np.cumsum(sorted_w, axis=1)
+        n_sig = np.sum(cum < adaptive_fraction * cum[:, -1:], axis=1) + 1
+    n_sig = np.minimum(n_sig, weights.shape[1])
+    if max_significants > 0:
+        n_sig = np.minimum(n_sig, max_significants)
+    threshold = sorted_w[np.arange(weights.shape[0]), n_sig - 1]
+    return (weights >= threshold[:, None]) & (weights > 0), n_sig
+
+
 def make_mixture(folder, n_each):
     """Particles of two different maps (the ribosome, and the ribosome with a piece removed and a blob added),
     n_each of each (a first, then b) in folder/mix.star, and their average map folder/avg.mrc."""

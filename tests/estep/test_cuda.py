@@ -12,7 +12,7 @@ from cryorefine.core.sampling import Sampling
 from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
-from conftest import cupy_or_skip, run_cli
+from conftest import cupy_or_skip, run_cli, significance_by_full_sort
 
 pytestmark = pytest.mark.gpu
 
@@ -448,8 +448,6 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
 
 
 def test_significance_on_the_device_matches_the_numpy_engine(cp):
-    from types import SimpleNamespace
-
     from cryorefine.estep.common import significant_samples
 
     rng = np.random.default_rng(21)
@@ -457,8 +455,7 @@ def test_significance_on_the_device_matches_the_numpy_engine(cp):
     weights = np.exp(-rng.exponential(1.0, (64, 20000)) * rng.uniform(1, 40, (64, 1)) / breadth)
     weights[np.arange(64), rng.integers(0, 20000, 64)] = 1.0
     for fraction, max_sig in ((0.999, 0), (0.9, 0), (0.999, 50)):
-        owner = SimpleNamespace(setup_=SimpleNamespace(adaptive_fraction=fraction, max_significants=max_sig))
-        want_mask, want_n = NumpyEngine._significant(owner, weights)
+        want_mask, want_n = significance_by_full_sort(weights, fraction, max_sig)
         mask, n_sig = significant_samples(cp.asarray(weights), fraction, max_sig, cp)
         np.testing.assert_array_equal(cp.asnumpy(n_sig), want_n)
         np.testing.assert_array_equal(cp.asnumpy(mask), want_mask)

@@ -10,6 +10,8 @@ from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
 
+from conftest import significance_by_full_sort
+
 N = 16
 
 
@@ -221,13 +223,10 @@ def _weight_rows(seed, n_rows=40, n_samples=5000):
 
 @pytest.mark.parametrize("fraction,max_sig", [(0.999, 0), (0.5, 0), (1.0, 0), (0.999, 25)])
 def test_significance_on_candidates_equals_the_full_sort(fraction, max_sig):
-    from types import SimpleNamespace
-
     from cryorefine.estep.common import significant_samples
 
     weights = _weight_rows(11)
-    owner = SimpleNamespace(setup_=SimpleNamespace(adaptive_fraction=fraction, max_significants=max_sig))
-    want_mask, want_n = NumpyEngine._significant(owner, weights)
+    want_mask, want_n = significance_by_full_sort(weights, fraction, max_sig)
     mask, n_sig = significant_samples(weights, fraction, max_sig, np)
     np.testing.assert_array_equal(n_sig, want_n)
     np.testing.assert_array_equal(mask, want_mask)

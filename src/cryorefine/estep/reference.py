@@ -7,12 +7,15 @@ One batch of particles at a time, vectorised over particles × orientations × t
 2. weights: priors + (min diff2 − diff2), exponentiated; the fewest coarse samples holding
    `adaptive_fraction` of the mass are significant (RELION's convertAllSquaredDifferencesToWeights);
 3. fine pass: the 8 × 4 children (oversampling 1) of each significant coarse sample, at the
-   current size; their weights are kept as one block of 32 per significant coarse sample
-   (`FineBlocks`: one base index per block, Zhang 2018);
+   current size, per particle as one dense (fine orientations × fine translations) table whose
+   diff2 is one matrix product; their weights are kept as one block of 32 per significant coarse
+   sample (`FineBlocks`: one base index per block, Zhang 2018);
 4. weighted sums: best pose, pmax, log-likelihood, noise spectra, norm and scale sums, offset
-   and class/direction sums, and the back-projection of w·CTF·X/σ² and w·CTF²/σ² per orientation.
+   and class/direction sums, and the back-projection of w·CTF·X/σ² and w·CTF²/σ² per orientation
+   (summed over the particles of a group first, back-projected once per orientation).
 
-Precision is selectable: float64 for the oracle, float32 to mirror the GPU engine.
+Precision is selectable: float64 for the oracle (the GPU parity tests), float32 (the command
+line's default) as the GPU engine computes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables
+from cryorefine.estep.common import FineBlocks, IterationTables, significant_samples
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fine table (the default; ~400 MB at float32)
@@ -165,8 +168,9 @@ class NumpyEngine:
         rows the fine orientations of its significant (class, orientation) pairs, columns the fine
         translations of its significant translations. diff2 over the table is one matrix product (as
         in the coarse pass); cells outside a significant (orientation, translation) pair are left out.
-        The sums are matrix products of the same table: Σ_t w·X_t per row for the back-projection,
-        Σ_r w·P_r per column for the noise spectra.
+        The sums are matrix products of the same table: Σ_t w·X_t per row that kept weight, of the
+        masked image (noise and scale sums) and of the unmasked one (back-projection). Particles run
+        on `threads` threads; their sums are added in particle order.
         """
         s = self.setup_
         b_count = pre["x"].shape[0]
@@ -267,21 +271,10 @@ class NumpyEngine:
         return np.exp(log_w)
 
     def _significant(self, weights):
-        """Mask of the fewest samples holding adaptive_fraction of each row's mass, and their count."""
+        """Mask of the fewest samples holding adaptive_fraction of each row's mass, and their count
+        (`common.significant_samples`: the rows' candidates sorted, not whole rows)."""
         s = self.setup_
-        order = np.argsort(-weights, axis=1, kind="stable")
-        sorted_w = np.take_along_axis(weights, order, axis=1)
-        if s.adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (no rounding games)
-            n_sig = np.maximum((weights > 0).sum(axis=1), 1)
-        else:
-            cum = np.cumsum(sorted_w, axis=1)
-            n_sig = np.sum(cum < s.adaptive_fraction * cum[:, -1:], axis=1) + 1
-        n_sig = np.minimum(n_sig, weights.shape[1])
-        if s.max_significants > 0:
-            n_sig = np.minimum(n_sig, s.max_significants)
-        threshold = sorted_w[np.arange(weights.shape[0]), n_sig - 1]
-        mask = (weights >= threshold[:, None]) & (weights > 0)
-        return mask, n_sig
+        return significant_samples(weights, s.adaptive_fraction, s.max_significants, np)
 
     def _fine_table(self, ko, orient_sel):
         """The fine orientations of the distinct significant (class, orientation) pairs of a group of
