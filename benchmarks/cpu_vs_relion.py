@@ -149,6 +149,8 @@ def main(argv=None):
               "box_px": BOX_PX, "pixel_size_angstrom": PIXEL_ANGSTROM, "options": " ".join(options),
               "cpus_allowed": len(os.sched_getaffinity(0))}
     relion = (args.relion or RELION[args.job]).split()
+    if Path(relion[0]).exists():  # a path: the programs run in their own folders
+        relion[0] = str(Path(relion[0]).resolve())
     if not args.skip_relion and shutil.which(relion[0]):
         # under MPI each of RELION's two workers gets half of the threads: both programs on J cores
         relion_threads = max(1, args.j // 2) if args.job == "refine" and args.relion is None else args.j
@@ -171,9 +173,9 @@ def main(argv=None):
         if name in report:
             r = report[name]
             print(f"{name:10s} {r['seconds']:8.1f} s  rc {r['returncode']}  {r['iterations']} iterations  "
-                  f"per iteration {r['iteration_seconds']}  resolution {r['resolution_angstrom']} Å")
+                  f"per iteration {[float(s) for s in r["iteration_seconds"]]}  resolution {r['resolution_angstrom']} Å")
     if "ratio_total" in report:
-        print(f"cryorefine / RELION: {report['ratio_total']:.2f}× in total, per iteration {report['ratio_per_iteration']}")
+        print(f"cryorefine / RELION: {report['ratio_total']:.2f}× in total, per iteration {[float(r) for r in report["ratio_per_iteration"]]}")
     print(f"wrote {out}")
 
 
