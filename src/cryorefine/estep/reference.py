@@ -32,6 +32,7 @@ from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import FineBlocks, IterationTables, significant_samples
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
+COARSE_ELEMENTS_PER_CHUNK = 1 << 22  # coarse samples × particles scored at once (~0.2 GB of float64 temporaries)
 FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fine table (the default; ~400 MB at float32)
 
 
@@ -47,6 +48,7 @@ class NumpyEngine:
         self.tables = None  # IterationTables of the iteration set up
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
         self.fine_table_elements = FINE_TABLE_ELEMENTS_PER_GROUP  # bounds the fine pass's memory
+        self.coarse_elements = COARSE_ELEMENTS_PER_CHUNK  # bounds the coarse pass's memory
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
         self.stage_flops = {}  # not counted on the host
@@ -136,30 +138,40 @@ class NumpyEngine:
         return groups
 
     def _coarse_pass(self, pre, orient_log_prior, orient_sel):
-        """Coarse diff2 and weights; returns the significance mask (B, K·R·T) and counts (B,)."""
+        """Coarse diff2 and weights; returns the significance mask (B, K·R·T) and counts (B,).
+
+        In chunks of particles of at most `coarse_elements` samples (class × orientation × translation
+        × particle), on `threads` threads: memory stays bounded however large the grid.
+        """
         s = self.setup_
         b_count = pre["x"].shape[0]
         coarse_sel = self._fine_to_coarse_selection()
-        x_c, ctf_c = pre["x"][:, coarse_sel], pre["ctf"][:, coarse_sel]
-        minv_c = self.minv_coarse[pre["optics"]]
-        shifts_c = pre["residual"][:, None, :] + self.translations[None, :, :]  # (B, T, 2)
-        x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)
-        diff2 = np.empty((b_count, self.n_classes, orient_sel.size, self.n_trans))
-        for k, projector in enumerate(s.projectors):
-            if self.coarse_projections is not None:
-                proj = self.coarse_projections[k][orient_sel]
-            else:
-                proj = self._project(projector, self.matrices[orient_sel], self.coarse)
-            diff2[:, k] = self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, proj)
-        log_prior = (np.asarray(s.log_pdf_class)[None, :, None, None]
-                     + orient_log_prior[:, None, :, None])
+        proj = [self.coarse_projections[k][orient_sel] if self.coarse_projections is not None
+                else self._project(projector, self.matrices[orient_sel], self.coarse)
+                for k, projector in enumerate(s.projectors)]
+        class_direction_prior = np.asarray(s.log_pdf_class, dtype=np.float64)[:, None] + np.zeros((1, orient_sel.size))
         if s.log_pdf_direction is not None:
-            log_prior = log_prior + np.asarray(s.log_pdf_direction)[None, :, self.direction_of[orient_sel], None]
-        offset_prior_centre = pre["old"] if s.local_searches else None
-        log_prior = log_prior + offset_log_prior(
-            self.translations, pre["old"], s.sigma_offset_px, offset_prior_centre)[:, None, None, :]
-        weights = self._weights(diff2.reshape(b_count, -1), log_prior.reshape(b_count, -1))
-        return self._significant(weights)
+            class_direction_prior = class_direction_prior + np.asarray(s.log_pdf_direction)[:, self.direction_of[orient_sel]]
+        per_particle = self.n_classes * orient_sel.size * self.n_trans
+        chunk = max(1, self.coarse_elements // max(1, per_particle))
+
+        def coarse_chunk(start):
+            rows = slice(start, min(start + chunk, b_count))
+            x_c, ctf_c = pre["x"][rows][:, coarse_sel], pre["ctf"][rows][:, coarse_sel]
+            minv_c = self.minv_coarse[pre["optics"][rows]]
+            shifts_c = pre["residual"][rows][:, None, :] + self.translations[None, :, :]  # (b, T, 2)
+            x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)
+            diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p) for p in proj], axis=1)
+            old = pre["old"][rows]
+            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px,
+                                            old if s.local_searches else None)
+            log_prior = (class_direction_prior[None, :, :, None] + orient_log_prior[rows][:, None, :, None]
+                         + offset_prior[:, None, None, :])
+            n = x_c.shape[0]
+            return self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
+
+        parts = list(self._map(coarse_chunk, range(0, b_count, chunk)))
+        return np.concatenate([m for m, _ in parts]), np.concatenate([n for _, n in parts])
 
     def _fine_pass(self, pre, significant, orient_log_prior, orient_sel):
         """Fine samples of the significant coarse ones, their weights, the sums; per-particle results.
