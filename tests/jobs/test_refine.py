@@ -171,7 +171,7 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
                    "--offset_range", 3, "--offset_step", 1, "--iter", 5)
     assert code == 0
     for name in ("run_data.star", "run_model.star", "run_class001.mrc", "run_half1_class001_unfil.mrc",
-                 "run_half2_class001_unfil.mrc"):
+                 "run_half2_class001_unfil.mrc", "run_report.png"):
         assert (tmp_path / name).is_file(), name
     assert not (tmp_path / "run_it003_data.star").exists()  # it stopped after the final iteration
     joined, _ = read_volume(tmp_path / "run_class001.mrc")

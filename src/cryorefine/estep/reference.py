@@ -49,6 +49,7 @@ class NumpyEngine:
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
         self.fine_table_elements = FINE_TABLE_ELEMENTS_PER_GROUP  # bounds the fine pass's memory
         self.coarse_elements = COARSE_ELEMENTS_PER_CHUNK  # bounds the coarse pass's memory
+        self.local_coarse_per_particle = True  # local searches: each particle on its own orientations
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
         self.stage_flops = {}  # not counted on the host
@@ -170,7 +171,27 @@ class NumpyEngine:
             n = x_c.shape[0]
             return self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
 
-        parts = list(self._map(coarse_chunk, range(0, b_count, chunk)))
+        def coarse_particle(b):
+            """A local search: the particle's own orientations only, not its batch-mates'."""
+            cols = np.flatnonzero(np.isfinite(orient_log_prior[b]))
+            x_c, ctf_c = pre["x"][b:b + 1, coarse_sel], pre["ctf"][b:b + 1, coarse_sel]
+            minv_c = self.minv_coarse[pre["optics"][b:b + 1]]
+            shifts_c = pre["residual"][b][None, :] + self.translations  # (T, 2)
+            x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)[None]
+            diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p[cols]) for p in proj], axis=1)
+            old = pre["old"][b:b + 1]
+            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px, old)
+            log_prior = (class_direction_prior[None, :, cols, None] + orient_log_prior[b, cols][None, None, :, None]
+                         + offset_prior[:, None, None, :])
+            mask, n_sig = self._significant(self._weights(diff2.reshape(1, -1), log_prior.reshape(1, -1)))
+            full = np.zeros((self.n_classes, orient_sel.size, self.n_trans), bool)
+            full[:, cols, :] = mask.reshape(self.n_classes, cols.size, self.n_trans)
+            return full.reshape(1, -1), n_sig
+
+        if s.local_searches and self.local_coarse_per_particle:
+            parts = list(self._map(coarse_particle, range(b_count)))
+        else:
+            parts = list(self._map(coarse_chunk, range(0, b_count, chunk)))
         return np.concatenate([m for m, _ in parts]), np.concatenate([n for _, n in parts])
 
     def _fine_pass(self, pre, significant, orient_log_prior, orient_sel):

@@ -6,7 +6,8 @@ schedule (`em.schedule`) refines the angular and translational sampling, switche
 searches and decides convergence; the final iteration joins the halves to Nyquist. Outputs per
 iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc, run_itNNN_half{1,2}_model.star,
 run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png; at the end run_data.star,
-run_class001.mrc, run_half{1,2}_class001_unfil.mrc and run_model.star.
+run_class001.mrc, run_half{1,2}_class001_unfil.mrc, run_model.star and run_report.png (the final
+iteration's report, in place of its run_itNNN_report.png).
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ class RefineJob:
                                f"{root}_half{h}_model.star")]
         writes += [partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel),
                            f"{root}_sampling.star"),
-                   partial(write_iteration_report, f"{root}_report.png", iteration=plan.iteration,
+                   partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
+                           iteration=plan.iteration,
                            fsc=np.array(model.fsc_halves[0]), ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
                            resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
                            tilt_deg=snapshot.tilt_deg,
