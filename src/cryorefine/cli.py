@@ -326,17 +326,23 @@ def _pipeline(folder):
         control.finished(ABORTED if control.abort_requested() else SUCCESS)
 
 
-def _host_threads(threads, dont_check_norm):
-    """--j: the CPU engine's threads (config.threads); numpy's BLAS runs one thread in each (set before
-    numpy loads, unless the environment says otherwise). --dont_check_norm: noted."""
-    import logging
+def _one_blas_thread():
+    """numpy's BLAS runs one thread (unless the environment says otherwise): the CPU engine runs its
+    own threads (--j) over particles, and a multi-threaded BLAS under them makes their small matrix
+    products ten times slower. Set before numpy loads, which is why the entry point does it."""
     import os
+
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+
+
+def _host_threads(threads, dont_check_norm):
+    """--j: the CPU engine's threads (config.threads, checked here first); --dont_check_norm: noted."""
+    import logging
 
     log = logging.getLogger("cryorefine")
     if threads is not None and threads < 1:
         raise InputError(f"--j {threads}: out of range; give 1 thread or more")
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(name, "1")
     if dont_check_norm:
         log.info("--dont_check_norm: accepted; changes nothing here (images are not checked for normalisation)")
 
@@ -501,6 +507,7 @@ def main(argv=None):
     """Console entry point: runs the group and turns errors into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    _one_blas_thread()
     try:
         cli.main(args=args, prog_name="cryorefine", standalone_mode=False)
     except click.exceptions.NoSuchOption as exc:

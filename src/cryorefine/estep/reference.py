@@ -106,13 +106,15 @@ class NumpyEngine:
         }
         orient_log_prior, orient_sel = self._orientation_priors(batch)
         tic = time.perf_counter()
-        significant, n_significant = self._coarse_pass(pre, orient_log_prior, orient_sel)
+        b_idx, flat, n_significant = self._coarse_pass(pre, orient_log_prior, orient_sel)
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
         parts, blocks = [], []
-        for rows in self._fine_groups(significant, orient_sel.size):
+        for rows in self._fine_groups(b_idx, flat, b_count=len(optics)):
             sub = {name: value[rows] for name, value in pre.items()}
-            parts.append(self._fine_pass(sub, significant[rows], orient_log_prior[rows], orient_sel))
+            entries = slice(*np.searchsorted(b_idx, [rows[0], rows[-1] + 1]))
+            parts.append(self._fine_pass(sub, b_idx[entries] - rows[0], flat[entries], orient_log_prior[rows],
+                                         orient_sel))
             blocks.extend(self.last_blocks)
         self.last_blocks = blocks
         merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
@@ -121,25 +123,27 @@ class NumpyEngine:
         self.sums_.n_particles += batch.indices.size
         return BatchResult(n_significant=n_significant, **merged)
 
-    def _fine_groups(self, significant, n_selected):
+    def _fine_groups(self, b_idx, flat, b_count):
         """Consecutive particles whose fine table (the union of their significant (class, orientation)
         pairs, n_fine_orientations rows each) holds at most `fine_table_elements` rows × coefficients;
-        a group holds one particle at least."""
-        b_count = significant.shape[0]
-        used = significant.reshape(b_count, self.n_classes * n_selected, self.n_trans).any(axis=2)  # (B, K·R)
+        a group holds one particle at least. (b_idx, flat): the significant coarse samples, by particle."""
+        n_pairs = int(flat.max()) // self.n_trans + 1 if flat.size else 1
+        pair_b, pair_ko = np.divmod(np.unique(b_idx * n_pairs + flat // self.n_trans), n_pairs)
         row_elements = self.tables.n_fine_orientations * self.fine.positions.size
         groups, start = [], 0
         while start < b_count:
-            rest = used[start:]
-            first_user = np.where(rest.any(axis=0), rest.argmax(axis=0), rest.shape[0])
-            union = np.cumsum(np.bincount(first_user, minlength=rest.shape[0] + 1)[:rest.shape[0]])
+            rest = pair_b >= start
+            ko, first = np.unique(pair_ko[rest], return_index=True)  # pairs sorted by particle: first user
+            first_user = pair_b[rest][first] - start
+            union = np.cumsum(np.bincount(first_user, minlength=b_count - start))
             size = max(1, int(np.searchsorted(union * row_elements, self.fine_table_elements, side="right")))
-            groups.append(np.arange(start, start + size))
+            groups.append(np.arange(start, min(start + size, b_count)))
             start += size
         return groups
 
     def _coarse_pass(self, pre, orient_log_prior, orient_sel):
-        """Coarse diff2 and weights; returns the significance mask (B, K·R·T) and counts (B,).
+        """Coarse diff2 and weights; returns the significant samples (particle, flat index k·R·T + o·T + t,
+        by particle then index) and their count per particle (B,).
 
         In chunks of particles of at most `coarse_elements` samples (class × orientation × translation
         × particle), on `threads` threads: memory stays bounded however large the grid.
@@ -169,7 +173,9 @@ class NumpyEngine:
             log_prior = (class_direction_prior[None, :, :, None] + orient_log_prior[rows][:, None, :, None]
                          + offset_prior[:, None, None, :])
             n = x_c.shape[0]
-            return self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
+            mask, n_sig = self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
+            b_local, flat = np.nonzero(mask)
+            return b_local + start, flat, n_sig
 
         def coarse_particle(b):
             """A local search: the particle's own orientations only, not its batch-mates'."""
@@ -184,17 +190,17 @@ class NumpyEngine:
             log_prior = (class_direction_prior[None, :, cols, None] + orient_log_prior[b, cols][None, None, :, None]
                          + offset_prior[:, None, None, :])
             mask, n_sig = self._significant(self._weights(diff2.reshape(1, -1), log_prior.reshape(1, -1)))
-            full = np.zeros((self.n_classes, orient_sel.size, self.n_trans), bool)
-            full[:, cols, :] = mask.reshape(self.n_classes, cols.size, self.n_trans)
-            return full.reshape(1, -1), n_sig
+            k, o, t = np.unravel_index(np.flatnonzero(mask), (self.n_classes, cols.size, self.n_trans))
+            flat = (k * orient_sel.size + cols[o]) * self.n_trans + t
+            return np.full(flat.size, b), flat, n_sig
 
         if s.local_searches and self.local_coarse_per_particle:
             parts = list(self._map(coarse_particle, range(b_count)))
         else:
             parts = list(self._map(coarse_chunk, range(0, b_count, chunk)))
-        return np.concatenate([m for m, _ in parts]), np.concatenate([n for _, n in parts])
+        return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
 
-    def _fine_pass(self, pre, significant, orient_log_prior, orient_sel):
+    def _fine_pass(self, pre, b_idx, flat, orient_log_prior, orient_sel):
         """Fine samples of the significant coarse ones, their weights, the sums; per-particle results.
 
         Per particle, the children of its significant coarse samples are laid out as one dense table:
@@ -208,7 +214,6 @@ class NumpyEngine:
         s = self.setup_
         b_count = pre["x"].shape[0]
         tic = time.perf_counter()
-        b_idx, flat = np.nonzero(significant)
         ko_flat, t_flat = np.divmod(flat, self.n_trans)  # ko = class · n_selected + selected orientation
         table = self._fine_table(ko_flat, orient_sel)
         phase_res = self.fine.phase(pre["residual"], s.ori_size_px, self.complex)
