@@ -154,7 +154,8 @@ def _random_directions(n, seed):
 
 
 @pytest.mark.parametrize("name", ["C1", "C4", "C7", "CI", "CS", "C3V", "C4H", "S4", "D1", "D2", "D3", "D3V",
-                                  "D4H", "D3H", "T", "TD", "TH", "O", "OH", "I", "I1", "I3", "I4", "IH", "I4H"])
+                                  "D4H", "D3H", "D5H", "D1V", "T", "TD", "TH", "O", "OH", "I", "I1", "I3", "I4", "IH",
+                                  "I1H", "I3H", "I4H"])
 def test_asymmetric_unit_holds_exactly_one_image_of_each_direction(name):
     g = symmetry_group(name)
     d = _random_directions(400, 1)
@@ -206,6 +207,63 @@ def test_asymmetric_units_match_relion_geometric_regions():
         mask = asymmetric_unit_mask(d, symmetry_group(name))
         assert np.all(mask[surely_in]), name
         assert not np.any(mask[surely_out]), name
+
+
+# RELION's planes (healpix_sampling.cpp, removeSymmetryEquivalentPointsGeometric), as its decimals
+_RELION_I = [(0, 1, 0), (-0.4999999839058737, -0.8090170074556163, 0.3090169861701543),
+             (0.4999999839058737, -0.8090170074556163, 0.3090169861701543)]
+_RELION_I4 = [(0, 0, 1), (0.187592467856686, -0.303530987314591, -0.491123477863004),
+              (0.187592467856686, 0.303530987314591, -0.491123477863004)]
+
+
+def _plane_margins(d, normals, tilt_deg=0.0, sign=1.0):
+    a = euler_to_matrix(0.0, tilt_deg, 0.0)
+    return np.stack([sign * d @ (a @ _unit(v)) for v in normals], axis=1)
+
+
+def _relion_unit(d, name, margin_deg):
+    """(surely inside, surely outside) RELION's unit of `name`, margin_deg away from its borders."""
+    rot, tilt = _rot_tilt(d)
+    m = margin_deg
+    s = np.sin(np.radians(m))
+    if name in ("D3", "D5", "D7"):
+        k = int(name[1])
+        lo, hi = 90 - 180 / k, 90 + 180 / k
+        return ((rot > lo + m) & (rot < hi - m) & (tilt < 90 - m), (rot < lo - m) | (rot > hi + m) | (tilt > 90 + m))
+    if name == "T":
+        planes = _plane_margins(d, [(-0.942809, 0, 0), (0.471405, 0.272165, 0.7698), (0.471404, 0.816497, 0)])
+        ranged, out_range = (rot > 90 + m) & (rot < 150 - m), (rot < 90 - m) | (rot > 150 + m)
+    elif name == "O":
+        planes = _plane_margins(d, [(0, -1, 1), (1, 1, 0), (-1, 1, 0)])
+        ranged = (rot > 45 + m) & (rot < 135 - m) & (tilt < 90 - m)
+        out_range = (rot < 45 - m) | (rot > 135 + m) | (tilt > 90 + m)
+    else:
+        tilt_of = {"I": 0.0, "I1": 90.0, "I3": 31.7174745559, "I4": -31.7174745559}[name]
+        planes = (_plane_margins(d, _RELION_I4, tilt_of, -1.0) if name == "I4"
+                  else _plane_margins(d, _RELION_I, tilt_of))
+        ranged, out_range = np.ones(len(d), bool), np.zeros(len(d), bool)
+    return ranged & np.all(planes > s, axis=1), out_range | np.any(planes < -s, axis=1)
+
+
+@pytest.mark.parametrize("name", ["D3", "D5", "D7", "T", "O", "I", "I1", "I3", "I4"])
+def test_asymmetric_units_of_odd_dihedral_and_platonic_groups_are_relions(name):
+    d = _random_directions(20000, 7)
+    surely_in, surely_out = _relion_unit(d, name, 0.5)
+    assert surely_in.sum() > 0.5 * len(d) / symmetry_group(name).order
+    mask = asymmetric_unit_mask(d, symmetry_group(name))
+    assert np.all(mask[surely_in]), name
+    assert not np.any(mask[surely_out]), name
+
+
+def test_asymmetric_unit_of_relions_groups_whose_region_is_not_one():
+    # RELION's D3H region (90 <= rot <= 150) crosses the mirror plane at rot = 120: it is no unit of D3H
+    # (nor D1V's and D1H's); the Dirichlet cell used instead still has one image of every direction
+    for name in ("D3H", "D5H", "D1V", "D1H"):
+        g = symmetry_group(name)
+        d = _random_directions(500, 8)
+        images = np.einsum("gij,nj->ngi", g.matrices, d)
+        inside = asymmetric_unit_mask(images.reshape(-1, 3), g).reshape(len(d), g.order)
+        assert np.all(inside.sum(axis=1) == 1), name
 
 
 def test_equivalent_poses_give_identical_projections_of_a_symmetric_map():
