@@ -697,3 +697,84 @@ def symmetrise_half_transform(ft, group: SymmetryGroup, r_max_px: float | None =
             acc = xp.where(inside, acc / group.order, acc)
         out[z_start:z_stop] = xp.where(inside, acc, work[z_start:z_stop])
     return out.astype(arr.dtype) if arr.dtype in (xp.float32, xp.complex64) else out
+
+
+def symmetrise_padded_sums(data, weight, group: SymmetryGroup, radius_px: int, xp=np, chunk_coeffs: int = 1 << 20):
+    """RELION's BackProjector::applyPointGroupSymmetry on back-projected sums: (data, weight), new arrays.
+
+    `data` (complex) and `weight` (real) are in the compact padded layout of core.projector: shape
+    (2R'+3, 2R'+3, R'+2) indexed [z + o, y + o, x] with o = (shape[0] − 1)//2 and x ≥ 0 (the x < 0
+    half is the complex conjugate of the point mirrored through the origin). For every element k with
+    |k|² ≤ radius_px² (RELION: ROUND(r_max·padding)²) the result is the sum over the group's operators R
+    of the sums at R k, read by trilinear interpolation (x, then y, then z, as RELION) from the input,
+    with the complex conjugate where (R k)_x < 0; the identity contributes the element itself. Other
+    elements are returned unchanged. Both arrays are summed alike, so data/weight — what the
+    reconstruction divides — becomes the symmetrised average. The input's x = 0 plane must obey
+    Hermitian symmetry first (core.reconstruct.enforce_hermitian_symmetry), as RELION's symmetrise does.
+    Works in slabs of z of about `chunk_coeffs` elements, so that temporaries stay bounded.
+    """
+    data_in = xp.asarray(data)
+    weight_in = xp.asarray(weight)
+    if data_in.shape != weight_in.shape or data_in.ndim != 3 or data_in.shape[0] != data_in.shape[1]:
+        raise ValueError(f"symmetrise_padded_sums needs data and weight of one compact shape (D, D, W), got "
+                         f"{tuple(data_in.shape)} and {tuple(weight_in.shape)}")
+    d, _, w = data_in.shape
+    o = (d - 1) // 2
+    radius = int(radius_px)
+    if radius + 1 > w - 1 or radius + 1 > o:
+        raise ValueError(f"radius {radius} does not fit the compact arrays of shape {tuple(data_in.shape)}")
+    out_data = data_in.copy()
+    out_weight = weight_in.copy()
+    if group.order == 1:
+        return out_data, out_weight
+    flat_d = data_in.reshape(-1)
+    flat_w = weight_in.reshape(-1)
+    mats = np.asarray(group.matrices)
+    k = xp.arange(d, dtype=xp.float64) - o
+    kx = xp.arange(w, dtype=xp.float64)
+    slab = max(1, chunk_coeffs // (d * w))
+    corners = [(dz, dy, dx) for dz in (0, 1) for dy in (0, 1) for dx in (0, 1)]
+    for z_start in range(0, d, slab):
+        z_stop = min(d, z_start + slab)
+        zz, yy, xx = xp.meshgrid(k[z_start:z_stop], k, kx, indexing="ij")
+        inside = (xx * xx + yy * yy + zz * zz) <= radius * radius
+        pos = xp.nonzero(inside.reshape(-1))[0]
+        if pos.size == 0:
+            continue
+        x, y, z = xx.reshape(-1)[pos], yy.reshape(-1)[pos], zz.reshape(-1)[pos]
+        target = pos + z_start * d * w
+        acc_d = flat_d[target].astype(xp.complex128)
+        acc_w = flat_w[target].astype(xp.float64)
+        for r in mats[1:]:
+            px = r[0, 0] * x + r[0, 1] * y + r[0, 2] * z
+            py = r[1, 0] * x + r[1, 1] * y + r[1, 2] * z
+            pz = r[2, 0] * x + r[2, 1] * y + r[2, 2] * z
+            neg = px < 0
+            sign = xp.where(neg, -1.0, 1.0)
+            px, py, pz = px * sign, py * sign, pz * sign
+            x0, y0, z0 = xp.floor(px), xp.floor(py), xp.floor(pz)
+            fx, fy, fz = px - x0, py - y0, pz - z0
+            ix = xp.clip(x0.astype(xp.int64), 0, w - 2)
+            iy = xp.clip(y0.astype(xp.int64) + o, 0, d - 2)
+            iz = xp.clip(z0.astype(xp.int64) + o, 0, d - 2)
+            base = (iz * d + iy) * w + ix
+            vd = {c: flat_d[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
+            vw = {c: flat_w[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
+
+            def lerp(f, lo, hi):
+                return lo + (hi - lo) * f
+
+            def trilinear(v):
+                c00 = lerp(fx, v[(0, 0, 0)], v[(0, 0, 1)])
+                c01 = lerp(fx, v[(0, 1, 0)], v[(0, 1, 1)])
+                c10 = lerp(fx, v[(1, 0, 0)], v[(1, 0, 1)])
+                c11 = lerp(fx, v[(1, 1, 0)], v[(1, 1, 1)])
+                return lerp(fz, lerp(fy, c00, c01), lerp(fy, c10, c11))
+
+            val = trilinear(vd)
+            acc_d += xp.where(neg, xp.conj(val), val)
+            acc_w += trilinear(vw)
+            del vd, vw
+        out_data.reshape(-1)[target] = acc_d.astype(out_data.dtype)
+        out_weight.reshape(-1)[target] = acc_w.astype(out_weight.dtype)
+    return out_data, out_weight
