@@ -488,3 +488,25 @@ def test_symmetrise_padded_sums_keeps_what_lies_beyond_the_radius_and_c1():
     assert np.array_equal(data, bp.data) and np.array_equal(weight, bp.weight)
     with pytest.raises(ValueError):
         symmetrise_padded_sums(bp.data, bp.weight[:-1], symmetry_group("C3"), radius)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["C4", "D3", "I"])
+def test_symmetrise_padded_sums_on_the_device_matches_the_host(name):
+    from conftest import cupy_or_skip
+    from cryorefine.core.projector import BackProjector
+    from cryorefine.core.symmetry import symmetrise_padded_sums
+
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(12)
+    bp = BackProjector(28, 2.0)
+    data = rng.normal(size=bp.data.shape) + 1j * rng.normal(size=bp.data.shape)
+    weight = rng.random(bp.weight.shape)
+    g = symmetry_group(name)
+    want = symmetrise_padded_sums(data, weight, g, bp.grid.r_max_padded)
+    got = symmetrise_padded_sums(cp.asarray(data), cp.asarray(weight), g, bp.grid.r_max_padded, xp=cp,
+                                 chunk_coeffs=1 << 14)  # several slabs
+    for a, b in zip(got, want):
+        err = np.abs(cp.asnumpy(a) - b).max() / np.abs(b).max()
+        print(f"{name}: max error relative to the largest value {err:.2e}")
+        assert err < 1e-12

@@ -58,3 +58,22 @@ def test_c1_leaves_the_sums_as_they_are():
     bp = mstep.backprojector(data, weight, ModelState(ori_size_px=N, pixel_size_angstrom=3.0), _config("C1"), N, np)
     assert np.array_equal(bp.data, before[0]) and np.array_equal(bp.weight, before[1])
     assert not bp.hermitian_enforced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["D2", "O", "I"])
+def test_symmetric_mstep_on_the_device_matches_the_host(name):
+    from conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
+    g = symmetry_group(name)
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
+    tau2 = np.random.default_rng(1).uniform(0.01, 0.1, N // 2 + 1)
+    data, weight = _sums([np.eye(3)] + list(g.rotations[1:3]))
+    host = mstep.backprojector(data.copy(), weight.copy(), model, _config(name), N, np)
+    device = mstep.backprojector(cp.asarray(data), cp.asarray(weight), model, _config(name), N, cp)
+    np.testing.assert_allclose(cp.asnumpy(device.weight), host.weight, atol=1e-12 * host.weight.max())
+    np.testing.assert_allclose(cp.asnumpy(device.noise_sigma2()), host.noise_sigma2(), rtol=1e-10)
+    want = mstep.reconstruct_map(host, tau2, model, _config(name), np)
+    got = mstep.reconstruct_map(device, tau2, model, _config(name), cp)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
