@@ -414,28 +414,15 @@ def _fibonacci_sphere(n: int) -> np.ndarray:
 
 
 def _dirichlet_reference(family: str, n: int, matrices: np.ndarray) -> np.ndarray:
-    """A reference direction p whose Dirichlet cell is an asymmetric unit of the group."""
-    if matrices.shape[0] == 1:
-        return np.array([0.0, 0.0, 1.0])
+    """A reference direction p whose Dirichlet cell is an asymmetric unit of the group (used for D<n>V and
+    D<n>H where RELION's region is none): between two neighbouring vertical mirror planes (those of D<n>V lie
+    at 90 + 180k/n, those of D<n>H at 180k/n degrees), else the most generic direction of a fixed lattice."""
     p = None
-    if family == "C":
-        p = _direction(0.0, 90.0)
-    elif family in ("CI", "CS"):
-        p = _direction(0.0, 0.0)
-    elif family == "CV":
-        p = _direction(90.0 / n, 90.0)
-    elif family in ("CH", "S"):
-        p = _direction(0.0, 45.0)
-    elif family == "D":
-        p = _direction(180.0 * (n // 2) / n, 45.0)
-    elif family in ("DV", "DH"):
-        # Between two neighbouring vertical mirror planes (those of D<n>V lie at 90 + 180k/n,
-        # those of D<n>H at 180k/n degrees; the two groups coincide for even n).
+    if family in ("DV", "DH"):
         first = 90.0 if family == "DV" else 180.0 * (n // 2) / n
         p = _direction(first + 90.0 / n, 45.0)
     if p is not None and _min_displacement(p[None], matrices)[0] > 0.05:
         return p
-    # Most generic direction of a fixed lattice: farthest from its own images.
     cand = _fibonacci_sphere(2000)
     return cand[int(np.argmax(_min_displacement(cand, matrices)))]
 
