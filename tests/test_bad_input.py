@@ -162,6 +162,12 @@ CASES = [
     ("reconstruct --pad 0", RECONSTRUCT, ("--pad", "0"), None, "--pad"),
     ("reconstruct --batch 0", RECONSTRUCT, ("--batch", "0"), None, "--batch"),
     ("reconstruct --sym X9", RECONSTRUCT, ("--sym", "X9"), None, "X9"),
+    ("refine --sym X9", REFINE, ("--sym", "X9"), None, "X9"),
+    ("classify --sym D", CLASSIFY, ("--sym", "D"), None, "--sym D"),
+    ("refine --sym I5", REFINE, ("--sym", "I5"), None, "I5"),
+    ("classify --sym C1,C2", CLASSIFY, ("--sym", "C1,C2"), None, "--sym C1,C2"),
+    ("refine --sym I --healpix_order 1", REFINE, ("--sym", "I", "--healpix_order", "1"), None, "--healpix_order 2"),
+    ("plan --sym S3", PLAN, ("--sym", "S3"), None, "S3"),
 ]
 
 

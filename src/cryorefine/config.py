@@ -90,6 +90,7 @@ class RefineConfig:
         for option, value, ok, wanted in rules:
             if not ok:
                 raise InputError(f"{option} {value:g}: out of range; give {wanted}")
+        self._check_symmetry()
         for option, path in (("--i", self.input_star), ("--ref", self.reference_map)):
             if path and not Path(path).is_file():
                 raise InputError(f"{option} {path}: file not found; check the path (relative paths start from "
@@ -99,6 +100,24 @@ class RefineConfig:
         if self.scratch_dir:
             check_output_folder("--scratch_dir", self.scratch_dir)
         return self
+
+    def _check_symmetry(self):
+        """--sym: a group RELION knows, whose asymmetric unit holds a direction at --healpix_order."""
+        from cryorefine.core.sampling import Sampling
+        from cryorefine.core.symmetry import symmetry_group
+
+        if "," in str(self.symmetry):
+            raise InputError(f"--sym {self.symmetry}: one point group per class is not implemented; give one group "
+                             f"for all classes, e.g. --sym C1")
+        try:
+            group = symmetry_group(self.symmetry)
+        except ValueError as exc:
+            raise InputError(f"--sym {self.symmetry}: {exc}") from None
+        if group.order > 1 and Sampling(self.healpix_order, 1.0, 1.0, group.name).n_directions == 0:
+            least = next(order for order in range(self.healpix_order + 1, MAX_HEALPIX_ORDER + 1)
+                         if Sampling(order, 1.0, 1.0, group.name).n_directions > 0)
+            raise InputError(f"--healpix_order {self.healpix_order}: no direction of that sampling lies in the "
+                             f"asymmetric unit of {group.name}; give --healpix_order {least} or more")
 
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -154,7 +154,8 @@ def _random_directions(n, seed):
 
 
 @pytest.mark.parametrize("name", ["C1", "C4", "C7", "CI", "CS", "C3V", "C4H", "S4", "D1", "D2", "D3", "D3V",
-                                  "D4H", "D3H", "T", "TD", "TH", "O", "OH", "I", "I1", "I3", "I4", "IH", "I4H"])
+                                  "D4H", "D3H", "D5H", "D1V", "T", "TD", "TH", "O", "OH", "I", "I1", "I3", "I4", "IH",
+                                  "I1H", "I3H", "I4H"])
 def test_asymmetric_unit_holds_exactly_one_image_of_each_direction(name):
     g = symmetry_group(name)
     d = _random_directions(400, 1)
@@ -206,6 +207,63 @@ def test_asymmetric_units_match_relion_geometric_regions():
         mask = asymmetric_unit_mask(d, symmetry_group(name))
         assert np.all(mask[surely_in]), name
         assert not np.any(mask[surely_out]), name
+
+
+# RELION's planes (healpix_sampling.cpp, removeSymmetryEquivalentPointsGeometric), as its decimals
+_RELION_I = [(0, 1, 0), (-0.4999999839058737, -0.8090170074556163, 0.3090169861701543),
+             (0.4999999839058737, -0.8090170074556163, 0.3090169861701543)]
+_RELION_I4 = [(0, 0, 1), (0.187592467856686, -0.303530987314591, -0.491123477863004),
+              (0.187592467856686, 0.303530987314591, -0.491123477863004)]
+
+
+def _plane_margins(d, normals, tilt_deg=0.0, sign=1.0):
+    a = euler_to_matrix(0.0, tilt_deg, 0.0)
+    return np.stack([sign * d @ (a @ _unit(v)) for v in normals], axis=1)
+
+
+def _relion_unit(d, name, margin_deg):
+    """(surely inside, surely outside) RELION's unit of `name`, margin_deg away from its borders."""
+    rot, tilt = _rot_tilt(d)
+    m = margin_deg
+    s = np.sin(np.radians(m))
+    if name in ("D3", "D5", "D7"):
+        k = int(name[1])
+        lo, hi = 90 - 180 / k, 90 + 180 / k
+        return ((rot > lo + m) & (rot < hi - m) & (tilt < 90 - m), (rot < lo - m) | (rot > hi + m) | (tilt > 90 + m))
+    if name == "T":
+        planes = _plane_margins(d, [(-0.942809, 0, 0), (0.471405, 0.272165, 0.7698), (0.471404, 0.816497, 0)])
+        ranged, out_range = (rot > 90 + m) & (rot < 150 - m), (rot < 90 - m) | (rot > 150 + m)
+    elif name == "O":
+        planes = _plane_margins(d, [(0, -1, 1), (1, 1, 0), (-1, 1, 0)])
+        ranged = (rot > 45 + m) & (rot < 135 - m) & (tilt < 90 - m)
+        out_range = (rot < 45 - m) | (rot > 135 + m) | (tilt > 90 + m)
+    else:
+        tilt_of = {"I": 0.0, "I1": 90.0, "I3": 31.7174745559, "I4": -31.7174745559}[name]
+        planes = (_plane_margins(d, _RELION_I4, tilt_of, -1.0) if name == "I4"
+                  else _plane_margins(d, _RELION_I, tilt_of))
+        ranged, out_range = np.ones(len(d), bool), np.zeros(len(d), bool)
+    return ranged & np.all(planes > s, axis=1), out_range | np.any(planes < -s, axis=1)
+
+
+@pytest.mark.parametrize("name", ["D3", "D5", "D7", "T", "O", "I", "I1", "I3", "I4"])
+def test_asymmetric_units_of_odd_dihedral_and_platonic_groups_are_relions(name):
+    d = _random_directions(20000, 7)
+    surely_in, surely_out = _relion_unit(d, name, 0.5)
+    assert surely_in.sum() > 0.5 * len(d) / symmetry_group(name).order
+    mask = asymmetric_unit_mask(d, symmetry_group(name))
+    assert np.all(mask[surely_in]), name
+    assert not np.any(mask[surely_out]), name
+
+
+def test_asymmetric_unit_of_relions_groups_whose_region_is_not_one():
+    # RELION's D3H region (90 <= rot <= 150) crosses the mirror plane at rot = 120: it is no unit of D3H
+    # (nor D1V's and D1H's); the Dirichlet cell used instead still has one image of every direction
+    for name in ("D3H", "D5H", "D1V", "D1H"):
+        g = symmetry_group(name)
+        d = _random_directions(500, 8)
+        images = np.einsum("gij,nj->ngi", g.matrices, d)
+        inside = asymmetric_unit_mask(images.reshape(-1, 3), g).reshape(len(d), g.order)
+        assert np.all(inside.sum(axis=1) == 1), name
 
 
 def test_equivalent_poses_give_identical_projections_of_a_symmetric_map():
@@ -335,3 +393,120 @@ def test_symmetrise_half_transform_real_weights():
         return w[kz % 16, ky % 16, kx]
     expected = np.mean([val(3, 1, 2), val(-1, 3, 2), val(-3, -1, 2), val(1, -3, 2)])
     assert np.isclose(out[2, 1, 3], expected)
+
+
+# ------------------------------------------------------- symmetrising back-projected sums (M-step)
+
+def _one_view_sums(n, group_poses, seed=11):
+    """(slice, pose A) of a random map, and a BackProjector with that slice back-projected at each pose."""
+    from cryorefine.core.projector import BackProjector, Projector
+
+    rng = np.random.default_rng(seed)
+    a = euler_to_matrix(np.array([30.0]), np.array([50.0]), np.array([10.0]))
+    slices = Projector(rng.normal(size=(n, n, n)), 2.0).project(a)
+    bp = BackProjector(n, 2.0)
+    for r in group_poses:
+        bp.backproject(slices, None, a @ r.T)
+    return bp
+
+
+@pytest.mark.parametrize("name", ["C4", "D2", "O"])
+def test_symmetrised_sums_of_one_view_equal_the_sums_of_its_equivalent_views(name):
+    # These groups map the padded grid onto itself, so RELION's interpolation in applyPointGroupSymmetry is exact:
+    # symmetrising the sums of one view gives the sums of the view back-projected at every equivalent pose A·Rᵀ.
+    from cryorefine.core.reconstruct import enforce_hermitian_symmetry
+
+    g = symmetry_group(name)
+    one = _one_view_sums(24, [np.eye(3)])
+    every = _one_view_sums(24, g.rotations)
+    one.symmetrise(g)
+    data, weight = enforce_hermitian_symmetry(every.data, every.weight)
+    inside = one.grid.radius2(np) <= one.grid.r_max_padded ** 2  # RELION symmetrises within r_max only
+    assert np.abs(weight[inside]).max() > 0
+    np.testing.assert_allclose(one.weight[inside], weight[inside], atol=1e-12 * weight.max())
+    np.testing.assert_allclose(one.data[inside], data[inside], atol=1e-12 * np.abs(data).max())
+    assert one.hermitian_enforced
+
+
+@pytest.mark.parametrize("name", ["C5", "D3", "I"])
+def test_symmetrised_sums_of_other_groups_reconstruct_what_all_equivalent_views_do(name):
+    # Off the grid the sums are interpolated (as in RELION); the maps still agree closely, even from three views
+    # (of which the unsymmetrised map is a poor one).
+    from cryorefine.core.projector import BackProjector, Projector
+
+    g = symmetry_group(name)
+    n = 24
+    rng = np.random.default_rng(3)
+    vol = symmetrise_volume(_blob_volume(n, rng.uniform(-6, 6, size=(4, 3)), 1.5), g)
+    poses = euler_to_matrix(rng.uniform(-180, 180, 3), np.degrees(np.arccos(rng.uniform(-1, 1, 3))),
+                            rng.uniform(-180, 180, 3))
+    slices = Projector(vol, 2.0).project(poses)
+    sym, every, plain = BackProjector(n, 2.0), BackProjector(n, 2.0), BackProjector(n, 2.0)
+    sym.backproject(slices, None, poses)
+    plain.backproject(slices, None, poses)
+    sym.symmetrise(g)
+    for r in g.rotations:
+        every.backproject(slices, None, poses @ r.T)
+    a, b, c = sym.reconstruct(), every.reconstruct(), plain.reconstruct()
+    corr = np.corrcoef(a.ravel(), b.ravel())[0, 1]
+    assert corr > 0.985, corr
+    assert np.corrcoef(c.ravel(), b.ravel())[0, 1] < 0.95
+
+
+def test_reconstruction_from_symmetrised_sums_is_symmetric():
+    # Random sums, symmetrised with O (which permutes voxels): the map is invariant under every operator of O.
+    from cryorefine.core.projector import BackProjector
+
+    g = symmetry_group("O")
+    rng = np.random.default_rng(9)
+    bp = BackProjector(20, 2.0)
+    bp.data[...] = rng.normal(size=bp.data.shape) + 1j * rng.normal(size=bp.data.shape)
+    bp.weight[...] = rng.uniform(0.5, 1.5, size=bp.weight.shape)
+    c1 = bp.reconstruct()
+    bp.symmetrise(g)
+    vol = bp.reconstruct()
+    inner = (slice(1, None),) * 3  # index 0 of an even box has no mirror image in the box
+    err = np.abs(symmetrise_volume(vol, g) - vol)[inner].max() / np.abs(vol).max()
+    assert err < 1e-10, err
+    assert np.abs(symmetrise_volume(c1, g) - c1)[inner].max() / np.abs(c1).max() > 0.1  # not so without
+
+
+def test_symmetrise_padded_sums_keeps_what_lies_beyond_the_radius_and_c1():
+    from cryorefine.core.projector import BackProjector
+    from cryorefine.core.symmetry import symmetrise_padded_sums
+
+    rng = np.random.default_rng(2)
+    bp = BackProjector(16, 2.0)
+    bp.data[...] = rng.normal(size=bp.data.shape) + 1j * rng.normal(size=bp.data.shape)
+    bp.weight[...] = rng.random(bp.weight.shape)
+    radius = bp.grid.r_max_padded - 4
+    data, weight = symmetrise_padded_sums(bp.data, bp.weight, symmetry_group("C3"), radius)
+    outside = bp.grid.radius2(np) > radius ** 2
+    assert np.array_equal(data[outside], bp.data[outside]) and np.array_equal(weight[outside], bp.weight[outside])
+    assert not np.allclose(weight[~outside], bp.weight[~outside])
+    data, weight = symmetrise_padded_sums(bp.data, bp.weight, symmetry_group("C1"), radius)
+    assert np.array_equal(data, bp.data) and np.array_equal(weight, bp.weight)
+    with pytest.raises(ValueError):
+        symmetrise_padded_sums(bp.data, bp.weight[:-1], symmetry_group("C3"), radius)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["C4", "D3", "I"])
+def test_symmetrise_padded_sums_on_the_device_matches_the_host(name):
+    from conftest import cupy_or_skip
+    from cryorefine.core.projector import BackProjector
+    from cryorefine.core.symmetry import symmetrise_padded_sums
+
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(12)
+    bp = BackProjector(28, 2.0)
+    data = rng.normal(size=bp.data.shape) + 1j * rng.normal(size=bp.data.shape)
+    weight = rng.random(bp.weight.shape)
+    g = symmetry_group(name)
+    want = symmetrise_padded_sums(data, weight, g, bp.grid.r_max_padded)
+    got = symmetrise_padded_sums(cp.asarray(data), cp.asarray(weight), g, bp.grid.r_max_padded, xp=cp,
+                                 chunk_coeffs=1 << 14)  # several slabs
+    for a, b in zip(got, want):
+        err = np.abs(cp.asnumpy(a) - b).max() / np.abs(b).max()
+        print(f"{name}: max error relative to the largest value {err:.2e}")
+        assert err < 1e-12

@@ -1,5 +1,7 @@
 """The numpy E-step engine against brute force, on small random problems."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -280,3 +282,36 @@ def test_local_search_per_particle_equals_the_batch_wide_grid(problem):
     np.testing.assert_allclose(sa.data[0], sb.data[0], rtol=1e-9, atol=1e-12 * np.abs(sa.data[0]).max())
     for x, y in zip(ba, bb):
         np.testing.assert_array_equal(x.coarse_index, y.coarse_index)
+
+
+def test_local_search_across_the_asymmetric_unit_border_finds_the_symmetry_mate():
+    """C4: a particle whose previous pose lies outside the unit (rot + 90°) is searched around that pose's
+    mates (RELION's selectOrientationsWithNonZeroPriorProbability): the pose found is the truth's mate in the
+    unit, exactly."""
+    from cryorefine.core.symmetry import angular_distance_deg, symmetrise_volume, symmetry_group
+
+    rng = np.random.default_rng(5)
+    group = symmetry_group("C4")
+    projector = Projector(symmetrise_volume(blob_volume(rng), group))
+    sampling = Sampling(healpix_order=2, offset_range_px=2, offset_step_px=2, symmetry="C4")
+    sigma2 = rng.uniform(0.5, 2.0, (1, N // 2 + 1)) * 1e-1
+    engine = NumpyEngine()
+    engine.setup(setup_for(projector, sampling, sigma2, adaptive_fraction=0.99999, local_searches=True,
+                           sigma_rot_deg=8.0, sigma_psi_deg=8.0))
+    inner = np.flatnonzero(np.abs(sampling.directions_deg()[:, 0]) < 30) * sampling.n_psi * sampling.n_translations
+    coarse_index = rng.choice(inner, 3, replace=False)  # coarse samples well inside the unit, zero offsets
+    rot, tilt, psi, tx, ty = sampling.fine_samples_flat(coarse_index)
+    pick = (np.arange(3), rng.integers(0, rot.shape[1], 3))
+    truth = euler.euler_to_matrix(rot[pick], tilt[pick], psi[pick])
+    quarter = group.rotations[np.argmin([abs(r[0, 1] + 1) for r in group.rotations])]  # 90° about z
+    mate = truth @ quarter.T  # the same projection, direction rotated by 90° out of the unit
+    prior_rot, prior_tilt, prior_psi = euler.matrix_to_euler(mate)
+    assert np.all(np.abs(prior_rot) > 45)
+    origins = np.stack([tx[pick], ty[pick]], axis=1)
+    images = fourier.phase_shift_2d(projector.project(truth, N), -origins[:, 0], -origins[:, 1], N)
+    batch = replace(make_batch(images, np.ones((3, N, N // 2 + 1)), np.zeros((3, 2))), prior_rot_deg=prior_rot,
+                    prior_tilt_deg=prior_tilt, prior_psi_deg=prior_psi)
+    result = engine.run(batch)
+    found = euler.euler_to_matrix(result.rot_deg, result.tilt_deg, result.psi_deg)
+    np.testing.assert_allclose(found, truth, atol=1e-9)
+    assert np.all(angular_distance_deg(found, mate, group) < 1e-6)

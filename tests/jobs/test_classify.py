@@ -92,3 +92,30 @@ def test_continue_refuses_a_run_of_the_other_kind(classified, capsys):
     code = run_cli("refine", "--continue", classified / "out" / "run_it001_optimiser.star", "--iter", 2)
     assert code == 2
     assert "classify --continue" in capsys.readouterr().err
+
+
+def test_classify_with_c4_symmetry_gives_c4_symmetric_classes(tmp_path):
+    from cryorefine.core.fourier import downsample_volume
+    from cryorefine.core.symmetry import symmetrise_volume, symmetry_group
+    from cryorefine.io.mrc import read_volume, write_volume
+    from conftest import EXAMPLE_MAP
+
+    write_volume(tmp_path / "map.mrc", downsample_volume(read_volume(EXAMPLE_MAP)[0], 32), 12.0)
+    assert run_cli("simulate", "--ref", tmp_path / "map.mrc", "--n", 80, "--snr", 0.5, "--seed", 3, "--sym", "C4",
+                   "--o", tmp_path / "sim") == 0
+    code = run_cli("classify", "--i", tmp_path / "sim" / "particles.star", "--ref", tmp_path / "map.mrc",
+                   "--o", tmp_path / "run", "--iter", 2, "--sym", "C4", *CLASSIFY_ARGS)
+    assert code == 0
+    g = symmetry_group("C4")
+    inner = (slice(1, None),) * 3
+    for k in (1, 2):
+        volume = read_volume(tmp_path / f"run_it002_class{k:03d}.mrc")[0].astype(np.float64)
+        assert np.abs(volume).max() > 0
+        assert np.abs(symmetrise_volume(volume, g) - volume)[inner].max() < 1e-5 * np.abs(volume).max()
+    model = starfile.read(tmp_path / "run_it002_model.star")
+    sampling = starfile.read(tmp_path / "run_it002_sampling.star")
+    assert sampling["sampling_general"]["rlnSymmetryGroup"] == "C4"
+    n_dir = len(sampling["sampling_directions"])
+    assert n_dir == 48 // 4  # HEALPix order 1: 48 directions, a quarter in C4's unit
+    assert np.all(np.abs(sampling["sampling_directions"]["rlnAngleRot"]) <= 45 + 1e-9)
+    assert len(model["model_pdf_orient_class_1"]) == n_dir

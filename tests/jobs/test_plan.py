@@ -65,3 +65,14 @@ def test_a_run_that_cannot_fit_is_refused_with_what_to_change(capsys, particles)
     assert err.count("\n") == 1 and "--free_gpu_memory" in err and "GB" in err
     code, out, err = run_cli(capsys, "plan", "--i", particles, "--gpu_memory", 0.01, "--free_gpu_memory", 0)
     assert code == 2 and "use a GPU with at least" in err
+
+
+def test_symmetry_counts_the_orientations_of_the_asymmetric_unit(capsys, particles):
+    c1 = plan_json(capsys, particles)["moments"]
+    d2 = plan_json(capsys, particles, "--sym", "D2")["moments"]
+    o = plan_json(capsys, particles, "--sym", "O")["moments"]
+    # global search at HEALPix order 2: 192 directions × 24 psi; D2 keeps a quarter of the directions, O 1/24
+    assert c1[0]["n_orientations"] == 192 * 24
+    assert d2[0]["n_orientations"] == 48 * 24
+    assert abs(o[0]["n_orientations"] / (192 * 24 / 24) - 1) < 0.15
+    assert d2[0]["estep_seconds"] < 0.3 * c1[0]["estep_seconds"]

@@ -37,6 +37,7 @@ import numpy as np
 from cryorefine.core import fourier
 from cryorefine.core import reconstruct
 from cryorefine.core.grid import PaddedGrid, complex_dtype_for, trilinear_gridding_kernel
+from cryorefine.core.symmetry import symmetrise_padded_sums
 
 
 @lru_cache(maxsize=64)
@@ -240,7 +241,11 @@ class BackProjector:
 
     size_px is N of the map to reconstruct; the compact arrays follow `PaddedGrid` (module
     docstring). Sums from several workers are combined by adding `data` and `weight`.
+    `hermitian_enforced` is True once the sums' x = 0 plane has been made Hermitian (`symmetrise`
+    does it, as RELION's does); `reconstruct` then does not do it again.
     """
+
+    hermitian_enforced = False
 
     def __init__(self, size_px, padding_factor=2.0, r_max_px=None, dtype=np.float64, xp=np):
         self.xp = xp
@@ -251,8 +256,9 @@ class BackProjector:
         self.weight = xp.zeros(self.grid.shape, dtype=self.real_dtype)
 
     @classmethod
-    def from_arrays(cls, data, weight, size_px, padding_factor=2.0, r_max_px=None, xp=np):
-        """A back-projector holding existing sums (`data`, `weight` of the grid's shape), not copied."""
+    def from_arrays(cls, data, weight, size_px, padding_factor=2.0, r_max_px=None, xp=np, hermitian_enforced=False):
+        """A back-projector holding existing sums (`data`, `weight` of the grid's shape), not copied;
+        `hermitian_enforced`: their x = 0 plane is already Hermitian (sums of symmetrised back-projectors)."""
         bp = cls.__new__(cls)
         bp.xp = xp
         bp.real_dtype = np.dtype(weight.dtype).type
@@ -261,6 +267,7 @@ class BackProjector:
         if tuple(data.shape) != bp.grid.shape or tuple(weight.shape) != bp.grid.shape:
             raise ValueError(f"sums of shape {data.shape}/{weight.shape} do not match the grid {bp.grid.shape}")
         bp.data, bp.weight = data, weight
+        bp.hermitian_enforced = bool(hermitian_enforced)
         return bp
 
     @property
@@ -331,6 +338,20 @@ class BackProjector:
         self.data += (re + 1j * im).reshape(self.grid.shape).astype(self.complex_dtype)
         self.weight += ww.reshape(self.grid.shape).astype(self.real_dtype)
 
+    def symmetrise(self, group):
+        """RELION's BackProjector::symmetrise for a point group, in place: the x = 0 plane made Hermitian
+        (enforceHermitianSymmetry), then `data` and `weight` each replaced by the sum over the group's
+        operators R of the sums at R k (applyPointGroupSymmetry, within the back-projector's r_max;
+        `symmetry.symmetrise_padded_sums`). A group of order 1 changes nothing."""
+        if group.order == 1:
+            return
+        plane = reconstruct.enforce_hermitian_symmetry(self.data[:, :, :1], self.weight[:, :, :1], self.xp)
+        self.data[:, :, :1], self.weight[:, :, :1] = plane
+        data, weight = symmetrise_padded_sums(self.data, self.weight, group, self.grid.r_max_padded, self.xp)
+        self.data[...] = data
+        self.weight[...] = weight
+        self.hermitian_enforced = True
+
     def hermitian_symmetrised(self):
         """(data, weight) with the x = 0 plane made Hermitian (RELION's enforceHermitianSymmetry).
 
@@ -352,7 +373,7 @@ class BackProjector:
         """Per-shell noise power of the reconstruction (N//2+1,), RELION's sigma2 (see reconstruct)."""
         return reconstruct.reconstruction_noise_sigma2(self.weight, self.grid, self.xp)
 
-    def reconstruct(self, tau2=None, tau2_fudge=1.0, minres_map_px=0, enforce_hermitian=True,
+    def reconstruct(self, tau2=None, tau2_fudge=1.0, minres_map_px=0, enforce_hermitian=None,
                     mask_corners=True):
         """Real-space map (N, N, N) from the sums: see `reconstruct.reconstruct_volume`.
 
@@ -360,9 +381,12 @@ class BackProjector:
         data / max(weight, 1/1000 of the shell's mean weight) when tau2 is None; inverse FFT,
         window to N, soft mask outside radius N/2, divide by sinc². With unit weights and
         slices that are projections (normalised as `Projector.project`) of a map over
-        many uniformly distributed poses, the result is that map.
+        many uniformly distributed poses, the result is that map. `enforce_hermitian` (default: unless
+        `hermitian_enforced`) makes the x = 0 plane Hermitian first, on copies.
         """
         data, weight = self.data, self.weight
+        if enforce_hermitian is None:
+            enforce_hermitian = not self.hermitian_enforced
         if enforce_hermitian:
             data, weight = reconstruct.enforce_hermitian_symmetry(data, weight, self.xp)
         return reconstruct.reconstruct_volume(data, weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,

@@ -30,19 +30,26 @@ the same projection, and projection directions d (the third row of the pose matr
 Euler_angles2direction) are equivalent to R d for every R in the group, improper ones included
 (as in RELION's removeSymmetryEquivalentPoints).
 
-The asymmetric unit of directions is the Dirichlet cell of a reference direction p: the
-directions d with d·p ≥ (R d)·p for every R, ties on the cell's border broken so that exactly
-one direction of each symmetry orbit is in the unit. For C<n>, CI, CS, C<n>V, C<n>H, even D<n>,
-D<n>V and D<n>H the cell is RELION's geometric unit (removeSymmetryEquivalentPointsGeometric:
-|rot| ≤ 180/n; tilt ≤ 90; 0 ≤ rot ≤ 180/n; ...); for the other groups it is an equally large
-unit of another shape. RELION also drops directions that lie within half a HEALPix pixel of a
-symmetry mate across the border of its unit; this is not done here.
+The asymmetric unit of directions is RELION's geometric unit (HealpixSampling::
+removeSymmetryEquivalentPointsGeometric): C<n> |rot| ≤ 180/n; CI, CS tilt ≤ 90; C<n>V 0 ≤ rot ≤ 180/n;
+C<n>H |rot| ≤ 180/n, tilt ≤ 90; S<n> |rot| ≤ 360/n, tilt ≤ 90; D<n> 90 − 180/n ≤ rot ≤ 90 + 180/n,
+tilt ≤ 90 (D1: tilt ≤ 90); D<n>V, D<n>H 90 ≤ rot ≤ 90 + 180/n, tilt ≤ 90; T, TD, TH, O, OH and the
+icosahedral groups the spherical triangles RELION bounds by planes through their symmetry axes (with
+its extra rot conditions for T, O and OH). RELION writes those planes' normals as rounded decimals;
+here they are the exact normals they round. Directions on the unit's border whose symmetry mate is
+on the border too are kept once (the first in x, y, z order), so that every direction has exactly
+one image in the unit; RELION keeps both and, below 4000 directions, drops the later of two mates
+and any direction within half a HEALPix pixel of a mate, which is not done here. Where RELION's
+region is not an asymmetric unit of its group (D1V, D1H, and D<n>H for odd n, whose rot range
+crosses a mirror plane), the unit is instead the Dirichlet cell of a reference direction p (d·p ≥
+(R d)·p for every R), which is.
 
 Every function that touches volumes takes an array module `xp` (numpy or cupy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -59,13 +66,13 @@ _TIE_TOL = 1e-9
 class SymmetryGroup:
     """A finite point group: `matrices` (order, 3, 3) float64, identity first, read-only.
 
-    `asu_reference_xyz` is the direction p whose Dirichlet cell is the asymmetric unit of
-    directions (see the module docstring).
+    `asymmetric_unit` is RELION's geometric unit of projection directions for the group (see the
+    module docstring and `asymmetric_unit_mask`).
     """
 
     name: str
     matrices: np.ndarray
-    asu_reference_xyz: tuple
+    asymmetric_unit: "AsymmetricUnit"
 
     @property
     def order(self) -> int:
@@ -249,6 +256,142 @@ def _closure(generators: list, name: str) -> np.ndarray:
     return mats
 
 
+# RELION's geometric asymmetric units (HealpixSampling::removeSymmetryEquivalentPointsGeometric). Each is a
+# closed region: rot within a range and tilt at most a limit (either may be absent), or with `or_rot_zero`
+# rot = 0 (RELION's "|| rot == 0" of T and O), and d·n ≥ 0 for each plane normal n. RELION writes the
+# normals as rounded decimals; they are snapped to the exact normals of planes through the group's axes
+# (`_snap_normals`), so that the region's borders are exactly the symmetry images of one another.
+_I_NORMALS = ((0.0, 1.0, 0.0), (-0.4999999839058737, -0.8090170074556163, 0.3090169861701543),
+              (0.4999999839058737, -0.8090170074556163, 0.3090169861701543))
+_I4_NORMALS = ((0.0, 0.0, 1.0), (0.187592467856686, -0.303530987314591, -0.491123477863004),
+               (0.187592467856686, 0.303530987314591, -0.491123477863004))
+_O_NORMALS = ((0.0, -1.0, 1.0), (1.0, 1.0, 0.0), (-1.0, 1.0, 0.0))
+_I3_TILT_DEG = 31.7174745559  # RELION's Euler_angles2matrix(0, ±31.7174745559, 0) for I3, I4 (and I3H, I4H)
+
+
+@dataclass(frozen=True)
+class AsymmetricUnit:
+    """A closed region of projection directions: rot in `rot_range_deg` and tilt ≤ `max_tilt_deg` (either
+    may be None), or (`or_rot_zero`) rot = 0; and d·n ≥ 0 for every unit normal n in `normals`."""
+
+    rot_range_deg: tuple | None = None
+    max_tilt_deg: float | None = None
+    or_rot_zero: bool = False
+    normals: tuple = ()
+
+
+def _rotated(tilt_deg, normals, sign=1.0):
+    from .euler import euler_to_matrix
+
+    a = euler_to_matrix(0.0, tilt_deg, 0.0)
+    return tuple(tuple(sign * (a @ _unit(v))) for v in normals)
+
+
+def _relion_region(family: str, n: int) -> AsymmetricUnit:
+    """RELION's geometric unit of a group (removeSymmetryEquivalentPointsGeometric), normals as RELION writes them."""
+    if family == "C":
+        return AsymmetricUnit(rot_range_deg=(-180.0 / n, 180.0 / n))
+    if family in ("CI", "CS"):
+        return AsymmetricUnit(max_tilt_deg=90.0)
+    if family == "CV":
+        return AsymmetricUnit(rot_range_deg=(0.0, 180.0 / n))
+    if family == "CH":
+        return AsymmetricUnit(rot_range_deg=(-180.0 / n, 180.0 / n), max_tilt_deg=90.0)
+    if family == "S":
+        return AsymmetricUnit(rot_range_deg=(-360.0 / n, 360.0 / n), max_tilt_deg=90.0)
+    if family == "D":
+        if n == 1:
+            return AsymmetricUnit(max_tilt_deg=90.0)
+        return AsymmetricUnit(rot_range_deg=(90.0 - 180.0 / n, 90.0 + 180.0 / n), max_tilt_deg=90.0)
+    if family in ("DV", "DH"):
+        return AsymmetricUnit(rot_range_deg=(90.0, 90.0 + 180.0 / n), max_tilt_deg=90.0)
+    if family == "T":
+        return AsymmetricUnit(rot_range_deg=(90.0, 150.0), or_rot_zero=True,
+                       normals=((-0.942809, 0.0, 0.0), (0.471405, 0.272165, 0.7698), (0.471404, 0.816497, 0.0)))
+    if family == "TD":
+        return AsymmetricUnit(normals=((-0.942809, 0.0, 0.0), (0.471405, 0.272165, 0.7698), (0.0, 0.471405, -0.666667)))
+    if family == "TH":
+        return AsymmetricUnit(normals=((-0.816496, 0.0, 0.0), (0.707107, 0.408248, -0.57735), (-0.408248, -0.707107, 0.0)))
+    if family == "O":
+        return AsymmetricUnit(rot_range_deg=(45.0, 135.0), max_tilt_deg=90.0, or_rot_zero=True, normals=_O_NORMALS)
+    if family == "OH":
+        return AsymmetricUnit(rot_range_deg=(90.0, 135.0), max_tilt_deg=90.0, normals=_O_NORMALS)
+    if family in ("I", "I2"):
+        return AsymmetricUnit(normals=_I_NORMALS)
+    if family == "I1":
+        return AsymmetricUnit(normals=_rotated(90.0, _I_NORMALS))
+    if family == "I3":
+        return AsymmetricUnit(normals=_rotated(_I3_TILT_DEG, _I_NORMALS))
+    if family == "I4":
+        return AsymmetricUnit(normals=_rotated(-_I3_TILT_DEG, _I4_NORMALS, sign=-1.0))
+    if family in ("IH", "I2H"):
+        return AsymmetricUnit(normals=_I_NORMALS[:2] + ((1.0, 0.0, 0.0),))
+    if family == "I1H":
+        return AsymmetricUnit(normals=_rotated(90.0, _I_NORMALS[:2] + ((1.0, 0.0, 0.0),)))
+    if family == "I3H":
+        return AsymmetricUnit(normals=_rotated(_I3_TILT_DEG, _I4_NORMALS[1:] + _I4_NORMALS[:1]) + ((0.0, 1.0, 0.0),))
+    if family == "I4H":
+        return AsymmetricUnit(normals=_rotated(-_I3_TILT_DEG, _I4_NORMALS[1:] + _I4_NORMALS[:1], sign=-1.0)
+                       + ((0.0, 1.0, 0.0),))
+    raise ValueError(f"no asymmetric unit for symmetry family {family!r}")
+
+
+def _group_axes(matrices: np.ndarray) -> np.ndarray:
+    """Unit axes (k, 3), one per line (up to sign): rotation axes, mirror normals, rotoreflection axes."""
+    axes = []
+    for m in matrices[1:]:
+        det = np.linalg.det(m)
+        vals, vecs = np.linalg.eig(m * np.sign(det))  # proper part; its +1 eigenvector is the axis
+        v = np.real(vecs[:, int(np.argmin(np.abs(vals - 1.0)))])
+        if np.allclose(m * np.sign(det), np.eye(3)):  # the inversion: no axis
+            continue
+        v = v / np.linalg.norm(v)
+        if not any(abs(float(v @ a)) > 1.0 - 1e-9 for a in axes):
+            axes.append(v)
+    return np.array(axes).reshape(-1, 3)
+
+
+def _snap_normals(normals, matrices: np.ndarray) -> tuple:
+    """RELION's rounded plane normals replaced by the exact ones they round: coordinate axes, the group's
+    axes, or normals of planes through two of its axes (within 1e-4 in direction)."""
+    axes = _group_axes(matrices)
+    cand = [np.eye(3), axes]
+    if len(axes) > 1:
+        cross = np.cross(axes[:, None, :], axes[None, :, :]).reshape(-1, 3)
+        length = np.linalg.norm(cross, axis=1)
+        cand.append(cross[length > 1e-6] / length[length > 1e-6, None])
+    cand = np.concatenate(cand)
+    out = []
+    for v in normals:
+        u = _unit(v)
+        dots = cand @ u
+        best = int(np.argmax(np.abs(dots)))
+        if abs(dots[best]) < 1.0 - 1e-4:
+            raise ValueError(f"asymmetric unit: no exact plane near RELION's normal {tuple(v)}")
+        exact = cand[best] * np.sign(dots[best])
+        out.append(tuple(float(c) for c in np.where(np.abs(exact) < 1e-15, 0.0, exact)))
+    return tuple(out)
+
+
+def _region_contains(d, region: AsymmetricUnit, xp, tol=_TIE_TOL):
+    """Boolean mask (n,) of directions d (n, 3) inside the closed region (borders included, to `tol`)."""
+    x, y, z = d[:, 0], d[:, 1], d[:, 2]
+    angular = xp.ones(d.shape[0], dtype=bool)
+    if region.rot_range_deg is not None:
+        rot = xp.rad2deg(xp.arctan2(y, x))
+        lo, hi = region.rot_range_deg
+        # the pole belongs to every range of rot (the lune's vertex)
+        at_pole = (xp.abs(x) <= tol) & (xp.abs(y) <= tol)
+        angular &= ((rot >= lo - tol) & (rot <= hi + tol)) | at_pole
+    if region.max_tilt_deg is not None:
+        angular &= z >= np.cos(np.deg2rad(region.max_tilt_deg)) - tol
+    if region.or_rot_zero:
+        angular |= (xp.abs(y) <= tol) & (x >= -tol)
+    for nv in region.normals:
+        angular &= (d @ xp.asarray(np.asarray(nv))) >= -tol
+    return angular
+
+
 def _direction(rot_deg: float, tilt_deg: float) -> np.ndarray:
     r, t = np.deg2rad(rot_deg), np.deg2rad(tilt_deg)
     return np.array([np.cos(r) * np.sin(t), np.sin(r) * np.sin(t), np.cos(t)])
@@ -270,31 +413,33 @@ def _fibonacci_sphere(n: int) -> np.ndarray:
     return np.stack([r * np.cos(phi), r * np.sin(phi), z], axis=-1)
 
 
-def _asu_reference(family: str, n: int, matrices: np.ndarray) -> np.ndarray:
-    """The reference direction p of the asymmetric unit (RELION's unit where it is a Dirichlet cell)."""
-    if matrices.shape[0] == 1:
-        return np.array([0.0, 0.0, 1.0])
+def _dirichlet_reference(family: str, n: int, matrices: np.ndarray) -> np.ndarray:
+    """A reference direction p whose Dirichlet cell is an asymmetric unit of the group (used for D<n>V and
+    D<n>H where RELION's region is none): between two neighbouring vertical mirror planes (those of D<n>V lie
+    at 90 + 180k/n, those of D<n>H at 180k/n degrees), else the most generic direction of a fixed lattice."""
     p = None
-    if family == "C":
-        p = _direction(0.0, 90.0)
-    elif family in ("CI", "CS"):
-        p = _direction(0.0, 0.0)
-    elif family == "CV":
-        p = _direction(90.0 / n, 90.0)
-    elif family in ("CH", "S"):
-        p = _direction(0.0, 45.0)
-    elif family == "D":
-        p = _direction(180.0 * (n // 2) / n, 45.0)
-    elif family in ("DV", "DH"):
-        # Between two neighbouring vertical mirror planes (those of D<n>V lie at 90 + 180k/n,
-        # those of D<n>H at 180k/n degrees; the two groups coincide for even n).
+    if family in ("DV", "DH"):
         first = 90.0 if family == "DV" else 180.0 * (n // 2) / n
         p = _direction(first + 90.0 / n, 45.0)
     if p is not None and _min_displacement(p[None], matrices)[0] > 0.05:
         return p
-    # Most generic direction of a fixed lattice: farthest from its own images.
     cand = _fibonacci_sphere(2000)
     return cand[int(np.argmax(_min_displacement(cand, matrices)))]
+
+
+def _dirichlet_unit(family: str, n: int, matrices: np.ndarray) -> AsymmetricUnit:
+    """The Dirichlet cell of a reference direction p: d·p ≥ (R d)·p for every R, i.e. d·(p − Rᵀp) ≥ 0."""
+    p = _dirichlet_reference(family, n, matrices)
+    normals = p[None, :] - np.einsum("gji,j->gi", matrices[1:], p)
+    length = np.linalg.norm(normals, axis=1)
+    normals = normals[length > 1e-12] / length[length > 1e-12, None]
+    return AsymmetricUnit(normals=tuple(tuple(float(c) for c in v) for v in normals))
+
+
+def _relion_region_is_a_unit(family: str, n: int) -> bool:
+    """False where RELION's geometric region is not an asymmetric unit of the group: D1V, D1H (it covers half
+    of one) and D<n>H for odd n (its rot range crosses a mirror plane, which lies at multiples of 180/n)."""
+    return not (family in ("DV", "DH") and n == 1) and not (family == "DH" and n % 2 == 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,8 +447,12 @@ def _group_cached(canonical: str) -> SymmetryGroup:
     family, n = _parse(canonical)
     mats = _closure(_generators(family, n), canonical)
     mats.setflags(write=False)
-    p = _asu_reference(family, n, mats)
-    return SymmetryGroup(name=canonical, matrices=mats, asu_reference_xyz=tuple(float(v) for v in p))
+    if _relion_region_is_a_unit(family, n):
+        region = _relion_region(family, n)
+        region = dataclasses.replace(region, normals=_snap_normals(region.normals, mats))
+    else:
+        region = _dirichlet_unit(family, n, mats)
+    return SymmetryGroup(name=canonical, matrices=mats, asymmetric_unit=region)
 
 
 def symmetry_group(name: str) -> SymmetryGroup:
@@ -329,30 +478,29 @@ def _lex_less(a, b, xp, tol=_TIE_TOL):
 def asymmetric_unit_mask(directions_xyz, group: SymmetryGroup, xp=np, chunk: int = 8192):
     """Boolean mask (n,) of the unit directions (n, 3) that lie in the group's asymmetric unit.
 
-    The unit is the Dirichlet cell of `group.asu_reference_xyz` (see the module docstring):
-    every direction on the sphere has exactly one symmetry image R d in it, also on its border.
+    The unit is RELION's geometric region of the group (`group.asymmetric_unit`, closed): a direction
+    in it is kept unless another of its symmetry images R d ≠ d is in the region too and precedes it
+    (x, then y, then z), so that every direction on the sphere has exactly one image in the unit,
+    also on the region's borders (RELION keeps both and, for fewer than 4000 directions, drops the
+    later one of two mates).
     """
     d_all = xp.asarray(directions_xyz, dtype=xp.float64).reshape(-1, 3)
     if group.order == 1:
         return xp.ones(d_all.shape[0], dtype=bool)
     mats = xp.asarray(group.matrices)
-    p = xp.asarray(np.asarray(group.asu_reference_xyz))
-    normals = p[None, :] - xp.einsum("gji,j->gi", mats, p)  # p − Rᵀ p
+    region = group.asymmetric_unit
     out = []
     for start in range(0, d_all.shape[0], chunk):
         d = d_all[start:start + chunk]
-        score = d @ normals.T  # d·p − (R d)·p, one column per operator
-        inside = xp.all(score >= -_TIE_TOL, axis=1)
-        tie = xp.abs(score[:, 1:]) <= _TIE_TOL  # the identity (column 0) always ties
-        i_pt, i_op = xp.nonzero(tie & inside[:, None])
+        inside = _region_contains(d, region, xp)
+        i_pt = xp.nonzero(inside)[0]
         if i_pt.size:
-            # On the border: keep d only if it precedes (x, y, z order) every tied image R d ≠ d.
             pts = d[i_pt]
-            images = xp.einsum("nij,nj->ni", mats[i_op + 1], pts)
-            less, same = _lex_less(pts, images, xp)
-            loses = ~(less | same)
-            lost = xp.bincount(i_pt, weights=loses.astype(xp.float64), minlength=d.shape[0])
-            inside = inside & (lost == 0)
+            images = xp.einsum("gij,nj->ngi", mats[1:], pts)  # (m, g−1, 3)
+            also_in = _region_contains(images.reshape(-1, 3), region, xp).reshape(images.shape[:2])
+            less, same = _lex_less(pts[:, None, :], images, xp)
+            loses = (also_in & ~(less | same)).any(axis=1)
+            inside[i_pt[loses]] = False
         out.append(inside)
     return xp.concatenate(out) if out else xp.zeros(0, dtype=bool)
 
@@ -536,3 +684,84 @@ def symmetrise_half_transform(ft, group: SymmetryGroup, r_max_px: float | None =
             acc = xp.where(inside, acc / group.order, acc)
         out[z_start:z_stop] = xp.where(inside, acc, work[z_start:z_stop])
     return out.astype(arr.dtype) if arr.dtype in (xp.float32, xp.complex64) else out
+
+
+def symmetrise_padded_sums(data, weight, group: SymmetryGroup, radius_px: int, xp=np, chunk_coeffs: int = 1 << 20):
+    """RELION's BackProjector::applyPointGroupSymmetry on back-projected sums: (data, weight), new arrays.
+
+    `data` (complex) and `weight` (real) are in the compact padded layout of core.projector: shape
+    (2R'+3, 2R'+3, R'+2) indexed [z + o, y + o, x] with o = (shape[0] − 1)//2 and x ≥ 0 (the x < 0
+    half is the complex conjugate of the point mirrored through the origin). For every element k with
+    |k|² ≤ radius_px² (RELION: ROUND(r_max·padding)²) the result is the sum over the group's operators R
+    of the sums at R k, read by trilinear interpolation (x, then y, then z, as RELION) from the input,
+    with the complex conjugate where (R k)_x < 0; the identity contributes the element itself. Other
+    elements are returned unchanged. Both arrays are summed alike, so data/weight — what the
+    reconstruction divides — becomes the symmetrised average. The input's x = 0 plane must obey
+    Hermitian symmetry first (core.reconstruct.enforce_hermitian_symmetry), as RELION's symmetrise does.
+    Works in slabs of z of about `chunk_coeffs` elements, so that temporaries stay bounded.
+    """
+    data_in = xp.asarray(data)
+    weight_in = xp.asarray(weight)
+    if data_in.shape != weight_in.shape or data_in.ndim != 3 or data_in.shape[0] != data_in.shape[1]:
+        raise ValueError(f"symmetrise_padded_sums needs data and weight of one compact shape (D, D, W), got "
+                         f"{tuple(data_in.shape)} and {tuple(weight_in.shape)}")
+    d, _, w = data_in.shape
+    o = (d - 1) // 2
+    radius = int(radius_px)
+    if radius + 1 > w - 1 or radius + 1 > o:
+        raise ValueError(f"radius {radius} does not fit the compact arrays of shape {tuple(data_in.shape)}")
+    out_data = data_in.copy()
+    out_weight = weight_in.copy()
+    if group.order == 1:
+        return out_data, out_weight
+    flat_d = data_in.reshape(-1)
+    flat_w = weight_in.reshape(-1)
+    mats = np.asarray(group.matrices)
+    k = xp.arange(d, dtype=xp.float64) - o
+    kx = xp.arange(w, dtype=xp.float64)
+    slab = max(1, chunk_coeffs // (d * w))
+    corners = [(dz, dy, dx) for dz in (0, 1) for dy in (0, 1) for dx in (0, 1)]
+    for z_start in range(0, d, slab):
+        z_stop = min(d, z_start + slab)
+        zz, yy, xx = xp.meshgrid(k[z_start:z_stop], k, kx, indexing="ij")
+        inside = (xx * xx + yy * yy + zz * zz) <= radius * radius
+        pos = xp.nonzero(inside.reshape(-1))[0]
+        if pos.size == 0:
+            continue
+        x, y, z = xx.reshape(-1)[pos], yy.reshape(-1)[pos], zz.reshape(-1)[pos]
+        target = pos + z_start * d * w
+        acc_d = flat_d[target].astype(xp.complex128)
+        acc_w = flat_w[target].astype(xp.float64)
+        for r in mats[1:]:
+            px = r[0, 0] * x + r[0, 1] * y + r[0, 2] * z
+            py = r[1, 0] * x + r[1, 1] * y + r[1, 2] * z
+            pz = r[2, 0] * x + r[2, 1] * y + r[2, 2] * z
+            neg = px < 0
+            sign = xp.where(neg, -1.0, 1.0)
+            px, py, pz = px * sign, py * sign, pz * sign
+            x0, y0, z0 = xp.floor(px), xp.floor(py), xp.floor(pz)
+            fx, fy, fz = px - x0, py - y0, pz - z0
+            ix = xp.clip(x0.astype(xp.int64), 0, w - 2)
+            iy = xp.clip(y0.astype(xp.int64) + o, 0, d - 2)
+            iz = xp.clip(z0.astype(xp.int64) + o, 0, d - 2)
+            base = (iz * d + iy) * w + ix
+            vd = {c: flat_d[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
+            vw = {c: flat_w[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
+
+            def lerp(f, lo, hi):
+                return lo + (hi - lo) * f
+
+            def trilinear(v):
+                c00 = lerp(fx, v[(0, 0, 0)], v[(0, 0, 1)])
+                c01 = lerp(fx, v[(0, 1, 0)], v[(0, 1, 1)])
+                c10 = lerp(fx, v[(1, 0, 0)], v[(1, 0, 1)])
+                c11 = lerp(fx, v[(1, 1, 0)], v[(1, 1, 1)])
+                return lerp(fz, lerp(fy, c00, c01), lerp(fy, c10, c11))
+
+            val = trilinear(vd)
+            acc_d += xp.where(neg, xp.conj(val), val)
+            acc_w += trilinear(vw)
+            del vd, vw
+        out_data.reshape(-1)[target] = acc_d.astype(out_data.dtype)
+        out_weight.reshape(-1)[target] = acc_w.astype(out_weight.dtype)
+    return out_data, out_weight

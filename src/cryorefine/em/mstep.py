@@ -15,6 +15,7 @@ import numpy as np
 from cryorefine.core import fourier
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import BackProjector
+from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import schedule
 from cryorefine.images import coefficients_per_shell
 
@@ -22,11 +23,22 @@ MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
 
 
 def backprojector(data, weight, model, config, current_size_px, xp):
-    """A BackProjector over the padded sums `data` (complex) and `weight` (real) of one class."""
+    """A BackProjector over the padded sums `data` (complex) and `weight` (real) of one class, symmetrised
+    with --sym (RELION's symmetriseReconstructions, right after the sums are combined: the FSC, the noise
+    spectra and the reconstruction all see the symmetrised sums). The sums are changed in place."""
     data = xp.asarray(data, dtype=xp.complex128)
     weight = xp.asarray(weight, dtype=xp.float64)
-    return BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, current_size_px // 2,
-                                     xp=xp)
+    bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, current_size_px // 2,
+                                   xp=xp)
+    bp.symmetrise(symmetry_group(config.symmetry))
+    return bp
+
+
+def summed_backprojector(bps, model, config, current_size_px, xp):
+    """A BackProjector over the sums of several (e.g. the two halves'), not symmetrised again."""
+    return BackProjector.from_arrays(sum(bp.data for bp in bps), sum(bp.weight for bp in bps), model.ori_size_px,
+                                     config.padding_factor, current_size_px // 2, xp=xp,
+                                     hermitian_enforced=all(bp.hermitian_enforced for bp in bps))
 
 
 def reconstruct_map(bp, tau2, model, config, xp):

@@ -14,6 +14,8 @@ All particles form one set; K references are refined side by side. RELION's rule
   into per-class direction distributions, which with few particles per direction shut directions
   out; those are written to the model file but not used as a prior); the sampling stays as given
   (no auto-sampling) and every one of --iter iterations runs (no convergence test).
+With --sym, as in refine: directions of the asymmetric unit, every class's sums symmetrised before
+its reconstruction (the direction distribution then counts the unit's directions).
 Each iteration's E-step is one work unit of all particles against all classes, or, in the
 cross-correlation iteration, against class 1, or, in the seeding iteration, one unit per class
 of the particles drawn for it. Outputs per iteration: run_itNNN_data.star (rlnClassNumber),
@@ -90,8 +92,6 @@ class ClassifyJob:
     # ------------------------------------------------------------------ set-up
     def load(self):
         config = self.config
-        if config.symmetry.upper() != "C1":
-            raise InputError(f"--sym {config.symmetry}: classify handles C1 only so far; run with --sym C1")
         particles, settings = loop.particles_and_settings(config)
         self.diameter_angstrom = settings.particle_diameter_angstrom
         self.particles = particles

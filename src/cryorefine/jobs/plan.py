@@ -6,9 +6,11 @@ at three quarters of Nyquist) and the final iteration (the whole box, halves joi
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
 sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
-M-step's reconstruction), and an estimated E-step time per iteration from the coarse pass's
-arithmetic at the throughput measured on an H100 (about 65 % of the FP32 peak for the coarse
-kernel, the coarse pass about half of the E-step; benchmarks/estep_throughput.py).
+M-step's reconstruction and, with --sym, its symmetrisation of the sums), and an estimated E-step
+time per iteration from the coarse pass's arithmetic at the throughput measured on an H100 (about
+65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
+benchmarks/estep_throughput.py). With --sym the orientations are those of the group's asymmetric
+unit (`core.sampling.Sampling`), so the E-step shrinks with the group's order.
 
 A run that cannot fit is refused with the option that would make it fit.
 """
@@ -29,6 +31,7 @@ from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, per_particle_bytes, pl
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
 COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
+SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     joined = 1 if label == "final" else 0  # the final iteration also reconstructs the joined halves
     # reconstruction temporaries, measured on the GPU: ≈ 180 B per padded-grid element + 40 B per FFT-box voxel
     maximization = (2 + joined) * sums_per_half + 180 * volume + 40 * float(npad) ** 3
+    if sampling.group.order > 1:  # --sym: a copy of one class's sums and one slab's temporaries at a time
+        maximization = max(maximization, 2 * sums_per_half + volume * (16 + 8) + SYMMETRISE_SLAB_BYTES)
     coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
     seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
     estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP

@@ -3,9 +3,19 @@
 Two half sets, each refined against its own map: every iteration is one work unit per half
 (`em.estep.WorkUnit`), the half maps' FSC gives τ² and the resolution, RELION's auto-sampling
 schedule (`em.schedule`) refines the angular and translational sampling, switches to local
-searches and decides convergence; the final iteration joins the halves to Nyquist. Outputs per
-iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc, run_itNNN_half{1,2}_model.star,
-run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png; at the end run_data.star,
+searches and decides convergence; the final iteration joins the halves to Nyquist.
+
+With --sym (any point group of `core.symmetry`), as relion_refine: the projection directions are
+those of the group's asymmetric unit (`core.sampling.Sampling`, RELION's healpix_sampling.cpp), each
+half's back-projected sums are symmetrised right after they are combined (`em.mstep.backprojector`,
+RELION's symmetriseReconstructions), so that the FSC, τ², the noise spectra and both maps are the
+group's; local searches take the nearest symmetry mate of each direction, and the angular changes
+behind the convergence test are the smallest over the group's rotations (`em.schedule`). The
+initial reference is used as given: like RELION, nothing is symmetrised before the first M-step.
+
+Outputs per iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc,
+run_itNNN_half{1,2}_model.star, run_itNNN_optimiser.star, run_itNNN_sampling.star (with
+rlnSymmetryGroup and the unit's directions), run_itNNN_report.png; at the end run_data.star,
 run_class001.mrc, run_half{1,2}_class001_unfil.mrc, run_model.star and run_report.png (the final
 iteration's report, in place of its run_itNNN_report.png).
 """
@@ -59,9 +69,6 @@ class RefineJob:
     # ------------------------------------------------------------------ set-up
     def load(self):
         config = self.config
-        if config.symmetry.upper() != "C1":
-            raise InputError(f"--sym {config.symmetry}: refine handles C1 only so far (the reconstruction does not "
-                             f"yet symmetrise the half maps); run with --sym C1")
         particles, settings = loop.particles_and_settings(config)
         self.reference = read_reference(config.reference_map, settings.ori_size_px, settings.pixel_size_angstrom)
         self.diameter_angstrom = settings.particle_diameter_angstrom
@@ -151,8 +158,7 @@ class RefineJob:
         xp = array_module(sums[0].data[0])
         bps = [mstep.backprojector(s.data[0], s.weight[0], model, config, current, xp) for s in sums]
         if joined:
-            joined_bp = mstep.backprojector(bps[0].data + bps[1].data, bps[0].weight + bps[1].weight, model, config,
-                                            current, xp)
+            joined_bp = mstep.summed_backprojector(bps, model, config, current, xp)
         avg = [bp.downsampled_average() for bp in bps]
         fsc = np.zeros(n_shells)
         fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))

@@ -1,0 +1,79 @@
+"""The M-step's back-projectors: --sym symmetrises the sums as RELION's symmetriseReconstructions does."""
+
+import numpy as np
+import pytest
+
+from cryorefine.config import RefineConfig
+from cryorefine.core.euler import euler_to_matrix
+from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.reconstruct import enforce_hermitian_symmetry, reconstruction_noise_sigma2
+from cryorefine.core.symmetry import symmetry_group
+from cryorefine.em import mstep
+from cryorefine.em.state import ModelState
+
+N = 24
+
+
+def _config(symmetry):
+    return RefineConfig(input_star="", output_root="", reference_map="", symmetry=symmetry, flatten_solvent=True)
+
+
+def _sums(poses, seed=5):
+    """(data, weight) of slices of a random map at `poses` (the slices of the first pose, at every pose)."""
+    rng = np.random.default_rng(seed)
+    first = euler_to_matrix(np.array([20.0, -70.0]), np.array([40.0, 110.0]), np.array([5.0, 60.0]))
+    slices = Projector(rng.normal(size=(N, N, N)), 2.0).project(first)
+    weights = rng.uniform(0.5, 1.0, size=slices.shape)  # as CTF²
+    bp = BackProjector(N, 2.0)
+    for extra in poses:
+        bp.backproject(slices, weights, first @ extra.T)
+    return bp.data, bp.weight
+
+
+@pytest.mark.parametrize("name", ["C4", "D2"])
+def test_mstep_map_of_symmetrised_sums_is_that_of_every_equivalent_view(name):
+    # C4 and D2 permute the grid: the M-step with --sym must give what C1 gives for the views back-projected at
+    # every equivalent pose, τ² regularisation included (the x = 0 plane made Hermitian once, not twice).
+    g = symmetry_group(name)
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
+    tau2 = np.random.default_rng(1).uniform(0.01, 0.1, N // 2 + 1)
+    sym = mstep.backprojector(*_sums([np.eye(3)]), model, _config(name), N, np)
+    every = mstep.backprojector(*_sums(g.rotations), model, _config("C1"), N, np)
+    a = mstep.reconstruct_map(sym, tau2, model, _config(name), np)
+    b = mstep.reconstruct_map(every, tau2, model, _config("C1"), np)
+    np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())
+    # RELION's noise spectrum of the reconstruction is taken from the symmetrised (so Hermitian) weights
+    hermitian = enforce_hermitian_symmetry(every.data, every.weight)[1]
+    np.testing.assert_allclose(sym.noise_sigma2(), reconstruction_noise_sigma2(hermitian, every.grid), rtol=1e-9)
+    joined = mstep.summed_backprojector([sym, sym], model, _config(name), N, np)
+    np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np),
+                               mstep.reconstruct_map(mstep.summed_backprojector([every, every], model, _config("C1"),
+                                                                                N, np), tau2 * 2, model,
+                                                     _config("C1"), np), atol=1e-5 * np.abs(b).max())
+
+
+def test_c1_leaves_the_sums_as_they_are():
+    data, weight = _sums([np.eye(3)])
+    before = data.copy(), weight.copy()
+    bp = mstep.backprojector(data, weight, ModelState(ori_size_px=N, pixel_size_angstrom=3.0), _config("C1"), N, np)
+    assert np.array_equal(bp.data, before[0]) and np.array_equal(bp.weight, before[1])
+    assert not bp.hermitian_enforced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["D2", "O", "I"])
+def test_symmetric_mstep_on_the_device_matches_the_host(name):
+    from conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
+    g = symmetry_group(name)
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
+    tau2 = np.random.default_rng(1).uniform(0.01, 0.1, N // 2 + 1)
+    data, weight = _sums([np.eye(3)] + list(g.rotations[1:3]))
+    host = mstep.backprojector(data.copy(), weight.copy(), model, _config(name), N, np)
+    device = mstep.backprojector(cp.asarray(data), cp.asarray(weight), model, _config(name), N, cp)
+    np.testing.assert_allclose(cp.asnumpy(device.weight), host.weight, atol=1e-12 * host.weight.max())
+    np.testing.assert_allclose(cp.asnumpy(device.noise_sigma2()), host.noise_sigma2(), rtol=1e-10)
+    want = mstep.reconstruct_map(host, tau2, model, _config(name), np)
+    got = mstep.reconstruct_map(device, tau2, model, _config(name), cp)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
