@@ -76,3 +76,24 @@ def test_prepared_batch_matches_a_direct_computation(particles, zero_mask):
                       particles.defocus_angle_deg[indices], 300.0, 2.7, 0.1, dtype=np.float64)
     np.testing.assert_allclose(batch.ctf, fourier.window_ft_2d(full_ctf, current), atol=1e-12)
     np.testing.assert_allclose(batch.residual_origin_px[:, 0], ox - np.floor(ox + 0.5))
+
+
+def test_ctf_intact_first_peak_leaves_the_lowest_frequencies_at_one(particles):
+    """--ctf_intact_first_peak: the batch's CTF (which the E-step and the back-projection both use) is 1 up to
+    the CTF's first peak and the plain CTF beyond it."""
+    indices = np.array([0, 2])
+    plain_settings = ImageSettings(32, 2.0, 40.0, zero_mask=True, do_ctf=True)
+    intact_settings = ImageSettings(32, 2.0, 40.0, zero_mask=True, do_ctf=True, ctf_intact_first_peak=True)
+    with mrc.StackReader() as reader:
+        plain = prepare_batch(particles, indices, reader, plain_settings, 32, 1.0, 1).ctf
+        intact = prepare_batch(particles, indices, reader, intact_settings, 32, 1.0, 1).ctf
+    assert np.all(np.abs(plain[:, 0, 0]) < 0.2)  # the CTF at k = 0 is the amplitude contrast alone
+    assert np.all(intact[:, 0, :2] == 1.0)
+    changed = intact != plain
+    assert np.all(intact[changed] == 1.0)
+    # what changed lies below the first peak: for each particle, at lower |k| than everything unchanged that
+    # has |CTF| < 1 somewhere beyond the peak (the high-frequency oscillations)
+    k = np.hypot(*np.meshgrid(np.r_[0:17, -15:0], np.arange(17), indexing="ij"))
+    for b in range(2):
+        assert changed[b].any()
+        assert k[changed[b]].max() < k[~changed[b] & (np.abs(plain[b]) < 0.999)].max()

@@ -144,6 +144,21 @@ def _refine_options(command):
         click.option("--firstiter_cc", is_flag=True, help="Cross-correlation instead of likelihood in the first iteration."),
         click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter."),
         click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
+        click.option("--solvent_mask", default=None, type=click.Path(dir_okay=False),
+                     help="With --flatten_solvent: multiply the references by this mask (values 0…1, the particles' "
+                          "box) instead of the sphere; the mask of --solvent_correct_fsc."),
+        click.option("--solvent_mask2", default=None, type=click.Path(dir_okay=False),
+                     help="With --flatten_solvent: set the region of this mask (1 = in it) to its own average density."),
+        click.option("--solvent_correct_fsc", is_flag=True,
+                     help="With --solvent_mask: the half maps' FSC (for τ² and the resolution) between masked maps, "
+                          "corrected for the mask by phase randomisation."),
+        click.option("--ctf_intact_first_peak", is_flag=True, help="With --ctf: the CTF is 1 up to its first peak."),
+        click.option("--skip_gridding", is_flag=True,
+                     help="Accepted for RELION command lines: the reconstruction never runs gridding iterations here."),
+        click.option("--auto_ignore_angles", is_flag=True,
+                     help="Auto-sampling: changes of the angles do not hold the next sampling step back."),
+        click.option("--auto_resol_angles", is_flag=True,
+                     help="Auto-sampling: a finer angular step as soon as the resolution asks for it."),
         click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor of the Fourier volumes."),
         click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order."),
         click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
@@ -195,7 +210,9 @@ def _refine_options(command):
 
 @cli.command()
 @_refine_options
-def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask, pad,
+def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
+           solvent_mask, solvent_mask2, solvent_correct_fsc, ctf_intact_first_peak, skip_gridding, auto_ignore_angles,
+           auto_resol_angles, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, auto_refine,
            split_random_halves, dont_combine_weights_via_disc, batch, pool, threads, dont_check_norm, pipeline_control,
@@ -208,6 +225,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with _pipeline(pipeline_control) as control:
         _host_threads(threads, dont_check_norm)
+        _unchanged_options(skip_gridding, ctf_intact_first_peak and not ctf)
         if continue_from:
             config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
         else:
@@ -235,7 +253,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
                          if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
     ignored = [o for o in from_command_line
                if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory", "--j",
-                            "--dont_check_norm", "--pipeline_control")]
+                            "--dont_check_norm", "--pipeline_control", "--skip_gridding")]
     if ignored:
         logging.getLogger("cryorefine").warning(
             "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
@@ -253,6 +271,12 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
 @cli.command()
 @_refine_options
 @click.option("--K", "n_classes", default=1, show_default=True, type=int, help="Number of classes.")
+@click.option("--skip_align", is_flag=True,
+              help="Keep the poses and origins of the STAR file; only the class of each particle is searched.")
+@click.option("--sigma_ang", "sigma_ang", default=None, type=float,
+              help="Local searches: σ (degrees) of rot, tilt and psi around each particle's pose (±3σ).")
+@click.option("--sigma_psi", "sigma_psi", default=None, type=float,
+              help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given.")
 def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging
@@ -260,6 +284,7 @@ def classify(n_classes, continue_from, **options):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with _pipeline(options["pipeline_control"]) as control:
         _host_threads(options["threads"], options["dont_check_norm"])
+        _unchanged_options(options["skip_gridding"], options["ctf_intact_first_peak"] and not options["ctf"])
         _classify(n_classes, continue_from, options, control)
 
 
@@ -281,7 +306,8 @@ def _classify(n_classes, continue_from, options, control):
         if option in given:
             raise click.UsageError(f"{option}: a classification has no half sets and no auto-refinement; "
                                    f"drop {option}, or use `cryorefine refine`")
-    unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order"})
+    unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order", "--auto_ignore_angles",
+                             "--auto_resol_angles"})
     if unused:
         logging.getLogger("cryorefine").warning("classification keeps its sampling and has no half sets; "
                                                 "ignored: %s", " ".join(unused))
@@ -347,6 +373,17 @@ def _host_threads(threads, dont_check_norm):
         log.info("--dont_check_norm: accepted; changes nothing here (images are not checked for normalisation)")
 
 
+def _unchanged_options(skip_gridding, ctf_intact_without_ctf):
+    """One INFO line for each option that changes nothing here."""
+    import logging
+
+    log = logging.getLogger("cryorefine")
+    if skip_gridding:
+        log.info("--skip_gridding: accepted; changes nothing here (the reconstruction never runs gridding iterations)")
+    if ctf_intact_without_ctf:
+        log.info("--ctf_intact_first_peak: changes nothing without --ctf")
+
+
 def _report_classes(reports, out):
     if reports is None:  # an MPI worker: the master reports
         return
@@ -393,7 +430,8 @@ def _classify_config(n_classes, options):
         raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
     iterations = options["max_iterations"]
     return replace(_refine_config(**options), n_classes=n_classes, auto_refine=False,
-                   max_iterations=25 if iterations is None else iterations).check()
+                   max_iterations=25 if iterations is None else iterations, skip_align=bool(options.get("skip_align")),
+                   sigma_ang_deg=options.get("sigma_ang"), sigma_psi_deg=options.get("sigma_psi")).check()
 
 
 def config_from_arguments(command, arguments):
@@ -411,14 +449,18 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
                    precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, scratch_dir=None,
-                   threads=None, **_ignored):
+                   solvent_mask=None, solvent_mask2=None, solvent_correct_fsc=False, ctf_intact_first_peak=False,
+                   auto_ignore_angles=False, auto_resol_angles=False, threads=None, **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
     from cryorefine.config import RefineConfig
 
     config = RefineConfig(
         input_star=star, output_root=out, reference_map=ref, particle_diameter_angstrom=particle_diameter,
         ini_high_angstrom=ini_high, symmetry=sym, do_ctf=ctf, firstiter_cc=firstiter_cc,
-        flatten_solvent=flatten_solvent, zero_mask=zero_mask, padding_factor=pad, healpix_order=healpix_order,
+        flatten_solvent=flatten_solvent, zero_mask=zero_mask, solvent_mask=solvent_mask, solvent_mask2=solvent_mask2,
+        solvent_correct_fsc=solvent_correct_fsc, ctf_intact_first_peak=ctf_intact_first_peak,
+        auto_ignore_angles=auto_ignore_angles, auto_resol_angles=auto_resol_angles,
+        padding_factor=pad, healpix_order=healpix_order,
         auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,

@@ -32,7 +32,14 @@ class RefineConfig:
     firstiter_cc: bool = False
     flatten_solvent: bool = False
     zero_mask: bool = False
-    solvent_mask: str | None = None
+    solvent_mask: str | None = None  # --solvent_mask: the references' mask (with --flatten_solvent)
+    solvent_mask2: str | None = None  # --solvent_mask2: a region set to its own average density
+    solvent_correct_fsc: bool = False  # --solvent_correct_fsc: the half maps' FSC masked, corrected for the mask
+    skip_align: bool = False  # --skip_align (classify): the poses of the STAR file, only the class is searched
+    sigma_ang_deg: float | None = None  # --sigma_ang (classify): local searches of ±3σ around the STAR poses
+    sigma_psi_deg: float | None = None  # --sigma_psi: σ of psi in those searches (default: --sigma_ang)
+    auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
+    auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
     padding_factor: float = 2.0
     healpix_order: int = 2
     auto_local_healpix_order: int = 4
@@ -86,12 +93,17 @@ class RefineConfig:
             ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
             ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more"),
             ("--j", self.threads, self.threads is None or self.threads >= 1, "1 thread or more"),
+            ("--sigma_ang", self.sigma_ang_deg, self.sigma_ang_deg is None or self.sigma_ang_deg > 0,
+             "more than 0 degrees (the σ of local searches, ±3σ around the poses)"),
+            ("--sigma_psi", self.sigma_psi_deg, self.sigma_psi_deg is None or self.sigma_psi_deg > 0,
+             "more than 0 degrees"),
         ]
         for option, value, ok, wanted in rules:
             if not ok:
                 raise InputError(f"{option} {value:g}: out of range; give {wanted}")
         self._check_symmetry()
-        for option, path in (("--i", self.input_star), ("--ref", self.reference_map)):
+        for option, path in (("--i", self.input_star), ("--ref", self.reference_map),
+                             ("--solvent_mask", self.solvent_mask), ("--solvent_mask2", self.solvent_mask2)):
             if path and not Path(path).is_file():
                 raise InputError(f"{option} {path}: file not found; check the path (relative paths start from "
                                  f"{Path.cwd()})")

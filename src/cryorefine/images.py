@@ -31,6 +31,7 @@ class ImageSettings:
     zero_mask: bool = False
     do_ctf: bool = False
     random_seed: int = 0
+    ctf_intact_first_peak: bool = False  # --ctf_intact_first_peak: the CTF is 1 up to its first peak
 
     @property
     def mask_radius_px(self):
@@ -145,7 +146,8 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
                      particles.defocus_v_angstrom[indices], particles.defocus_angle_deg[indices],
                      particles.voltage_kv[indices], particles.cs_mm[indices], particles.amplitude_contrast[indices],
                      phase_shift_deg=particles.phase_shift_deg[indices], bfactor=particles.ctf_bfactor[indices],
-                     scale=particles.ctf_scale[indices], xp=xp, dtype=np.float64)
+                     scale=particles.ctf_scale[indices], intact_until_first_peak=settings.ctf_intact_first_peak,
+                     xp=xp, dtype=np.float64)
     else:
         ctf = xp.ones((indices.size, current_size_px, current_size_px // 2 + 1))
     rot = particles.rot_deg[indices] if poses is None else poses[0][indices]

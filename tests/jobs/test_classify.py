@@ -119,3 +119,98 @@ def test_classify_with_c4_symmetry_gives_c4_symmetric_classes(tmp_path):
     assert n_dir == 48 // 4  # HEALPix order 1: 48 directions, a quarter in C4's unit
     assert np.all(np.abs(sampling["sampling_directions"]["rlnAngleRot"]) <= 45 + 1e-9)
     assert len(model["model_pdf_orient_class_1"]) == n_dir
+
+
+# ------------------------------------------------------------------ --skip_align and local searches
+
+def test_skip_align_with_true_poses_puts_the_particles_in_the_right_class(tmp_path):
+    """600 + 600 particles of two maps (32 px, SNR 0.5) with their true poses and origins in the STAR file,
+    classified from their average with --skip_align: ≥ 98 % end in the class of the map they were made from,
+    and every pose and origin is the STAR file's."""
+    make_mixture(tmp_path, 600)
+    code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o", tmp_path / "run",
+                   "--iter", 7, "--skip_align", *CLASSIFY_ARGS)
+    assert code == 0
+    found = starfile.read(tmp_path / "run_it007_data.star")["particles"]
+    truth = np.r_[np.zeros(600), np.ones(600)]
+    classes = found["rlnClassNumber"].to_numpy() - 1
+    agreement = max(np.mean(classes == truth), np.mean(classes != truth))  # class numbers may come out swapped
+    assert agreement >= 0.98, agreement
+    given = starfile.read(tmp_path / "mix.star")["particles"]
+    for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst"):
+        np.testing.assert_allclose(found[column], given[column], atol=1e-6, err_msg=column)
+    optimiser = starfile.read(tmp_path / "run_it007_optimiser.star")
+    assert int(optimiser["rlnDoSkipAlign"]) == 1
+    model = starfile.read(tmp_path / "run_it007_model.star")
+    assert len(model["model_pdf_orient_class_1"]) == 1  # RELION's one direction when skipping alignments
+
+
+def test_local_searches_stay_near_the_poses_of_the_star_file(classified, tmp_path):
+    """--sigma_ang 4 on HEALPix order 3 (7.5°): particles whose STAR psi is the truth stay near the truth; those
+    whose STAR psi was turned by 40° cannot reach it (the search spans ±3σ = 12°) and stay near the STAR pose."""
+    table = starfile.read(classified / "mix.star")
+    particles = table["particles"].iloc[::2].reset_index(drop=True)  # 60 of the 120
+    turned = np.arange(len(particles)) % 2 == 1
+    truth = particles.copy()
+    particles.loc[turned, "rlnAnglePsi"] = particles.loc[turned, "rlnAnglePsi"] + 40.0
+    particles["rlnImageName"] = [f"{n.split('@')[0]}@{classified / n.split('@')[1]}" for n in particles["rlnImageName"]]
+    starfile.write({"optics": table["optics"], "particles": particles}, tmp_path / "given.star")
+    code = run_cli("classify", "--i", tmp_path / "given.star", "--ref", classified / "a.mrc", "--o", tmp_path / "run",
+                   "--iter", 1, "--K", 1, "--ini_high", 40, "--ctf", "--particle_diameter", 320, "--zero_mask",
+                   "--offset_range", 3, "--offset_step", 1, "--healpix_order", 3, "--sigma_ang", 4, "--cpu")
+    assert code == 0
+    found = starfile.read(tmp_path / "run_it001_data.star")["particles"]
+    to_truth = angles_between(found, truth)
+    assert np.median(to_truth[~turned]) < 6.0
+    # RELION's window: the direction within 3σ of the STAR direction, psi within 3σ of the STAR psi (to within
+    # half a coarse step and the iteration's perturbation)
+    window = 3 * 4.0 + 7.5
+    assert np.all(directions_between(found, particles) < window)
+    psi_change = np.abs((found["rlnAnglePsi"] - particles["rlnAnglePsi"] + 180.0) % 360.0 - 180.0)
+    assert np.all(psi_change < window), psi_change.max()
+    # ... so the turned particles stay away from the truth, except near the poles, where psi trades with rot
+    away_from_poles = turned & (np.minimum(truth["rlnAngleTilt"], 180.0 - truth["rlnAngleTilt"]) > 25.0).to_numpy()
+    assert away_from_poles.sum() >= 15
+    assert np.all(to_truth[away_from_poles] > 12.0), to_truth[away_from_poles].min()
+    model = starfile.read(tmp_path / "run_it001_model.star")["model_general"]
+    assert int(model["rlnOrientationalPriorMode"]) == 1 and float(model["rlnSigmaPriorRotAngle"]) == 4.0
+
+
+def directions_between(a, b):
+    from cryorefine.core.sampling import directions_to_xyz
+
+    da = directions_to_xyz(a["rlnAngleRot"].to_numpy(), a["rlnAngleTilt"].to_numpy())
+    db = directions_to_xyz(b["rlnAngleRot"].to_numpy(), b["rlnAngleTilt"].to_numpy())
+    return np.rad2deg(np.arccos(np.clip(np.sum(da * db, axis=1), -1, 1)))
+
+
+def angles_between(a, b):
+    from cryorefine.core import euler
+
+    ma = euler.euler_to_matrix(a["rlnAngleRot"], a["rlnAngleTilt"], a["rlnAnglePsi"])
+    mb = euler.euler_to_matrix(b["rlnAngleRot"], b["rlnAngleTilt"], b["rlnAnglePsi"])
+    cos = (np.trace(ma @ np.swapaxes(mb, -1, -2), axis1=-2, axis2=-1) - 1) / 2
+    return np.rad2deg(np.arccos(np.clip(cos, -1, 1)))
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (("--skip_align", "--sigma_ang", 3), "exclude each other"),
+    (("--sigma_ang", -2), "--sigma_ang -2: out of range"),
+    (("--skip_align", "--no_poses"), "rlnAngleRot"),
+])
+def test_skip_align_and_local_search_input_is_checked(classified, tmp_path, capsys, extra, fragment):
+    star = classified / "mix.star"
+    if "--no_poses" in extra:
+        table = starfile.read(star)
+        particles = table["particles"].drop(columns=["rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi"])
+        particles["rlnImageName"] = [f"{n.split('@')[0]}@{classified / n.split('@')[1]}"
+                                     for n in particles["rlnImageName"]]
+        star = tmp_path / "no_poses.star"
+        starfile.write({"optics": table["optics"], "particles": particles}, star)
+        extra = tuple(e for e in extra if e != "--no_poses")
+    code = run_cli("classify", "--i", star, "--ref", classified / "avg.mrc", "--o", tmp_path / "out" / "run",
+                   "--iter", 1, *CLASSIFY_ARGS, *extra)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

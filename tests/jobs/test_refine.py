@@ -91,9 +91,9 @@ def test_reference_box_mismatch_is_refused(tmp_path, refined):
 def test_unimplemented_relion_option_is_refused(tmp_path, refined, capsys):
     folder, _ = refined
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
-                   "--o", tmp_path / "run", "--solvent_mask", "mask.mrc")
+                   "--o", tmp_path / "run", "--local_symmetry", "operators.star")
     assert code == 2
-    assert "--solvent_mask" in capsys.readouterr().err
+    assert "--local_symmetry" in capsys.readouterr().err
 
 
 def test_real_relion31_particles_run_two_iterations(real_data, tmp_path):
@@ -301,3 +301,94 @@ def test_d2_refinement_on_the_gpu_matches_the_cpu(d2_refined, tmp_path):
         symmetry_group("D2").rotations))
     print(f"poses: {100 * np.mean(angles <= 1.0):.1f} % within 1° of the CPU's; median {np.median(angles):.3f}°")
     assert np.mean(angles <= 1.0) >= 0.8
+
+
+# ------------------------------------------------------------------ --solvent_mask, --solvent_mask2, --solvent_correct_fsc
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory, refined):
+    """The `refined` particles refined for 2 iterations with a soft mask around the map, a second mask over a
+    small ball inside it, and the solvent-corrected FSC."""
+    from cryorefine.core.masks import mask_from_map
+
+    folder, truth = refined
+    out = tmp_path_factory.mktemp("masked")
+    mask = mask_from_map(truth, 0.05 * truth.max(), 1.0, 3.0)
+    write_volume(out / "mask.mrc", mask, PIXEL)
+    inner = fourier.soft_spherical_mask(BOX, 3.0, 0.0)
+    write_volume(out / "inner.mrc", inner, PIXEL)
+    code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
+                   "--o", out / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--flatten_solvent",
+                   "--zero_mask", "--solvent_mask", out / "mask.mrc", "--solvent_mask2", out / "inner.mrc",
+                   "--solvent_correct_fsc", "--offset_range", 3, "--offset_step", 1, "--iter", 2, "--cpu")
+    assert code == 0
+    return out, mask, inner
+
+
+def test_the_solvent_mask_replaces_the_sphere_on_the_references(masked, refined):
+    out, mask, inner = masked
+    folder, _ = refined
+    outside = mask == 0
+    sphere = fourier.soft_spherical_mask(BOX, 320 / (2 * PIXEL), 5.0)
+    between = outside & (sphere > 0.5)  # inside the sphere, outside the mask
+    assert between.sum() > 1000
+    with_mask, _ = read_volume(out / "run_it002_half1_class001.mrc")
+    with_sphere, _ = read_volume(folder / "out" / "run_it002_half1_class001.mrc")
+    assert np.abs(with_mask[outside]).max() == 0.0
+    assert np.abs(with_sphere[between]).max() > 0.01 * np.abs(with_sphere).max()
+    # the second mask's region holds one value: its own average
+    core = inner > 0.5
+    assert np.ptp(with_mask[core]) < 1e-5 * np.abs(with_mask).max()
+
+
+def test_the_model_records_the_solvent_corrected_fsc_and_uses_it(masked):
+    out, _, _ = masked
+    model = starfile.read(out / "run_it002_half1_model.star")
+    general = model["model_general"]
+    assert int(general["rlnDoSolventFscCorrection"]) == 1 and general["rlnSolventMaskName"].endswith("mask.mrc")
+    curves = model["model_class_1"]
+    used = curves["rlnGoldStandardFsc"].to_numpy()
+    masked_fsc = curves["rlnFourierShellCorrelationMaskedMaps"].to_numpy()
+    random = curves["rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps"].to_numpy()
+    unmasked = curves["rlnFourierShellCorrelationUnmaskedMaps"].to_numpy()
+    start = int(np.flatnonzero(unmasked[1:] < 0.8)[0]) + 1  # RELION: from the first shell below 0.8
+    assert float(general["rlnRandomiseFrom"]) == pytest.approx(BOX * PIXEL / start)
+    current = int(general["rlnCurrentImageSize"])
+    shells = np.arange(start + 2, current // 2 + 1)
+    expected = np.where(random[shells] > masked_fsc[shells], 0.0,
+                        (masked_fsc[shells] - random[shells]) / (1.0 - random[shells]))
+    np.testing.assert_allclose(used[shells], expected, atol=1e-12)
+    np.testing.assert_allclose(used[1:start + 2], masked_fsc[1:start + 2], atol=1e-12)
+    assert not np.allclose(used[1:], unmasked[1:])
+    optimiser = starfile.read(out / "run_it002_optimiser.star")
+    assert int(optimiser["rlnDoSolventFscCorrection"]) == 1
+    assert str(optimiser["rlnSolventMask2Name"]).endswith("inner.mrc")
+
+
+def test_continue_of_a_masked_run_gives_the_same_iteration(masked, tmp_path):
+    out, _, _ = masked
+    code = run_cli("refine", "--continue", out / "run_it001_optimiser.star", "--o", tmp_path / "run", "--iter", 2)
+    assert code == 0
+    for h in (1, 2):
+        assert (tmp_path / f"run_it002_half{h}_class001.mrc").read_bytes() == \
+            (out / f"run_it002_half{h}_class001.mrc").read_bytes()
+    a = starfile.read(tmp_path / "run_it002_half1_model.star")["model_class_1"]
+    b = starfile.read(out / "run_it002_half1_model.star")["model_class_1"]
+    np.testing.assert_array_equal(a["rlnGoldStandardFsc"], b["rlnGoldStandardFsc"])
+
+
+@pytest.mark.parametrize("case", ["box", "range"])
+def test_a_bad_mask_ends_the_run_before_it_starts(refined, tmp_path, capsys, case):
+    folder, truth = refined
+    data = np.ones((BOX + 8,) * 3) if case == "box" else 2.0 * np.ones((BOX,) * 3)
+    write_volume(tmp_path / "bad.mrc", data, PIXEL)
+    (tmp_path / "job").mkdir()
+    code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
+                   "--o", tmp_path / "out" / "run", "--flatten_solvent", "--solvent_mask", tmp_path / "bad.mrc",
+                   "--pipeline_control", tmp_path / "job", "--cpu")
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--solvent_mask" in err and "bad.mrc" in err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    assert (tmp_path / "job" / "RELION_JOB_EXIT_FAILURE").is_file()
+    assert not (tmp_path / "job" / "RELION_JOB_EXIT_SUCCESS").exists()

@@ -1,4 +1,5 @@
-"""Fourier shell correlation, resolution at a threshold, and RELION's tau² from the FSC.
+"""Fourier shell correlation, resolution at a threshold, RELION's tau² from the FSC, and the FSC
+between masked half maps corrected for the mask by phase randomisation.
 
 Shells are round(|k|) in Fourier pixels of the box (k integer, in units of 1/(N·pixel size)).
 Sums run over the coefficients of the half transforms as stored, without Hermitian weighting,
@@ -6,6 +7,8 @@ as RELION's getFSC does. Every function takes an array module `xp` (numpy or cup
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,7 +21,20 @@ __all__ = [
     "resolution_at_threshold",
     "ssnr_from_fsc",
     "tau2_from_fsc",
+    "RANDOMISE_BELOW_UNMASKED_FSC",
+    "SolventCorrectedFsc",
+    "randomise_phases_beyond",
+    "first_shell_below",
+    "correct_for_mask",
+    "solvent_corrected_fsc",
 ]
+
+#: RELION (postprocessing and --solvent_correct_fsc): phases are randomised from the first shell whose FSC
+#: between the unmasked half maps is below this.
+RANDOMISE_BELOW_UNMASKED_FSC = 0.8
+#: ... and the masked FSC is used as it is up to that shell + this many (RELION: artefacts near the shell
+#: where randomisation starts).
+SHELLS_KEPT_AFTER_RANDOMISATION = 2
 
 
 def shell_correlation(ft1, ft2, shells, n_shells, xp=np):
@@ -114,3 +130,81 @@ def tau2_from_fsc(fsc, sigma2, tau2_fudge=1.0, whole_instead_of_half=False, xp=n
     `BackProjector.reconstruct(tau2=...)` regularises with. Clipping as in `ssnr_from_fsc`.
     """
     return ssnr_from_fsc(fsc, tau2_fudge, whole_instead_of_half, xp) * xp.asarray(sigma2, dtype=xp.float64)
+
+
+@dataclass(frozen=True)
+class SolventCorrectedFsc:
+    """The FSC curves of two half maps and a solvent mask (RELION's postprocessing, and relion_refine's
+    --solvent_correct_fsc), each (N//2+1,) with shell 0 set to 1.
+
+    unmasked: FSC of the maps as they are; masked: of the maps times the mask; random_masked: of the maps
+    with their phases randomised from `randomise_from_shell` on, times the mask (zeros when there was no
+    randomisation); corrected: FSC_true, the masked FSC with the mask's contribution removed.
+    randomise_from_shell is −1 when the unmasked FSC never drops below 0.8: then `corrected` is the
+    unmasked FSC, as RELION does (with a warning).
+    """
+
+    unmasked: np.ndarray
+    masked: np.ndarray
+    random_masked: np.ndarray
+    corrected: np.ndarray
+    randomise_from_shell: int
+
+
+def randomise_phases_beyond(volume, shell, rng, xp=np):
+    """A real map (N, N, N) whose Fourier coefficients at |k| ≥ `shell` keep their amplitude and get a phase
+    drawn uniformly from [0, 2π) (RELION's randomizePhasesBeyond); lower frequencies are unchanged.
+
+    The phases come from `rng` (a numpy Generator) on the host, so numpy and cupy give the same map.
+    """
+    size = volume.shape[-1]
+    ft = fourier.rfft3_centered(xp.asarray(volume, dtype=xp.float64), xp)
+    kz, ky, kx = fourier.frequencies_3d(size, xp)
+    beyond = (kz * kz + ky * ky + kx * kx) >= float(shell) ** 2
+    phases = xp.asarray(rng.uniform(0.0, 2.0 * np.pi, size=ft.shape))
+    ft = xp.where(beyond, xp.abs(ft) * xp.exp(1j * phases), ft)
+    return fourier.irfft3_centered(ft, size, xp)
+
+
+def first_shell_below(fsc, threshold):
+    """The first shell i > 0 whose FSC is below `threshold`, or −1 if there is none (host int)."""
+    fsc = np.asarray(fsc.get() if hasattr(fsc, "get") else fsc, dtype=np.float64).reshape(-1)
+    below = np.flatnonzero(fsc[1:] < threshold)
+    return int(below[0]) + 1 if below.size else -1
+
+
+def correct_for_mask(fsc_masked, fsc_random_masked, randomise_from_shell):
+    """FSC_true = (FSC_masked − FSC_random) / (1 − FSC_random) per shell (Chen et al. 2013, as RELION applies
+    it): the masked FSC as it is below `randomise_from_shell` + 2, 0 where the randomised curve is above the
+    masked one. Host float64 arrays."""
+    t = np.asarray(fsc_masked, dtype=np.float64).reshape(-1)
+    n = np.asarray(fsc_random_masked, dtype=np.float64).reshape(-1)
+    shells = np.arange(t.size)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corrected = np.where(n > t, 0.0, (t - n) / (1.0 - n))
+    return np.where(shells < randomise_from_shell + SHELLS_KEPT_AFTER_RANDOMISATION, t, corrected)
+
+
+def solvent_corrected_fsc(half1, half2, mask, rng, xp=np, threshold=RANDOMISE_BELOW_UNMASKED_FSC):
+    """RELION's solvent-corrected FSC of two (unregularised) half maps (N, N, N) and a mask in [0, 1]:
+    the unmasked and masked FSCs, the FSC of the masked maps with phases randomised (each half with its own
+    phases from `rng`) from the first shell where the unmasked FSC is below `threshold`, and their
+    combination `correct_for_mask`. Returns a SolventCorrectedFsc of host arrays."""
+
+    def host(curve):
+        return np.asarray(curve.get() if hasattr(curve, "get") else curve, dtype=np.float64)
+
+    half1 = xp.asarray(half1, dtype=xp.float64)
+    half2 = xp.asarray(half2, dtype=xp.float64)
+    mask = xp.asarray(mask, dtype=xp.float64)
+    unmasked = host(fsc_volumes(half1, half2, xp))
+    masked = host(fsc_volumes(half1 * mask, half2 * mask, xp))
+    shell = first_shell_below(unmasked, threshold)
+    if shell < 0:
+        return SolventCorrectedFsc(unmasked, masked, np.zeros_like(masked), unmasked.copy(), -1)
+    random1 = randomise_phases_beyond(half1, shell, rng, xp) * mask
+    random2 = randomise_phases_beyond(half2, shell, rng, xp) * mask
+    random_masked = host(fsc_volumes(random1, random2, xp))
+    corrected = correct_for_mask(masked, random_masked, shell)
+    corrected[0] = 1.0
+    return SolventCorrectedFsc(unmasked, masked, random_masked, corrected, shell)

@@ -196,13 +196,14 @@ def particles_and_settings(config):
         particles.require_ctf()
     schedule.warn_if_diameter_clipped(config, box, pixel, log)
     settings = ImageSettings(box, pixel, schedule.default_particle_diameter_angstrom(config, box, pixel),
-                             config.width_mask_edge_px, config.zero_mask, config.do_ctf, config.random_seed)
+                             config.width_mask_edge_px, config.zero_mask, config.do_ctf, config.random_seed,
+                             config.ctf_intact_first_peak)
     return particles, settings
 
 
 # ---------------------------------------------------------------------- --continue
 MODEL_ARRAYS = ("pdf_class", "sigma2_noise", "tau2", "ssnr", "reference_sigma2", "fsc_halves", "scale_correction",
-                "class_distribution", "pdf_direction")
+                "class_distribution", "pdf_direction", "fsc_unmasked", "fsc_masked", "fsc_random_masked")
 
 
 def saved_state(kind, config, state, particles):

@@ -12,11 +12,9 @@ import math
 
 import numpy as np
 
-from cryorefine.core import fourier
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
-from cryorefine.em import schedule
 from cryorefine.images import coefficients_per_shell
 
 MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
@@ -41,17 +39,19 @@ def summed_backprojector(bps, model, config, current_size_px, xp):
                                      hermitian_enforced=all(bp.hermitian_enforced for bp in bps))
 
 
-def reconstruct_map(bp, tau2, model, config, xp):
-    """The map of a back-projector regularised by `tau2` (per shell, host), masked by a soft sphere of the
-    particle diameter with --flatten_solvent; a host float32 volume (the maps go on as they are written, so a
-    continued run sees exactly the same)."""
-    box = model.ori_size_px
+def reconstruct_map(bp, tau2, model, config, xp, masks):
+    """The map of a back-projector regularised by `tau2` (per shell, host), solvent-flattened as
+    `masks` (em.solvent.SolventMasks) says (with --flatten_solvent: times --solvent_mask or the soft sphere of
+    the particle diameter, then --solvent_mask2's region at its average); a host float32 volume (the maps go
+    on as they are written, so a continued run sees exactly the same)."""
     volume = bp.reconstruct(tau2=xp.asarray(tau2), tau2_fudge=config.tau2_fudge)
-    if config.flatten_solvent:
-        radius_px = schedule.default_particle_diameter_angstrom(config, box, model.pixel_size_angstrom) / (
-            2 * model.pixel_size_angstrom)
-        volume = volume * fourier.soft_spherical_mask(box, radius_px, config.width_mask_edge_px, xp)
-    return to_host(volume).astype(np.float32)
+    return to_host(masks.apply(volume, xp)).astype(np.float32)
+
+
+def unregularised_map(bp, xp):
+    """The half map without τ² and without masks (RELION's _unfil.mrc: data / max(weight, mean/1000), the
+    same gridding correction), as --solvent_correct_fsc compares them; on the sums' device."""
+    return bp.reconstruct(tau2=None)
 
 
 def join_halves_at_low_resolution(bps, resolution_angstrom, model):

@@ -27,7 +27,11 @@ class ModelState:
     tau2: np.ndarray | None = None  # (2, K, N//2+1)
     ssnr: np.ndarray | None = None  # (2, K, N//2+1)
     reference_sigma2: np.ndarray | None = None  # (2, K, N//2+1) reconstruction noise per shell (1/mean weight)
-    fsc_halves: np.ndarray | None = None  # (K, N//2+1) gold-standard FSC
+    fsc_halves: np.ndarray | None = None  # (K, N//2+1) gold-standard FSC (with --solvent_correct_fsc: corrected)
+    fsc_unmasked: np.ndarray | None = None  # (K, N//2+1) --solvent_correct_fsc: FSC of the unmasked half maps,
+    fsc_masked: np.ndarray | None = None  # ... of the masked ones,
+    fsc_random_masked: np.ndarray | None = None  # ... of the masked ones with randomised phases
+    randomise_from_shell: int = -1  # ... from this shell (−1: none)
     sigma_offset_angstrom: float = 10.0
     avg_norm_correction: float = 1.0
     scale_correction: np.ndarray | None = None  # (n_optics_groups,)

@@ -33,6 +33,13 @@ Deliberate differences from RELION's own files:
   (a RELION 3.0 label RELION still knows), and leaves out the gradient/SGD, Blush, tomography and
   tau2-scheme labels (features not implemented here; RELION's reader defaults them to off).
 - Non-finite floats are written as inf/nan, as RELION writes them (RELION reads them back as 0).
+- With --solvent_correct_fsc (a model whose `fsc_unmasked` is set), model.star says which FSC
+  rlnGoldStandardFsc is: model_general gets rlnDoSolventFscCorrection, rlnSolventMaskName and
+  rlnRandomiseFrom (Å), and each model_class_N the postprocessing curves
+  rlnFourierShellCorrelationUnmaskedMaps, rlnFourierShellCorrelationMaskedMaps and
+  rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps (RELION's own labels of
+  relion_postprocess, which RELION's model reader skips); rlnGoldStandardFsc is then the corrected
+  curve, as RELION's refinement uses it.
 """
 
 from __future__ import annotations
@@ -124,6 +131,14 @@ def model_star_blocks(model, optimiser, config, half: int | None,
         "rlnLogLikelihood": _f(model.log_likelihood),
         "rlnAveragePmax": _f(model.ave_pmax),
     }}
+    solvent_fsc = getattr(model, "fsc_unmasked", None) is not None
+    if solvent_fsc:
+        shell = int(model.randomise_from_shell)
+        blocks["model_general"].update({
+            "rlnDoSolventFscCorrection": 1,
+            "rlnSolventMaskName": str(config.solvent_mask),
+            "rlnRandomiseFrom": _f(ori_size * pixel / shell if shell > 0 else NO_RESOLUTION_ANGSTROM),
+        })
 
     estimated, total_completeness = zip(*(
         _estimated_resolution_and_completeness(ssnr[k], completeness[k], ori_size, pixel)
@@ -152,6 +167,12 @@ def model_star_blocks(model, optimiser, config, half: int | None,
             "rlnReferenceTau2": _fcol(tau2[k]),
             "rlnSpectralOrientabilityContribution": _fcol(orientability[k]),
         })
+        if solvent_fsc:
+            for label, name in (("rlnFourierShellCorrelationUnmaskedMaps", "fsc_unmasked"),
+                                ("rlnFourierShellCorrelationMaskedMaps", "fsc_masked"),
+                                ("rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps", "fsc_random_masked")):
+                blocks[f"model_class_{k + 1}"][label] = _fcol(
+                    _array_or_zeros(getattr(model, name), (n_classes, n_shells), name)[k])
 
     blocks["model_groups"] = pd.DataFrame({
         "rlnGroupNumber": np.arange(1, n_groups + 1),
@@ -261,9 +282,9 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
         "rlnWidthMaskEdge": int(round(config.width_mask_edge_px)),
         "rlnDoZeroMask": int(bool(config.zero_mask)),
         "rlnDoSolventFlattening": int(bool(config.flatten_solvent)),
-        "rlnDoSolventFscCorrection": 0,
+        "rlnDoSolventFscCorrection": int(bool(getattr(config, "solvent_correct_fsc", False))),
         "rlnSolventMaskName": str(config.solvent_mask) if config.solvent_mask else "None",
-        "rlnSolventMask2Name": "None",
+        "rlnSolventMask2Name": str(config.solvent_mask2) if getattr(config, "solvent_mask2", None) else "None",
         "rlnBodyStarFile": "None",
         "rlnTauSpectrumName": "None",
         "rlnCoarseImageSize": int(model.coarse_size_px),
@@ -281,7 +302,7 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
         "rlnNumberOfIterWithoutResolutionGain": int(optimiser.nr_iter_wo_resol_gain),
         "rlnBestResolutionThusFar": _f(optimiser.best_resolution_so_far_inv_angstrom),
         "rlnNumberOfIterWithoutChangingAssignments": int(optimiser.nr_iter_wo_large_hidden_variable_changes),
-        "rlnDoSkipAlign": 0,
+        "rlnDoSkipAlign": int(bool(getattr(config, "skip_align", False))),
         "rlnDoSkipRotate": 0,
         "rlnOverallAccuracyRotations": _f(optimiser.acc_rot_deg),
         "rlnOverallAccuracyTranslationsAngst": _f(optimiser.acc_trans_angstrom),

@@ -13,9 +13,18 @@ All particles form one set; K references are refined side by side. RELION's rule
 - the class distribution is Σw per class and the class prior of the next search (RELION folds it
   into per-class direction distributions, which with few particles per direction shut directions
   out; those are written to the model file but not used as a prior); the sampling stays as given
-  (no auto-sampling) and every one of --iter iterations runs (no convergence test).
-With --sym, as in refine: directions of the asymmetric unit, every class's sums symmetrised before
-its reconstruction (the direction distribution then counts the unit's directions).
+  (no auto-sampling) and every one of --iter iterations runs (no convergence test); --iter counts
+  from the start of the run (a --continue from iteration N runs N+1 … --iter);
+- --skip_align: the poses and origins of the STAR file are kept, only the class is searched (one
+  orientation and one translation per particle, `em.given_poses`; a single pass at the current
+  image size, no oversampling, no perturbation);
+- --sigma_ang (σ of rot, tilt and psi) or --sigma_psi alone: local searches of ±3σ around each
+  particle's pose (the STAR file's in the first iteration, the previous iteration's after), with
+  Gaussian priors, on the HEALPix grid of --healpix_order; as in RELION, --sigma_ang sets all three;
+- --flatten_solvent with --solvent_mask / --solvent_mask2: the class maps are masked after each
+  M-step as in refine (`em.solvent`);
+- --sym, as in refine: directions of the asymmetric unit, every class's sums symmetrised before
+  its reconstruction (the direction distribution then counts the unit's directions).
 Each iteration's E-step is one work unit of all particles against all classes, or, in the
 cross-correlation iteration, against class 1, or, in the seeding iteration, one unit per class
 of the particles drawn for it. Outputs per iteration: run_itNNN_data.star (rlnClassNumber),
@@ -39,7 +48,9 @@ from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, initial_noise_spectra
+from cryorefine.em.given_poses import GivenPoses
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
@@ -88,14 +99,38 @@ class ClassifyJob:
     def __init__(self, config):
         self.config = config
         self.particles = None
+        self.masks = None  # em.solvent.SolventMasks, read by load (on an MPI worker: at its first M-step)
 
     # ------------------------------------------------------------------ set-up
     def load(self):
         config = self.config
         particles, settings = loop.particles_and_settings(config)
         self.diameter_angstrom = settings.particle_diameter_angstrom
+        self.masks = SolventMasks.from_config(config, settings.ori_size_px, settings.pixel_size_angstrom,
+                                              self.diameter_angstrom, say=True)
+        if config.skip_align and (config.sigma_ang_deg or config.sigma_psi_deg):
+            raise InputError("--skip_align and --sigma_ang/--sigma_psi exclude each other: --skip_align keeps the "
+                             "poses, local searches refine them; give one")
+        if config.sigma_ang_deg and config.sigma_psi_deg:
+            log.info("--sigma_psi %g: --sigma_ang %g sets the σ of all three angles (RELION's rule); --sigma_psi is "
+                     "not used", config.sigma_psi_deg, config.sigma_ang_deg)
+        angles = {"rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi"}
+        if (config.skip_align or self.local_sigmas()) and not angles <= set(particles.pose_columns):
+            raise InputError(f"{config.input_star}: no rlnAngleRot/rlnAngleTilt/rlnAnglePsi columns; "
+                             f"{'--skip_align' if config.skip_align else '--sigma_ang/--sigma_psi'} needs the poses "
+                             f"of an earlier refinement (its run_data.star)")
         self.particles = particles
         return particles, settings
+
+    def local_sigmas(self):
+        """(σ of directions, σ of psi) in degrees of --sigma_ang / --sigma_psi (RELION: --sigma_ang sets all
+        three), or None without local searches; 0 searches that angle fully."""
+        config = self.config
+        if config.sigma_ang_deg:
+            return float(config.sigma_ang_deg), float(config.sigma_ang_deg)
+        if config.sigma_psi_deg:
+            return 0.0, float(config.sigma_psi_deg)
+        return None
 
     def start(self, particles, settings, xp):
         config = self.config
@@ -104,7 +139,12 @@ class ClassifyJob:
         maps, seeded = initial_references(config, box, pixel)
         n_optics = len(particles.optics_groups)
         optimiser, _ = schedule.initial_schedule(config)
-        n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
+        sigmas = self.local_sigmas()
+        if sigmas is not None:  # RELION's PRIOR_ROTTILT_PSI from the first iteration on
+            optimiser = replace(optimiser, local_searches=True, sigma_rot_deg=sigmas[0], sigma_tilt_deg=sigmas[0],
+                                sigma_psi_deg=sigmas[1])
+        # --skip_align: RELION's sampling has one direction, so the direction distribution has one entry
+        n_dir = 1 if config.skip_align else schedule.sampling_from_optimiser(optimiser, config).n_directions
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
                            padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
                            sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics),
@@ -130,17 +170,23 @@ class ClassifyJob:
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      model.ori_size_px, model.pixel_size_angstrom, config.incr_size_px, False, False,
                                      ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+        if config.skip_align:  # RELION: no oversampling, so one pass at the current size
+            sizes = schedule.ImageSizes(sizes.current_size_px, sizes.current_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         do_cc = iteration == 1 and config.firstiter_cc
-        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        if not config.skip_align:  # RELION does not perturb the poses it keeps
+            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         run.optimiser = optimiser
         everyone = np.arange(len(run.particles.rot_deg))
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
+        poses = run.particles
 
         def unit(name, members, classes, class_prior):
+            searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
+                        else sampling)
             return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
-                            self._setup(model, sampling, sizes, classes, do_cc, class_prior))
+                            self._setup(model, searched, sizes, classes, do_cc, class_prior, optimiser))
 
         if do_cc:  # class 1 alone, all particles
             units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
@@ -151,10 +197,12 @@ class ClassifyJob:
             units = [unit("all classes", everyone, list(range(k_classes)), True)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
 
-    def _setup(self, model, sampling, sizes, classes, do_cc, class_prior):
+    def _setup(self, model, sampling, sizes, classes, do_cc, class_prior, optimiser):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
         `class_prior` (RELION folds it into a per-class direction distribution, which with few particles per
-        direction shuts whole directions out; the class distribution alone is used here), else flat."""
+        direction shuts whole directions out; the class distribution alone is used here), else flat. Local
+        searches with the optimiser's σ (--sigma_ang, --sigma_psi); with --skip_align the engines' local-search
+        path restricted by `em.given_poses.GivenPoses` to each particle's own pose."""
         config = self.config
         with np.errstate(divide="ignore"):
             log_class = (np.log(np.asarray(model.pdf_class, dtype=np.float64)[classes]) if class_prior
@@ -167,7 +215,9 @@ class ClassifyJob:
             do_cc=do_cc, adaptive_fraction=config.adaptive_fraction, max_significants=config.max_significants,
             scale_correction=model.scale_correction if config.do_scale else None,
             data_vs_prior=None if model.ssnr is None else model.ssnr[0][classes],
-            padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction)
+            padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
+            local_searches=bool(config.skip_align or optimiser.local_searches),
+            sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg)
 
     def maximize(self, model, sums, plan):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
@@ -195,7 +245,7 @@ class ClassifyJob:
                 new_maps.append(np.zeros_like(previous, dtype=np.float32))
                 continue
             sigma2 = to_host(bp.noise_sigma2())[:n_shells]
-            new_maps.append(mstep.reconstruct_map(bp, t2, model, config, xp))
+            new_maps.append(mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)))
             del bp
             tau2[0, k, : t2.size] = t2
             ref_sigma2[0, k, : sigma2.size] = sigma2
@@ -219,6 +269,13 @@ class ClassifyJob:
         model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
         mstep.maximize_other_parameters(model, config, [sums], plan.do_cc)
         return model
+
+    def _masks(self, model):
+        if self.masks is None:  # an MPI worker's first M-step: the master has checked the files
+            self.masks = SolventMasks.from_config(
+                self.config, model.ori_size_px, model.pixel_size_angstrom,
+                schedule.default_particle_diameter_angstrom(self.config, model.ori_size_px, model.pixel_size_angstrom))
+        return self.masks
 
     def update(self, run, plan, changes):
         config, model = self.config, run.model

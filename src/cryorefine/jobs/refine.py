@@ -30,11 +30,12 @@ from functools import partial
 import numpy as np
 
 from cryorefine.core.arrays import array_module, to_host
-from cryorefine.core.fsc import fourier_shell_correlation, ssnr_from_fsc, tau2_from_fsc
+from cryorefine.core.fsc import fourier_shell_correlation, solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, initial_noise_spectra
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
@@ -65,6 +66,7 @@ class RefineJob:
         self.config = config
         self.halves = None  # half set (1 or 2) per particle, once loaded
         self.particles = None
+        self.masks = None  # em.solvent.SolventMasks, read by load (on an MPI worker: at its first M-step)
 
     # ------------------------------------------------------------------ set-up
     def load(self):
@@ -72,6 +74,8 @@ class RefineJob:
         particles, settings = loop.particles_and_settings(config)
         self.reference = read_reference(config.reference_map, settings.ori_size_px, settings.pixel_size_angstrom)
         self.diameter_angstrom = settings.particle_diameter_angstrom
+        self.masks = SolventMasks.from_config(config, settings.ori_size_px, settings.pixel_size_angstrom,
+                                              self.diameter_angstrom, say=True)
         halves = particles.half_sets(config.random_seed)
         if "rlnRandomSubset" in particles.star.particles.columns and not np.array_equal(halves,
                                                                                        particles.random_subset):
@@ -110,7 +114,8 @@ class RefineJob:
         config, model = self.config, run.model
         box, pixel = model.ori_size_px, model.pixel_size_angstrom
         optimiser = replace(run.optimiser, iteration=iteration)
-        optimiser = schedule.check_convergence(optimiser, run.schedule)
+        optimiser = schedule.check_convergence(optimiser, run.schedule,
+                                               auto_ignore_angle_changes=config.auto_ignore_angles)
         final = optimiser.do_join_halves
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      box, pixel, run.schedule.incr_size_px, optimiser.has_high_fsc_at_resol_limit,
@@ -123,7 +128,9 @@ class RefineJob:
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
-            optimiser, run.schedule = schedule.update_sampling(optimiser, model, config, run.schedule)
+            optimiser, run.schedule = schedule.update_sampling(
+                optimiser, model, config, run.schedule, auto_ignore_angle_changes=config.auto_ignore_angles,
+                auto_resolution_based_angles=config.auto_resol_angles)
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         run.optimiser = optimiser
@@ -159,11 +166,26 @@ class RefineJob:
         bps = [mstep.backprojector(s.data[0], s.weight[0], model, config, current, xp) for s in sums]
         if joined:
             joined_bp = mstep.summed_backprojector(bps, model, config, current, xp)
-        avg = [bp.downsampled_average() for bp in bps]
         fsc = np.zeros(n_shells)
-        fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
-        del avg
-        fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
+        masks = self._masks(model)
+        if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
+            unfiltered = [mstep.unregularised_map(bp, xp) for bp in bps]
+            rng = np.random.default_rng([config.random_seed, plan.iteration])
+            curves = solvent_corrected_fsc(unfiltered[0], unfiltered[1], xp.asarray(masks.mask), rng, xp)
+            del unfiltered
+            fsc[:] = curves.corrected[:n_shells]
+            fsc[current // 2 + 1:] = 0.0  # RELION: nothing beyond the current size
+            model.fsc_unmasked, model.fsc_masked = curves.unmasked[None, :], curves.masked[None, :]
+            model.fsc_random_masked = curves.random_masked[None, :]
+            model.randomise_from_shell = curves.randomise_from_shell
+            if curves.randomise_from_shell < 0:
+                log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
+                            "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
+        else:
+            avg = [bp.downsampled_average() for bp in bps]
+            fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
+            del avg
+            fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
         if config.low_resol_join_halves_angstrom > 0 and not joined:  # RELION: 0 or less joins nothing
             mstep.join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
         tau2 = np.zeros((2, 1, n_shells))
@@ -173,7 +195,7 @@ class RefineJob:
         def reconstruct(bp, whole):
             sigma2 = to_host(bp.noise_sigma2())[:n_shells]
             t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
-            return mstep.reconstruct_map(bp, t2, model, config, xp), sigma2, t2
+            return mstep.reconstruct_map(bp, t2, model, config, xp, masks), sigma2, t2
 
         maps = []
         for h, bp in enumerate(bps):
@@ -189,6 +211,13 @@ class RefineJob:
         mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
         model.class_distribution = np.ones(1)
         return model
+
+    def _masks(self, model):
+        if self.masks is None:  # an MPI worker's first M-step: the master has checked the files
+            self.masks = SolventMasks.from_config(
+                self.config, model.ori_size_px, model.pixel_size_angstrom,
+                schedule.default_particle_diameter_angstrom(self.config, model.ori_size_px, model.pixel_size_angstrom))
+        return self.masks
 
     def update(self, run, plan, changes):
         config, model = self.config, run.model

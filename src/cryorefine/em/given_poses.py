@@ -1,0 +1,132 @@
+"""The sampling of --skip_align: every particle keeps the pose and origin it has, and only its class is
+searched (RELION's do_skip_align, ml_optimiser.cpp: one orientation and one translation per particle,
+no oversampling, no perturbation).
+
+`GivenPoses` stands in for a `core.sampling.Sampling` in an engine's set-up, so the one E-step
+(`em.estep`, either engine, unchanged) does the work: its orientations are the poses of a work unit's
+particles, indexed as one direction × one "psi" per particle (orientation i = particle i of the unit),
+its one translation is (0, 0) relative to the particle's origin (whose sub-pixel part the engines
+apply as a phase shift), and its `local_prior` keeps, for each particle of a batch, its own
+orientation alone. The engines' local-search path then projects only the batch's orientations and
+the weights run over the classes. The class sums' direction distribution has one direction, as
+RELION's has with --skip_align.
+
+A batch's particles are found among the unit's poses by their pose values, which the E-step hands
+back unchanged (the best sample of a particle is its own orientation). The priors of a batch are
+(batch × unit size) arrays, so a batch costs time in proportion to the unit's size on top of the
+images' own work (RELION rebuilds its sampling per batch of particles instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cryorefine.core.euler import euler_to_matrix
+from cryorefine.core.sampling import LocalPrior
+
+
+@dataclass(frozen=True, eq=False)
+class GivenPoses:
+    """One orientation per particle of a work unit (angles in degrees, (n,) float64), one translation."""
+
+    rot_deg: np.ndarray
+    tilt_deg: np.ndarray
+    psi_deg: np.ndarray
+    symmetry: str = "C1"
+    healpix_order: int = 0
+    offset_range_px: float = 0.0
+    offset_step_px: float = 1.0
+    oversampling: int = 0
+    perturbation: float = 0.0
+
+    @classmethod
+    def of(cls, rot_deg, tilt_deg, psi_deg, members):
+        """The poses of the particles `members` (indices into the per-particle arrays), in that order."""
+        members = np.asarray(members, dtype=np.int64)
+        return cls(*(np.asarray(a, dtype=np.float64)[members].copy() for a in (rot_deg, tilt_deg, psi_deg)))
+
+    # ------------------------------------------------------------------ sizes (Sampling's names)
+    @property
+    def n_directions(self):
+        return 1
+
+    @property
+    def n_psi(self):
+        return int(self.rot_deg.size)
+
+    @property
+    def n_orientations(self):
+        return int(self.rot_deg.size)
+
+    @property
+    def n_translations(self):
+        return 1
+
+    @property
+    def psi_step_deg(self):
+        return 360.0
+
+    def n_fine_orientations(self, oversampling=None):
+        return 1
+
+    def n_fine_translations(self, oversampling=None):
+        return 1
+
+    def angular_sampling_deg(self, oversampling=None):
+        return 360.0 / (6 * 2 ** self.healpix_order)
+
+    # ------------------------------------------------------------------ the grid
+    def orientations_deg(self, xp=np):
+        return xp.asarray(self.rot_deg), xp.asarray(self.tilt_deg), xp.asarray(self.psi_deg)
+
+    def orientation_matrices(self, xp=np):
+        return euler_to_matrix(*self.orientations_deg(xp), xp=xp)
+
+    def directions_deg(self, xp=np):
+        return xp.zeros((1, 2))
+
+    def translations_px(self, xp=np):
+        return xp.zeros((1, 2))
+
+    def fine_translations_px(self, translation_index, oversampling=None, xp=np):
+        n = int(np.asarray(translation_index).size)
+        return xp.zeros((n, 1, 2))
+
+    def fine_orientations_deg(self, orientation_index, oversampling=None, xp=np):
+        """The 'children' of orientations: the orientations themselves, (n, 1) each."""
+        o = np.asarray(orientation_index.get() if hasattr(orientation_index, "get") else orientation_index,
+                       dtype=np.int64).reshape(-1)
+        return tuple(xp.asarray(a[o][:, None]) for a in (self.rot_deg, self.tilt_deg, self.psi_deg))
+
+    # ------------------------------------------------------------------ each particle its own pose
+    @functools.cached_property
+    def _index_of_pose(self):
+        return {pose: i for i, pose in enumerate(zip(self.rot_deg.tolist(), self.tilt_deg.tolist(),
+                                                     self.psi_deg.tolist()))}
+
+    def index_of(self, rot_deg, tilt_deg, psi_deg):
+        """The orientation index of each pose (B,) (host arrays): the unit's particle with exactly that pose, else
+        the nearest orientation."""
+        rot, tilt, psi = (np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.float64).reshape(-1)
+                          for a in (rot_deg, tilt_deg, psi_deg))
+        table = self._index_of_pose
+        out = np.array([table.get(p, -1) for p in zip(rot.tolist(), tilt.tolist(), psi.tolist())], dtype=np.int64)
+        missing = np.flatnonzero(out < 0)
+        if missing.size:
+            mine = euler_to_matrix(self.rot_deg, self.tilt_deg, self.psi_deg).reshape(-1, 9)
+            theirs = euler_to_matrix(rot[missing], tilt[missing], psi[missing]).reshape(-1, 9)
+            out[missing] = np.argmax(theirs @ mine.T, axis=1)  # largest trace of Rᵀ·R': smallest rotation angle
+        return out
+
+    def local_prior(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg=0.0, sigma_psi_deg=0.0,
+                    sigma_cutoff=3.0, xp=np):
+        """LocalPrior of a batch: the one direction for all, and among the 'psi' entries (the unit's particles)
+        each particle's own alone (log prior 0; −inf elsewhere). The sigmas are not used."""
+        index = self.index_of(prior_rot_deg, prior_tilt_deg, prior_psi_deg)
+        psi = np.full((index.size, self.n_psi), -math.inf)
+        psi[np.arange(index.size), index] = 0.0
+        return LocalPrior(xp.zeros((index.size, 1)), xp.asarray(psi))

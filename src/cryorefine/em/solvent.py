@@ -1,0 +1,102 @@
+"""The references' solvent masks (--flatten_solvent, --solvent_mask, --solvent_mask2) and the mask of
+--solvent_correct_fsc, read and checked once, applied after each M-step as RELION's solventFlatten does.
+
+RELION's rules (ml_optimiser.cpp solventFlatten, ml_optimiser_mpi.cpp
+reconstructUnregularisedMapAndCalculateSolventCorrectedFSC):
+- only with --flatten_solvent are the references masked: by --solvent_mask (soft values 0…1) when
+  given, else by a soft sphere of the particle diameter;
+- --solvent_mask2 marks a region (1 = in it) whose density is set to its own average after that
+  (e.g. the inside of an icosahedral virus), with or without --solvent_mask;
+- --solvent_correct_fsc needs --solvent_mask: the half maps' FSC is then the masked one, corrected by
+  phase randomisation (core.fsc.solvent_corrected_fsc); without a mask it changes nothing.
+Masks must have the particles' box, values in [0, 1] and, when the header says, their pixel size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from cryorefine.core import fourier
+from cryorefine.core.masks import solvent_flatten
+from cryorefine.errors import InputError
+from cryorefine.io import mrc
+
+log = logging.getLogger("cryorefine")
+
+#: Values this far outside [0, 1] are rounding (clipped); beyond it a mask is refused, as RELION refuses it.
+MASK_VALUE_TOLERANCE = 1e-3
+
+
+def read_mask(option, path, box_px, pixel_size_angstrom):
+    """A mask map (float64, host) checked against the particles, or an InputError naming the option, the file
+    and what to do."""
+    try:
+        volume, pixel = mrc.read_volume(path)
+    except FileNotFoundError:
+        raise InputError(f"{option} {path}: file not found; check the path") from None
+    except InputError as exc:
+        raise InputError(f"{option} {exc}") from None
+    if volume.shape[0] != box_px:
+        raise InputError(f"{option} {path}: the mask is {volume.shape[0]} px but the particles are {box_px} px; "
+                         f"make the mask in the particles' box (relion_mask_create on a map of {box_px} px)")
+    if pixel is not None and abs(pixel - pixel_size_angstrom) > 0.01 * pixel_size_angstrom:
+        raise InputError(f"{option} {path}: the mask is at {pixel:g} Å/px but the particles are at "
+                         f"{pixel_size_angstrom:g} Å/px; make the mask at the particles' pixel size")
+    low, high = float(volume.min()), float(volume.max())
+    if low < -MASK_VALUE_TOLERANCE or high > 1.0 + MASK_VALUE_TOLERANCE:
+        raise InputError(f"{option} {path}: mask values run from {low:g} to {high:g}, outside [0, 1]; give a mask "
+                         f"with 1 on the particle, 0 in the solvent and a soft edge (relion_mask_create)")
+    if high <= 0.0:
+        raise InputError(f"{option} {path}: the mask is zero everywhere; give a mask with 1 on the particle")
+    return np.clip(volume.astype(np.float64), 0.0, 1.0)
+
+
+@dataclass
+class SolventMasks:
+    """The masks of a run (host float64 maps, None where not given) and how they are used."""
+
+    flatten: bool  # --flatten_solvent: mask the references after each M-step
+    sphere_radius_px: float  # the soft sphere used without --solvent_mask
+    edge_px: float
+    mask: np.ndarray | None = None  # --solvent_mask
+    mask2: np.ndarray | None = None  # --solvent_mask2
+    correct_fsc: bool = False  # --solvent_correct_fsc with a --solvent_mask
+
+    @classmethod
+    def from_config(cls, config, box_px, pixel_size_angstrom, diameter_angstrom, say=False):
+        """The masks of `config` for particles of `box_px` at `pixel_size_angstrom`; InputError on a bad mask.
+        With `say`, options that change nothing are named in one INFO line each."""
+        mask = mask2 = None
+        if config.solvent_mask:
+            mask = read_mask("--solvent_mask", config.solvent_mask, box_px, pixel_size_angstrom)
+        if config.solvent_mask2:
+            mask2 = read_mask("--solvent_mask2", config.solvent_mask2, box_px, pixel_size_angstrom)
+        correct = bool(config.solvent_correct_fsc and mask is not None and config.auto_refine)
+        if say:
+            if config.solvent_correct_fsc and not correct:
+                log.info("--solvent_correct_fsc: changes nothing here (%s)",
+                         "a classification has no half maps" if not config.auto_refine
+                         else "it needs --solvent_mask, as in RELION")
+            if mask is not None and not config.flatten_solvent:
+                log.info("--solvent_mask without --flatten_solvent: the references are not masked (RELION's rule)%s",
+                         "; the mask is used for --solvent_correct_fsc" if correct else "; the mask changes nothing")
+            if mask2 is not None and not config.flatten_solvent:
+                log.info("--solvent_mask2 without --flatten_solvent: changes nothing (RELION's rule)")
+        return cls(bool(config.flatten_solvent), diameter_angstrom / (2.0 * pixel_size_angstrom),
+                   float(config.width_mask_edge_px), mask, mask2, correct)
+
+    def reference_mask(self, box_px, xp=np):
+        """The mask the references are multiplied by: --solvent_mask, else the soft sphere."""
+        if self.mask is not None:
+            return xp.asarray(self.mask)
+        return fourier.soft_spherical_mask(box_px, self.sphere_radius_px, self.edge_px, xp)
+
+    def apply(self, volume, xp=np):
+        """A reference after the M-step as RELION's solventFlatten leaves it (unchanged without --flatten_solvent)."""
+        if not self.flatten:
+            return volume
+        mask2 = None if self.mask2 is None else xp.asarray(self.mask2)
+        return solvent_flatten(volume, self.reference_mask(volume.shape[-1], xp), mask2, xp)

@@ -1,0 +1,91 @@
+"""Masks of the references: RELION's checks on the files and solventFlatten's use of them."""
+
+import numpy as np
+import pytest
+
+from conftest import write_mrc
+from cryorefine.config import RefineConfig
+from cryorefine.core import fourier
+from cryorefine.em.solvent import SolventMasks, read_mask
+from cryorefine.errors import InputError
+
+BOX, PIXEL = 24, 3.0
+
+
+def config(**kw):
+    base = dict(input_star="p.star", output_root="out/run", reference_map="ref.mrc", particle_diameter_angstrom=48.0,
+                flatten_solvent=True)
+    base.update(kw)
+    return RefineConfig(**base)
+
+
+def mask_file(path, data=None, pixel=PIXEL):
+    if data is None:
+        data = fourier.soft_spherical_mask(BOX, 6.0, 3.0)
+    write_mrc(path, np.asarray(data, dtype=np.float32), pixel, stack=False)
+    return path
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("box", "the mask is 20 px but the particles are 24 px"),
+    ("range", "outside [0, 1]"),
+    ("zero", "zero everywhere"),
+    ("pixel", "at 2 Å/px"),
+    ("missing", "file not found"),
+    ("not_mrc", "--solvent_mask"),
+])
+def test_bad_masks_are_refused_with_the_option_the_file_and_what_to_do(tmp_path, case, fragment):
+    path = tmp_path / "mask.mrc"
+    if case == "box":
+        mask_file(path, np.ones((20, 20, 20)))
+    elif case == "range":
+        mask_file(path, 1.5 * fourier.soft_spherical_mask(BOX, 6.0, 3.0))
+    elif case == "zero":
+        mask_file(path, np.zeros((BOX,) * 3))
+    elif case == "pixel":
+        mask_file(path, pixel=2.0)
+    elif case == "not_mrc":
+        path.write_text("not a map\n")
+    with pytest.raises(InputError) as err:
+        read_mask("--solvent_mask", path, BOX, PIXEL)
+    message = str(err.value)
+    assert fragment in message and str(path) in message and "\n" not in message
+    assert message.startswith("--solvent_mask")
+
+
+def test_values_a_rounding_error_outside_zero_one_are_clipped(tmp_path):
+    data = fourier.soft_spherical_mask(BOX, 6.0, 3.0)
+    data[0, 0, 0], data[BOX // 2, BOX // 2, BOX // 2] = -1e-5, 1.0 + 1e-5
+    mask = read_mask("--solvent_mask", mask_file(tmp_path / "m.mrc", data), BOX, PIXEL)
+    assert mask.min() == 0.0 and mask.max() == 1.0
+
+
+def test_the_sphere_is_used_without_a_mask_and_nothing_without_flatten_solvent(tmp_path):
+    rng = np.random.default_rng(0)
+    vol = rng.standard_normal((BOX,) * 3)
+    sphere = SolventMasks.from_config(config(), BOX, PIXEL, 48.0)
+    assert np.allclose(sphere.apply(vol), vol * fourier.soft_spherical_mask(BOX, 8.0, 5.0))
+    off = SolventMasks.from_config(config(flatten_solvent=False, solvent_mask=str(mask_file(tmp_path / "m.mrc"))),
+                                   BOX, PIXEL, 48.0)
+    assert off.apply(vol) is vol
+
+
+def test_a_solvent_mask_replaces_the_sphere_and_a_second_mask_flattens_its_region(tmp_path):
+    rng = np.random.default_rng(1)
+    vol = rng.standard_normal((BOX,) * 3) + 1.0
+    first = fourier.soft_spherical_mask(BOX, 6.0, 3.0)
+    inner = (fourier.soft_spherical_mask(BOX, 2.0, 0.0) > 0.5).astype(np.float32)
+    masks = SolventMasks.from_config(config(solvent_mask=str(mask_file(tmp_path / "a.mrc", first)),
+                                            solvent_mask2=str(mask_file(tmp_path / "b.mrc", inner))), BOX, PIXEL, 48.0)
+    out = masks.apply(vol)
+    outside_inner = inner == 0
+    assert np.allclose(out[outside_inner], (vol * first)[outside_inner], atol=1e-6)
+    assert np.allclose(out[inner == 1], (vol * first)[inner == 1].mean(), atol=1e-6)
+
+
+def test_solvent_fsc_correction_needs_a_mask_and_half_sets(tmp_path):
+    path = str(mask_file(tmp_path / "m.mrc"))
+    assert SolventMasks.from_config(config(solvent_mask=path, solvent_correct_fsc=True), BOX, PIXEL, 48.0).correct_fsc
+    assert not SolventMasks.from_config(config(solvent_correct_fsc=True), BOX, PIXEL, 48.0).correct_fsc
+    assert not SolventMasks.from_config(config(solvent_mask=path, solvent_correct_fsc=True, auto_refine=False),
+                                        BOX, PIXEL, 48.0).correct_fsc
