@@ -88,13 +88,16 @@ def make_data(work: Path, n: int, snr: float, seed: int, model: Path) -> tuple[P
     return absolute, reference
 
 
+def iteration_files(folder: Path) -> list[Path]:
+    """run_itNNN_model.star (classify) or run_itNNN_half1_model.star (refine) of iterations 1, 2, ..."""
+    files = sorted(folder.glob("run_it[0-9][0-9][0-9]_model.star")) or sorted(
+        folder.glob("run_it[0-9][0-9][0-9]_half1_model.star"))
+    return [path for path in files if int(path.name[6:9]) > 0]
+
+
 def iteration_seconds(folder: Path, start: float) -> list[float]:
-    """Seconds between consecutive run_itNNN_model.star files (the first from the command's start)."""
-    times = []
-    for path in sorted(folder.glob("run_it[0-9][0-9][0-9]_model.star")):
-        if int(path.name[6:9]) > 0:
-            times.append(path.stat().st_mtime)
-    return list(np.diff([start] + times))
+    """Seconds between consecutive iterations' model files (the first from the command's start)."""
+    return list(np.diff([start] + [path.stat().st_mtime for path in iteration_files(folder)]))
 
 
 def final_resolution(folder: Path) -> float | None:
@@ -108,7 +111,7 @@ def final_resolution(folder: Path) -> float | None:
     return None
 
 
-def timed(command: list[str], folder: Path, log: Path) -> dict:
+def timed(command: list[str], folder: Path, log: Path, stop_after: int | None = None) -> dict:
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
@@ -116,11 +119,20 @@ def timed(command: list[str], folder: Path, log: Path) -> dict:
     start = time.time()
     tic = time.perf_counter()
     with open(log, "w") as out:
-        rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder).returncode
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
+        while process.poll() is None:
+            if stop_after and len(iteration_files(folder)) >= stop_after:
+                time.sleep(1.0)  # the iteration's other files
+                os.killpg(process.pid, 15)
+                process.wait()
+                break
+            time.sleep(0.2)
+        rc = process.returncode
     seconds = time.perf_counter() - tic
     return {"command": " ".join(command), "returncode": rc, "seconds": round(seconds, 2),
             "iteration_seconds": [round(s, 2) for s in iteration_seconds(folder, start)],
             "iterations": len(iteration_seconds(folder, start)), "resolution_angstrom": final_resolution(folder),
+            "stopped_after_iteration": stop_after,
             "log": str(log)}
 
 
@@ -138,6 +150,9 @@ def main(argv=None):
                              "random halves RELION only splits under MPI, mpirun -n 3 relion_refine_mpi: a master "
                              "and one worker per half, as RELION runs it]")
     parser.add_argument("--skip_relion", action="store_true")
+    parser.add_argument("--stop_after", type=int, default=None,
+                        help="stop each program once it has written this many iterations (a job too long to "
+                             "run to convergence here: the first N iterations of both, measured)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -156,11 +171,11 @@ def main(argv=None):
         relion_threads = max(1, args.j // 2) if args.job == "refine" and args.relion is None else args.j
         report["relion_threads_per_rank"] = relion_threads
         report["relion"] = timed(relion + ["--i", str(star), "--ref", str(reference)] + options
-                                 + ["--j", str(relion_threads)], work / "relion", work / "relion.log")
+                                 + ["--j", str(relion_threads)], work / "relion", work / "relion.log", args.stop_after)
     ours_command = [sys.executable, "-m", "cryorefine", "refine" if args.job == "refine" else "classify",
                     "--i", str(star), "--ref", str(reference), "--cpu", "--j", str(args.j)]
     ours_options = [o for o in options if o not in ("--auto_refine", "--split_random_halves")]
-    report["cryorefine"] = timed(ours_command + ours_options, work / "cryorefine", work / "cryorefine.log")
+    report["cryorefine"] = timed(ours_command + ours_options, work / "cryorefine", work / "cryorefine.log", args.stop_after)
     if "relion" in report:
         ours, theirs = report["cryorefine"], report["relion"]
         report["ratio_total"] = round(ours["seconds"] / theirs["seconds"], 3)
@@ -173,9 +188,9 @@ def main(argv=None):
         if name in report:
             r = report[name]
             print(f"{name:10s} {r['seconds']:8.1f} s  rc {r['returncode']}  {r['iterations']} iterations  "
-                  f"per iteration {[float(s) for s in r["iteration_seconds"]]}  resolution {r['resolution_angstrom']} Å")
+                  f"per iteration {[float(s) for s in r['iteration_seconds']]}  resolution {r['resolution_angstrom']} Å")
     if "ratio_total" in report:
-        print(f"cryorefine / RELION: {report['ratio_total']:.2f}× in total, per iteration {[float(r) for r in report["ratio_per_iteration"]]}")
+        print(f"cryorefine / RELION: {report['ratio_total']:.2f}× in total, per iteration {[float(r) for r in report['ratio_per_iteration']]}")
     print(f"wrote {out}")
 
 

@@ -9,6 +9,7 @@ from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.reconstruct import enforce_hermitian_symmetry, reconstruction_noise_sigma2
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import mstep
+from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState
 
 N = 24
@@ -16,6 +17,11 @@ N = 24
 
 def _config(symmetry):
     return RefineConfig(input_star="", output_root="", reference_map="", symmetry=symmetry, flatten_solvent=True)
+
+
+def _masks():
+    """--flatten_solvent with the soft sphere (rotation invariant, so every group keeps it)."""
+    return SolventMasks(flatten=True, sphere_radius_px=N / 2 - 2, edge_px=2.0)
 
 
 def _sums(poses, seed=5):
@@ -39,17 +45,17 @@ def test_mstep_map_of_symmetrised_sums_is_that_of_every_equivalent_view(name):
     tau2 = np.random.default_rng(1).uniform(0.01, 0.1, N // 2 + 1)
     sym = mstep.backprojector(*_sums([np.eye(3)]), model, _config(name), N, np)
     every = mstep.backprojector(*_sums(g.rotations), model, _config("C1"), N, np)
-    a = mstep.reconstruct_map(sym, tau2, model, _config(name), np)
-    b = mstep.reconstruct_map(every, tau2, model, _config("C1"), np)
+    a = mstep.reconstruct_map(sym, tau2, model, _config(name), np, _masks())
+    b = mstep.reconstruct_map(every, tau2, model, _config("C1"), np, _masks())
     np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())
     # RELION's noise spectrum of the reconstruction is taken from the symmetrised (so Hermitian) weights
     hermitian = enforce_hermitian_symmetry(every.data, every.weight)[1]
     np.testing.assert_allclose(sym.noise_sigma2(), reconstruction_noise_sigma2(hermitian, every.grid), rtol=1e-9)
     joined = mstep.summed_backprojector([sym, sym], model, _config(name), N, np)
-    np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np),
+    np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np, _masks()),
                                mstep.reconstruct_map(mstep.summed_backprojector([every, every], model, _config("C1"),
                                                                                 N, np), tau2 * 2, model,
-                                                     _config("C1"), np), atol=1e-5 * np.abs(b).max())
+                                                     _config("C1"), np, _masks()), atol=1e-5 * np.abs(b).max())
 
 
 def test_c1_leaves_the_sums_as_they_are():
@@ -74,6 +80,6 @@ def test_symmetric_mstep_on_the_device_matches_the_host(name):
     device = mstep.backprojector(cp.asarray(data), cp.asarray(weight), model, _config(name), N, cp)
     np.testing.assert_allclose(cp.asnumpy(device.weight), host.weight, atol=1e-12 * host.weight.max())
     np.testing.assert_allclose(cp.asnumpy(device.noise_sigma2()), host.noise_sigma2(), rtol=1e-10)
-    want = mstep.reconstruct_map(host, tau2, model, _config(name), np)
-    got = mstep.reconstruct_map(device, tau2, model, _config(name), cp)
+    want = mstep.reconstruct_map(host, tau2, model, _config(name), np, _masks())
+    got = mstep.reconstruct_map(device, tau2, model, _config(name), cp, _masks())
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

@@ -442,7 +442,7 @@ class NumpyEngine:
         cross_rows = per_row_masked.real * proj_used.real + per_row_masked.imag * proj_used.imag  # (R_used, K)
         cross = cross_rows.sum(axis=0)
         proj_power = w_row[used] @ proj2[used]
-        wd2 = total * x2 + ctf ** 2 * proj_power - 2.0 * ctf * cross
+        wd2 = np.maximum(total * x2 + ctf ** 2 * proj_power - 2.0 * ctf * cross, 0.0)  # ≥ 0 but for rounding
         n_shells = sums.sigma2_noise.shape[1]
         out["sigma2_noise"] = np.bincount(np.minimum(self.fine.shell, n_shells - 1), weights=wd2, minlength=n_shells)
         out["scale_xa"], out["scale_aa"] = 0.0, 0.0
