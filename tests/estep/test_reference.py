@@ -192,8 +192,8 @@ def test_coefficients_cover_the_half_plane_once():
 
 
 def test_fine_pass_in_groups_gives_the_same_result(problem):
-    """Splitting a batch's coarse and fine passes into chunks and groups of particles (to bound memory)
-    changes nothing."""
+    """Splitting a batch's coarse and fine passes into chunks and groups of particles, and keeping the fine
+    grid's projections and slices for the unit or not (to bound memory), changes nothing."""
     rng, volume, projector, sampling, sigma2 = problem
     images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
     images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.05)
@@ -203,6 +203,7 @@ def test_fine_pass_in_groups_gives_the_same_result(problem):
         engine = NumpyEngine()
         engine.fine_table_elements = limit
         engine.coarse_elements = limit
+        engine.iteration_slice_elements = limit  # the fine grid's projections and slices kept, or not
         engine.setup(setup_for(projector, sampling, sigma2 * 100))
         outputs.append((engine.run(batch), engine.sums()))
     (a, sa), (b, sb) = outputs

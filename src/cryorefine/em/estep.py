@@ -83,8 +83,9 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
         tic = add_seconds(stages, "read_wait", tic_wait)
         if u != current:
             if engine is not None:
-                sums[current] = _collect(engine, stages, flops)
+                sums[current] = _collect(engine, stages, flops)  # its seconds go to the engine's own stages
                 engine = None  # its device buffers go before the next engine takes its own
+                tic = time.perf_counter()
             engine = backend.make_engine()
             engine.setup(units[u].setup)
             current = u

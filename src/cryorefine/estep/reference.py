@@ -32,6 +32,7 @@ from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import FineBlocks, IterationTables, significant_samples
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
+ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
 COARSE_ELEMENTS_PER_CHUNK = 1 << 22  # coarse samples × particles scored at once (~0.2 GB of float64 temporaries)
 FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fine table (the default; ~400 MB at float32)
 
@@ -49,6 +50,8 @@ class NumpyEngine:
         self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
         self.fine_table_elements = FINE_TABLE_ELEMENTS_PER_GROUP  # bounds the fine pass's memory
         self.coarse_elements = COARSE_ELEMENTS_PER_CHUNK  # bounds the coarse pass's memory
+        self.iteration_slice_elements = ITERATION_SLICE_ELEMENTS  # bounds the fine grid kept per unit (_fine_grid)
+        self._grid_slices = None
         self.local_coarse_per_particle = True  # local searches: each particle on its own orientations
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
@@ -77,6 +80,7 @@ class NumpyEngine:
         else:
             self.coarse_projections = [self._project(p, self.matrices, self.coarse) for p in s.projectors]
         r_max = s.current_size_px // 2
+        self._grid_slices = None  # the fine grid's slices, summed over the unit's batches (made on first use)
         self.backprojectors = [BackProjector(s.ori_size_px, s.padding_factor, r_max, dtype=self.real)
                                for _ in range(self.n_classes)]
         self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
@@ -240,7 +244,7 @@ class NumpyEngine:
         self.stage_seconds["sums"] += wall * seconds[1] / max(seconds.sum(), 1e-12)
         self.last_blocks = [o.pop("blocks") for o in out]
         tic = time.perf_counter()
-        self._backproject(table, slices)
+        self._backproject_later(table, slices)
         # power beyond the current size counts as noise (RELION extends the spectra with it)
         sums = self.sums_
         n_shells = sums.sigma2_noise.shape[1]
@@ -257,7 +261,57 @@ class NumpyEngine:
         return dict(merged, norm_correction=new_norm)
 
     def sums(self):
+        self._backproject_grid()
         return self.sums_
+
+    def _backproject_later(self, table, slices):
+        """Add a group's slices to those of the whole fine grid, back-projected once when the sums are asked
+        for (one back-projection per fine orientation and unit instead of one per group); when the grid's
+        slices would not fit in `iteration_slice_elements` (local searches of fine grids), back-project now."""
+        n_fo = self.tables.n_fine_orientations
+        grid = self._fine_grid()
+        if grid is None:
+            self._backproject(table, slices)
+            return
+        rows = np.flatnonzero(slices["weight"].any(axis=1))
+        pair = rows // n_fo
+        keys = (table.k[pair] * self.n_orient + table.o[pair]) * n_fo + rows % n_fo
+        grid["data"][keys] += slices["data"][rows]
+        grid["weight"][keys] += slices["weight"][rows]
+        grid["touched"][keys] = True
+
+    def _fine_grid(self):
+        """Per fine orientation of the whole grid (class, orientation, child; local searches leave most
+        of it unused): the projections made so far and the slices summed over the unit's batches; None
+        when it would not fit in `iteration_slice_elements`. Made on first use, gone with `sums()`."""
+        n_rows = self.n_classes * self.n_orient * self.tables.n_fine_orientations
+        if n_rows * self.fine.positions.size > self.iteration_slice_elements:
+            return None
+        if self._grid_slices is None:
+            shape = (n_rows, self.fine.positions.size)
+            self._grid_slices = {"proj": np.zeros(shape, self.complex), "projected": np.zeros(n_rows, bool),
+                                 "data": np.zeros(shape, self.complex), "weight": np.zeros(shape, self.real),
+                                 "touched": np.zeros(n_rows, bool)}
+        return self._grid_slices
+
+    def _backproject_grid(self):
+        grid, self._grid_slices = self._grid_slices, None
+        if grid is None or not grid["touched"].any():
+            return
+        tic = time.perf_counter()
+        n_fo = self.tables.n_fine_orientations
+        keys = np.flatnonzero(grid["touched"])
+        k, o, jo = np.unravel_index(keys, (self.n_classes, self.n_orient, n_fo))
+        unique_o, inverse = np.unique(o, return_inverse=True)
+        angles = [np.asarray(a)[inverse, jo] for a in self.setup_.sampling.fine_orientations_deg(unique_o)]
+        mats = euler.euler_to_matrix(*angles)
+        for c in range(self.n_classes):
+            rows = np.flatnonzero(k == c)
+            for start in range(0, rows.size, 512):
+                r = rows[start:start + 512]
+                self.backprojectors[c].backproject(self.fine.scatter(grid["data"][keys[r]]),
+                                                   self.fine.scatter(grid["weight"][keys[r]]), mats[r])
+        self.stage_seconds["sums"] += time.perf_counter() - tic
 
     def _map(self, function, items):
         """function over items, in order; on `threads` threads when there are several."""
@@ -325,11 +379,21 @@ class NumpyEngine:
         rot, tilt, psi = (np.asarray(a).reshape(-1) for a in s.sampling.fine_orientations_deg(o_of))
         mats = euler.euler_to_matrix(rot, tilt, psi)
         k_rows = np.repeat(k_of, n_fo)
-        proj = np.empty((k_rows.size, self.fine.positions.size), self.complex)
+        grid = self._fine_grid()
+        if grid is None:  # the grid does not fit: the group's own projections
+            proj = np.empty((k_rows.size, self.fine.positions.size), self.complex)
+            missing, keys = np.arange(k_rows.size), None
+        else:  # the projections of the fine grid, each made once per unit
+            proj = grid["proj"]
+            keys = (k_rows * self.n_orient + np.repeat(o_of, n_fo)) * n_fo + np.tile(np.arange(n_fo), ko.size)
+            missing = np.flatnonzero(~grid["projected"][keys])
         for k, projector in enumerate(s.projectors):
-            rows = np.flatnonzero(k_rows == k)
+            rows = missing[k_rows[missing] == k]
             if rows.size:
-                proj[rows] = self._project(projector, mats[rows], self.fine)
+                proj[rows if keys is None else keys[rows]] = self._project(projector, mats[rows], self.fine)
+        if keys is not None:
+            grid["projected"][keys[missing]] = True
+            proj = proj[keys]
         prior = np.asarray(s.log_pdf_class, dtype=np.float64)[k_of]
         if s.log_pdf_direction is not None:
             prior = prior + np.asarray(s.log_pdf_direction)[k_of, self.direction_of[o_of]]
