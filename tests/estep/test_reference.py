@@ -36,6 +36,12 @@ def make_batch(images_ft, ctf, origins, residual=None):
                  power_beyond_current=np.zeros((b, N // 2 + 1)))
 
 
+def noisy_projections(rng, projector, n, noise):
+    """Half transforms of n projections at random poses plus white noise of standard deviation `noise`."""
+    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, n))), N)
+    return images + fourier.rfft2_centered(rng.normal(size=(n, N, N)) * noise)
+
+
 @pytest.fixture
 def problem():
     rng = np.random.default_rng(11)
@@ -104,8 +110,7 @@ def test_weights_are_normalised_and_blocks_hold_32_children(problem):
     rng, volume, projector, sampling, sigma2 = problem
     engine = NumpyEngine()
     engine.setup(setup_for(projector, sampling, sigma2 * 1e4, adaptive_fraction=0.999))
-    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
-    images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.02)
+    images = noisy_projections(rng, projector, 5, 0.02)
     result = engine.run(make_batch(images, np.ones((5, N, N // 2 + 1)), np.zeros((5, 2))))
     sums = engine.sums()
     # kept fine samples hold at least adaptive_fraction of each particle's mass
@@ -153,8 +158,7 @@ def test_weighted_sums_equal_sample_by_sample_back_projection(problem):
 
 def test_single_precision_engine_agrees_with_double(problem):
     rng, volume, projector, sampling, sigma2 = problem
-    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 6))), N)
-    images = images + fourier.rfft2_centered(rng.normal(size=(6, N, N)) * 0.05)
+    images = noisy_projections(rng, projector, 6, 0.05)
     batch = make_batch(images, np.ones((6, N, N // 2 + 1)), rng.uniform(-1, 1, (6, 2)), rng.uniform(-0.5, 0.5, (6, 2)))
     results = []
     for dtype in (np.float64, np.float32):
@@ -195,8 +199,7 @@ def test_fine_pass_in_groups_gives_the_same_result(problem):
     """Splitting a batch's coarse and fine passes into chunks and groups of particles, and keeping the fine
     grid's projections and slices for the unit or not (to bound memory), changes nothing."""
     rng, volume, projector, sampling, sigma2 = problem
-    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 5))), N)
-    images = images + fourier.rfft2_centered(rng.normal(size=(5, N, N)) * 0.05)
+    images = noisy_projections(rng, projector, 5, 0.05)
     batch = make_batch(images, np.ones((5, N, N // 2 + 1)), rng.uniform(-1, 1, (5, 2)))
     outputs = []
     for limit in (1 << 30, 1):  # one group; one particle per group
@@ -243,8 +246,7 @@ def test_significance_on_candidates_equals_the_full_sort(fraction, max_sig):
 def test_threads_change_nothing(problem):
     """The fine pass on several threads adds each particle's sums in particle order: the same sums, bit for bit."""
     rng, volume, projector, sampling, sigma2 = problem
-    images = projector.project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, 7))), N)
-    images = images + fourier.rfft2_centered(rng.normal(size=(7, N, N)) * 0.05)
+    images = noisy_projections(rng, projector, 7, 0.05)
     batch = make_batch(images, np.ones((7, N, N // 2 + 1)), rng.uniform(-1, 1, (7, 2)), rng.uniform(-0.5, 0.5, (7, 2)))
     outputs = []
     for threads in (1, 3):

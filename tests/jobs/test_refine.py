@@ -152,8 +152,8 @@ def test_relax_sym_is_refused_by_name(refined, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch):
-    """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co."""
+def converge_at_iteration_two(monkeypatch):
+    """RELION's convergence forced after iteration 1: iteration 2 is the final one, joining the halves."""
     from dataclasses import replace
 
     from cryorefine.em import schedule
@@ -165,6 +165,11 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
         return replace(optimiser, has_converged=True, do_join_halves=True) if optimiser.iteration == 2 else optimiser
 
     monkeypatch.setattr(schedule, "check_convergence", converge_at_two)
+
+
+def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch):
+    """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co."""
+    converge_at_iteration_two(monkeypatch)
     folder, truth = refined
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
                    "--o", tmp_path / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--zero_mask",
@@ -252,17 +257,7 @@ def test_d2_refinement_samples_relions_asymmetric_unit(d2_refined):
 
 
 def test_d2_final_joined_iteration_is_symmetric(d2_refined, tmp_path, monkeypatch):
-    from dataclasses import replace
-
-    from cryorefine.em import schedule
-
-    original = schedule.check_convergence
-
-    def converge_at_two(optimiser, state, **kwargs):
-        optimiser = original(optimiser, state, **kwargs)
-        return replace(optimiser, has_converged=True, do_join_halves=True) if optimiser.iteration == 2 else optimiser
-
-    monkeypatch.setattr(schedule, "check_convergence", converge_at_two)
+    converge_at_iteration_two(monkeypatch)
     folder, truth = d2_refined
     assert run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "start.mrc",
                    "--o", tmp_path / "run", "--sym", "D2", *D2_ARGS) == 0  # an asymmetric start: as RELION, as given

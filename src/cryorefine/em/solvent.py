@@ -21,6 +21,7 @@ import numpy as np
 
 from cryorefine.core import fourier
 from cryorefine.core.masks import solvent_flatten
+from cryorefine.em.schedule import default_particle_diameter_angstrom
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 
@@ -87,6 +88,13 @@ class SolventMasks:
                 log.info("--solvent_mask2 without --flatten_solvent: changes nothing (RELION's rule)")
         return cls(bool(config.flatten_solvent), diameter_angstrom / (2.0 * pixel_size_angstrom),
                    float(config.width_mask_edge_px), mask, mask2, correct)
+
+    @classmethod
+    def for_model(cls, config, model):
+        """The masks of `config` for a model's box and pixel size and the default particle diameter (an MPI
+        worker's first M-step: the master has checked the files and said what changes nothing)."""
+        box, pixel = model.ori_size_px, model.pixel_size_angstrom
+        return cls.from_config(config, box, pixel, default_particle_diameter_angstrom(config, box, pixel))
 
     def reference_mask(self, box_px, xp=np):
         """The mask the references are multiplied by: --solvent_mask, else the soft sphere."""

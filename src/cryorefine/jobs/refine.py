@@ -214,9 +214,7 @@ class RefineJob:
 
     def _masks(self, model):
         if self.masks is None:  # an MPI worker's first M-step: the master has checked the files
-            self.masks = SolventMasks.from_config(
-                self.config, model.ori_size_px, model.pixel_size_angstrom,
-                schedule.default_particle_diameter_angstrom(self.config, model.ori_size_px, model.pixel_size_angstrom))
+            self.masks = SolventMasks.for_model(self.config, model)
         return self.masks
 
     def update(self, run, plan, changes):
