@@ -83,3 +83,23 @@ def test_symmetric_mstep_on_the_device_matches_the_host(name):
     want = mstep.reconstruct_map(host, tau2, model, _config(name), np, _masks())
     got = mstep.reconstruct_map(device, tau2, model, _config(name), cp, _masks())
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_lowest_shells_are_not_regularised():
+    # RELION's --minres_map: τ² adds 1/(pf³·T·τ²) to the weights from shell 5 on only. With a tiny τ² the shells
+    # from 5 on vanish, those below keep the data over the weights (up to what the padded grid's windowing
+    # spreads between neighbouring shells); regularised in every shell, they would vanish too (difference ≈ 1)
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
+    bp = mstep.backprojector(*_sums([np.eye(3)]), model, _config("C1"), N, np)
+    tiny, large = np.full(N // 2 + 1, 1e-12), np.full(N // 2 + 1, 1e12)
+    no_masks = SolventMasks(flatten=False, sphere_radius_px=N / 2 - 2, edge_px=2.0)
+    k = np.meshgrid(np.fft.fftfreq(N) * N, np.fft.fftfreq(N) * N, np.fft.rfftfreq(N) * N, indexing="ij")
+    shells = np.rint(np.sqrt(sum(f ** 2 for f in k))).astype(int)
+    a = np.fft.rfftn(mstep.reconstruct_map(bp, tiny, model, _config("C1"), np, no_masks))
+    b = np.fft.rfftn(mstep.reconstruct_map(bp, large, model, _config("C1"), np, no_masks))
+
+    def difference(selected):
+        return np.linalg.norm(a[selected] - b[selected]) / np.linalg.norm(b[selected])
+
+    assert difference(shells <= 2) < 0.25
+    assert difference((shells >= 6) & (shells < N // 2)) > 0.95

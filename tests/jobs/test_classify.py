@@ -214,3 +214,16 @@ def test_skip_align_and_local_search_input_is_checked(classified, tmp_path, caps
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_firstiter_cc_gives_every_class_the_directions_of_class_one(classified, tmp_path):
+    # the cross-correlation iteration compares all particles with class 1 alone; as in RELION, every class then
+    # starts from its map and its direction distribution (not an empty one), and the classes share the particles
+    code = run_cli("classify", "--i", classified / "mix.star", "--ref", classified / "avg.mrc", "--o", tmp_path / "run",
+                   "--iter", 1, "--firstiter_cc", *CLASSIFY_ARGS)
+    assert code == 0
+    model = starfile.read(tmp_path / "run_it001_model.star")
+    pdf = [model[f"model_pdf_orient_class_{k}"]["rlnOrientationDistribution"].to_numpy() for k in (1, 2)]
+    assert pdf[0].sum() > 0 and np.allclose(pdf[0], pdf[1])
+    assert sum(p.sum() for p in pdf) == pytest.approx(1.0)
+    assert np.allclose(model["model_classes"]["rlnClassDistribution"], 0.5)

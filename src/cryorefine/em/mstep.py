@@ -15,6 +15,7 @@ import numpy as np
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
+from cryorefine.em.schedule import MINRES_MAP_SHELL
 from cryorefine.images import coefficients_per_shell
 
 MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
@@ -40,11 +41,12 @@ def summed_backprojector(bps, model, config, current_size_px, xp):
 
 
 def reconstruct_map(bp, tau2, model, config, xp, masks):
-    """The map of a back-projector regularised by `tau2` (per shell, host), solvent-flattened as
+    """The map of a back-projector regularised by `tau2` (per shell, host) from shell 5 on (RELION's
+    --minres_map: the lowest shells are not regularised), solvent-flattened as
     `masks` (em.solvent.SolventMasks) says (with --flatten_solvent: times --solvent_mask or the soft sphere of
     the particle diameter, then --solvent_mask2's region at its average); a host float32 volume (the maps go
     on as they are written, so a continued run sees exactly the same)."""
-    volume = bp.reconstruct(tau2=xp.asarray(tau2), tau2_fudge=config.tau2_fudge)
+    volume = bp.reconstruct(tau2=xp.asarray(tau2), tau2_fudge=config.tau2_fudge, minres_map_px=MINRES_MAP_SHELL)
     return to_host(masks.apply(volume, xp)).astype(np.float32)
 
 

@@ -22,10 +22,19 @@ def read_reference(path, box, pixel):
     return reference
 
 
+#: Width in Fourier shells of the --ini_high low-pass's raised-cosine edge (RELION's WIDTH_FMASK_EDGE).
+INI_HIGH_EDGE_SHELLS = 2.0
+
+
 def lowpass_to_ini_high(volume, config, box, pixel):
-    """The volume low-passed to --ini_high (unchanged without it), with numpy or cupy as the volume is."""
+    """The volume low-passed to --ini_high (unchanged without it), with numpy or cupy as the volume is.
+
+    As RELION's initialLowPassFilterReferences: a raised cosine INI_HIGH_EDGE_SHELLS wide that goes
+    through 0.5 at the --ini_high shell (box·pixel/ini_high), 1 one shell below it and 0 one shell
+    above it."""
     if not config.ini_high_angstrom:
         return volume
     xp = array_module(volume)
-    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume, xp), box, config.ini_high_angstrom, pixel, xp=xp)
-    return fourier.irfft3_centered(ft, box, xp)
+    radius = box * pixel / config.ini_high_angstrom
+    edge = fourier.raised_cosine(fourier.radius_3d(box, xp), radius - INI_HIGH_EDGE_SHELLS / 2, INI_HIGH_EDGE_SHELLS, xp)
+    return fourier.irfft3_centered(fourier.rfft3_centered(volume, xp) * edge, box, xp)

@@ -8,11 +8,12 @@ All particles form one set; K references are refined side by side. RELION's rule
 - with --firstiter_cc the first iteration uses class 1 alone (cross-correlation), and its map,
   low-passed to --ini_high again, is copied to every class;
 - τ² of a class is the power spectrum of its previous reference (as the projector computes it);
-  the reconstruction adds 1/(pf³·tau2_fudge·τ²) to the weights; the SSNR (data vs prior) is
+  the reconstruction adds 1/(pf³·tau2_fudge·τ²) to the weights from shell 5 on; the SSNR (data vs prior) is
   tau2_fudge·τ²/σ²_reconstruction; the resolution is where the best class's SSNR drops below 1;
-- the class distribution is Σw per class and the class prior of the next search (RELION folds it
-  into per-class direction distributions, which with few particles per direction shut directions
-  out; those are written to the model file but not used as a prior); the sampling stays as given
+- the class distribution is Σw per class and the class prior of the next search (RELION's prior is
+  the joint distribution of classes and directions; it is written to the model file, after a
+  cross-correlation iteration class 1's for every class, but not used as a prior: on two-state
+  sets it put fewer particles in their true class); the sampling stays as given
   (no auto-sampling) and every one of --iter iterations runs (no convergence test); --iter counts
   from the start of the run (a --continue from iteration N runs N+1 … --iter);
 - --skip_align: the poses and origins of the STAR file are kept, only the class is searched (one
@@ -199,10 +200,11 @@ class ClassifyJob:
 
     def _setup(self, model, sampling, sizes, classes, do_cc, class_prior, optimiser):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
-        `class_prior` (RELION folds it into a per-class direction distribution, which with few particles per
-        direction shuts whole directions out; the class distribution alone is used here), else flat. Local
-        searches with the optimiser's σ (--sigma_ang, --sigma_psi); with --skip_align the engines' local-search
-        path restricted by `em.given_poses.GivenPoses` to each particle's own pose."""
+        `class_prior`, else flat. RELION's prior in global searches is instead the joint distribution of
+        classes and directions of the last M-step (pdf_direction); measured on two-state sets
+        (benchmarks/classify_accuracy.py), it put fewer particles in their true class, so it is kept and written
+        but not used. Local searches with the optimiser's σ (--sigma_ang, --sigma_psi); with --skip_align the
+        engines' local-search path restricted by `em.given_poses.GivenPoses` to each particle's own pose."""
         config = self.config
         with np.errstate(divide="ignore"):
             log_class = (np.log(np.asarray(model.pdf_class, dtype=np.float64)[classes]) if class_prior
@@ -265,6 +267,8 @@ class ClassifyJob:
         model.pdf_class = pdf_class
         model.class_distribution = pdf_class
         pdf = np.asarray(sums.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
+        if plan.do_cc:  # class 1's directions for every class
+            pdf = np.repeat(pdf[:1], k_classes, axis=0)
         total = pdf.sum()
         model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
         mstep.maximize_other_parameters(model, config, [sums], plan.do_cc)
