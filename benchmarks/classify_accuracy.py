@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_common import run_cli, split_at_double_dash
 from cryorefine.core import fourier
 from cryorefine.io.mrc import read_volume, write_volume
 from cryorefine.io.star import read_particle_star, read_star, write_particle_star
@@ -51,11 +52,7 @@ CLASSIFY = ["--K", "2", "--tau2_fudge", "4", "--particle_diameter", "270", "--in
 
 
 def parse_args(argv):
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    else:
-        extra = []
+    argv, extra = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                      epilog="Options after -- are passed on to every `cryorefine classify` run.")
     parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
@@ -83,16 +80,6 @@ def parse_args(argv):
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
     return parser.parse_args(argv), extra
-
-
-def run_cli(*args, log_path):
-    """`python -m cryorefine ARGS`, its output in log_path; exits on failure."""
-    command = [sys.executable, "-m", "cryorefine", *(str(a) for a in args)]
-    print("$ cryorefine " + " ".join(str(a) for a in args), file=sys.stderr, flush=True)
-    with open(log_path, "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path}")
 
 
 def erased_state(volume, radius_px, fraction):
@@ -226,7 +213,7 @@ def main(argv=None):
     out = options.json or work / "results.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     marks = [i for i in (5, 10, 15) if i <= options.iter] or [options.iter]
-    print(f"| program | seed | " + " | ".join(f"it {i}" for i in marks) + " | best | final − best | s |")
+    print("| program | seed | " + " | ".join(f"it {i}" for i in marks) + " | best | final − best | s |")
     print("|---" * (len(marks) + 5) + "|")
     for r in runs:
         acc = r["accuracy_per_iteration"]

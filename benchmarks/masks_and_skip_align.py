@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from bench_common import run_cli
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fsc_volumes
 from cryorefine.core.masks import mask_from_map
@@ -51,16 +48,6 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_MAP = REPO / "examples" / "ribosome_64px.mrc"
 RUNS = {"sphere": [], "mask": ["--solvent_mask", "{mask}"],
         "mask_fsc": ["--solvent_mask", "{mask}", "--solvent_correct_fsc"]}
-
-
-def cryorefine(*args, log=None):
-    """`cryorefine ARGS` as a subprocess with this Python; its wall seconds."""
-    tic = time.perf_counter()
-    with open(log, "w") if log else open(os.devnull, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "cryorefine", *map(str, args)], stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"cryorefine {' '.join(map(str, args))} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - tic
 
 
 def shell_below(curve, threshold):
@@ -86,8 +73,8 @@ def make_truth(work, box, inner, pixel):
 
 
 def simulate(work, args):
-    cryorefine("simulate", "--ref", work / "truth.mrc", "--n", args.n, "--snr", args.snr, "--seed", 11,
-               "--particle_diameter", args.inner * args.pixel, "--o", work / "sim", "--cpu", log=work / "simulate.log")
+    run_cli("simulate", "--ref", work / "truth.mrc", "--n", args.n, "--snr", args.snr, "--seed", 11,
+            "--particle_diameter", args.inner * args.pixel, "--o", work / "sim", "--cpu", log_path=work / "simulate.log")
     blocks = read_star(work / "sim" / "particles.star")
     table = blocks["particles"].drop(columns=["rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst",
                                               "rlnOriginYAngst"])
@@ -103,10 +90,10 @@ def refine(work, name, args, extra):
     out = work / name
     out.mkdir(exist_ok=True)
     options = [o.format(mask=work / "mask.mrc") for o in RUNS[name]]
-    seconds = cryorefine("refine", "--i", work / "sim" / "unaligned.star", "--ref", work / "reference.mrc",
-                         "--o", out / "run", "--ini_high", args.ini_high, "--ctf", "--particle_diameter", args.diameter,
-                         "--flatten_solvent", "--zero_mask", "--iter", args.iter, "--cpu", *options, *extra,
-                         log=work / f"{name}.log")
+    seconds = run_cli("refine", "--i", work / "sim" / "unaligned.star", "--ref", work / "reference.mrc",
+                      "--o", out / "run", "--ini_high", args.ini_high, "--ctf", "--particle_diameter", args.diameter,
+                      "--flatten_solvent", "--zero_mask", "--iter", args.iter, "--cpu", *options, *extra,
+                      log_path=work / f"{name}.log")
     return seconds
 
 
@@ -151,8 +138,8 @@ def true_pose_fsc(work, truth, mask, box, pixel):
     table["particles"]["rlnRandomSubset"] = rng.permutation(np.arange(len(table["particles"])) % 2) + 1
     table["particles"]["rlnImageName"] = [n.replace("@", f"@{work / 'sim'}/") for n in table["particles"]["rlnImageName"]]
     starfile.write(table, folder / "particles.star")
-    cryorefine("reconstruct", "--i", folder / "particles.star", "--o", folder / "recon.mrc", "--ctf", "--half_maps",
-               log=folder / "reconstruct.log")
+    run_cli("reconstruct", "--i", folder / "particles.star", "--o", folder / "recon.mrc", "--ctf", "--half_maps",
+            log_path=folder / "reconstruct.log")
     halves = [read_volume(folder / f"recon_half{h}.mrc")[0] for h in (1, 2)]
     full, _ = read_volume(folder / "recon.mrc")
     unmasked = np.asarray(fsc_volumes(*halves))
@@ -183,17 +170,17 @@ def skip_align(work, n_each, iterations):
         write_volume(folder / f"{name}.mrc", volume, 12.0)
     tables = []
     for seed, name in ((1, "a"), (2, "b")):
-        cryorefine("simulate", "--ref", folder / f"{name}.mrc", "--n", n_each, "--snr", 0.5, "--seed", seed,
-                   "--o", folder / f"sim_{name}", "--cpu")
+        run_cli("simulate", "--ref", folder / f"{name}.mrc", "--n", n_each, "--snr", 0.5, "--seed", seed,
+                "--o", folder / f"sim_{name}", "--cpu")
         t = starfile.read(folder / f"sim_{name}" / "particles.star")
         t["particles"]["rlnImageName"] = t["particles"]["rlnImageName"].str.replace("@", f"@sim_{name}/")
         tables.append(t)
     mixed = pd.concat([t["particles"] for t in tables]).reset_index(drop=True)
     starfile.write({"optics": tables[0]["optics"], "particles": mixed}, folder / "mix.star")
-    seconds = cryorefine("classify", "--i", folder / "mix.star", "--ref", folder / "avg.mrc", "--o",
-                         folder / "out" / "run", "--K", 2, "--iter", iterations, "--skip_align", "--ini_high", 40,
-                         "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask", "--cpu",
-                         log=folder / "classify.log")
+    seconds = run_cli("classify", "--i", folder / "mix.star", "--ref", folder / "avg.mrc", "--o",
+                      folder / "out" / "run", "--K", 2, "--iter", iterations, "--skip_align", "--ini_high", 40,
+                      "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask", "--cpu",
+                      log_path=folder / "classify.log")
     truth = np.r_[np.zeros(n_each), np.ones(n_each)]
     per_iteration = []
     for it in range(1, iterations + 1):

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_common import split_at_double_dash
 from cryorefine.core import euler, fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
 from cryorefine.io.mrc import read_volume, write_volume
@@ -81,11 +82,7 @@ SETUP_FILE = "setup.json"
 
 def parse_args(argv):
     """(options, extra refine options): everything after the first `--` goes to refine as it is."""
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    else:
-        extra = []
+    argv, extra = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                      epilog="Options after -- are passed on to `cryorefine refine`.")
     parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench_common import run_cli, split_at_double_dash
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
 from cryorefine.core.symmetry import symmetrise_volume, symmetry_group
@@ -49,11 +49,7 @@ DEFAULT_MAP = REPO / "examples" / "ribosome_64px.mrc"
 
 
 def parse_args(argv):
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    else:
-        extra = []
+    argv, extra = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                      epilog="Options after -- are passed on to both `cryorefine refine` runs.")
     parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
@@ -73,16 +69,6 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=3, help="Random seed of the simulation.")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
     return parser.parse_args(argv), extra
-
-
-def run_cli(*args, log_path):
-    """`python -m cryorefine ARGS`, its output in log_path; exits on failure."""
-    command = [sys.executable, "-m", "cryorefine", *(str(a) for a in args)]
-    print("$ cryorefine " + " ".join(str(a) for a in args), file=sys.stderr, flush=True)
-    with open(log_path, "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path}")
 
 
 def symmetry_error(volume, group):

@@ -1,0 +1,30 @@
+"""What the benchmark scripts share: `cryorefine` run as a subprocess, and options passed on after `--`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def split_at_double_dash(argv):
+    """(the script's own arguments, those after the first `--`, passed on to cryorefine as they are)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def run_cli(*args, log_path=None):
+    """`python -m cryorefine ARGS` with this Python, its output in log_path (or discarded), the command shown on
+    stderr; its wall seconds. Exits naming the log when the command fails."""
+    command = [sys.executable, "-m", "cryorefine", *(str(a) for a in args)]
+    print("$ cryorefine " + " ".join(command[3:]), file=sys.stderr, flush=True)
+    tic = time.perf_counter()
+    with open(log_path or os.devnull, "w") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path or 'its output (not kept)'}")
+    return time.perf_counter() - tic
