@@ -72,3 +72,25 @@ def test_classification_report_follows_the_class_distribution(tmp_path):
     assert even.shape == skewed.shape
     left = slice(0, even.shape[1] // 3)
     assert np.abs(even[:, left] - skewed[:, left]).max() > 0.1  # the distribution panel differs
+
+
+def test_classification_report_draws_each_class_resolution_over_the_iterations(tmp_path):
+    import matplotlib.image
+
+    from cryorefine.report import write_classification_report
+
+    def draw(name, per_class):
+        rng = np.random.default_rng(1)
+        write_classification_report(tmp_path / name, iteration=3, class_distributions=[[0.5, 0.5]] * 3,
+                                    ssnr=np.vstack([np.geomspace(100, 0.01, 17)] * 2), ori_size_px=32,
+                                    pixel_size_angstrom=2.0, resolution_angstrom=8.0,
+                                    rot_deg=rng.uniform(-180, 180, 100), tilt_deg=rng.uniform(0, 180, 100),
+                                    timings_seconds={"expectation": 1.0}, class_changes=[0.5, 0.2, 0.1],
+                                    class_resolutions_angstrom=per_class)
+        return matplotlib.image.imread(tmp_path / name)
+
+    together = draw("together.png", [[20.0, 20.0], [15.0, 15.0], [12.0, 12.0]])
+    apart = draw("apart.png", [[20.0, 20.0], [15.0, 30.0], [12.0, 40.0]])
+    width = together.shape[1]
+    second = slice(int(0.25 * width), int(0.45 * width))
+    assert np.abs(together[:, second] - apart[:, second]).max() > 0.1  # the resolution panel differs

@@ -70,25 +70,45 @@ def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angs
 
 
 def write_classification_report(path, *, iteration, class_distributions, ssnr, ori_size_px, pixel_size_angstrom,
-                                resolution_angstrom, rot_deg, tilt_deg, timings_seconds):
+                                resolution_angstrom, rot_deg, tilt_deg, timings_seconds, class_changes=None,
+                                class_resolutions_angstrom=None):
     """run_itNNN_report.png of a classification: the class distribution over the iterations so far
-    (`class_distributions` (iterations, K)), each class's SSNR (K, n_shells), the angular distribution."""
+    (`class_distributions` (iterations, K)) with the share of particles that changed class in each
+    (`class_changes` (iterations,)), each class's resolution over the iterations (`class_resolutions_angstrom`
+    (iterations, K)), each class's SSNR now (K, n_shells), the angular distribution."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(15, 4.5), dpi=80)
+    fig = Figure(figsize=(19, 4.5), dpi=80)
     FigureCanvasAgg(fig)
-    ax_dist, ax_ssnr, ax_ang = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.1, 1.2, 1.4]})
+    ax_dist, ax_res, ax_ssnr, ax_ang = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1.1, 1.0, 1.2, 1.4]})
 
     history = np.atleast_2d(np.asarray(class_distributions, dtype=np.float64))
     its = np.arange(1, history.shape[0] + 1)
     for k in range(history.shape[1]):
         ax_dist.plot(its, history[:, k], marker="o", label=f"class {k + 1}")
+    if class_changes is not None and len(class_changes):
+        changes = np.asarray(class_changes, dtype=np.float64)
+        ax_dist.plot(np.arange(1, changes.size + 1), changes, color="black", ls="--", marker=".",
+                     label="changed class")
     ax_dist.set_xlabel("iteration")
     ax_dist.set_ylabel("fraction of particles")
     ax_dist.set_ylim(0, 1)
     ax_dist.legend(fontsize="small")
     ax_dist.set_title(f"iteration {iteration}: class distribution")
+
+    if class_resolutions_angstrom is not None and np.size(class_resolutions_angstrom):
+        per_class = np.atleast_2d(np.asarray(class_resolutions_angstrom, dtype=np.float64))
+        for k in range(per_class.shape[1]):
+            ax_res.plot(np.arange(1, per_class.shape[0] + 1), per_class[:, k], marker="o", label=f"class {k + 1}")
+        ax_res.invert_yaxis()  # better resolution higher up
+        ax_res.legend(fontsize="small")
+    ax_res.set_xlabel("iteration")
+    ax_res.set_ylabel("resolution (Å), SSNR > 1")
+    ax_res.set_title("resolution per class")
+    for ax in (ax_dist, ax_res):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     ssnr = np.atleast_2d(np.asarray(ssnr, dtype=np.float64))
     shells = np.arange(1, min(ssnr.shape[1], ori_size_px // 2 + 1))

@@ -227,3 +227,19 @@ def test_firstiter_cc_gives_every_class_the_directions_of_class_one(classified, 
     assert pdf[0].sum() > 0 and np.allclose(pdf[0], pdf[1])
     assert sum(p.sum() for p in pdf) == pytest.approx(1.0)
     assert np.allclose(model["model_classes"]["rlnClassDistribution"], 0.5)
+
+
+def test_the_report_history_matches_the_model_and_optimiser_files(classified):
+    # the per-iteration signals the report draws: each class's resolution (the best of them is the run's), and the
+    # share of particles that changed class (RELION's rlnChangesOptimalClasses of that iteration's optimiser file)
+    from cryorefine.io import resume
+
+    out = classified / "out"
+    _, arrays = resume.load(out / "run_it002_optimiser.star")
+    per_class, changes = arrays["extra_class_resolutions"], arrays["extra_class_changes"]
+    assert per_class.shape == (2, 2) and changes.shape == (2,)
+    for it in (1, 2):
+        model = starfile.read(out / f"run_it{it:03d}_model.star")["model_general"]
+        optimiser = starfile.read(out / f"run_it{it:03d}_optimiser.star", always_dict=True)["optimiser_general"]
+        assert per_class[it - 1].min() == pytest.approx(float(model["rlnCurrentResolution"]), rel=1e-6)
+        assert changes[it - 1] == pytest.approx(float(optimiser["rlnChangesOptimalClasses"]), abs=1e-6)

@@ -30,8 +30,9 @@ Each iteration's E-step is one work unit of all particles against all classes, o
 cross-correlation iteration, against class 1, or, in the seeding iteration, one unit per class
 of the particles drawn for it. Outputs per iteration: run_itNNN_data.star (rlnClassNumber),
 run_itNNN_classKKK.mrc, run_itNNN_model.star (K classes), run_itNNN_optimiser.star,
-run_itNNN_sampling.star, and run_itNNN_report.png (class distributions over the iterations,
-SSNR per class, orientations).
+run_itNNN_sampling.star, and run_itNNN_report.png (class distributions and the share of particles
+that changed class over the iterations, each class's resolution over the iterations, SSNR per class,
+orientations).
 """
 
 from __future__ import annotations
@@ -91,8 +92,10 @@ def initial_references(config, box, pixel):
 
 
 class ClassifyJob:
-    """The classification as the iteration loop (`em.loop`) runs it. Its extras: the class distribution of
-    every iteration so far (`class_distributions`) and whether the classes start from seeds (`seeded`)."""
+    """The classification as the iteration loop (`em.loop`) runs it. Its extras, per iteration so far: the
+    class distribution (`class_distributions`), the share of particles that changed class (`class_changes`)
+    and each class's resolution in Å (`class_resolutions`); and whether the classes start from seeds
+    (`seeded`)."""
 
     kind = "classify"
     min_mpi_ranks = 2  # a master and a worker
@@ -156,7 +159,8 @@ class ClassifyJob:
             box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
                         np.random.default_rng(config.random_seed),
-                        extras={"class_distributions": np.zeros((0, k_classes)), "seeded": seeded})
+                        extras={"class_distributions": np.zeros((0, k_classes)), "class_changes": np.zeros(0),
+                                "class_resolutions": np.zeros((0, k_classes)), "seeded": seeded})
 
     def resume(self, run, particles, iteration_root):
         run.extras["seeded"] = bool(run.extras["seeded"])
@@ -288,8 +292,21 @@ class ClassifyJob:
         run.optimiser = replace(run.optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
                                 changes_optimal_offsets_angstrom=changes.offsets_angstrom,
                                 changes_optimal_classes=changes.classes)
-        history = np.asarray(run.extras["class_distributions"], dtype=np.float64).reshape(-1, model.n_classes)
-        run.extras["class_distributions"] = np.vstack([history, np.asarray(model.pdf_class, dtype=np.float64)])
+        per_class = [schedule.current_resolution(
+            model.ori_size_px, model.pixel_size_angstrom, data_vs_prior=model.ssnr[0][k:k + 1],
+            iteration=plan.iteration, ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
+            check_high_res_side=False).resolution_angstrom for k in range(model.n_classes)]
+        self._append(run, "class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
+        self._append(run, "class_changes", changes.classes)
+        self._append(run, "class_resolutions", np.asarray(per_class))
+
+    @staticmethod
+    def _append(run, name, value):
+        """Add this iteration's `value` to the history run.extras[name] (one row per iteration; a run continued
+        from files written before the history was kept starts it empty)."""
+        value = np.asarray(value, dtype=np.float64)
+        history = np.asarray(run.extras.get(name, np.zeros((0,) + value.shape)), dtype=np.float64)
+        run.extras[name] = np.concatenate([history.reshape((-1,) + value.shape), value[None]])
 
     def finished(self, run, plan):
         return False  # every one of --iter iterations runs
@@ -322,6 +339,8 @@ class ClassifyJob:
             partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel), f"{root}_sampling.star"),
             partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
                     class_distributions=np.array(run.extras["class_distributions"]), ssnr=model.ssnr[0].copy(),
+                    class_changes=np.array(run.extras["class_changes"]),
+                    class_resolutions_angstrom=np.array(run.extras["class_resolutions"]),
                     ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
                     resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
                     tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)),
