@@ -2,16 +2,16 @@
 
     python benchmarks/classify_accuracy.py --work /tmp/cls --gpu --seeds 1 2 3       # the full set, 15 iterations
     python benchmarks/classify_accuracy.py --work /tmp/cls --cpu --seeds 1 --n 400 --iter 8
-    python benchmarks/classify_accuracy.py --work /tmp/cls --gpu --snr 0.05 --seeds 1 2 3   # the hard set
+    python benchmarks/classify_accuracy.py --work /tmp/cls --gpu --snr 0.05 --seeds 1 2 3     # the hard set
 
 Steps, in one work folder:
 
 1. maps      state A: examples/ribosome_64px.mrc (or --map) relabelled --angpix Å/px (the 70S ribosome in a
              64 px box), or with --model the density of an atomic model (e.g. PDB 7P6Z, the 70S ribosome)
              at --model_resolution Å in a 64 px box of --angpix Å/px (--box: Fourier-cropped to that box,
-             the pixel size scaled to match); state B: A with a ball of density erased, its radius (--ball_angstrom, 55 Å) and
-             centre chosen so that it removes --erase_fraction (13.5 %) of A's positive mass; the reference:
-             A low-passed to 40 Å.
+             the pixel size scaled to match); state B: A with a ball of density erased, its radius
+             (--ball_angstrom, 55 Å) and centre chosen so that it removes --erase_fraction (13.5 %) of A's
+             positive mass; the reference: A low-passed to 40 Å.
 2. particles --n particles, each state drawn with probability 1/2 (seeded), made by `cryorefine simulate`
              (uniform random poses, CTF with defocus 0.9–2.5 µm at 300 kV, white noise at --snr in the
              particle circle); one STAR file in a shuffled order, the true states in states.txt.

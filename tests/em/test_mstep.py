@@ -86,8 +86,8 @@ def test_symmetric_mstep_on_the_device_matches_the_host(name):
 
 
 def test_the_lowest_shells_are_not_regularised():
-    # RELION's --minres_map: τ² adds 1/(pf³·T·τ²) to the weights from shell 5 on only. With a tiny τ² the shells
-    # from 5 on vanish, those below keep the data over the weights (up to what the padded grid's windowing
+    # RELION's --minres_map: τ² adds 1/(pf³·T·τ²) to the weights from shell 5 on only. With a tiny τ² the
+    # shells from 5 on vanish, those below keep the data over the weights (up to what the padded grid's windowing
     # spreads between neighbouring shells); regularised in every shell, they would vanish too (difference ≈ 1)
     model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
     bp = mstep.backprojector(*_sums([np.eye(3)]), model, _config("C1"), N, np)

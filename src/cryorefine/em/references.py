@@ -36,5 +36,6 @@ def lowpass_to_ini_high(volume, config, box, pixel):
         return volume
     xp = array_module(volume)
     radius = box * pixel / config.ini_high_angstrom
-    edge = fourier.raised_cosine(fourier.radius_3d(box, xp), radius - INI_HIGH_EDGE_SHELLS / 2, INI_HIGH_EDGE_SHELLS, xp)
+    edge = fourier.raised_cosine(fourier.radius_3d(box, xp), radius - INI_HIGH_EDGE_SHELLS / 2,
+                                 INI_HIGH_EDGE_SHELLS, xp)
     return fourier.irfft3_centered(fourier.rfft3_centered(volume, xp) * edge, box, xp)
