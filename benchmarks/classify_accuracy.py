@@ -164,8 +164,9 @@ def measured(folder, iterations, states):
         counts = np.bincount(table["rlnClassNumber"].to_numpy() - 1, minlength=2)
         shares.append([round(float(c) / len(table), 3) for c in counts])
         resolutions.append(round(float(read_star(model)["model_general"]["rlnCurrentResolution"]), 2))
-    return {"accuracy_per_iteration": accuracy_per_iteration, "final": accuracy_per_iteration[-1],
-            "best": max(accuracy_per_iteration), "class_shares_per_iteration": shares,
+    return {"accuracy_per_iteration": accuracy_per_iteration,
+            "final": accuracy_per_iteration[-1] if accuracy_per_iteration else None,
+            "best": max(accuracy_per_iteration, default=None), "class_shares_per_iteration": shares,
             "resolution_angstrom_per_iteration": resolutions}
 
 
@@ -182,9 +183,11 @@ def one_relion_seed(work, seed, options, states):
     """The same job with RELION, run in `work` (RELION reads image names relative to where it runs)."""
     folder = work / f"relion_seed{seed}"
     folder.mkdir(exist_ok=True)
-    command = options.relion.split() + ["--i", "particles.star", "--ref", "ref_lp40.mrc", "--o",
-                                        f"{folder.name}/run", "--iter", str(options.iter), "--random_seed", str(seed),
-                                        "--j", str(options.relion_j), *CLASSIFY]
+    program = options.relion.split()
+    if Path(program[0]).exists():  # a path: RELION runs in the work folder
+        program[0] = str(Path(program[0]).resolve())
+    command = program + ["--i", "particles.star", "--ref", "ref_lp40.mrc", "--o", f"{folder.name}/run", "--iter",
+                         str(options.iter), "--random_seed", str(seed), "--j", str(options.relion_j), *CLASSIFY]
     print("$ " + " ".join(command), file=sys.stderr, flush=True)
     tic = time.perf_counter()
     with open(folder / "relion.log", "w") as log:
@@ -217,6 +220,9 @@ def main(argv=None):
     print("|---" * (len(marks) + 5) + "|")
     for r in runs:
         acc = r["accuracy_per_iteration"]
+        if not acc:
+            print(f"| {r.get('program', 'cryorefine')} | {r['seed']} | no iteration finished |")
+            continue
         print(f"| {r.get('program', 'cryorefine')} | {r['seed']} | "
               + " | ".join(f"{100 * acc[i - 1]:.1f}" if i <= len(acc) else "–" for i in marks)
               + f" | {100 * r['best']:.1f} | {100 * (r['final'] - r['best']):.1f} | {r['wall_seconds']:.0f} |")
