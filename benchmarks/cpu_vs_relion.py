@@ -123,13 +123,14 @@ def timed(command: list[str], folder: Path, log: Path, stop_after: int | None = 
     tic = time.perf_counter()
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
+        stopped = False
         while process.poll() is None:
             if stop_after and len(iteration_files(folder)) >= stop_after:
                 time.sleep(1.0)  # the iteration's other files
-                os.killpg(process.pid, 15)
-                process.wait()
-                break
-            if max_seconds and time.perf_counter() - tic > max_seconds:
+                stopped = True
+            elif max_seconds and time.perf_counter() - tic > max_seconds:
+                stopped = True
+            if stopped:
                 os.killpg(process.pid, 15)
                 process.wait()
                 break
@@ -137,7 +138,7 @@ def timed(command: list[str], folder: Path, log: Path, stop_after: int | None = 
         rc = process.returncode
     seconds = time.perf_counter() - tic
     return {"command": " ".join(command), "returncode": rc, "seconds": round(seconds, 2),
-            "finished": rc == 0 and (folder / "run_model.star").exists(), "max_seconds": max_seconds,
+            "finished": rc == 0 and not stopped, "max_seconds": max_seconds,
             "iteration_seconds": [round(s, 2) for s in iteration_seconds(folder, start)],
             "iterations": len(iteration_seconds(folder, start)), "resolution_angstrom": final_resolution(folder),
             "stopped_after_iteration": stop_after,
