@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def split_at_double_dash(argv):
@@ -28,3 +30,13 @@ def run_cli(*args, log_path=None):
     if code != 0:
         sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path or 'its output (not kept)'}")
     return time.perf_counter() - tic
+
+
+def work_and_engine_parser(description, epilog, job):
+    """An ArgumentParser with --work (required) and one of --gpu / --cpu (required) for the `job` runs."""
+    parser = argparse.ArgumentParser(description=description, epilog=epilog)
+    parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
+    engine = parser.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--gpu", action="store_true", help=f"{job} with the GPU engine (device 0).")
+    engine.add_argument("--cpu", action="store_true", help=f"{job} with the numpy engine.")
+    return parser

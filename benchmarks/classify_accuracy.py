@@ -31,7 +31,6 @@ A table goes to stdout, everything to WORK/results.json (or --json).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_common import run_cli, split_at_double_dash
+from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
 from cryorefine.core import fourier
 from cryorefine.io.mrc import read_volume, write_volume
 from cryorefine.io.star import read_particle_star, read_star, write_particle_star
@@ -53,12 +52,7 @@ CLASSIFY = ["--K", "2", "--tau2_fudge", "4", "--particle_diameter", "270", "--in
 
 def parse_args(argv):
     argv, extra = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                     epilog="Options after -- are passed on to every `cryorefine classify` run.")
-    parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
-    engine = parser.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--gpu", action="store_true", help="Classify with the GPU engine (device 0).")
-    engine.add_argument("--cpu", action="store_true", help="Classify with the numpy engine.")
+    parser = work_and_engine_parser(__doc__.split("\n", 1)[0], "Options after -- are passed on to every `cryorefine classify` run.", "Classify")
     parser.add_argument("--map", type=Path, default=DEFAULT_MAP, help="State A (cubic MRC).")
     parser.add_argument("--model", type=Path, default=None, help="Atomic model whose density is state A.")
     parser.add_argument("--model_resolution", type=float, default=10.0, help="Resolution of that density (Å).")

@@ -29,7 +29,6 @@ A Markdown table goes to stdout and everything to WORK/results.json (or --json).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_common import run_cli, split_at_double_dash
+from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
 from cryorefine.core.symmetry import symmetrise_volume, symmetry_group
@@ -50,12 +49,7 @@ DEFAULT_MAP = REPO / "examples" / "ribosome_64px.mrc"
 
 def parse_args(argv):
     argv, extra = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                     epilog="Options after -- are passed on to both `cryorefine refine` runs.")
-    parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
-    engine = parser.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--gpu", action="store_true", help="Refine with the GPU engine (device 0).")
-    engine.add_argument("--cpu", action="store_true", help="Refine with the numpy engine.")
+    parser = work_and_engine_parser(__doc__.split("\n", 1)[0], "Options after -- are passed on to both `cryorefine refine` runs.", "Refine")
     parser.add_argument("--groups", nargs="+", default=["D2", "O"], help="Point groups to measure.")
     parser.add_argument("--map", type=Path, default=DEFAULT_MAP, help="Map to symmetrise and project (cubic MRC).")
     parser.add_argument("--box", type=int, default=32, help="Fourier-crop the map to this box (px).")
