@@ -9,8 +9,14 @@ Importing this module does not import CuPy.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import threading
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_FILES = ("project.cu", "coarse.cu", "fine.cu", "backproject.cu", "segments.cu")
@@ -26,6 +32,8 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies bey
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS}
+
+COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
 _modules = {}  # (device id, name expressions) -> cupy.RawModule
 _lock = threading.Lock()
@@ -70,8 +78,46 @@ def kernel_module(name_expressions=(), device_id=None):
         with _lock:
             module = _modules.get(key)
             if module is None:
-                with cupy.cuda.Device(key[0]):
+                with cupy.cuda.Device(key[0]), compile_notice(f"the GPU kernels{' ' if key[1] else ''}"
+                                                              f"{', '.join(key[1])}"):
                     module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS,
                                             name_expressions=key[1])
+                    module.get_function("segment_reduce")  # compiled (or read from CuPy's cache) here
                 _modules[key] = module
     return module
+
+
+def kernel_cache_dir():
+    """Where CuPy keeps compiled kernels ($CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+@contextlib.contextmanager
+def compile_notice(what):
+    """Say so when the work inside takes longer than COMPILE_NOTICE_SECONDS (a compilation, not a cache hit):
+    one line when it has taken that long, one with its time when it ends."""
+    tic = time.perf_counter()
+    announced = threading.Event()
+
+    def announce():
+        announced.set()
+        log.info("compiling %s for this GPU (once per machine and version; cached in %s) ...", what,
+                 kernel_cache_dir())
+
+    timer = threading.Timer(COMPILE_NOTICE_SECONDS, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if announced.is_set():
+            log.info("compiled %s in %.0f s", what, time.perf_counter() - tic)
+
+
+def first_use_notice():
+    """One line when CuPy's kernel cache is empty: the first run on a machine compiles every kernel it uses."""
+    cache = kernel_cache_dir()
+    if not cache.is_dir() or not any(cache.iterdir()):
+        log.info("first GPU run on this machine (%s is empty): the first iterations also compile the GPU kernels "
+                 "they use, about a minute in all; later runs read them from there", cache)
