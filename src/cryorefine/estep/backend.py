@@ -125,10 +125,10 @@ class CudaBackend:
         from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
 
         with cupy.cuda.Device(self.device_id):
+            first_use_notice()
             if not self.use_arena:
                 yield self
                 return
-            first_use_notice()
             self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
             try:
                 with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
