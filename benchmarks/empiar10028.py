@@ -72,6 +72,7 @@ STAGES = (  # (label, stage names summed) in the order of an iteration
     ("engine set-up (references, cached coarse slices)", ("setup",)),
     ("waits for the image reads", ("read_wait",)),
     ("image preparation", ("images",)),
+    ("local-search orientations", ("orientations",)),
     ("upload + shifted images", ("upload", "coarse_images")),
     ("coarse diff2", ("coarse",)),
     ("weights", ("weights",)),

@@ -252,52 +252,68 @@ def _brute_sym_angle(prior_rot, prior_tilt, dirs, group):
     return best
 
 
-@pytest.mark.parametrize("name", ["C1", "D2"])
-def test_local_search_keeps_exactly_the_samples_within_3_sigma(name):
-    s = Sampling(3, 5, 2, symmetry=name)
+def _dense_local_prior(s, group, prior_rot, prior_tilt, prior_psi, sigma, sigma_psi):
+    """The local prior over the whole grid, (n_dir·n_psi,), −inf outside: every direction and psi measured."""
+    ang = _brute_sym_angle(prior_rot, prior_tilt, s.direction_vectors(), group)
+    dpsi = np.abs((s.psi_deg() - prior_psi + 180) % 360 - 180)
+
+    def gaussian(dist, sig):
+        keep = dist < 3 * sig
+        if not keep.any():
+            keep = np.arange(dist.size) == np.argmin(dist)
+        lp = np.where(keep, -dist ** 2 / (2 * sig ** 2), -np.inf)
+        return lp - np.log(np.sum(np.exp(lp[keep])))
+
+    return (gaussian(ang, sigma)[:, None] + gaussian(dpsi, sigma_psi)[None, :]).reshape(-1)
+
+
+@pytest.mark.parametrize("name, order, sigma, sigma_psi", [("C1", 3, 4.0, 6.0), ("D2", 3, 4.0, 6.0),
+                                                           ("O", 4, 3.0, 2.0), ("C1", 6, 0.94, 0.94)])
+def test_local_search_keeps_exactly_the_samples_within_3_sigma(name, order, sigma, sigma_psi):
+    """Each particle's orientations are those of the whole grid within 3σ (directions measured to every
+    symmetry mate of the prior), with the Gaussian priors normalised over the kept ones; poles included."""
+    s = Sampling(order, 5, 2, symmetry=name)
     g = symmetry_group(name)
-    prior_rot = np.array([10.0, -120.0, 75.0])
-    prior_tilt = np.array([30.0, 100.0, 170.0])
-    prior_psi = np.array([5.0, 200.0, 359.0])
-    sigma, sigma_psi = 4.0, 6.0
-    lp = s.local_prior(prior_rot, prior_tilt, prior_psi, sigma, sigma_psi)
-    assert lp.dir_log_prior.shape == (3, s.n_directions) and lp.psi_log_prior.shape == (3, s.n_psi)
-    dirs = s.direction_vectors()
-    psis = s.psi_deg()
-    for b in range(3):
-        ang = _brute_sym_angle(prior_rot[b], prior_tilt[b], dirs, g)
-        kept = np.isfinite(lp.dir_log_prior[b])
-        assert np.array_equal(kept, ang < 3 * sigma)
-        assert kept.sum() >= 3
-        # Gaussian in the angle, normalised over the kept directions
-        w = np.exp(lp.dir_log_prior[b][kept])
-        assert np.isclose(w.sum(), 1.0)
-        ref = np.exp(-ang[kept] ** 2 / (2 * sigma ** 2))
-        assert np.allclose(w, ref / ref.sum())
-        dpsi = np.abs((psis - prior_psi[b] + 180) % 360 - 180)
-        kept_psi = np.isfinite(lp.psi_log_prior[b])
-        assert np.array_equal(kept_psi, dpsi < 3 * sigma_psi)
-        assert np.isclose(np.exp(lp.psi_log_prior[b][kept_psi]).sum(), 1.0)
-    # combined orientation prior: index dir * n_psi + psi
-    olp = lp.orientation_log_prior()
-    assert olp.shape == (3, s.n_orientations)
-    d_i, p_i = 17, 5
-    assert np.isclose(olp[0, d_i * s.n_psi + p_i], lp.dir_log_prior[0, d_i] + lp.psi_log_prior[0, p_i]) or \
-        not np.isfinite(olp[0, d_i * s.n_psi + p_i])
-    assert np.isclose(np.exp(olp[np.isfinite(olp)]).sum(), 3.0)
-    assert np.array_equal(lp.orientation_mask(), np.isfinite(olp))
+    prior_rot = np.array([10.0, -120.0, 75.0, 33.0, -179.9])
+    prior_tilt = np.array([30.0, 100.0, 170.0, 0.05, 179.99])
+    prior_psi = np.array([5.0, 200.0, 359.0, -3.0, 180.0])
+    local = s.local_orientations(prior_rot, prior_tilt, prior_psi, sigma, sigma_psi)
+    assert local.n_particles == 5
+    for b in range(5):
+        want = _dense_local_prior(s, g, prior_rot[b], prior_tilt[b], prior_psi[b], sigma, sigma_psi)
+        segment = slice(local.offsets[b], local.offsets[b + 1])
+        got_o, got_lp = local.orientation[segment], local.log_prior[segment]
+        assert np.array_equal(got_o, np.flatnonzero(np.isfinite(want)))
+        assert got_o.size >= 3
+        np.testing.assert_allclose(got_lp, want[got_o], rtol=1e-12, atol=1e-12)
+        assert np.isclose(np.exp(got_lp).sum(), 1.0)
+
+
+def test_local_search_holds_the_neighbourhood_not_the_grid():
+    """At order 6 (18.9 M orientations) a particle's local search holds about 177 of them."""
+    s = Sampling(6, 5, 2)
+    local = s.local_orientations(np.array([10.0, 50.0]), np.array([80.0, 20.0]), np.array([0.0, 90.0]), 0.94, 0.94)
+    assert s.n_orientations > 18_000_000
+    assert np.all((100 < local.counts()) & (local.counts() < 300))
 
 
 def test_local_search_falls_back_to_the_nearest_sample():
     s = Sampling(2, 5, 2)
-    lp = s.local_prior([3.0], [47.0], [7.0], sigma_dir_deg=0.01, sigma_psi_deg=0.01)
-    assert np.isfinite(lp.dir_log_prior).sum() == 1 and np.isfinite(lp.psi_log_prior).sum() == 1
-    i = int(np.argmax(lp.dir_log_prior[0]))
+    local = s.local_orientations([3.0], [47.0], [7.0], sigma_dir_deg=0.01, sigma_psi_deg=0.01)
+    assert local.counts()[0] == 1 and local.log_prior[0] == 0.0
+    direction, psi = divmod(int(local.orientation[0]), s.n_psi)
     ang = _angle_deg(s.direction_vectors(), directions_to_xyz(3.0, 47.0))
-    assert i == int(np.argmin(ang))
-    assert int(np.argmax(lp.psi_log_prior[0])) == 0  # 7 degrees is nearest to psi 0 (step 15)
-    flat = s.local_prior([3.0], [47.0], [7.0], sigma_dir_deg=0, sigma_psi_deg=0)
-    assert np.all(np.isfinite(flat.orientation_log_prior()))
+    assert direction == int(np.argmin(ang))
+    assert psi == 0  # 7 degrees is nearest to psi 0 (step 15)
+    flat = s.local_orientations([3.0], [47.0], [7.0], sigma_dir_deg=0, sigma_psi_deg=0)
+    assert np.array_equal(flat.orientation, np.arange(s.n_orientations))
+    np.testing.assert_allclose(flat.log_prior, -np.log(s.n_orientations))
+
+
+def test_orientations_of_an_index_are_those_of_the_grid():
+    s = Sampling(2, 3, 1.5, perturbation=0.3)
+    pick = np.array([5, 0, 700, 5])
+    np.testing.assert_allclose(s.orientation_matrices(index=pick), s.orientation_matrices()[pick], atol=1e-12)
 
 
 def test_offset_log_prior():

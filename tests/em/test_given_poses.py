@@ -23,10 +23,9 @@ def test_each_particle_finds_its_own_pose_among_the_units():
     assert poses.n_orientations == 30 and poses.n_directions == 1 and poses.n_translations == 1
     pick = members[[4, 0, 29, 4]]
     assert np.array_equal(poses.index_of(rot[pick], tilt[pick], psi[pick]), [4, 0, 29, 4])
-    prior = poses.local_prior(rot[pick], tilt[pick], psi[pick])
-    lp = prior.orientation_log_prior()
-    assert lp.shape == (4, 30)
-    assert np.array_equal(np.argmax(lp, axis=1), [4, 0, 29, 4]) and np.isfinite(lp).sum() == 4
+    local = poses.local_orientations(rot[pick], tilt[pick], psi[pick])
+    assert np.array_equal(local.counts(), [1, 1, 1, 1])
+    assert np.array_equal(local.orientation, [4, 0, 29, 4]) and np.all(local.log_prior == 0)
     # a pose that is not exactly in the table: the nearest orientation (here one nudged by 0.01°)
     assert poses.index_of(rot[pick[:1]] + 0.01, tilt[pick[:1]], psi[pick[:1]])[0] == 4
     # children are the orientations themselves

@@ -36,6 +36,9 @@ Local searches (selectOrientationsWithNonZeroPriorProbability): directions withi
 sigma_cutoff·σ of the prior direction (angle between directions, the smallest over the
 symmetry mates) and psi angles within sigma_cutoff·σ_psi of the prior psi are kept, with
 Gaussian priors normalised over the kept ones; if none is within range, the nearest is kept.
+Each particle's neighbourhood is found on its own (HEALPix discs around the prior direction's
+mates, a window of psi angles) and kept as a ragged list (`LocalOrientations`): nothing the size
+of the whole grid is made, however fine the sampling.
 
 Angles are in degrees and translations in pixels throughout.
 """
@@ -104,25 +107,80 @@ class FineSamples(NamedTuple):
     translations_px: object
 
 
-class LocalPrior(NamedTuple):
-    """Per-particle log priors of a local search; −inf marks samples outside the search.
+@dataclass(frozen=True, eq=False)
+class LocalOrientations:
+    """The orientations of a local search, particle by particle, as one ragged list.
 
-    dir_log_prior (B, n_dir) and psi_log_prior (B, n_psi) are each normalised so that the exp of
-    the finite entries sums to 1 per particle.
+    Particle b's orientations are `orientation[offsets[b]:offsets[b + 1]]` (indices dir·n_psi + psi,
+    increasing) with their log priors `log_prior[…]`: the direction's and the psi's Gaussian priors,
+    each normalised over the kept ones, added.
     """
 
-    dir_log_prior: object
-    psi_log_prior: object
+    offsets: np.ndarray  # (B + 1,) int64
+    orientation: np.ndarray  # (n,) int64
+    log_prior: np.ndarray  # (n,) float64
 
-    def orientation_log_prior(self, xp=np):
-        """(B, n_dir·n_psi) log prior of every orientation, index dir·n_psi + psi."""
-        d = xp.asarray(self.dir_log_prior)
-        p = xp.asarray(self.psi_log_prior)
-        return (d[:, :, None] + p[:, None, :]).reshape(d.shape[0], -1)
+    @property
+    def n_particles(self) -> int:
+        return int(self.offsets.size - 1)
 
-    def orientation_mask(self, xp=np):
-        """(B, n_dir·n_psi) True where the orientation is searched."""
-        return xp.isfinite(self.orientation_log_prior(xp))
+    def counts(self) -> np.ndarray:
+        """(B,) orientations per particle."""
+        return np.diff(self.offsets)
+
+    def particle_of(self) -> np.ndarray:
+        """(n,) the particle of each entry."""
+        return np.repeat(np.arange(self.n_particles), self.counts())
+
+    def rows(self, start: int, stop: int) -> "LocalOrientations":
+        """The particles start … stop − 1 (consecutive), renumbered from 0."""
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return LocalOrientations(self.offsets[start:stop + 1] - lo, self.orientation[lo:hi], self.log_prior[lo:hi])
+
+    def padded(self, width: int | None = None):
+        """(B, width) orientations (0 where a particle has fewer) and log priors (−inf there); width
+        defaults to the largest count."""
+        counts = self.counts()
+        width = int(counts.max(initial=1)) if width is None else int(width)
+        b = self.particle_of()
+        j = np.arange(self.orientation.size) - self.offsets[b]
+        orientation = np.zeros((self.n_particles, width), dtype=np.int64)
+        log_prior = np.full((self.n_particles, width), -np.inf)
+        orientation[b, j] = self.orientation
+        log_prior[b, j] = self.log_prior
+        return orientation, log_prior
+
+
+def _ragged_product(offsets_a, values_a, offsets_b, values_b):
+    """Per row, every pair (a, b) of two ragged lists, a outer: the offsets and the two entry indices."""
+    count_a, count_b = np.diff(offsets_a), np.diff(offsets_b)
+    counts = count_a * count_b
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    row = np.repeat(np.arange(counts.size), counts)
+    j = np.arange(offsets[-1]) - offsets[row]
+    ia = offsets_a[row] + j // count_b[row]
+    ib = offsets_b[row] + j % count_b[row]
+    return offsets, values_a[ia], values_b[ib]
+
+
+def _normalised_gaussian(dist, row, n_rows, sigma, cutoff):
+    """Log Gaussian priors of ragged candidates (`dist`, their `row`, rows in order): the candidates
+    within cutoff·sigma of each row, else its nearest alone (the first of equals), normalised per row.
+    Returns the mask of kept candidates and their log priors."""
+    keep = dist < cutoff * sigma
+    starts = np.searchsorted(row, np.arange(n_rows))
+    has = np.zeros(n_rows, dtype=bool)
+    np.logical_or.at(has, row, keep)
+    for r in np.flatnonzero(~has):  # nothing in range: the nearest
+        stop = starts[r + 1] if r + 1 < n_rows else row.size
+        keep[starts[r] + int(np.argmin(dist[starts[r]:stop]))] = True
+    logp = -(dist[keep] ** 2) / (2.0 * sigma * sigma)
+    kept_row = row[keep]
+    top = np.full(n_rows, -np.inf)
+    np.maximum.at(top, kept_row, logp)
+    total = np.zeros(n_rows)
+    np.add.at(total, kept_row, np.exp(logp - top[kept_row]))
+    return keep, logp - (top + np.log(total))[kept_row]
 
 
 @dataclass(frozen=True)
@@ -273,19 +331,26 @@ class Sampling:
         """(n_psi,) coarse psi angles ipsi·step (not perturbed)."""
         return xp.arange(self.n_psi, dtype=xp.float64) * self.psi_step_deg
 
-    def orientations_deg(self, xp=np):
-        """(rot, tilt, psi), each (n_dir·n_psi,), orientation index dir·n_psi + psi; perturbed."""
-        d = self.directions_deg(xp)
-        psi = self.psi_deg(xp)
-        n_psi = psi.shape[0]
-        rot = xp.repeat(d[:, 0], n_psi)
-        tilt = xp.repeat(d[:, 1], n_psi)
-        psi_all = xp.tile(psi, d.shape[0])
+    def orientations_deg(self, xp=np, index=None):
+        """(rot, tilt, psi), each (n_dir·n_psi,), orientation index dir·n_psi + psi; perturbed. With
+        `index` (host ints), those orientations only."""
+        if index is None:
+            d = self.directions_deg(xp)
+            psi = self.psi_deg(xp)
+            n_psi = psi.shape[0]
+            rot = xp.repeat(d[:, 0], n_psi)
+            tilt = xp.repeat(d[:, 1], n_psi)
+            psi_all = xp.tile(psi, d.shape[0])
+        else:
+            o = np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
+            d = self._directions[o // self.n_psi]
+            rot, tilt = xp.asarray(d[:, 0]), xp.asarray(d[:, 1])
+            psi_all = xp.asarray((o % self.n_psi) * self.psi_step_deg)
         return self._perturb_angles(rot, tilt, psi_all, xp)
 
-    def orientation_matrices(self, xp=np):
-        """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed)."""
-        return euler_to_matrix(*self.orientations_deg(xp), xp=xp)
+    def orientation_matrices(self, xp=np, index=None):
+        """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed); with `index`, of those."""
+        return euler_to_matrix(*self.orientations_deg(xp, index), xp=xp)
 
     def translations_px(self, xp=np):
         """(n_trans, 2) coarse translations (x, y) in pixels, RELION's order; perturbed."""
@@ -377,50 +442,85 @@ class Sampling:
 
     # ------------------------------------------------------------------ local searches
 
-    def local_prior(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg: float,
-                    sigma_psi_deg: float, sigma_cutoff: float = 3.0, xp=np) -> LocalPrior:
-        """Gaussian priors around prior poses (B,) for a local search (RELION's
-        selectOrientationsWithNonZeroPriorProbability).
+    def local_orientations(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg: float,
+                           sigma_psi_deg: float, sigma_cutoff: float = 3.0) -> LocalOrientations:
+        """Each particle's orientations and Gaussian log priors around its prior pose (B,) for a local
+        search (RELION's selectOrientationsWithNonZeroPriorProbability).
 
         A direction is kept if its angle to the prior direction, the smallest over the symmetry
         mates R d, is < sigma_cutoff·sigma_dir_deg; a psi if its wrapped difference to the prior
         psi is < sigma_cutoff·sigma_psi_deg. A sigma ≤ 0 keeps every sample with a flat prior.
         If nothing is in range, the nearest sample alone is kept.
         """
-        pr = xp.asarray(prior_rot_deg, dtype=xp.float64).reshape(-1)
-        pt = xp.asarray(prior_tilt_deg, dtype=xp.float64).reshape(-1)
-        pp = xp.asarray(prior_psi_deg, dtype=xp.float64).reshape(-1)
-        dirs = self.direction_vectors(xp)  # (n_dir, 3)
+        pr, pt, pp = (np.asarray(_to_numpy(a), dtype=np.float64).reshape(-1)
+                      for a in (prior_rot_deg, prior_tilt_deg, prior_psi_deg))
+        n = pr.size
         if sigma_dir_deg > 0:
-            prior_dir = directions_to_xyz(pr, pt, xp)  # (B, 3)
-            best = xp.full((prior_dir.shape[0], dirs.shape[0]), -2.0)
-            for r in xp.asarray(self.group.matrices):
-                # (R d)·q = d·(Rᵀ q)
-                best = xp.maximum(best, (prior_dir @ r) @ dirs.T)
-            ang = xp.rad2deg(xp.arccos(xp.clip(best, -1.0, 1.0)))
-            dir_lp = _gaussian_log_prior(ang, sigma_dir_deg, sigma_cutoff, xp)
+            dir_offsets, dirs, dir_lp = self._local_directions(pr, pt, sigma_dir_deg, sigma_cutoff)
         else:
-            dir_lp = xp.full((pr.shape[0], dirs.shape[0]), -math.log(dirs.shape[0]))
+            dir_offsets = np.arange(n + 1, dtype=np.int64) * self.n_directions
+            dirs = np.tile(np.arange(self.n_directions, dtype=np.int64), n)
+            dir_lp = np.full(dirs.size, -math.log(self.n_directions))
         if sigma_psi_deg > 0:
-            dpsi = xp.abs(_wrap_deg(self.psi_deg(xp)[None, :] - pp[:, None], xp))
-            psi_lp = _gaussian_log_prior(dpsi, sigma_psi_deg, sigma_cutoff, xp)
+            psi_offsets, psis, psi_lp = self._local_psi(pp, sigma_psi_deg, sigma_cutoff)
         else:
-            psi_lp = xp.full((pp.shape[0], self.n_psi), -math.log(self.n_psi))
-        return LocalPrior(dir_lp, psi_lp)
+            psi_offsets = np.arange(n + 1, dtype=np.int64) * self.n_psi
+            psis = np.tile(np.arange(self.n_psi, dtype=np.int64), n)
+            psi_lp = np.full(psis.size, -math.log(self.n_psi))
+        offsets, i_dir, i_psi = _ragged_product(dir_offsets, np.arange(dirs.size), psi_offsets, np.arange(psis.size))
+        return LocalOrientations(offsets, dirs[i_dir] * self.n_psi + psis[i_psi], dir_lp[i_dir] + psi_lp[i_psi])
 
+    @functools.cached_property
+    def _direction_of_pixel(self) -> np.ndarray:
+        """Direction index of each HEALPix pixel of order N, −1 outside the asymmetric unit."""
+        out = np.full(12 * 4 ** self.healpix_order, -1, dtype=np.int64)
+        out[self.direction_ipix] = np.arange(self.n_directions)
+        return out
 
-def _gaussian_log_prior(dist, sigma, cutoff, xp):
-    """Row-normalised log of a Gaussian in `dist` (B, n), −inf at dist ≥ cutoff·sigma."""
-    keep = dist < cutoff * sigma
-    none = ~xp.any(keep, axis=1)
-    nearest = xp.argmin(dist, axis=1)
-    cols = xp.arange(dist.shape[1])
-    keep = keep | (none[:, None] & (cols[None, :] == nearest[:, None]))
-    logp = -(dist * dist) / (2.0 * sigma * sigma)
-    logp = xp.where(keep, logp, -xp.inf)
-    top = xp.max(logp, axis=1, keepdims=True)
-    norm = top + xp.log(xp.sum(xp.exp(logp - top), axis=1, keepdims=True))
-    return logp - norm
+    def _local_directions(self, prior_rot_deg, prior_tilt_deg, sigma_deg, cutoff):
+        """Ragged (offsets, directions, log priors) of the directions near each prior direction: HEALPix
+        discs around the prior's symmetry mates give the candidates, their exact angles decide."""
+        import healpy
+
+        nside = healpix_nside(self.healpix_order)
+        mats = np.asarray(self.group.matrices)
+        q = directions_to_xyz(prior_rot_deg, prior_tilt_deg)  # (B, 3)
+        mates = np.einsum("bj,gjk->bgk", q, mats)  # q·R: the angle to d is the one between Rᵀq and d
+        # a disc at least two pixels wide: it holds the nearest direction when none is in range
+        radius = max(math.radians(cutoff * sigma_deg), 2.0 * healpy.nside2resol(nside))
+        lookup = self._direction_of_pixel
+        parts = []
+        for b in range(q.shape[0]):
+            pix = np.concatenate([healpy.query_disc(nside, m, radius, inclusive=True, nest=True) for m in mates[b]])
+            found = np.unique(lookup[pix])
+            found = found[found >= 0]
+            if found.size == 0:  # no unit pixel near any mate (a tiny disc): every direction is a candidate
+                found = np.arange(self.n_directions)
+            parts.append(found)
+        counts = np.array([p.size for p in parts], dtype=np.int64)
+        cand = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        row = np.repeat(np.arange(q.shape[0]), counts)
+        dirs = self.direction_vectors()[cand]  # (n, 3)
+        best = np.einsum("ngk,nk->ng", mates[row], dirs).max(axis=1)
+        angle = np.rad2deg(np.arccos(np.clip(best, -1.0, 1.0)))
+        keep, log_prior = _normalised_gaussian(angle, row, q.shape[0], sigma_deg, cutoff)
+        offsets = np.r_[0, np.cumsum(np.bincount(row[keep], minlength=q.shape[0]))].astype(np.int64)
+        return offsets, cand[keep], log_prior
+
+    def _local_psi(self, prior_psi_deg, sigma_deg, cutoff):
+        """Ragged (offsets, psi indices, log priors) of the psi angles near each prior psi."""
+        step, n_psi = self.psi_step_deg, self.n_psi
+        half = int(math.ceil(cutoff * sigma_deg / step)) + 1
+        if 2 * half + 1 >= n_psi:
+            cand = np.broadcast_to(np.arange(n_psi), (prior_psi_deg.size, n_psi))
+        else:  # a window around the nearest psi, increasing
+            centre = np.rint(prior_psi_deg / step).astype(np.int64)
+            cand = np.sort((centre[:, None] + np.arange(-half, half + 1)[None, :]) % n_psi, axis=1)
+        dpsi = np.abs(_wrap_deg(cand * step - prior_psi_deg[:, None]))
+        row = np.repeat(np.arange(cand.shape[0]), cand.shape[1])
+        keep, log_prior = _normalised_gaussian(dpsi.reshape(-1), row, cand.shape[0], sigma_deg, cutoff)
+        offsets = np.r_[0, np.cumsum(np.bincount(row[keep], minlength=cand.shape[0]))].astype(np.int64)
+        return offsets, cand.reshape(-1)[keep].astype(np.int64), log_prior
 
 
 def offset_log_prior(translations_px, old_offset_px, sigma_offset_px: float, prior_offset_px=None, xp=np):

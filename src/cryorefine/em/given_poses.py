@@ -6,27 +6,24 @@ no oversampling, no perturbation).
 (`em.estep`, either engine, unchanged) does the work: its orientations are the poses of a work unit's
 particles, indexed as one direction × one "psi" per particle (orientation i = particle i of the unit),
 its one translation is (0, 0) relative to the particle's origin (whose sub-pixel part the engines
-apply as a phase shift), and its `local_prior` keeps, for each particle of a batch, its own
-orientation alone. The engines' local-search path then projects only the batch's orientations and
+apply as a phase shift), and its `local_orientations` keeps, for each particle of a batch, its own
+orientation alone. The engines' local-search path then projects each particle's own orientation and
 the weights run over the classes. The class sums' direction distribution has one direction, as
 RELION's has with --skip_align.
 
 A batch's particles are found among the unit's poses by their pose values, which the E-step hands
-back unchanged (the best sample of a particle is its own orientation). The priors of a batch are
-(batch × unit size) arrays, so a batch costs time in proportion to the unit's size on top of the
-images' own work (RELION rebuilds its sampling per batch of particles instead).
+back unchanged (the best sample of a particle is its own orientation).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from cryorefine.core.euler import euler_to_matrix
-from cryorefine.core.sampling import LocalPrior
+from cryorefine.core.sampling import LocalOrientations
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +77,12 @@ class GivenPoses:
         return 360.0 / (6 * 2 ** self.healpix_order)
 
     # ------------------------------------------------------------------ the grid
-    def orientations_deg(self, xp=np):
-        return xp.asarray(self.rot_deg), xp.asarray(self.tilt_deg), xp.asarray(self.psi_deg)
+    def orientations_deg(self, xp=np, index=None):
+        pick = slice(None) if index is None else np.asarray(index, dtype=np.int64).reshape(-1)
+        return xp.asarray(self.rot_deg[pick]), xp.asarray(self.tilt_deg[pick]), xp.asarray(self.psi_deg[pick])
 
-    def orientation_matrices(self, xp=np):
-        return euler_to_matrix(*self.orientations_deg(xp), xp=xp)
+    def orientation_matrices(self, xp=np, index=None):
+        return euler_to_matrix(*self.orientations_deg(xp, index), xp=xp)
 
     def directions_deg(self, xp=np):
         return xp.zeros((1, 2))
@@ -122,11 +120,9 @@ class GivenPoses:
             out[missing] = np.argmax(theirs @ mine.T, axis=1)  # largest trace of Rᵀ·R': smallest rotation angle
         return out
 
-    def local_prior(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg=0.0, sigma_psi_deg=0.0,
-                    sigma_cutoff=3.0, xp=np):
-        """LocalPrior of a batch: the one direction for all, and among the 'psi' entries (the unit's particles)
-        each particle's own alone (log prior 0; −inf elsewhere). The sigmas are not used."""
+    def local_orientations(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg=0.0, sigma_psi_deg=0.0,
+                           sigma_cutoff=3.0):
+        """LocalOrientations of a batch: each particle its own orientation alone (log prior 0). The sigmas are
+        not used."""
         index = self.index_of(prior_rot_deg, prior_tilt_deg, prior_psi_deg)
-        psi = np.full((index.size, self.n_psi), -math.inf)
-        psi[np.arange(index.size), index] = 0.0
-        return LocalPrior(xp.zeros((index.size, 1)), xp.asarray(psi))
+        return LocalOrientations(np.arange(index.size + 1, dtype=np.int64), index, np.zeros(index.size))

@@ -89,13 +89,13 @@ class IterationTables:
     minv_store: np.ndarray  # (n_optics, n_fine) 1/σ² of the sums (k = 0 kept)
     minv_coarse: np.ndarray  # (n_optics, n_coarse) 1/σ² of the coarse likelihood
     logsigma2: np.ndarray  # (n_optics,) Σ log(2πσ²) over the valid coefficients: the likelihood's normalisation
-    matrices: np.ndarray  # (R, 3, 3) float64 orientation matrices (perturbed)
+    sampling: object  # the iteration's core.sampling.Sampling (perturbed)
+    n_orientations: int  # R, orientation o = direction (o // n_psi) · n_psi + psi (o % n_psi)
+    n_psi: int
     translations: np.ndarray  # (T, 2) float64 coarse translations (px)
     fine_translations: np.ndarray  # (T, n_fine_translations, 2) float64 their children (px)
     n_fine_orientations: int  # children of a coarse orientation
     n_fine_translations: int  # children of a coarse translation
-    direction_of: np.ndarray  # (R,) direction index of each orientation
-    psi_index_of: np.ndarray  # (R,) psi index of each orientation
     scale: np.ndarray  # (n_optics,) float64 scale corrections (ones without)
     scale_use: np.ndarray | None  # (K, n_fine) bool: coefficients in the scale sums (data_vs_prior > 3), or None
 
@@ -115,9 +115,8 @@ class IterationTables:
                              np.log(2 * np.pi * np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)],
                                                            1e-300)), 0.0)
         sampling = s.sampling
-        matrices = np.asarray(sampling.orientation_matrices(), dtype=np.float64)
         translations = np.asarray(sampling.translations_px(), dtype=np.float64)
-        n_orient, n_trans = matrices.shape[0], translations.shape[0]
+        n_trans = translations.shape[0]
         fine_translations = np.asarray(sampling.fine_translations_px(np.arange(n_trans)), dtype=np.float64)
         scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
                  else np.asarray(s.scale_correction, np.float64))
@@ -129,15 +128,18 @@ class IterationTables:
                    minv_fine=inverse_sigma2(sigma2, shell, keep_origin=False),
                    minv_store=inverse_sigma2(sigma2, shell, keep_origin=True),
                    minv_coarse=inverse_sigma2(sigma2, coarse.shell, keep_origin=False),
-                   logsigma2=valid_log.sum(axis=1), matrices=matrices, translations=translations,
-                   fine_translations=fine_translations, n_fine_orientations=sampling.n_fine_orientations(),
-                   n_fine_translations=sampling.n_fine_translations(),
-                   direction_of=np.arange(n_orient) // sampling.n_psi,
-                   psi_index_of=np.arange(n_orient) % sampling.n_psi, scale=scale, scale_use=scale_use)
+                   logsigma2=valid_log.sum(axis=1), sampling=sampling, n_orientations=int(sampling.n_orientations),
+                   n_psi=int(sampling.n_psi), translations=translations, fine_translations=fine_translations,
+                   n_fine_orientations=sampling.n_fine_orientations(),
+                   n_fine_translations=sampling.n_fine_translations(), scale=scale, scale_use=scale_use)
 
-    @property
-    def n_orientations(self):
-        return self.matrices.shape[0]
+    def orientation_matrices(self, index=None):
+        """(n, 3, 3) float64 matrices of the orientations `index` (host ints; all of them by default)."""
+        return np.asarray(self.sampling.orientation_matrices(index=index), dtype=np.float64)
+
+    def direction_of(self, orientation):
+        """Direction index of orientation indices (host or device arrays)."""
+        return orientation // self.n_psi
 
     @property
     def n_translations(self):

@@ -7,7 +7,10 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 1. coarse pass: the projected slices of every orientation (`project_slices_planar`), the images
    moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
    translation) × orientation pairs as one tiled matrix product per orientation chunk
-   (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`);
+   (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle
+   its own orientations (`core.sampling.LocalOrientations`): their slices (`project_slices`) and
+   its moved images meet in one batched matrix product per class (cuBLAS, FP32), padded to the
+   widest neighbourhood of the sub-batch; nothing the size of the whole grid is made;
 2. weights and significance with CuPy array operations on the device (priors, row maximum,
    exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`, slices projected on the
@@ -59,6 +62,16 @@ def _log_weight_kernel(cp):
                                 "out = (prior_a + prior_b) - (double)diff2", "cryorefine_coarse_log_weight")
 
 
+@functools.lru_cache(maxsize=None)
+def _shift_kernel(cp):
+    """x·exp(iθ), θ = scale·(sx·kx + sy·ky) in float64, as complex64: images moved by shifts (numpy twin
+    `Coefficients.phase`), broadcasting its inputs."""
+    return cp.ElementwiseKernel(
+        "float32 xr, float32 xi, float64 sx, float64 sy, float32 kx, float32 ky, float64 scale", "complex64 out",
+        "double s, c; sincos(scale * (sx * (double)kx + sy * (double)ky), &s, &c); "
+        "out = complex<float>((float)(xr * c - xi * s), (float)(xr * s + xi * c))", "cryorefine_shift_images")
+
+
 class CupyEngine:
     """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
 
@@ -73,8 +86,8 @@ class CupyEngine:
         self.last_blocks = []
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
-        self.stage_seconds = {"upload": 0.0, "coarse_images": 0.0, "coarse": 0.0, "weights": 0.0, "fine": 0.0,
-                              "sums": 0.0, "backproject": 0.0}
+        self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
+                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
@@ -112,15 +125,18 @@ class CupyEngine:
             self.fine, self.coarse = t.fine, t.coarse
             self.coarse_sel = t.coarse_selection
             self.logsigma2 = t.logsigma2
-            self.n_orient, self.n_trans = t.n_orientations, t.n_translations
+            self.n_orient, self.n_trans, self.n_psi = t.n_orientations, t.n_translations, t.n_psi
             self.n_fo, self.n_ft, self.children = t.n_fine_orientations, t.n_fine_translations, t.children_per_block
-            self.matrices_host = t.matrices.reshape(-1, 9)
+            # a global search compares every orientation: their matrices once; a local one makes its own
+            self.matrices_host = None if s.local_searches else t.orientation_matrices().reshape(-1, 9)
             self.translations, self.fine_translations = t.translations, t.fine_translations  # (T, 2), (T, nft, 2)
-            self.direction_of, self.psi_index_of = t.direction_of, t.psi_index_of
             self.scale = t.scale
             self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
             self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
-            self._fine_angles = self._fine_matrices = self._fine_known = None  # filled on demand
+            # children of the coarse orientations met so far (sorted): angles (n, NFO, 3), matrices (n, NFO, 9)
+            self._fine_known = np.zeros(0, dtype=np.int64)
+            self._fine_angles = np.zeros((0, self.n_fo, 3))
+            self._fine_matrices = np.zeros((0, self.n_fo, 9))
 
             self.minv_fine = cp.asarray(t.minv_fine, dtype=cp.float32)
             self.minv_store = cp.asarray(t.minv_store, dtype=cp.float32)
@@ -134,7 +150,6 @@ class CupyEngine:
             self.trans_d = cp.asarray(self.translations, dtype=cp.float32)
             self.fine_trans_d = cp.asarray(self.fine_translations, dtype=cp.float32)
             self.fine_trans_d64 = cp.asarray(self.fine_translations, dtype=cp.float64)
-            self.direction_of_d = cp.asarray(self.direction_of)
             self.scale_use = None if t.scale_use is None else cp.asarray(t.scale_use, dtype=cp.float32)
 
             # back-projection sums first (they outlive this half's E-step), then the references
@@ -147,8 +162,10 @@ class CupyEngine:
             self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
                                             data=[self.bp_data[k] for k in range(self.n_classes)],
                                             weight=[self.bp_weight[k] for k in range(self.n_classes)])
+            # a local search plans each batch again from its particles' neighbourhoods (`_local_batch_size`)
             self.plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
-                                     self.n_orient, self.n_trans, self.n_classes, 1 << 30, self.children)
+                                     1 if s.local_searches else self.n_orient, self.n_trans, self.n_classes, 1 << 30,
+                                     self.children, local=s.local_searches)
             self.coarse_cache = None
             if not s.local_searches and self.plan.cache_coarse_slices:
                 self.coarse_cache = [self._project_planar(k, np.arange(self.n_orient)) for k in range(self.n_classes)]
@@ -212,11 +229,14 @@ class CupyEngine:
         parts = []
         blocks = []
         with cp.cuda.Device(self.device_id):
-            step = max(1, self.plan.particles_per_batch)
+            tic = time.perf_counter()
+            local = self._local_orientations(batch)
+            self.stage_seconds["orientations"] += time.perf_counter() - tic
+            step = max(1, self.plan.particles_per_batch if local is None else self._local_batch_size(local))
             for start in range(0, n, step):
                 rows = np.arange(start, min(n, start + step))
                 with self._scope(Scope.PARTICLE):
-                    parts.append(self._run_rows(batch, rows))
+                    parts.append(self._run_rows(batch, rows, None if local is None else local.rows(start, rows[-1] + 1)))
                 blocks.extend(self.last_blocks)
         self.last_blocks = blocks
         merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
@@ -225,7 +245,23 @@ class CupyEngine:
         self.sums_.n_particles += n
         return BatchResult(**merged)
 
-    def _run_rows(self, batch, rows):
+    def _local_orientations(self, batch):
+        """Each particle's orientations and their log priors in a local search (None in a global one)."""
+        s = self.setup_
+        if not s.local_searches:
+            return None
+        return s.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
+                                             s.sigma_rot_deg, s.sigma_psi_deg)
+
+    def _local_batch_size(self, local):
+        """Particles per sub-batch of a local search: the set-up's plan, and what the widest neighbourhood
+        leaves room for."""
+        plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
+                            int(local.counts().max(initial=1)), self.n_trans, self.n_classes, 1 << 30, self.children,
+                            local=True)
+        return min(self.plan.particles_per_batch, plan.particles_per_batch)
+
+    def _run_rows(self, batch, rows, local):
         cp = self.cp
         tic = time.perf_counter()
         optics = np.asarray(batch.optics_index)[rows]
@@ -252,18 +288,12 @@ class CupyEngine:
         }
         pre["residual_d"] = cp.asarray(pre["residual"], dtype=cp.float32)
         self._tick("upload", tic)
-        orient_log_prior, orient_sel = self._orientation_priors(batch, rows)
-        mask, n_sig = self._coarse_pass(pre, orient_log_prior, orient_sel)
-        # blocks of significant coarse samples, per particle in order (as numpy's nonzero), kept on the device
-        per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
-        b_idx, flat_idx = cp.nonzero(mask)
-        del mask
-        t_idx = flat_idx % self.n_trans
-        rest = flat_idx // self.n_trans
-        o_sel = rest % orient_sel.size
-        k_idx = rest // orient_sel.size
-        o_idx = cp.asarray(orient_sel)[o_sel]
-        olp = orient_log_prior
+        # blocks of significant coarse samples (particle, class, orientation, translation and the orientation's
+        # log prior), per particle in order (as numpy's nonzero), kept on the device
+        if local is None:
+            b_idx, k_idx, o_idx, t_idx, olp, per_particle, n_sig = self._coarse_pass(pre)
+        else:
+            b_idx, k_idx, o_idx, t_idx, olp, per_particle, n_sig = self._local_coarse_pass(pre, local)
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
         results, blocks = [], []
         starts = np.r_[0, np.cumsum(per_particle)]
@@ -271,32 +301,18 @@ class CupyEngine:
             sel = slice(int(starts[group[0]]), int(starts[group[-1] + 1]))
             sub = {name: (value[group] if name not in ("x", "x_nomask", "ctf", "optics_d", "residual_d")
                           else value[int(group[0]):int(group[-1]) + 1]) for name, value in pre.items()}
-            results.append(self._fine_pass(sub, b_idx[sel] - int(group[0]), k_idx[sel], o_idx[sel], o_sel[sel],
-                                           t_idx[sel], olp[int(group[0]):int(group[-1]) + 1]))
+            results.append(self._fine_pass(sub, b_idx[sel] - int(group[0]), k_idx[sel], o_idx[sel], t_idx[sel],
+                                           olp[sel]))
             blocks.extend(self.last_blocks)
         self.last_blocks = blocks
         merged = {name: np.concatenate([r[name] for r in results]) for name in results[0]}
         merged["n_significant"] = n_sig
         return merged
 
-    def _orientation_priors(self, batch, rows):
-        """Per-particle log priors of the orientations searched (device, (B, R_sel)) and their indices (host)."""
-        cp = self.cp
-        s = self.setup_
-        if not s.local_searches:
-            return cp.zeros((rows.size, self.n_orient)), np.arange(self.n_orient)
-        take = slice(int(rows[0]), int(rows[-1]) + 1)
-        prior = s.sampling.local_prior(np.asarray(batch.prior_rot_deg)[take], np.asarray(batch.prior_tilt_deg)[take],
-                                       np.asarray(batch.prior_psi_deg)[take], s.sigma_rot_deg, s.sigma_psi_deg,
-                                       xp=cp)
-        lp = (cp.asarray(prior.dir_log_prior)[:, self.direction_of_d]
-              + cp.asarray(prior.psi_log_prior)[:, cp.asarray(self.psi_index_of)])
-        sel = cp.asnumpy(cp.flatnonzero(cp.isfinite(lp).any(axis=0)))
-        return lp[:, cp.asarray(sel)], sel
-
     # ------------------------------------------------------------------ coarse pass
-    def _coarse_pass(self, pre, orient_log_prior, orient_sel):
-        """diff2 of all coarse samples, weights and significance; returns the mask (B, K·R·T) and counts."""
+    def _coarse_pass(self, pre):
+        """A global search: diff2 of all coarse samples, weights and significance. Returns the significant
+        samples (`_significant_blocks`) and their counts."""
         from cryorefine.gpu.allocator import Scope
 
         cp = self.cp
@@ -333,7 +349,7 @@ class CupyEngine:
         pair_mat = cp.zeros((kp, ldp), dtype=cp.float32)
         pair_mat[:kc, :b_count] = pair_a.T
         tic = self._tick("coarse_images", tic)
-        n_sel = orient_sel.size
+        n_sel = self.n_orient
         diff2 = cp.empty((b_count, self.n_classes * n_sel * n_t), dtype=cp.float32)
         gemm = module.get_function("coarse_diff2")
         chunk = n_sel if self.coarse_cache is not None else self.plan.orientations_per_chunk
@@ -344,7 +360,7 @@ class CupyEngine:
                     if self.coarse_cache is not None:  # all orientations in one chunk
                         b_mat, p2_mat, _ = self.coarse_cache[k]
                     else:
-                        b_mat, p2_mat, _ = self._project_planar(k, orient_sel[start:stop])
+                        b_mat, p2_mat, _ = self._project_planar(k, np.arange(start, stop))
                     nc = stop - start
                     ldb = b_mat.shape[1]
                     pair = cp.empty((b_count, nc), dtype=cp.float32)
@@ -364,8 +380,21 @@ class CupyEngine:
         # weights: priors + (min diff2 − diff2), exponentiated; CC keeps the best sample alone
         # the priors of orientations and classes and those of the offsets broadcast over (B, K, R, T) in one
         # pass with diff2 (no (B, K·R·T) prior array spelt out): (prior_orientation + prior_offset) − diff2
-        prior_ko, prior_t = self._coarse_log_prior(pre, orient_log_prior, orient_sel)
+        prior_ko, prior_t = self._coarse_log_prior(pre, cp.arange(n_sel)[None, :], cp.zeros((1, n_sel)))
         d2 = diff2.reshape(b_count, self.n_classes, n_sel, n_t)
+        del diff2
+        return self._significant_blocks(d2, prior_ko, prior_t, cp.arange(n_sel)[None, :],
+                                        cp.zeros((1, n_sel)), tic)
+
+    def _significant_blocks(self, d2, prior_ko, prior_t, orientation, orientation_prior, tic):
+        """Weights and significance of coarse diff2 (B, K, R, T) under priors that broadcast to it, R the
+        columns of `orientation` (global indices, (B or 1, R)) whose log priors are `orientation_prior`.
+        Returns the significant samples as device arrays of particle, class, orientation, translation
+        and orientation log prior, by particle then (class, column, translation), their count per
+        particle and the count of significant samples per particle (host)."""
+        cp = self.cp
+        s = self.setup_
+        b_count, _, n_sel, n_t = d2.shape
         if s.do_cc:
             allowed = cp.isfinite(prior_ko) & cp.isfinite(prior_t)
             score = cp.where(allowed, d2, cp.inf).reshape(b_count, -1)
@@ -376,25 +405,95 @@ class CupyEngine:
             weights = _log_weight_kernel(cp)(prior_ko, prior_t, d2).reshape(b_count, -1)
             weights -= cp.max(weights, axis=1, keepdims=True)
             cp.exp(weights, out=weights)
-        del d2, diff2, prior_ko, prior_t
+        del d2, prior_ko, prior_t
         mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
+        del weights
+        per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
+        b_idx, flat_idx = cp.nonzero(mask)
+        del mask
+        t_idx = flat_idx % n_t
+        rest = flat_idx // n_t
+        col = rest % n_sel
+        k_idx = rest // n_sel
+        row = b_idx if orientation.shape[0] > 1 else cp.zeros_like(b_idx)
+        o_idx, olp = orientation[row, col], orientation_prior[row, col]
         self._tick("weights", tic)
-        return mask, cp.asnumpy(n_sig).astype(np.int64)
+        return b_idx, k_idx, o_idx, t_idx, olp, per_particle, cp.asnumpy(n_sig).astype(np.int64)
 
-    def _coarse_log_prior(self, pre, orient_log_prior, orient_sel):
-        """Log priors of the coarse samples as two broadcasting parts: classes and orientations, offsets."""
+    def _coarse_log_prior(self, pre, orientation, orientation_prior):
+        """Log priors of the coarse samples as two broadcasting parts: classes and orientations (`orientation`,
+        (B or 1, R) global indices with log priors `orientation_prior`), and offsets."""
         cp = self.cp
         s = self.setup_
-        lp = cp.asarray(self.log_pdf_class)[None, :, None, None] + orient_log_prior[:, None, :, None]
+        lp = cp.asarray(self.log_pdf_class)[None, :, None, None] + cp.asarray(orientation_prior)[:, None, :, None]
         if self.log_pdf_direction is not None:
-            lp = lp + cp.asarray(self.log_pdf_direction[:, self.direction_of[orient_sel]])[None, :, :, None]
+            lp = lp + cp.asarray(self.log_pdf_direction)[:, orientation // self.n_psi].transpose(1, 0, 2)[..., None]
         centre = pre["old"] if s.local_searches else None
         off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
-        return lp, cp.asarray(off)[:, None, None, :]  # (B, K, R_sel, 1) and (B, 1, 1, T), float64
+        return lp, cp.asarray(off)[:, None, None, :]  # (B or 1, K, R, 1) and (B, 1, 1, T), float64
+
+    def _local_coarse_pass(self, pre, local):
+        """A local search: each particle against its own orientations (`local`, padded to the widest; the
+        padding has log prior −inf), as `_coarse_pass` returns them. diff2 as the numpy engine's
+        `_diff2_dense`: a + ½Σ minv·CTF²|P|² − Re Σ (minv·CTF·X_t)·conj(P), with X_t the image moved
+        by translation t; the cross terms of a particle are one matrix product (R, 2Kc) × (2Kc, T)."""
+        cp = self.cp
+        s = self.setup_
+        tic = time.perf_counter()
+        b_count = pre["x"].shape[0]
+        orientation, orientation_prior = local.padded()
+        width = orientation.shape[1]
+        sel = cp.asarray(self.coarse_sel)
+        x_c = pre["x"][:, sel]
+        ctf_c = pre["ctf"][:, sel]
+        minv_c = self.minv_coarse[pre["optics_d"]]
+        n_t, kc = self.n_trans, self.coarse.positions.size
+        x2 = cp.sum(x_c.real ** 2 + x_c.imag ** 2, axis=1, dtype=cp.float64)
+        if s.do_cc:
+            scale_a, pair_a = ctf_c, ctf_c * ctf_c
+            row_term = cp.sqrt(cp.maximum(x2, 1e-300))
+        else:
+            scale_a, pair_a = minv_c * ctf_c, 0.5 * minv_c * ctf_c * ctf_c
+            row_term = 0.5 * cp.sum(minv_c.astype(cp.float64) * (x_c.real ** 2 + x_c.imag ** 2), axis=1)
+        x_s = (x_c * scale_a).astype(cp.complex64)
+        shifts = cp.asarray(pre["residual"])[:, None, :] + cp.asarray(self.translations)[None, :, :]  # (B, T, 2)
+        moved = _shift_kernel(cp)(x_s.real[:, None, :], x_s.imag[:, None, :], shifts[:, :, 0:1], shifts[:, :, 1:2],
+                                  self.kx_c[None, None, :], self.ky_c[None, None, :], -2.0 * np.pi / s.ori_size_px)
+        # (re, im) pairs, coefficient-major: Re Σ a·conj(p) is a dot product of the pairs
+        moved = cp.ascontiguousarray(moved.view(cp.float32).reshape(b_count, n_t, 2 * kc).transpose(0, 2, 1))
+        del x_s, shifts
+        mats = cp.asarray(self.tables.orientation_matrices(orientation.reshape(-1)).reshape(-1, 9), dtype=cp.float32)
+        tic = self._tick("coarse_images", tic)
+        diff2 = cp.empty((b_count, self.n_classes, width, n_t), dtype=cp.float32)
+        project = kernel_module(device_id=self.device_id).get_function("project_slices")
+        n_rot = b_count * width
+        for k in range(self.n_classes):
+            slices = cp.empty((n_rot, kc), dtype=cp.complex64)
+            project(((kc + 127) // 128, min(n_rot, MAX_GRID_Y)), (128,),
+                    (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n_rot), slices))
+            power = (slices.real ** 2 + slices.imag ** 2).reshape(b_count, width, kc)
+            term2 = cp.matmul(power, pair_a[:, :, None].astype(cp.float32))[..., 0].astype(cp.float64)  # (B, R)
+            del power
+            cross = cp.matmul(slices.view(cp.float32).reshape(b_count, width, 2 * kc), moved).astype(cp.float64)
+            del slices  # cross: (B, R, T)
+            if s.do_cc:
+                d2 = -cross / (cp.sqrt(cp.maximum(term2, 1e-300))[:, :, None] * row_term[:, None, None])
+            else:
+                d2 = row_term[:, None, None] + term2[:, :, None] - cross
+            diff2[:, k] = d2
+            del cross, term2, d2
+            self.stage_flops["coarse"] += 2.0 * b_count * width * n_t * 2 * kc + 2.0 * b_count * width * kc
+        tic = self._tick("coarse", tic)
+        if self.keep_blocks:
+            self.last_coarse_diff2.append(cp.asnumpy(diff2))
+        orientation_d, orientation_prior_d = cp.asarray(orientation), cp.asarray(orientation_prior)
+        prior_ko, prior_t = self._coarse_log_prior(pre, orientation_d, orientation_prior_d)
+        return self._significant_blocks(diff2, prior_ko, prior_t, orientation_d, orientation_prior_d, tic)
 
     # ------------------------------------------------------------------ fine pass
-    def _fine_pass(self, pre, b_blk, k_blk, o_blk, osel_blk, t_blk, orient_log_prior):
-        """Fine samples of the significant blocks (device arrays, sorted by particle), weights, sums, results."""
+    def _fine_pass(self, pre, b_blk, k_blk, o_blk, t_blk, olp_blk):
+        """Fine samples of the significant blocks (device arrays, sorted by particle; `olp_blk` the log prior
+        of each block's orientation), weights, sums, results."""
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
@@ -421,9 +520,9 @@ class CupyEngine:
                 fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
                 pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
         # priors of every child: class, parent orientation (and direction), child offset
-        parent = cp.asarray(self.log_pdf_class)[k_blk] + orient_log_prior[b_blk, osel_blk]
+        parent = cp.asarray(self.log_pdf_class)[k_blk] + olp_blk
         if self.log_pdf_direction is not None:
-            parent = parent + cp.asarray(self.log_pdf_direction)[k_blk, self.direction_of_d[o_blk]]
+            parent = parent + cp.asarray(self.log_pdf_direction)[k_blk, o_blk // self.n_psi]
         old = cp.asarray(pre["old"])
         off = old[b_blk][:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
         if s.local_searches:
@@ -488,21 +587,23 @@ class CupyEngine:
                 "norm_correction": new_norm}
 
     def _fine_orientations(self, orientations):
-        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations, computed once
-        per iteration for each coarse orientation (HEALPix children and perturbation are host work)."""
-        if self._fine_angles is None:
-            self._fine_angles = np.zeros((self.n_orient, self.n_fo, 3))
-            self._fine_matrices = np.zeros((self.n_orient, self.n_fo, 9))
-            self._fine_known = np.zeros(self.n_orient, dtype=bool)
-        missing = orientations[~self._fine_known[orientations]]
+        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique),
+        computed once per iteration for each coarse orientation met (HEALPix children and perturbation are host
+        work); the table holds the orientations met, not the grid."""
+        known = self._fine_known
+        missing = orientations[~np.isin(orientations, known, assume_unique=True)]
         if missing.size:
             rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in self.setup_.sampling.fine_orientations_deg(missing))
-            self._fine_angles[missing] = np.stack([rot, tilt, psi], axis=-1)
-            self._fine_matrices[missing] = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1),
-                                                                 psi.reshape(-1)).reshape(missing.size, self.n_fo, 9)
-            self._fine_known[missing] = True
-        angles = self._fine_angles[orientations]
-        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[orientations].reshape(-1, 9)
+            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
+            merged = np.concatenate([known, missing])
+            order = np.argsort(merged, kind="stable")
+            self._fine_known = merged[order]
+            self._fine_angles = np.concatenate([self._fine_angles, np.stack([rot, tilt, psi], axis=-1)])[order]
+            self._fine_matrices = np.concatenate([self._fine_matrices,
+                                                  matrices.reshape(missing.size, self.n_fo, 9)])[order]
+        pos = np.searchsorted(self._fine_known, orientations)
+        angles = self._fine_angles[pos]
+        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[pos].reshape(-1, 9)
 
     def _segment(self, values, starts, op):
         """Per-segment min (op 0), max (1) or sum (2) of float64 `values`, and the first arg of the extreme."""
@@ -610,7 +711,7 @@ class CupyEngine:
         w_per_block = w3.sum(axis=(1, 2))
         sums.pdf_class += cp.asnumpy(cp.bincount(k_blk, weights=w_per_block, minlength=self.n_classes))
         n_dir = sums.pdf_direction.shape[1]
-        sums.pdf_direction += cp.asnumpy(cp.bincount(k_blk * n_dir + self.direction_of_d[o_blk], weights=w_per_block,
+        sums.pdf_direction += cp.asnumpy(cp.bincount(k_blk * n_dir + o_blk // self.n_psi, weights=w_per_block,
                                                      minlength=sums.pdf_direction.size)).reshape(
             sums.pdf_direction.shape)
         new_norm = pre["norm"] / s.avg_norm_correction * np.sqrt(2.0 * wdiff_total)

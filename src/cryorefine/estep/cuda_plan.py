@@ -39,24 +39,35 @@ def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translation
             + 144 * n_fine_coef)
 
 
+def local_per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
+    """Device bytes one particle of a local search's sub-batch takes: its images moved by every
+    translation 8·Kc·T (complex), its own slices and their powers 12·Kc·R (one class at a time), the
+    coarse weights 36·K·R·T as in a global search, and its images about 144·Kf."""
+    return (8 * n_coarse_coef * n_translations + 12 * n_coarse_coef * n_orientations
+            + 36 * n_classes * n_orientations * n_translations + 144 * n_fine_coef)
+
+
 def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
-                 children_per_block):
+                 children_per_block, local=False):
     """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
 
     The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
     the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
     and cumulative sums float64) 4·8·K·R·T; per fine sample about FINE_SAMPLE_BYTES; per slice
     row 12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
+    In a local search (`local`) R is one particle's neighbourhood (its widest in a batch), each
+    particle has its own slices (`local_per_particle_bytes`) and nothing is shared or cached.
     """
     free = max(int(free_bytes), 1 << 20)
     kc, kf = int(n_coarse_coef), int(n_fine_coef)
     slice_bytes = 3 * round_up(2 * kc, GEMM_BK) * 4 // 2
-    all_slices = slice_bytes * n_orientations * n_classes
-    cache = all_slices <= free // 4
+    all_slices = 0 if local else slice_bytes * n_orientations * n_classes
+    cache = not local and all_slices <= free // 4
     budget = free - (all_slices if cache else 0)
     chunk = n_orientations if cache else max(GEMM_BN, min(n_orientations, (budget // 8) // max(slice_bytes, 1)))
     chunk = min(chunk, n_orientations)
-    per_particle = per_particle_bytes(kc, kf, n_orientations, n_translations, n_classes)
+    per_particle = (local_per_particle_bytes if local else per_particle_bytes)(kc, kf, n_orientations, n_translations,
+                                                                               n_classes)
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
     # FINE_SAMPLE_BYTES per fine sample at peak; at most FINE_SAMPLES_PER_GROUP_MAX (≈ 0.7 GB) per group
     fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // FINE_SAMPLE_BYTES))

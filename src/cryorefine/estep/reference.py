@@ -52,7 +52,6 @@ class NumpyEngine:
         self.coarse_elements = COARSE_ELEMENTS_PER_CHUNK  # bounds the coarse pass's memory
         self.iteration_slice_elements = ITERATION_SLICE_ELEMENTS  # bounds the fine grid kept per unit (_fine_grid)
         self._grid_slices = None
-        self.local_coarse_per_particle = True  # local searches: each particle on its own orientations
         self.array_module = np  # batches are prepared on the host
         self.stage_seconds = {"coarse": 0.0, "fine": 0.0, "sums": 0.0}  # wall time per E-step stage
         self.stage_flops = {}  # not counted on the host
@@ -68,17 +67,17 @@ class NumpyEngine:
         self.fine, self.coarse = t.fine, t.coarse
         self.minv_fine, self.minv_store, self.minv_coarse = t.minv_fine, t.minv_store, t.minv_coarse
         self.logsigma2 = t.logsigma2
-        self.matrices, self.translations, self.fine_translations = t.matrices, t.translations, t.fine_translations
-        self.n_orient, self.n_trans = t.n_orientations, t.n_translations
+        self.translations, self.fine_translations = t.translations, t.fine_translations
+        self.n_orient, self.n_trans, self.n_psi = t.n_orientations, t.n_translations, t.n_psi
         self.children_per_block = t.children_per_block
         self.phase_t = self.fine.phase(self.fine_translations.reshape(-1, 2), s.ori_size_px, self.complex)  # (T·nft, K)
-        self.direction_of, self.psi_index_of = t.direction_of, t.psi_index_of
         self.scale = t.scale
         self.avg_norm = s.avg_norm_correction
         if s.local_searches:
             self.coarse_projections = None  # computed per batch for the orientations in range
         else:
-            self.coarse_projections = [self._project(p, self.matrices, self.coarse) for p in s.projectors]
+            matrices = t.orientation_matrices()
+            self.coarse_projections = [self._project(p, matrices, self.coarse) for p in s.projectors]
         r_max = s.current_size_px // 2
         self._grid_slices = None  # the fine grid's slices, summed over the unit's batches (made on first use)
         self.backprojectors = [BackProjector(s.ori_size_px, s.padding_factor, r_max, dtype=self.real)
@@ -108,17 +107,16 @@ class NumpyEngine:
             "norm": np.asarray(batch.norm_correction, dtype=np.float64),
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64),
         }
-        orient_log_prior, orient_sel = self._orientation_priors(batch)
         tic = time.perf_counter()
-        b_idx, flat, n_significant = self._coarse_pass(pre, orient_log_prior, orient_sel)
+        local = self._local_orientations(batch)
+        b_idx, flat, olp, n_significant = self._coarse_pass(pre, local)
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
         parts, blocks = [], []
         for rows in self._fine_groups(b_idx, flat, b_count=len(optics)):
             sub = {name: value[rows] for name, value in pre.items()}
             entries = slice(*np.searchsorted(b_idx, [rows[0], rows[-1] + 1]))
-            parts.append(self._fine_pass(sub, b_idx[entries] - rows[0], flat[entries], orient_log_prior[rows],
-                                         orient_sel))
+            parts.append(self._fine_pass(sub, b_idx[entries] - rows[0], flat[entries], olp[entries]))
             blocks.extend(self.last_blocks)
         self.last_blocks = blocks
         merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
@@ -145,22 +143,26 @@ class NumpyEngine:
             start += size
         return groups
 
-    def _coarse_pass(self, pre, orient_log_prior, orient_sel):
-        """Coarse diff2 and weights; returns the significant samples (particle, flat index k·R·T + o·T + t,
-        by particle then index) and their count per particle (B,).
+    def _coarse_pass(self, pre, local):
+        """Coarse diff2 and weights; returns the significant samples (particle, flat index (k·R + o)·T + t,
+        by particle then index), their orientations' log priors, and their count per particle (B,).
 
-        In chunks of particles of at most `coarse_elements` samples (class × orientation × translation
-        × particle), on `threads` threads: memory stays bounded however large the grid.
+        A global search runs in chunks of particles of at most `coarse_elements` samples (class ×
+        orientation × translation × particle), on `threads` threads: memory stays bounded however large
+        the grid. A local search (`local`, core.sampling.LocalOrientations) scores each particle on its
+        own orientations.
         """
         s = self.setup_
         b_count = pre["x"].shape[0]
         coarse_sel = self._fine_to_coarse_selection()
-        proj = [self.coarse_projections[k][orient_sel] if self.coarse_projections is not None
-                else self._project(projector, self.matrices[orient_sel], self.coarse)
+        # the orientations compared in this batch: all, or the union of the particles' own
+        orient_sel = np.arange(self.n_orient) if local is None else np.unique(local.orientation)
+        proj = [self.coarse_projections[k] if self.coarse_projections is not None
+                else self._project(projector, self.tables.orientation_matrices(orient_sel), self.coarse)
                 for k, projector in enumerate(s.projectors)]
         class_direction_prior = np.asarray(s.log_pdf_class, dtype=np.float64)[:, None] + np.zeros((1, orient_sel.size))
         if s.log_pdf_direction is not None:
-            class_direction_prior = class_direction_prior + np.asarray(s.log_pdf_direction)[:, self.direction_of[orient_sel]]
+            class_direction_prior = class_direction_prior + np.asarray(s.log_pdf_direction)[:, orient_sel // self.n_psi]
         per_particle = self.n_classes * orient_sel.size * self.n_trans
         chunk = max(1, self.coarse_elements // max(1, per_particle))
 
@@ -172,18 +174,18 @@ class NumpyEngine:
             x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p) for p in proj], axis=1)
             old = pre["old"][rows]
-            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px,
-                                            old if s.local_searches else None)
-            log_prior = (class_direction_prior[None, :, :, None] + orient_log_prior[rows][:, None, :, None]
-                         + offset_prior[:, None, None, :])
+            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px)
+            log_prior = class_direction_prior[None, :, :, None] + offset_prior[:, None, None, :]
             n = x_c.shape[0]
             mask, n_sig = self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
             b_local, flat = np.nonzero(mask)
-            return b_local + start, flat, n_sig
+            return b_local + start, flat, np.zeros(flat.size), n_sig
 
         def coarse_particle(b):
             """A local search: the particle's own orientations only, not its batch-mates'."""
-            cols = np.flatnonzero(np.isfinite(orient_log_prior[b]))
+            segment = slice(int(local.offsets[b]), int(local.offsets[b + 1]))
+            own, own_prior = local.orientation[segment], local.log_prior[segment]
+            cols = np.searchsorted(orient_sel, own)
             x_c, ctf_c = pre["x"][b:b + 1, coarse_sel], pre["ctf"][b:b + 1, coarse_sel]
             minv_c = self.minv_coarse[pre["optics"][b:b + 1]]
             shifts_c = pre["residual"][b][None, :] + self.translations  # (T, 2)
@@ -191,20 +193,20 @@ class NumpyEngine:
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p[cols]) for p in proj], axis=1)
             old = pre["old"][b:b + 1]
             offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px, old)
-            log_prior = (class_direction_prior[None, :, cols, None] + orient_log_prior[b, cols][None, None, :, None]
+            log_prior = (class_direction_prior[None, :, cols, None] + own_prior[None, None, :, None]
                          + offset_prior[:, None, None, :])
             mask, n_sig = self._significant(self._weights(diff2.reshape(1, -1), log_prior.reshape(1, -1)))
             k, o, t = np.unravel_index(np.flatnonzero(mask), (self.n_classes, cols.size, self.n_trans))
-            flat = (k * orient_sel.size + cols[o]) * self.n_trans + t
-            return np.full(flat.size, b), flat, n_sig
+            flat = (k * self.n_orient + own[o]) * self.n_trans + t
+            return np.full(flat.size, b), flat, own_prior[o], n_sig
 
-        if s.local_searches and self.local_coarse_per_particle:
+        if local is not None:
             parts = list(self._map(coarse_particle, range(b_count)))
         else:
             parts = list(self._map(coarse_chunk, range(0, b_count, chunk)))
-        return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
+        return tuple(np.concatenate([part[i] for part in parts]) for i in range(4))
 
-    def _fine_pass(self, pre, b_idx, flat, orient_log_prior, orient_sel):
+    def _fine_pass(self, pre, b_idx, flat, olp):
         """Fine samples of the significant coarse ones, their weights, the sums; per-particle results.
 
         Per particle, the children of its significant coarse samples are laid out as one dense table:
@@ -218,8 +220,8 @@ class NumpyEngine:
         s = self.setup_
         b_count = pre["x"].shape[0]
         tic = time.perf_counter()
-        ko_flat, t_flat = np.divmod(flat, self.n_trans)  # ko = class · n_selected + selected orientation
-        table = self._fine_table(ko_flat, orient_sel)
+        ko_flat, t_flat = np.divmod(flat, self.n_trans)  # ko = class · R + orientation
+        table = self._fine_table(ko_flat)
         phase_res = self.fine.phase(pre["residual"], s.ori_size_px, self.complex)
         pre = dict(pre, x_res=pre["x"] * phase_res, x_nomask_res=pre["x_nomask"] * phase_res)
         n_rows, n_coef = table.proj.shape
@@ -230,7 +232,7 @@ class NumpyEngine:
 
         def particle(b):
             return self._fine_particle(b, pre, table, ko_of_table[starts[b]:starts[b + 1]],
-                                       t_flat[starts[b]:starts[b + 1]], orient_log_prior[b])
+                                       t_flat[starts[b]:starts[b + 1]], olp[starts[b]:starts[b + 1]])
 
         tic = time.perf_counter()
         out, seconds = [], np.zeros(2)
@@ -326,16 +328,13 @@ class NumpyEngine:
         """Positions of the coarse coefficients among the fine ones (IterationTables.coarse_selection)."""
         return self.tables.coarse_selection
 
-    def _orientation_priors(self, batch):
+    def _local_orientations(self, batch):
+        """Each particle's orientations and their log priors in a local search (None in a global one)."""
         s = self.setup_
-        b_count = batch.indices.size
         if not s.local_searches:
-            return np.zeros((b_count, self.n_orient)), np.arange(self.n_orient)
-        prior = s.sampling.local_prior(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
-                                       s.sigma_rot_deg, s.sigma_psi_deg)
-        lp = np.asarray(prior.dir_log_prior)[:, self.direction_of] + np.asarray(prior.psi_log_prior)[:, self.psi_index_of]
-        sel = np.flatnonzero(np.isfinite(lp).any(axis=0))
-        return lp[:, sel], sel
+            return None
+        return s.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
+                                             s.sigma_rot_deg, s.sigma_psi_deg)
 
     def _diff2_dense(self, x, x_shift, ctf, minv, proj):
         """diff2 (B, R, T) of images (B, Kc) at translations (B, T, Kc) against projections (R, Kc)."""
@@ -368,14 +367,13 @@ class NumpyEngine:
         s = self.setup_
         return significant_samples(weights, s.adaptive_fraction, s.max_significants, np)
 
-    def _fine_table(self, ko, orient_sel):
-        """The fine orientations of the distinct significant (class, orientation) pairs of a group of
-        particles, their projections at the current size and the priors that depend on them alone."""
+    def _fine_table(self, ko):
+        """The fine orientations of the distinct significant (class, orientation) pairs ko = k·R + o of a
+        group of particles, their projections at the current size and the priors that depend on them alone."""
         s = self.setup_
         n_fo = self.tables.n_fine_orientations
         ko = np.unique(ko)
-        k_of, selected = np.divmod(ko, orient_sel.size)
-        o_of = orient_sel[selected]
+        k_of, o_of = np.divmod(ko, self.n_orient)
         rot, tilt, psi = (np.asarray(a).reshape(-1) for a in s.sampling.fine_orientations_deg(o_of))
         mats = euler.euler_to_matrix(rot, tilt, psi)
         k_rows = np.repeat(k_of, n_fo)
@@ -396,11 +394,11 @@ class NumpyEngine:
             proj = proj[keys]
         prior = np.asarray(s.log_pdf_class, dtype=np.float64)[k_of]
         if s.log_pdf_direction is not None:
-            prior = prior + np.asarray(s.log_pdf_direction)[k_of, self.direction_of[o_of]]
-        return _FineTable(ko=ko, k=k_of, o=o_of, selected=selected, rot=rot, tilt=tilt, psi=psi, mats=mats,
+            prior = prior + np.asarray(s.log_pdf_direction)[k_of, o_of // self.n_psi]
+        return _FineTable(ko=ko, k=k_of, o=o_of, rot=rot, tilt=tilt, psi=psi, mats=mats,
                           proj=proj, proj2=(proj.real ** 2 + proj.imag ** 2).astype(self.real), prior=prior)
 
-    def _fine_particle(self, b, pre, table, ko_pos_all, t_all, orient_log_prior):
+    def _fine_particle(self, b, pre, table, ko_pos_all, t_all, olp):
         """One particle's fine pass over its dense table: its results, its share of the sums (to add with
         `_add_particle_sums`) and the seconds of its two stages (fine, sums). Safe to run on threads."""
         s = self.setup_
@@ -433,7 +431,9 @@ class NumpyEngine:
         in_block[ko_pos, t_pos] = True
         centre = pre["old"][b] if s.local_searches else 0.0
         offset_d2 = np.sum((pre["old"][b] + shifts - centre) ** 2, axis=1)  # (T,)
-        row_prior = np.repeat(table.prior[u_ko] + orient_log_prior[table.selected[u_ko]], n_fo)
+        orientation_prior = np.zeros(n_ko)
+        orientation_prior[ko_pos] = olp  # the prior of each significant sample's orientation
+        row_prior = np.repeat(table.prior[u_ko] + orientation_prior, n_fo)
         col_prior = -offset_d2 / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
         prior = row_prior[:, None] + col_prior[None, :]
         considered = np.repeat(np.repeat(in_block, n_fo, axis=0), n_ft, axis=1) & np.isfinite(prior)
@@ -530,7 +530,7 @@ class NumpyEngine:
         k_of, o_of = table.k[u_ko], table.o[u_ko]
         out["pdf_class"] = np.bincount(k_of, weights=w_ko, minlength=self.n_classes)
         n_dir = sums.pdf_direction.shape[1]
-        out["pdf_direction"] = np.bincount(k_of * n_dir + self.direction_of[o_of], weights=w_ko,
+        out["pdf_direction"] = np.bincount(k_of * n_dir + o_of // self.n_psi, weights=w_ko,
                                            minlength=sums.pdf_direction.size).reshape(sums.pdf_direction.shape)
         out["wdiff"] = float(wd2.sum())
         return out
@@ -582,12 +582,11 @@ def _real_weighted(w, values):
 @dataclass(frozen=True, eq=False)
 class _FineTable:
     """The fine orientations of a group's significant (class, orientation) pairs: n_fine_orientations
-    rows per pair, in the order of `ko` (class · n_selected + selected orientation, ascending)."""
+    rows per pair, in the order of `ko` (class · R + orientation, ascending)."""
 
     ko: np.ndarray  # (U,) the pairs
     k: np.ndarray  # (U,) their class
     o: np.ndarray  # (U,) their orientation (index in the whole grid)
-    selected: np.ndarray  # (U,) their orientation's position among the selected orientations
     rot: np.ndarray  # (U·n_fo,) fine orientations (deg)
     tilt: np.ndarray
     psi: np.ndarray

@@ -26,7 +26,7 @@ from cryorefine.em import schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
-from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, per_particle_bytes, plan_batches
+from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -89,8 +89,9 @@ def _coefficients(size_px):
 
 
 def predict_moment(label, config, n_particles, box, pixel, current, coarse, sampling, n_orientations, n_classes,
-                   arena_bytes, gpu):
-    """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations)."""
+                   arena_bytes, gpu, local=False):
+    """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations); in a local
+    search (`local`) `n_orientations` is one particle's neighbourhood."""
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
@@ -101,10 +102,10 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     fixed = 2 * sums_per_half + references
     plan = plan_batches(max(arena_bytes - fixed, 1), kc, kf, n_orientations, n_t, n_classes, config.batch_size,
-                        children)
+                        children, local=local)
     slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
     chunk = 3 * 2 * kc * 4 / 2 * plan.orientations_per_chunk if not plan.cache_coarse_slices else 0.0
-    per_particle = per_particle_bytes(kc, kf, n_orientations, n_t, n_classes)
+    per_particle = (local_per_particle_bytes if local else per_particle_bytes)(kc, kf, n_orientations, n_t, n_classes)
     # one sub-batch, and at most one group of fine samples (its size depends on how broad the posteriors are)
     particle = plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
@@ -143,10 +144,10 @@ def plan_run(config, gpu):
         n_orient = sampling.n_orientations
         if local:  # the orientations within 3σ of one pose, σ as RELION sets it for local searches
             sigma = schedule.local_search_sigma_deg(order, config.oversampling)
-            prior = sampling.local_prior(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma, sigma)
-            n_orient = int(np.isfinite(prior.orientation_log_prior()).sum())
+            n_orient = int(sampling.local_orientations(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma,
+                                                       sigma).counts()[0])
         moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
-                                      sampling, n_orient, config.n_classes, arena, gpu))
+                                      sampling, n_orient, config.n_classes, arena, gpu, local=local))
     worst = max(moments, key=lambda m: m.peak_bytes)
     if worst.peak_bytes > arena:
         need_gb = (worst.peak_bytes + config.free_gpu_memory_mb * 2 ** 20) / GB
