@@ -74,6 +74,7 @@ STAGES = (  # (label, stage names summed) in the order of an iteration
     ("image preparation", ("images",)),
     ("local-search orientations", ("orientations",)),
     ("upload + shifted images", ("upload", "coarse_images")),
+    ("local-search slices", ("coarse_slices",)),
     ("coarse diff2", ("coarse",)),
     ("weights", ("weights",)),
     ("fine diff2", ("fine",)),

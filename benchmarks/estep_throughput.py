@@ -61,10 +61,11 @@ def blob_volume(rng, n, blobs=40):
     return vol
 
 
-def make_inputs(n, n_particles, snr, seed, xp=np):
-    """Reference, particles (projections × CTF-like rings + white noise at `snr`), σ² from their power."""
+def make_inputs(n, n_particles, snr, seed, xp=np, volume=None):
+    """Reference (`volume`, else a blob density), particles (projections × CTF-like rings + white noise at
+    `snr`), σ² from their power."""
     rng = np.random.default_rng(seed)
-    volume = blob_volume(rng, n)
+    volume = blob_volume(rng, n) if volume is None else np.asarray(volume, dtype=np.float32)
     sampling = Sampling(healpix_order=2, offset_range_px=5, offset_step_px=2)
     from cryorefine.core.projector import Projector
 

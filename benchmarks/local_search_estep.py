@@ -1,14 +1,17 @@
 """E-step time of local searches as the HEALPix order rises: the late iterations of an auto-refinement.
 
-For each order, particles projected at random poses from a blob reference in the real box (360 px,
-1.34 Å/px), CTF-like rings and white noise at --snr, are searched locally around previous poses that
+For each order, particles projected at random poses from a reference in the real box (360 px,
+1.34 Å/px: the density of --model, an atomic model, else a smooth blob density whose posteriors
+stay broad at high resolution), CTF-like rings and white noise at --snr, are searched locally
+around previous poses that
 are the truth moved by about half of σ, with RELION's σ for that order (two oversampled steps) and
 the image sizes of a late iteration (resolution 2·pixel/0.75 Å, as `cryorefine plan`'s late moment).
 A warm-up batch runs first (compilation), then every particle in batches of --batch. Printed and
 written as JSON per order: orientations per particle (mean, largest), E-step seconds per 10,000
 particles with the engine's stages, the set-up, and the arena's high water.
 
-    python benchmarks/local_search_estep.py --orders 4 5 6 7 --particles 2000 --json results/local_h100.json
+    python benchmarks/local_search_estep.py --model 7p6z.cif.gz --orders 4 5 6 7 --particles 2000 \
+        --json results/local_search_h100.json
 
 The numbers are measured on --particles particles and scaled to 10,000 (labelled so): every batch of
 an iteration costs the same work per particle, there is no per-iteration start besides the set-up,
@@ -67,7 +70,7 @@ def run_order(cp, setup, batch, batch_size, free_gpu_memory_mb):
             with arena.scope(Scope.ITERATION):  # warm-up: compilation and first launches, not timed
                 engine = CupyEngine(arena=arena)
                 engine.setup(setup)
-                engine.run(sub_batch(batch, np.arange(min(8, batch.indices.size))))
+                engine.run(sub_batch(batch, np.arange(min(batch_size, batch.indices.size))))
                 engine.sums()
                 del engine
             arena.reset_peaks()
@@ -86,10 +89,12 @@ def run_order(cp, setup, batch, batch_size, free_gpu_memory_mb):
                                                                     part.prior_psi_deg, setup.sigma_rot_deg,
                                                                     setup.sigma_psi_deg).counts())
                 count_seconds = time.perf_counter() - tic  # counted apart, taken off the E-step below
+                parts = [sub_batch(batch, np.arange(start, min(n, start + batch_size)))  # host copies, not timed
+                         for start in range(0, n, batch_size)]
                 tic = time.perf_counter()
                 significant = []
-                for start in range(0, n, batch_size):
-                    result = engine.run(sub_batch(batch, np.arange(start, min(n, start + batch_size))))
+                for part in parts:
+                    result = engine.run(part)
                     significant.append(result.n_significant)
                 engine.sums()
                 cp.cuda.get_current_stream().synchronize()
@@ -113,13 +118,19 @@ def main(argv=None):
     parser.add_argument("--particles", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=256, help="particles per engine.run call")
     parser.add_argument("--snr", type=float, default=0.05)
+    parser.add_argument("--model", type=Path, default=None, help="atomic model of the reference (default: blobs)")
     parser.add_argument("--free_gpu_memory", type=float, default=2048.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     import cupy as cp
 
     tic = time.perf_counter()
-    setup, batch = make_inputs(BOX_PX, args.particles, args.snr, seed=3, xp=cp)
+    volume = None
+    if args.model is not None:
+        from cryorefine.density import density_from_model
+
+        volume = density_from_model(args.model, BOX_PX, PIXEL_ANGSTROM)
+    setup, batch = make_inputs(BOX_PX, args.particles, args.snr, seed=3, xp=cp, volume=volume)
     setup = replace(setup, pixel_size_angstrom=PIXEL_ANGSTROM)
     print(f"inputs: {args.particles} particles, {BOX_PX} px, {time.perf_counter() - tic:.1f} s", flush=True)
     rng = np.random.default_rng(4)
@@ -143,7 +154,7 @@ def main(argv=None):
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"box_px": BOX_PX, "pixel_size_angstrom": PIXEL_ANGSTROM, "snr": args.snr,
-                                         "orders": rows}, indent=1))
+                                         "reference": str(args.model or "blobs"), "orders": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ class CupyEngine:
         self.last_blocks = []
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
-        self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
-                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
+        self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse_slices": 0.0,
+                              "coarse": 0.0, "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
@@ -471,6 +471,7 @@ class CupyEngine:
             slices = cp.empty((n_rot, kc), dtype=cp.complex64)
             project(((kc + 127) // 128, min(n_rot, MAX_GRID_Y)), (128,),
                     (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n_rot), slices))
+            tic = self._tick("coarse_slices", tic)
             power = (slices.real ** 2 + slices.imag ** 2).reshape(b_count, width, kc)
             term2 = cp.matmul(power, pair_a[:, :, None].astype(cp.float32))[..., 0].astype(cp.float64)  # (B, R)
             del power
@@ -483,7 +484,7 @@ class CupyEngine:
             diff2[:, k] = d2
             del cross, term2, d2
             self.stage_flops["coarse"] += 2.0 * b_count * width * n_t * 2 * kc + 2.0 * b_count * width * kc
-        tic = self._tick("coarse", tic)
+            tic = self._tick("coarse", tic)
         if self.keep_blocks:
             self.last_coarse_diff2.append(cp.asnumpy(diff2))
         orientation_d, orientation_prior_d = cp.asarray(orientation), cp.asarray(orientation_prior)
