@@ -363,3 +363,20 @@ def test_invalid_settings_raise():
         Sampling(2, 5, 0)
     with pytest.raises(ValueError, match="Q7"):
         Sampling(2, 5, 2, symmetry="Q7")
+
+
+def test_local_orientations_split_and_pad_by_particle():
+    s = Sampling(3, 5, 2)
+    local = s.local_orientations(np.array([10.0, 50.0, -90.0]), np.array([80.0, 20.0, 120.0]),
+                                 np.array([0.0, 90.0, 200.0]), 4.0, 100.0)  # psi: every angle
+    counts = local.counts()
+    orientation, log_prior = local.padded()
+    assert orientation.shape == (3, counts.max())
+    for b in range(3):
+        segment = slice(local.offsets[b], local.offsets[b + 1])
+        assert np.array_equal(orientation[b, :counts[b]], local.orientation[segment])
+        assert np.all(np.isneginf(log_prior[b, counts[b]:])) and np.all(np.isfinite(log_prior[b, :counts[b]]))
+        assert np.all(np.diff(local.orientation[segment]) > 0)  # increasing within a particle
+    tail = local.rows(1, 3)
+    assert tail.n_particles == 2 and np.array_equal(tail.counts(), counts[1:])
+    np.testing.assert_array_equal(tail.orientation, local.orientation[local.offsets[1]:])

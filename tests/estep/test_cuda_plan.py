@@ -29,3 +29,16 @@ def test_small_images_need_little():
     plan = plan_batches(8 * 2**30, 400, 800, 4608, 21, 1, 256, 32)
     assert plan.particles_per_batch == 256  # capped by the requested batch
     assert plan.cache_coarse_slices
+
+
+def test_a_local_search_plans_from_its_neighbourhood_not_the_grid():
+    """Local searches: each particle's own slices and weights (about 178 orientations at any order), nothing cached;
+    the sub-batch and its slices fit the budget."""
+    kc = int(3.1416 * 145 ** 2 / 2)
+    free = 16 * 2**30
+    plan = plan_batches(free, kc, kc, 178, 29, 1, 1 << 30, 32, local=True)
+    assert not plan.cache_coarse_slices
+    own_slices = 12 * kc * 178  # complex slices and their powers
+    per_particle = 8 * kc * 29 + own_slices + 36 * 178 * 29 + 144 * kc
+    assert plan.particles_per_batch * per_particle <= free // 2
+    assert plan.particles_per_batch > 10
