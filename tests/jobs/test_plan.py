@@ -75,4 +75,7 @@ def test_symmetry_counts_the_orientations_of_the_asymmetric_unit(capsys, particl
     assert c1[0]["n_orientations"] == 192 * 24
     assert d2[0]["n_orientations"] == 48 * 24
     assert abs(o[0]["n_orientations"] / (192 * 24 / 24) - 1) < 0.15
-    assert d2[0]["estep_seconds"] < 0.3 * c1[0]["estep_seconds"]
+    # on a slow GPU the operations, not the fixed cost per particle, set the time: a quarter of the orientations
+    slow_c1 = plan_json(capsys, particles, "--gpu_tflops", 0.001)["moments"]
+    slow_d2 = plan_json(capsys, particles, "--sym", "D2", "--gpu_tflops", 0.001)["moments"]
+    assert slow_d2[0]["estep_seconds"] < 0.3 * slow_c1[0]["estep_seconds"]

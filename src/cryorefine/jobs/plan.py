@@ -31,6 +31,12 @@ from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_byt
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
 COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
+# local searches: the coarse products' operations per second of the whole E-step, as a fraction of the FP32 peak
+# (measured: 2.15 TFLOP/s at HEALPix order 6 in the 360 px box on the H100, results/local_search_h100.json)
+LOCAL_ESTEP_FRACTION_OF_PEAK = 0.042
+# an E-step's fixed cost per particle, however small the images (measured: 1.4–1.6 s per 2,000 particles of 64 px
+# in the local iterations of benchmarks/refine_accuracy.py on the H100)
+MIN_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
 
@@ -115,8 +121,12 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     if sampling.group.order > 1:  # --sym: a copy of one class's sums and one slab's temporaries at a time
         maximization = max(maximization, 2 * sums_per_half + volume * (16 + 8) + SYMMETRISE_SLAB_BYTES)
     coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
-    seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
-    estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
+    if local:
+        estep = n_particles * coarse_flops / (LOCAL_ESTEP_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
+    else:
+        seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
+        estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
+    estep = max(estep, n_particles * MIN_ESTEP_SECONDS_PER_PARTICLE)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
                   2 * sums_per_half + references + slices, particle, orientation, maximization, estep)
 
@@ -172,5 +182,5 @@ def format_plan(result):
         lines.append(f"| {m.label} | {m.current_size_px} / {m.coarse_size_px} | {m.n_orientations} × {m.n_translations}"
                      f"{' (slices cached)' if m.cache_coarse_slices else ''} | {m.particles_per_batch} | "
                      f"{m.iteration_bytes / GB:.2f} | {m.particle_bytes / GB:.2f} | {m.orientation_bytes / GB:.2f} | "
-                     f"{m.maximization_bytes / GB:.2f} | {m.peak_bytes / GB:.2f} | {m.estep_seconds:.0f} |")
+                     f"{m.maximization_bytes / GB:.2f} | {m.peak_bytes / GB:.2f} | {m.estep_seconds:.1f} |")
     return "\n".join(lines)
