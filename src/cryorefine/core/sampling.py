@@ -500,7 +500,7 @@ class Sampling:
         counts = np.array([p.size for p in parts], dtype=np.int64)
         cand = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         row = np.repeat(np.arange(q.shape[0]), counts)
-        dirs = self.direction_vectors()[cand]  # (n, 3)
+        dirs = directions_to_xyz(self._directions[cand, 0], self._directions[cand, 1])  # (n, 3): the candidates' only
         best = np.einsum("ngk,nk->ng", mates[row], dirs).max(axis=1)
         angle = np.rad2deg(np.arccos(np.clip(best, -1.0, 1.0)))
         keep, log_prior = _normalised_gaussian(angle, row, q.shape[0], sigma_deg, cutoff)
