@@ -137,10 +137,6 @@ class IterationTables:
         """(n, 3, 3) float64 matrices of the orientations `index` (host ints; all of them by default)."""
         return np.asarray(self.sampling.orientation_matrices(index=index), dtype=np.float64)
 
-    def direction_of(self, orientation):
-        """Direction index of orientation indices (host or device arrays)."""
-        return orientation // self.n_psi
-
     @property
     def n_translations(self):
         return self.translations.shape[0]
