@@ -175,27 +175,41 @@ def time_coarse_kernel(cp, n_particles, n_translations, n_orientations, n_coef, 
             "cublas_seconds": t_blas, "cublas_tflops": flops / t_blas / 1e12, "max_error_vs_float64_relative_to_sum_of_magnitudes": max(errs)}
 
 
-def run_gpu(cp, setup, batch, batch_size, free_gpu_memory_mb):
+def warm_up(arena, setup, batch, n_particles):
+    """The GPU engine on the batch's first `n_particles` (compilation, first launches), not timed; then the
+    arena's peaks are reset."""
     from cryorefine.estep.cuda import CupyEngine
+    from cryorefine.gpu.allocator import Scope
+
+    with arena.scope(Scope.ITERATION):
+        engine = CupyEngine(arena=arena)
+        engine.setup(setup)
+        engine.run(sub_batch(batch, np.arange(min(n_particles, batch.indices.size))))
+        engine.sums()
+        del engine
+    arena.reset_peaks()
+
+
+def timed_setup(cp, arena, setup):
+    """A GPU engine on the arena, set up for `setup`, and the seconds of its set-up."""
+    from cryorefine.estep.cuda import CupyEngine
+
+    tic = time.perf_counter()
+    engine = CupyEngine(arena=arena)
+    engine.setup(setup)
+    cp.cuda.get_current_stream().synchronize()
+    return engine, time.perf_counter() - tic
+
+
+def run_gpu(cp, setup, batch, batch_size, free_gpu_memory_mb):
     from cryorefine.gpu.allocator import DeviceArena, Scope
 
     arena = DeviceArena(free_gpu_memory_mb=free_gpu_memory_mb)
     try:
         with arena.installed(), arena.scope(Scope.GLOBAL):
-            # warm-up (compilation, first launches) on a few particles, not timed
+            warm_up(arena, setup, batch, 4)
             with arena.scope(Scope.ITERATION):
-                engine = CupyEngine(arena=arena)
-                engine.setup(setup)
-                engine.run(sub_batch(batch, np.arange(min(4, batch.indices.size))))
-                engine.sums()
-                del engine
-            arena.reset_peaks()
-            with arena.scope(Scope.ITERATION):
-                tic = time.perf_counter()
-                engine = CupyEngine(arena=arena)
-                engine.setup(setup)
-                cp.cuda.get_current_stream().synchronize()
-                setup_seconds = time.perf_counter() - tic
+                engine, setup_seconds = timed_setup(cp, arena, setup)
                 tic = time.perf_counter()
                 n = batch.indices.size
                 for start in range(0, n, batch_size):

@@ -31,11 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from estep_throughput import make_inputs, sub_batch  # noqa: E402
+from estep_throughput import make_inputs, sub_batch, timed_setup, warm_up  # noqa: E402
 
 from cryorefine.core import fourier  # noqa: E402
 from cryorefine.core.sampling import Sampling  # noqa: E402
 from cryorefine.em import schedule  # noqa: E402
+from cryorefine.estep.common import local_orientations  # noqa: E402
 
 BOX_PX, PIXEL_ANGSTROM, DIAMETER_ANGSTROM = 360, 1.34, 360.0
 PER = 10_000
@@ -61,36 +62,20 @@ def order_setup(setup, batch, order, rng):
 
 
 def run_order(cp, setup, batch, batch_size, free_gpu_memory_mb):
-    from cryorefine.estep.cuda import CupyEngine
     from cryorefine.gpu.allocator import DeviceArena, Scope
 
     arena = DeviceArena(free_gpu_memory_mb=free_gpu_memory_mb)
     try:
         with arena.installed(), arena.scope(Scope.GLOBAL):
-            with arena.scope(Scope.ITERATION):  # warm-up: compilation and first launches, not timed
-                engine = CupyEngine(arena=arena)
-                engine.setup(setup)
-                engine.run(sub_batch(batch, np.arange(min(batch_size, batch.indices.size))))
-                engine.sums()
-                del engine
-            arena.reset_peaks()
+            warm_up(arena, setup, batch, batch_size)  # a whole batch: its shapes compile here, not in the timing
             with arena.scope(Scope.ITERATION):
-                tic = time.perf_counter()
-                engine = CupyEngine(arena=arena)
-                engine.setup(setup)
-                cp.cuda.get_current_stream().synchronize()
-                setup_seconds = time.perf_counter() - tic
+                engine, setup_seconds = timed_setup(cp, arena, setup)
                 n = batch.indices.size
-                counts = []
-                tic = time.perf_counter()
-                for start in range(0, n, batch_size):
-                    part = sub_batch(batch, np.arange(start, min(n, start + batch_size)))
-                    counts.append(setup.sampling.local_orientations(part.prior_rot_deg, part.prior_tilt_deg,
-                                                                    part.prior_psi_deg, setup.sigma_rot_deg,
-                                                                    setup.sigma_psi_deg).counts())
-                count_seconds = time.perf_counter() - tic  # counted apart, taken off the E-step below
                 parts = [sub_batch(batch, np.arange(start, min(n, start + batch_size)))  # host copies, not timed
                          for start in range(0, n, batch_size)]
+                tic = time.perf_counter()  # the neighbourhoods' sizes, apart from the E-step's timing
+                counts = [local_orientations(setup, part).counts() for part in parts]
+                count_seconds = time.perf_counter() - tic
                 tic = time.perf_counter()
                 significant = []
                 for part in parts:

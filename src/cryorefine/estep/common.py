@@ -166,6 +166,15 @@ def inverse_sigma2(sigma2, shell, keep_origin):
     return values
 
 
+def local_orientations(setup, batch):
+    """Each particle's orientations and their log priors (core.sampling.LocalOrientations) in a local search of
+    `setup`, around the batch's previous poses; None in a global search."""
+    if not setup.local_searches:
+        return None
+    return setup.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
+                                             setup.sigma_rot_deg, setup.sigma_psi_deg)
+
+
 def groups_by_size(sizes, limit):
     """Consecutive index groups whose sizes add up to at most `limit` (a group holds at least one)."""
     groups, start, total = [], 0, 0

@@ -36,7 +36,8 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables, groups_by_size, significant_samples
+from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
+                                      significant_samples)
 from cryorefine.estep.cuda_plan import plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_GRID_Y, SEG_THREADS,
@@ -230,7 +231,7 @@ class CupyEngine:
         blocks = []
         with cp.cuda.Device(self.device_id):
             tic = time.perf_counter()
-            local = self._local_orientations(batch)
+            local = local_orientations(self.setup_, batch)
             self.stage_seconds["orientations"] += time.perf_counter() - tic
             step = max(1, self.plan.particles_per_batch if local is None else self._local_batch_size(local))
             for start in range(0, n, step):
@@ -244,14 +245,6 @@ class CupyEngine:
         self.sums_.sum_pmax += float(merged["pmax"].sum())
         self.sums_.n_particles += n
         return BatchResult(**merged)
-
-    def _local_orientations(self, batch):
-        """Each particle's orientations and their log priors in a local search (None in a global one)."""
-        s = self.setup_
-        if not s.local_searches:
-            return None
-        return s.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
-                                             s.sigma_rot_deg, s.sigma_psi_deg)
 
     def _local_batch_size(self, local):
         """Particles per sub-batch of a local search: the set-up's plan, and what the widest neighbourhood
@@ -380,11 +373,11 @@ class CupyEngine:
         # weights: priors + (min diff2 − diff2), exponentiated; CC keeps the best sample alone
         # the priors of orientations and classes and those of the offsets broadcast over (B, K, R, T) in one
         # pass with diff2 (no (B, K·R·T) prior array spelt out): (prior_orientation + prior_offset) − diff2
-        prior_ko, prior_t = self._coarse_log_prior(pre, cp.arange(n_sel)[None, :], cp.zeros((1, n_sel)))
+        orientation, orientation_prior = cp.arange(n_sel)[None, :], cp.zeros((1, n_sel))  # all, flat
+        prior_ko, prior_t = self._coarse_log_prior(pre, orientation, orientation_prior)
         d2 = diff2.reshape(b_count, self.n_classes, n_sel, n_t)
         del diff2
-        return self._significant_blocks(d2, prior_ko, prior_t, cp.arange(n_sel)[None, :],
-                                        cp.zeros((1, n_sel)), tic)
+        return self._significant_blocks(d2, prior_ko, prior_t, orientation, orientation_prior, tic)
 
     def _significant_blocks(self, d2, prior_ko, prior_t, orientation, orientation_prior, tic):
         """Weights and significance of coarse diff2 (B, K, R, T) under priors that broadcast to it, R the

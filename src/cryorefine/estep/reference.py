@@ -29,7 +29,7 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables, significant_samples
+from cryorefine.estep.common import FineBlocks, IterationTables, local_orientations, significant_samples
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
@@ -108,7 +108,7 @@ class NumpyEngine:
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64),
         }
         tic = time.perf_counter()
-        local = self._local_orientations(batch)
+        local = local_orientations(self.setup_, batch)
         b_idx, flat, olp, n_significant = self._coarse_pass(pre, local)
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
@@ -327,14 +327,6 @@ class NumpyEngine:
     def _fine_to_coarse_selection(self):
         """Positions of the coarse coefficients among the fine ones (IterationTables.coarse_selection)."""
         return self.tables.coarse_selection
-
-    def _local_orientations(self, batch):
-        """Each particle's orientations and their log priors in a local search (None in a global one)."""
-        s = self.setup_
-        if not s.local_searches:
-            return None
-        return s.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
-                                             s.sigma_rot_deg, s.sigma_psi_deg)
 
     def _diff2_dense(self, x, x_shift, ctf, minv, proj):
         """diff2 (B, R, T) of images (B, Kc) at translations (B, T, Kc) against projections (R, Kc)."""
