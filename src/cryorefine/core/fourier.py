@@ -167,12 +167,16 @@ def soft_circular_mask(size_px, radius_px, edge_px=5.0, xp=np):
     return raised_cosine(r, radius_px, edge_px, xp)
 
 
-def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np):
-    """A 3D real-space mask (N, N, N) centred at N//2 with a cosine edge."""
-    c = size_px // 2
-    z, y, x = xp.mgrid[:size_px, :size_px, :size_px]
-    r = xp.sqrt((x - c) ** 2.0 + (y - c) ** 2.0 + (z - c) ** 2.0)
-    return raised_cosine(r, radius_px, edge_px, xp)
+def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np, dtype=np.float64):
+    """A 3D real-space mask (N, N, N) of `dtype` centred at N//2 with a cosine edge (made a slab of z at a time:
+    float64 only in one slab's temporaries)."""
+    k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
+    out = xp.empty((size_px,) * 3, dtype=dtype)
+    step = max(1, (1 << 22) // (size_px * size_px))
+    for z in range(0, size_px, step):
+        r = xp.sqrt(k[z:z + step, None, None] ** 2 + k[None, :, None] ** 2 + k[None, None, :] ** 2)
+        out[z:z + step] = raised_cosine(r, radius_px, edge_px, xp)
+    return out
 
 
 def lowpass_filter_3d(ft, size_px, resolution_angstrom, pixel_size_angstrom, edge_shells=2.0, xp=np):

@@ -25,9 +25,12 @@ def complex_dtype_for(real_dtype):
     return np.result_type(np.dtype(real_dtype), np.complex64)
 
 
+#: compact elements per slab of the loops over a padded grid (`PaddedGrid.slabs`): with ~100 bytes of float64
+#: temporaries per element, ~0.4 GB whatever the box
+SLAB_ELEMENTS = 1 << 22
+
+
 @dataclass(frozen=True)
-
-
 class PaddedGrid:
     """Geometry of a padded Fourier volume in RELION's compact layout.
 
@@ -67,27 +70,36 @@ class PaddedGrid:
         d = 2 * self.r_max_padded + 3
         return (d, d, self.r_max_padded + 2)
 
-    def frequencies(self, xp=np):
-        """Padded integer frequencies (z, y, x), each broadcastable to `shape`, as float64."""
+    def frequencies(self, xp=np, planes=slice(None)):
+        """Padded integer frequencies (z, y, x), each broadcastable to `shape` (to the z `planes` given, a
+        slice of the first axis), as float64."""
         d, _, w = self.shape
         k = xp.arange(d, dtype=xp.float64) - self.origin
         kx = xp.arange(w, dtype=xp.float64)
-        return k[:, None, None], k[None, :, None], kx[None, None, :]
+        return k[planes][:, None, None], k[None, :, None], kx[None, None, :]
 
-    def radius2(self, xp=np):
-        """|k|² in padded Fourier pixels for every compact element (float64)."""
-        kz, ky, kx = self.frequencies(xp)
+    def radius2(self, xp=np, planes=slice(None)):
+        """|k|² in padded Fourier pixels for every compact element (of the z `planes` given), float64."""
+        kz, ky, kx = self.frequencies(xp, planes)
         return kz * kz + ky * ky + kx * kx
 
+    def slabs(self, elements=None):
+        """Slices of the first axis covering it in slabs of about `elements` compact elements (default
+        `SLAB_ELEMENTS`), so that loops over the grid keep their temporaries bounded at any box size."""
+        d, h, w = self.shape
+        step = max(1, (elements or SLAB_ELEMENTS) // (h * w))
+        return [slice(z, min(d, z + step)) for z in range(0, d, step)]
 
-def trilinear_gridding_kernel(size_px, padded_size_px, xp=np):
-    """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64.
+
+def trilinear_gridding_kernel(size_px, padded_size_px, xp=np, planes=slice(None)):
+    """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64; only the z `planes`
+    given (a slice of the first axis), for loops over slabs of a large map.
 
     Trilinear interpolation in the padded Fourier grid multiplies the map by (approximately)
     this function; RELION divides by it before the transform of a projector and after the
     inverse transform of a reconstruction (Projector::griddingCorrect).
     """
-    c = size_px // 2
-    z, y, x = xp.meshgrid(*(xp.arange(size_px, dtype=xp.float64) - c,) * 3, indexing="ij")
-    t = xp.sqrt(x * x + y * y + z * z) / float(padded_size_px)
+    k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
+    z = k[planes][:, None, None]
+    t = xp.sqrt(z * z + k[None, :, None] ** 2 + k[None, None, :] ** 2) / float(padded_size_px)
     return xp.sinc(t) ** 2

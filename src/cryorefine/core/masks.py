@@ -27,8 +27,10 @@ def flatten_to_mask_average(volume, mask, xp=np):
 
 def solvent_flatten(volume, mask, mask2=None, xp=np):
     """RELION's solventFlatten of one reference: the map times `mask` (the solvent mask, or the soft sphere
-    of the particle diameter), then, with `mask2`, the region of mask2 set to its own average density."""
-    out = xp.asarray(volume, dtype=xp.float64) * xp.asarray(mask, dtype=xp.float64)
+    of the particle diameter), then, with `mask2`, the region of mask2 set to its own average density. In the
+    map's precision (a float32 map stays float32: the maps of a large box are gigabytes)."""
+    volume = xp.asarray(volume)
+    out = volume * xp.asarray(mask, dtype=volume.dtype)
     if mask2 is not None:
         out = flatten_to_mask_average(out, mask2, xp)
     return out

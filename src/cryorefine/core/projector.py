@@ -37,6 +37,7 @@ import numpy as np
 from cryorefine.core import fourier
 from cryorefine.core import reconstruct
 from cryorefine.core.grid import PaddedGrid, complex_dtype_for, trilinear_gridding_kernel
+from cryorefine.core.padded_transforms import padded_forward
 from cryorefine.core.symmetry import symmetrise_padded_sums
 
 
@@ -129,37 +130,35 @@ class Projector:
                     pre-correction for trilinear interpolation). Without it the slices equal
                     the exact DFT wherever they hit grid points (useful for tests only).
 
+    out:            where to write `data` (the grid's shape, complex), e.g. one class of a stack of references.
+
     Attributes: `grid` (PaddedGrid), `data` (compact complex array, see module docstring),
     `power_spectrum` ((N//2+1,) RELION's radial power of `data`: mean |F|²/2 per shell
     round(|k_padded|/pf), as computeFourierTransformMap returns it for tau² initialisation).
     """
 
     def __init__(self, volume, padding_factor=2.0, r_max_px=None, do_gridding=True,
-                 dtype=np.float64, xp=np):
+                 dtype=np.float64, xp=np, out=None):
         self.xp = xp
         self.real_dtype = np.dtype(dtype).type
         self.complex_dtype = complex_dtype_for(dtype).type
-        vol = xp.asarray(volume, dtype=xp.float64)
+        vol = xp.asarray(volume)
         if vol.ndim != 3 or len(set(vol.shape)) != 1:
             raise ValueError(f"Projector needs a cubic (N, N, N) volume, got shape {vol.shape}")
         n = vol.shape[0]
         self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px)
         npad = grid.padded_size_px
-        if do_gridding:
-            vol = vol / trilinear_gridding_kernel(n, npad, xp)
-        padded = xp.zeros((npad,) * 3, dtype=self.real_dtype)
-        s = npad // 2 - n // 2
-        padded[s:s + n, s:s + n, s:s + n] = vol
-        # DFT3(V)(k) / N²: rfft3_centered divides by Np³.
-        ft = fourier.rfft3_centered(padded, xp)
-        ft *= self.real_dtype(float(npad) ** 3 / float(n) ** 2)
-        d, _, w = grid.shape
-        k = (xp.arange(d) - grid.origin) % npad
-        kx = xp.minimum(xp.arange(w), npad // 2)
-        data = ft[k[:, None, None], k[None, :, None], kx[None, None, :]]
-        r2 = grid.radius2(xp)
-        data = xp.where(r2 <= grid.r_max_padded ** 2, data, 0)
-        self.data = data.astype(self.complex_dtype)
+        corrected = xp.empty(vol.shape, dtype=self.real_dtype)
+        step = max(1, (1 << 22) // (n * n))
+        for z in range(0, n, step):  # in float64, a slab at a time
+            planes = slice(z, min(n, z + step))
+            v = vol[planes].astype(xp.float64)
+            if do_gridding:
+                v = v / trilinear_gridding_kernel(n, npad, xp, planes)
+            corrected[planes] = v
+        del vol
+        # DFT3(V)(k) / N² of the zero-padded box, |k| ≤ R, one slab at a time (core.padded_transforms)
+        self.data = padded_forward(corrected, grid, xp, out=out)
 
     @cached_property
     def power_spectrum(self):
@@ -223,14 +222,15 @@ class Projector:
 
 
 def _relion_power_spectrum(data, grid, xp):
-    r2 = grid.radius2(xp)
-    keep = r2 <= grid.r_max_padded ** 2
-    shells = xp.rint(xp.sqrt(r2) / grid.padding_factor).astype(xp.int64)
     n_shells = grid.size_px // 2 + 1
-    shells = xp.where(keep, shells, n_shells)  # dropped by shell_sum
-    power = fourier.shell_sum((data.real ** 2 + data.imag ** 2).astype(xp.float64) / 2.0,
-                              shells, n_shells, xp)
-    count = fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
+    power, count = xp.zeros(n_shells), xp.zeros(n_shells)
+    for planes in grid.slabs():
+        r2 = grid.radius2(xp, planes)
+        shells = xp.where(r2 <= grid.r_max_padded ** 2, xp.rint(xp.sqrt(r2) / grid.padding_factor).astype(xp.int64),
+                          n_shells)  # beyond R: dropped by shell_sum
+        slab = data[planes]
+        power += fourier.shell_sum((slab.real ** 2 + slab.imag ** 2).astype(xp.float64) / 2.0, shells, n_shells, xp)
+        count += fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return xp.where(count >= 1.0, power / xp.maximum(count, 1.0), 0.0)
 
 
@@ -345,20 +345,11 @@ class BackProjector:
         `symmetry.symmetrise_padded_sums`). A group of order 1 changes nothing."""
         if group.order == 1:
             return
-        plane = reconstruct.enforce_hermitian_symmetry(self.data[:, :, :1], self.weight[:, :, :1], self.xp)
-        self.data[:, :, :1], self.weight[:, :, :1] = plane
+        self.data[:, :, 0], self.weight[:, :, 0] = reconstruct.hermitian_plane(self.data, self.weight, self.xp)
         data, weight = symmetrise_padded_sums(self.data, self.weight, group, self.grid.r_max_padded, self.xp)
         self.data[...] = data
         self.weight[...] = weight
         self.hermitian_enforced = True
-
-    def hermitian_symmetrised(self):
-        """(data, weight) with the x = 0 plane made Hermitian (RELION's enforceHermitianSymmetry).
-
-        Splats that fell on the x = 0 plane are added to their Friedel mates (−z, −y, 0);
-        the sums themselves are left unchanged.
-        """
-        return reconstruct.enforce_hermitian_symmetry(self.data, self.weight, self.xp)
 
     def downsampled_average(self, divide=True):
         """RELION's getDownsampledAverage as an (N, N, N//2+1) half transform (FFTW layout).
@@ -382,13 +373,10 @@ class BackProjector:
         window to N, soft mask outside radius N/2, divide by sinc². With unit weights and
         slices that are projections (normalised as `Projector.project`) of a map over
         many uniformly distributed poses, the result is that map. `enforce_hermitian` (default: unless
-        `hermitian_enforced`) makes the x = 0 plane Hermitian first, on copies.
+        `hermitian_enforced`) makes the x = 0 plane Hermitian first, on a copy of that plane.
         """
-        data, weight = self.data, self.weight
         if enforce_hermitian is None:
             enforce_hermitian = not self.hermitian_enforced
-        if enforce_hermitian:
-            data, weight = reconstruct.enforce_hermitian_symmetry(data, weight, self.xp)
-        return reconstruct.reconstruct_volume(data, weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,
+        return reconstruct.reconstruct_volume(self.data, self.weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,
                                               minres_map_px=minres_map_px, mask_corners=mask_corners,
-                                              xp=self.xp)
+                                              enforce_hermitian=enforce_hermitian, xp=self.xp)

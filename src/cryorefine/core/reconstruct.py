@@ -13,6 +13,12 @@ projected from. tau2 and sigma2 are per-shell powers in the same units as |data/
 RELION's defaults are followed: no Pipe–Menon gridding iterations (skip_gridding), a weight
 floor of 1/1000 of the radial average, soft masking of the corners beyond radius N/2 (cosine
 edge of 3 pixels, filled with the average outside), division by sinc²(r/Np).
+
+Memory. The sums may be large (189 M elements per class at 360 px with --pad 2; 2 G at 800 px), so
+every function here loops over slabs of z (`PaddedGrid.slabs`) and makes nothing of the grid's size:
+float64 only in a slab's temporaries and in per-shell sums, the one padded-box array a reconstruction
+needs in the sums' own precision (complex64 for float32 sums), its transform taken in place
+(`core.padded_transforms`).
 """
 
 from __future__ import annotations
@@ -20,12 +26,16 @@ from __future__ import annotations
 import numpy as np
 
 from cryorefine.core import fourier
-from cryorefine.core.grid import PaddedGrid, relion_round, trilinear_gridding_kernel
+from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, relion_round, trilinear_gridding_kernel
+from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window
 
 __all__ = [
     "enforce_hermitian_symmetry",
+    "hermitian_plane",
     "reconstruction_noise_sigma2",
     "downsampled_average",
+    "downsampled_average_planes",
+    "half_sets_fsc",
     "reconstruct_volume",
     "soft_mask_outside_map",
     "gridding_correct",
@@ -37,29 +47,41 @@ def _round_half_up(x, xp):
     return xp.floor(x + 0.5).astype(xp.int64)
 
 
-def enforce_hermitian_symmetry(data, weight, xp=np):
-    """Copies of (data, weight) with the x = 0 plane made Hermitian.
+def hermitian_plane(data, weight, xp=np):
+    """The x = 0 planes (D, D) of (data, weight) made Hermitian, as new arrays (the sums are not changed).
 
     Every point (z, y, 0) and its mate (−z, −y, 0) both become data(z, y, 0) + conj(data(−z, −y, 0))
     (and the conjugate), weights the plain sum; the origin is left as it is (RELION's
     BackProjector::enforceHermitianSymmetry). Needed because back-projection only splats into
     the stored x ≥ 0 half, so a splat that touches x = 0 misses its Friedel mate there.
     """
-    data = data.copy()
-    weight = weight.copy()
-    d = data.shape[0]
-    o = (d - 1) // 2
     plane = data[:, :, 0]
     wplane = weight[:, :, 0]
+    o = (data.shape[0] - 1) // 2
     new = plane + xp.conj(plane[::-1, ::-1])
     wnew = wplane + wplane[::-1, ::-1]
-    centre = plane[o, o].copy()  # a copy: on cupy an indexed element is a view
-    wcentre = wplane[o, o].copy()
-    data[:, :, 0] = new
-    weight[:, :, 0] = wnew
-    data[o, o, 0] = centre
-    weight[o, o, 0] = wcentre
+    new[o, o] = plane[o, o]
+    wnew[o, o] = wplane[o, o]
+    return new, wnew
+
+
+def enforce_hermitian_symmetry(data, weight, xp=np):
+    """Copies of (data, weight) with the x = 0 plane made Hermitian (`hermitian_plane`)."""
+    plane, wplane = hermitian_plane(data, weight, xp)
+    data = data.copy()
+    weight = weight.copy()
+    data[:, :, 0] = plane
+    weight[:, :, 0] = wplane
     return data, weight
+
+
+def _slab(array, planes, plane0):
+    """array[planes], with its x = 0 column replaced by `plane0`'s rows (a Hermitian plane) when given."""
+    if plane0 is None:
+        return array[planes]
+    out = array[planes].copy()
+    out[:, :, 0] = plane0[planes]
+    return out
 
 
 def reconstruction_noise_sigma2(weight, grid: PaddedGrid, xp=np):
@@ -70,14 +92,76 @@ def reconstruction_noise_sigma2(weight, grid: PaddedGrid, xp=np):
     With weights Σ CTF²/σ²_noise this is the noise power of the reconstructed coefficients.
     """
     pf = grid.padding_factor
-    r2 = grid.radius2(xp)
     n_shells = grid.size_px // 2 + 1
-    keep = r2 < grid.r_max_padded ** 2
-    shells = _round_half_up(xp.sqrt(r2) / pf, xp)
-    shells = xp.where(keep, shells, n_shells)
-    total = fourier.shell_sum(weight.astype(xp.float64) * pf ** 3, shells, n_shells, xp)
-    count = fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
+    total = xp.zeros(n_shells)
+    count = xp.zeros(n_shells)
+    for planes in grid.slabs():
+        r2 = grid.radius2(xp, planes)
+        shells = xp.where(r2 < grid.r_max_padded ** 2, _round_half_up(xp.sqrt(r2) / pf, xp), n_shells)
+        total += fourier.shell_sum(weight[planes].astype(xp.float64) * pf ** 3, shells, n_shells, xp)
+        count += fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return xp.where(total > 1e-20, count / xp.where(total > 1e-20, total, 1.0), 0.0)
+
+
+def _downsampling_blocks(grid: PaddedGrid, elements):
+    """Groups of compact z planes whose downsampled planes round(kz/pf) form one run, about `elements` compact
+    elements each: (planes (slice), first downsampled index, number of downsampled planes), indices from
+    −(r_max+1) as 0 (the layout of `downsampled_average`)."""
+    d, h, w = grid.shape
+    r_max = grid.r_max_px
+    kz = np.arange(d, dtype=np.float64) - grid.origin
+    zd = np.clip(np.floor(kz / grid.padding_factor + 0.5).astype(np.int64) + r_max + 1, 0, 2 * (r_max + 1))
+    per_block = max(1, elements // (h * w))
+    blocks, start = [], 0
+    while start < d:
+        stop = min(d, start + per_block)
+        while stop < d and zd[stop] == zd[stop - 1]:  # a downsampled plane's padded planes stay together
+            stop += 1
+        blocks.append((slice(start, stop), int(zd[start]), int(zd[stop - 1] - zd[start] + 1)))
+        start = stop
+    return blocks
+
+
+def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=np, elements=None):
+    """`downsampled_average` one run of planes at a time: yields (frequencies kz (m,), planes (m, N, N//2+1)) of
+    the downsampled half transform, each kz at most once, zero planes left out."""
+    n = grid.size_px
+    r_max = grid.r_max_px
+    pf = grid.padding_factor
+    dd = 2 * (r_max + 1) + 1
+    wd = r_max + 2
+    _, ky, kx = grid.frequencies(xp)
+    yd = xp.clip(_round_half_up(ky / pf, xp) + r_max + 1, 0, dd - 1)
+    xd = xp.clip(_round_half_up(kx / pf, xp), 0, wd - 1)
+    k = xp.arange(dd) - (r_max + 1)
+    ry, rx = k[None, :, None], xp.arange(wd)[None, None, :]
+    for planes, z0, m in _downsampling_blocks(grid, elements or SLAB_ELEMENTS):
+        kz, _, _ = grid.frequencies(xp, planes)
+        zd = xp.clip(_round_half_up(kz / pf, xp) + r_max + 1, 0, dd - 1) - z0
+        idx = ((zd * dd + yd) * wd + xd).reshape(-1)
+        size = m * dd * wd
+        flat = data[planes].reshape(-1)
+        re = xp.bincount(idx, weights=flat.real.astype(xp.float64), minlength=size)
+        im = xp.bincount(idx, weights=flat.imag.astype(xp.float64), minlength=size)
+        if divide:
+            den = xp.bincount(idx, weights=weight[planes].reshape(-1).astype(xp.float64), minlength=size)
+        else:
+            den = xp.bincount(idx, minlength=size).astype(xp.float64)
+        avg = xp.where(den > 0, (re + 1j * im) / xp.where(den > 0, den, 1.0), 0).reshape(m, dd, wd)
+        rz = k[z0:z0 + m][:, None, None]
+        keep = (rz * rz + ry * ry + rx * rx) <= r_max * r_max
+        if n % 2 == 0:
+            keep = keep & (rz != -(n // 2)) & (ry != -(n // 2))
+        keep = keep & (rx <= n // 2)
+        kz_run = np.arange(z0, z0 + m) - (r_max + 1)
+        rows = np.flatnonzero((np.abs(kz_run) <= r_max) & ((n % 2 == 1) | (kz_run != -(n // 2))))
+        if rows.size == 0:
+            continue
+        sel = keep[xp.asarray(rows)]  # (rows, dd, wd)
+        target = (xp.arange(rows.size)[:, None, None] * n + ry % n) * (n // 2 + 1) + rx
+        out = xp.zeros((rows.size, n, n // 2 + 1), dtype=data.dtype)
+        out.reshape(-1)[xp.broadcast_to(target, sel.shape)[sel]] = avg[xp.asarray(rows)][sel].astype(data.dtype)
+        yield kz_run[rows], out
 
 
 def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
@@ -86,42 +170,36 @@ def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
     Padded point k goes to round(k/pf) (RELION's getDownsampledAverage); with divide=False the
     binned data is divided by the number of padded points instead. Only |k| ≤ r_max is kept;
     for an even N at r_max = N/2 the ky or kz = −N/2 points (same FFTW element as +N/2) are
-    dropped. The FSC between the two half sets in the M-step is computed on these.
+    dropped. The FSC between the two half sets in the M-step is computed from these, one run of
+    planes at a time (`downsampled_average_planes`, `half_sets_fsc`).
     """
     n = grid.size_px
-    r_max = grid.r_max_px
-    pf = grid.padding_factor
-    dd = 2 * (r_max + 1) + 1
-    wd = r_max + 2
-    kz, ky, kx = grid.frequencies(xp)
-    shape = grid.shape
-    zd = xp.clip(_round_half_up(xp.broadcast_to(kz, shape) / pf, xp) + r_max + 1, 0, dd - 1)
-    yd = xp.clip(_round_half_up(xp.broadcast_to(ky, shape) / pf, xp) + r_max + 1, 0, dd - 1)
-    xd = xp.clip(_round_half_up(xp.broadcast_to(kx, shape) / pf, xp), 0, wd - 1)
-    idx = ((zd * dd + yd) * wd + xd).reshape(-1)
-    size = dd * dd * wd
-    flat = data.reshape(-1)
-    re = xp.bincount(idx, weights=flat.real.astype(xp.float64), minlength=size)
-    im = xp.bincount(idx, weights=flat.imag.astype(xp.float64), minlength=size)
-    if divide:
-        den = xp.bincount(idx, weights=weight.reshape(-1).astype(xp.float64), minlength=size)
-    else:
-        den = xp.bincount(idx, minlength=size).astype(xp.float64)
-    avg = xp.where(den > 0, (re + 1j * im) / xp.where(den > 0, den, 1.0), 0)
-    avg = avg.reshape(dd, dd, wd)
-    k = xp.arange(dd) - (r_max + 1)
-    kxd = xp.arange(wd)
-    rz, ry, rx = k[:, None, None], k[None, :, None], kxd[None, None, :]
-    keep = (rz * rz + ry * ry + rx * rx) <= r_max * r_max
-    if n % 2 == 0:
-        keep = keep & (rz != -(n // 2)) & (ry != -(n // 2))
-    keep = keep & (rx <= n // 2)
-    zi = xp.broadcast_to(rz % n, keep.shape)[keep]
-    yi = xp.broadcast_to(ry % n, keep.shape)[keep]
-    xi = xp.broadcast_to(rx, keep.shape)[keep]
     out = xp.zeros((n, n, n // 2 + 1), dtype=data.dtype)
-    out[zi, yi, xi] = avg[keep].astype(data.dtype)
+    for kz, planes in downsampled_average_planes(data, weight, grid, divide, xp):
+        out[xp.asarray(kz % n)] = planes
     return out
+
+
+def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
+    """The FSC per shell (N//2+1,) between the downsampled averages of two half sets' sums, each (data, weight):
+    `fsc.fourier_shell_correlation` of their `downsampled_average`s with shell 0 set to 1, summed one run of
+    planes at a time so that neither average is ever whole."""
+    n = grid.size_px
+    n_shells = n // 2 + 1
+    num, den1, den2 = xp.zeros(n_shells), xp.zeros(n_shells), xp.zeros(n_shells)
+    ky = fourier.signed_frequencies(n, xp)[None, :, None]
+    kx = xp.arange(n // 2 + 1, dtype=xp.float64)[None, None, :]
+    for (kz, a), (_, b) in zip(downsampled_average_planes(*sums1, grid, xp=xp),
+                               downsampled_average_planes(*sums2, grid, xp=xp)):
+        kzf = xp.asarray(kz, dtype=xp.float64)[:, None, None]
+        shells = xp.rint(xp.sqrt(kzf * kzf + ky * ky + kx * kx)).astype(xp.int64)
+        num += fourier.shell_sum((a * xp.conj(b)).real.astype(xp.float64), shells, n_shells, xp)
+        den1 += fourier.shell_sum((a.real ** 2 + a.imag ** 2).astype(xp.float64), shells, n_shells, xp)
+        den2 += fourier.shell_sum((b.real ** 2 + b.imag ** 2).astype(xp.float64), shells, n_shells, xp)
+    den = xp.sqrt(den1 * den2)
+    fsc = xp.where(den > 0, num / xp.where(den > 0, den, 1.0), 0.0)
+    fsc[0] = 1.0
+    return fsc
 
 
 def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
@@ -129,34 +207,56 @@ def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
     the outside average.
 
     Voxels with r > radius + width become the (cosine-weighted) average of the region outside
-    the radius; between radius and radius + width a raised cosine blends the two. Returns a copy.
+    the radius; between radius and radius + width a raised cosine blends the two. Returns a copy,
+    of the map's dtype (float64 only in one slab of z at a time).
     """
     n = volume.shape[0]
     radius = n / 2.0 if radius_px is None else float(radius_px)
     radius_p = radius + cosine_width_px
-    c = n // 2
-    axes = xp.meshgrid(*(xp.arange(n, dtype=xp.float64) - c,) * volume.ndim, indexing="ij")
-    r = xp.sqrt(sum(a * a for a in axes))
-    raised = 0.5 + 0.5 * xp.cos(np.pi * (radius_p - r) / cosine_width_px)
-    blend = xp.where(r < radius, 0.0, xp.where(r > radius_p, 1.0, raised))
-    total = blend.sum()
-    if float(total) <= 0:
+    k = xp.arange(n, dtype=xp.float64) - n // 2
+    rest2 = sum(a * a for a in xp.meshgrid(*(k,) * (volume.ndim - 1), indexing="ij"))
+    step = max(1, (1 << 22) // max(1, rest2.size))
+    slabs = [slice(z, min(n, z + step)) for z in range(0, n, step)]
+
+    def blend(planes):
+        r = xp.sqrt(k[planes].reshape((-1,) + (1,) * (volume.ndim - 1)) ** 2 + rest2[None])
+        raised = 0.5 + 0.5 * xp.cos(np.pi * (radius_p - r) / cosine_width_px)
+        return xp.where(r < radius, 0.0, xp.where(r > radius_p, 1.0, raised))
+
+    total = 0.0
+    weighted = 0.0
+    for planes in slabs:
+        b = blend(planes)
+        total += float(b.sum())
+        weighted += float((b * volume[planes]).sum())
+    if total <= 0:
         return volume.copy()
-    background = (blend * volume).sum() / total
-    return ((1.0 - blend) * volume + blend * background).astype(volume.dtype)
+    background = weighted / total
+    out = xp.empty_like(volume)
+    for planes in slabs:
+        b = blend(planes)
+        out[planes] = ((1.0 - b) * volume[planes] + b * background).astype(volume.dtype)
+    return out
 
 
 def gridding_correct(volume, padded_size_px, xp=np):
-    """Divide a (N, N, N) map by sinc²(r/Np) (RELION's griddingCorrect for trilinear)."""
+    """Divide a (N, N, N) map by sinc²(r/Np) (RELION's griddingCorrect for trilinear), in place, one slab at a
+    time; returns the map."""
     n = volume.shape[0]
-    return (volume / trilinear_gridding_kernel(n, padded_size_px, xp)).astype(volume.dtype)
+    step = max(1, (1 << 22) // (n * n))
+    for z in range(0, n, step):
+        planes = slice(z, min(n, z + step))
+        volume[planes] = (volume[planes] / trilinear_gridding_kernel(n, padded_size_px, xp, planes)).astype(
+            volume.dtype)
+    return volume
 
 
 def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0, minres_map_px=0,
-                       mask_corners=True, xp=np):
+                       mask_corners=True, enforce_hermitian=False, xp=np):
     """Real-space map (N, N, N), centred at N//2, from padded sums (RELION's reconstruct).
 
-    data, weight: compact arrays (after `enforce_hermitian_symmetry`).
+    data, weight: compact arrays; with `enforce_hermitian` their x = 0 plane is made Hermitian first
+                  (`hermitian_plane`, on a copy of that plane: the sums are not changed).
     tau2:         None, or per-shell signal power (≥ r_max+1 values, shells of the unpadded
                   grid): for padded |k| < R in shell s = round(|k|/pf) ≥ minres_map_px the
                   weight becomes weight + 1/(pf³·tau2_fudge·tau2[s]) (RELION's do_map; a zero
@@ -165,66 +265,72 @@ def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0
     (shell r_max−1 beyond r_max)); data/weight inside |k| ≤ R; inverse FFT of the Np box,
     scaled so that the map has the units it was projected from; window to N; with
     mask_corners RELION's soft mask beyond radius N/2; divide by sinc²(r/Np).
-    Returns the real dtype of `weight`.
+    Returns the real dtype of `weight`; the padded box's transform is held in the precision of `data`.
     """
     n = grid.size_px
     npad = grid.padded_size_px
     pf = grid.padding_factor
     r_pad = grid.r_max_padded
     r_max = grid.r_max_px
-    r2 = grid.radius2(xp)
-    r = xp.sqrt(r2)
-    fweight = weight.astype(xp.float64)
-
+    plane0, wplane0 = hermitian_plane(data, weight, xp) if enforce_hermitian else (None, None)
+    inv_tau2_of_shell = None
     if tau2 is not None:
         t = xp.asarray(tau2, dtype=xp.float64).reshape(-1)
-        in_map = r2 < r_pad * r_pad
-        ires = _round_half_up(r / pf, xp)
         needed = int(relion_round(r_pad / pf)) + 1
         if t.size < min(needed, n // 2 + 1):
             raise ValueError(f"tau2 has {t.size} shells; reconstruction to r_max={r_max} needs {needed}")
-        t_at = t[xp.clip(ires, 0, t.size - 1)]
-        positive = t_at > 0
-        inv_tau2 = xp.where(positive, 1.0 / (pf ** 3 * tau2_fudge * xp.where(positive, t_at, 1.0)), 0.0)
+        positive = t > 0
+        inv_tau2_of_shell = xp.where(positive, 1.0 / (pf ** 3 * tau2_fudge * xp.where(positive, t, 1.0)), 0.0)
+
+    def effective(planes):
+        """(|k|², the weight with τ² added) of a slab, float64."""
+        r2 = grid.radius2(xp, planes)
+        fweight = _slab(weight, planes, wplane0).astype(xp.float64)
+        if inv_tau2_of_shell is None:
+            return r2, fweight
+        ires = _round_half_up(xp.sqrt(r2) / pf, xp)
+        shell = xp.clip(ires, 0, t.size - 1)
         tiny = fweight > 1e-20
-        inv_zero = xp.where(tiny, 1.0 / (0.001 * xp.where(tiny, fweight, 1.0)), 0.0)
-        inv_tau2 = xp.where(positive, inv_tau2, inv_zero)
-        apply = in_map & (ires >= minres_map_px)
-        fweight = xp.where(apply, fweight + inv_tau2, fweight)
-        del t_at, positive, inv_tau2, tiny, inv_zero, apply, in_map, ires  # large on a GPU: free early
+        inv = xp.where(positive[shell], inv_tau2_of_shell[shell],
+                       xp.where(tiny, 1.0 / (0.001 * xp.where(tiny, fweight, 1.0)), 0.0))
+        apply = (r2 < r_pad * r_pad) & (ires >= minres_map_px)
+        return r2, xp.where(apply, fweight + inv, fweight)
 
     # Weight floor: 1/1000 of the radially averaged weight (shells floor(|k|/pf) < r_max).
     round_max_r2 = relion_round(r_max * pf * r_max * pf)
-    sel = r2 < round_max_r2
-    ifloor = xp.floor(r / pf).astype(xp.int64)
-    shells = xp.where(sel, ifloor, r_max)
-    totals = fourier.shell_sum(fweight, shells, r_max, xp)
-    counts = fourier.shell_sum(xp.ones(shells.shape), shells, r_max, xp)
+    totals, counts = xp.zeros(r_max), xp.zeros(r_max)
+    for planes in grid.slabs():
+        r2, fweight = effective(planes)
+        shells = xp.where(r2 < round_max_r2, xp.floor(xp.sqrt(r2) / pf).astype(xp.int64), r_max)
+        totals += fourier.shell_sum(fweight, shells, r_max, xp)
+        counts += fourier.shell_sum(xp.ones(shells.shape), shells, r_max, xp)
     radavg = xp.where(counts > 0, totals / (1000.0 * xp.maximum(counts, 1.0)), 0.0)
-    floor_w = radavg[xp.minimum(ifloor, r_max - 1)]
-    w_eff = xp.maximum(fweight, floor_w)
-    del fweight, floor_w, shells, sel, ifloor
-    quotient = xp.where(w_eff != 0, data / xp.where(w_eff != 0, w_eff, 1.0), data)
-    del w_eff
 
-    # Decenter into the FFTW layout of the padded box (|k| ≤ R).
-    kz, ky, kx = grid.frequencies(xp)
-    keep = r2 <= r_pad * r_pad
-    if r_pad >= npad // 2:
-        # +Np/2 and −Np/2 share one FFTW element: keep +Np/2 (RELION's convention).
-        keep = keep & (kz != -(npad // 2)) & (ky != -(npad // 2))
-    shape = grid.shape
-    zi = (xp.broadcast_to(kz, shape)[keep].astype(xp.int64)) % npad
-    yi = (xp.broadcast_to(ky, shape)[keep].astype(xp.int64)) % npad
-    xi = xp.broadcast_to(kx, shape)[keep].astype(xp.int64)
+    # data / weight into the uncentred transform of the padded box (|k| ≤ R; +Np/2 kept where it meets −Np/2)
+    rows, rows_fft = compact_rows(grid)
+    wx = min(grid.shape[2], r_pad + 1, npad // 2 + 1)
+    rows_fft_d = xp.asarray(rows_fft)
     ft = xp.zeros((npad, npad, npad // 2 + 1), dtype=data.dtype)
-    ft[zi, yi, xi] = quotient[keep].astype(data.dtype)
+    for planes in grid.slabs():
+        lo, hi = max(planes.start, int(rows[0])), min(planes.stop, int(rows[-1]) + 1)
+        if lo >= hi:
+            continue
+        planes = slice(lo, hi)
+        r2, fweight = effective(planes)
+        floor_w = radavg[xp.minimum(xp.floor(xp.sqrt(r2) / pf).astype(xp.int64), r_max - 1)]
+        w_eff = xp.maximum(fweight, floor_w)
+        del fweight, floor_w
+        values = _slab(data, planes, plane0)
+        quotient = xp.where(w_eff != 0, values / xp.where(w_eff != 0, w_eff, 1.0), values)
+        quotient = xp.where(r2 <= r_pad * r_pad, quotient, 0)
+        z_fft = xp.asarray(rows_fft[lo - int(rows[0]):hi - int(rows[0])])
+        ft[z_fft[:, None], rows_fft_d[None, :], :wx] = quotient[:, rows[0]:rows[-1] + 1, :wx].astype(data.dtype)
+        del r2, w_eff, values, quotient
 
-    # data/weight ≈ DFT3(map)/N² on the padded grid: inverse DFT (sum) × N²/Np³.
-    padded = fourier.irfft3_centered(ft, npad, xp) * (float(n) ** 2 / float(npad) ** 3)
-    s = npad // 2 - n // 2
-    vol = padded[s:s + n, s:s + n, s:s + n]
+    # data/weight ≈ DFT3(map)/N² on the padded grid: inverse DFT (sum) × N²/Np³, the middle N³ of the box.
+    vol = padded_inverse_window(ft, n, xp, r_max_padded=r_pad)
+    del ft
+    vol *= vol.dtype.type(float(n) ** 2 / float(npad) ** 3)
     if mask_corners:
         vol = soft_mask_outside_map(vol, xp=xp)
-    vol = vol / trilinear_gridding_kernel(n, npad, xp)
-    return vol.astype(weight.dtype)
+    return gridding_correct(vol, npad, xp).astype(weight.dtype)

@@ -96,15 +96,15 @@ class SolventMasks:
         box, pixel = model.ori_size_px, model.pixel_size_angstrom
         return cls.from_config(config, box, pixel, default_particle_diameter_angstrom(config, box, pixel))
 
-    def reference_mask(self, box_px, xp=np):
-        """The mask the references are multiplied by: --solvent_mask, else the soft sphere."""
+    def reference_mask(self, box_px, xp=np, dtype=np.float64):
+        """The mask the references are multiplied by, as `dtype`: --solvent_mask, else the soft sphere."""
         if self.mask is not None:
-            return xp.asarray(self.mask)
-        return fourier.soft_spherical_mask(box_px, self.sphere_radius_px, self.edge_px, xp)
+            return xp.asarray(self.mask, dtype=dtype)
+        return fourier.soft_spherical_mask(box_px, self.sphere_radius_px, self.edge_px, xp, dtype)
 
     def apply(self, volume, xp=np):
         """A reference after the M-step as RELION's solventFlatten leaves it (unchanged without --flatten_solvent)."""
         if not self.flatten:
             return volume
         mask2 = None if self.mask2 is None else xp.asarray(self.mask2)
-        return solvent_flatten(volume, self.reference_mask(volume.shape[-1], xp), mask2, xp)
+        return solvent_flatten(volume, self.reference_mask(volume.shape[-1], xp, volume.dtype), mask2, xp)

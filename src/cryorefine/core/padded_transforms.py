@@ -1,0 +1,117 @@
+"""The 3D transforms between a map (N, N, N) and its padded half transform (box Np = pf·N), taken one
+slab at a time so that nothing of the padded box's size exists but the one complex half transform the
+inverse needs (RELION's projector set-up and reconstruction do the same transforms on whole boxes).
+
+A map is centred at N//2 and sits in the middle of the Np box (offset Np/2 − N/2), the rest zero; its
+padded transform is `fourier.rfft3_centered` of that box. Both directions split the 3D transform into
+2D transforms of (y, x) planes and 1D transforms along z, and touch only what is non-zero: the N map
+planes of the padded box, and the frequencies |k| ≤ R of the compact layout (`core.grid.PaddedGrid`).
+Every function takes an array module `xp` (numpy or cupy); the map's real dtype sets the transforms'
+precision (float32 → complex64).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, complex_dtype_for
+
+__all__ = ["window_indices", "compact_rows", "padded_forward", "padded_inverse_window"]
+
+
+def window_indices(size_px, padded_size_px):
+    """Indices (N,) of the map's planes (rows, columns) in the uncentred Np box: the map's voxel j sits at
+    index (j + Np/2 − N/2 + Np/2) mod Np once the box is ifftshifted (Np is even)."""
+    start = padded_size_px // 2 - size_px // 2
+    return (np.arange(start, start + size_px) + padded_size_px // 2) % padded_size_px
+
+
+def compact_rows(grid: PaddedGrid, unique=True):
+    """(compact indices, FFT-layout indices) of the z (or y) frequencies |k| ≤ R of a compact array, a contiguous
+    run, and where they sit in the padded box's transform. Where R reaches Np/2, −Np/2 and +Np/2 are one element
+    of the transform: `unique` leaves −Np/2 out (a reconstruction writes +Np/2's, as RELION does); otherwise both
+    read it (a projector)."""
+    d = grid.shape[0]
+    npad = grid.padded_size_px
+    k = np.arange(d) - grid.origin
+    keep = np.abs(k) <= grid.r_max_padded
+    if unique and grid.r_max_padded >= npad // 2:
+        keep &= k != -(npad // 2)
+    rows = np.flatnonzero(keep)
+    return rows, k[rows] % npad
+
+
+def _blocks(n, per_block):
+    step = max(1, int(per_block))
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def padded_forward(volume, grid: PaddedGrid, xp=np, elements=SLAB_ELEMENTS, out=None):
+    """The compact padded transform (grid.shape) of a real (N, N, N) map: DFT3 of the map zero-padded to Np,
+    divided by N² (the projector's normalisation, `core.projector`), zero beyond |k| = R; the dtype is the
+    complex of the map's. (y, x) planes first, one slab of map planes at a time, then z, a slab of compact
+    rows at a time. Written into `out` (grid.shape, complex) when given, e.g. one class's place in a stack of
+    references, so that no second copy is made."""
+    volume = xp.asarray(volume)
+    n = volume.shape[0]
+    npad = grid.padded_size_px
+    real = volume.dtype.type
+    cdtype = complex_dtype_for(real)
+    d, _, w = grid.shape
+    u = xp.asarray(window_indices(n, npad))
+    rows, rows_fft = compact_rows(grid, unique=False)
+    wx = min(w, npad // 2 + 1)
+    rows_fft_d = xp.asarray(rows_fft)
+    # (y, x) transforms of the map's planes, cut to the compact rows and columns: (N, D, W)
+    planes = xp.zeros((n, d, w), dtype=cdtype)
+    for a, b in _blocks(n, elements // (npad * npad)):
+        box = xp.zeros((b - a, npad, npad), dtype=real)
+        box[:, u[:, None], u[None, :]] = volume[a:b]
+        ft = xp.fft.rfft2(box, norm="backward")
+        planes[a:b, rows[0]:rows[-1] + 1, :wx] = ft[:, rows_fft_d, :wx].astype(cdtype)
+        del box, ft
+    if out is None:
+        out = xp.zeros(grid.shape, dtype=cdtype)
+    else:
+        out[...] = 0
+    scale = real(1.0 / (float(n) ** 2))
+    for a, b in _blocks(rows.size, elements // (npad * w)):
+        y = slice(int(rows[a]), int(rows[b - 1]) + 1)
+        column = xp.zeros((npad, y.stop - y.start, w), dtype=cdtype)
+        column[u] = planes[:, y, :]
+        ft = xp.fft.fft(column, axis=0, norm="backward")[rows_fft_d]  # (rows, y rows, W)
+        r2 = _radius2_rows(grid, rows, y, xp)
+        out[rows[0]:rows[-1] + 1, y, :] = xp.where(r2 <= grid.r_max_padded ** 2, ft * scale, 0).astype(out.dtype)
+        del column, ft, r2
+    return out
+
+
+def _radius2_rows(grid, rows, y, xp):
+    """|k|² (float64) at compact z `rows` (contiguous), y rows `y` (a slice) and every x."""
+    kz, ky, kx = grid.frequencies(xp, slice(int(rows[0]), int(rows[-1]) + 1))
+    return kz * kz + ky[:, y, :] ** 2 + kx * kx
+
+
+def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=SLAB_ELEMENTS):
+    """The real (N, N, N) map in the middle of the Np box whose uncentred half transform is `ft`
+    (Np, Np, Np/2+1), unnormalised (a plain sum over frequencies), as `fourier.irfft3_centered` windowed to N
+    without the normalisation. `ft` is overwritten (its z transform is done in place, a slab of y rows at a
+    time). With `r_max_padded` only the rows and columns |k| ≤ R are transformed along z (the rest are zero)."""
+    npad = ft.shape[0]
+    n = int(size_px)
+    wf = ft.shape[2]
+    r = npad // 2 if r_max_padded is None else min(int(r_max_padded), npad // 2)
+    wx = min(wf, r + 1)
+    y_ranges = [(0, r + 1), (max(npad - r, r + 1), npad)]  # ky = 0 … R, then −R … −1
+    per_block = elements // (npad * wx)
+    for lo, hi in y_ranges:
+        for a, b in _blocks(hi - lo, per_block):
+            block = ft[:, lo + a:lo + b, :wx]
+            ft[:, lo + a:lo + b, :wx] = xp.fft.ifft(block, axis=0, norm="forward")
+    u = xp.asarray(window_indices(n, npad))
+    out = xp.empty((n, n, n), dtype=xp.empty(0, dtype=ft.dtype).real.dtype)
+    for a, b in _blocks(n, elements // (npad * wf)):
+        images = xp.fft.irfft2(ft[u[a:b]], s=(npad, npad), norm="forward")
+        out[a:b] = images[:, u[:, None], u[None, :]]
+        del images
+    return out
