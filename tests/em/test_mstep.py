@@ -51,11 +51,14 @@ def test_mstep_map_of_symmetrised_sums_is_that_of_every_equivalent_view(name):
     # RELION's noise spectrum of the reconstruction is taken from the symmetrised (so Hermitian) weights
     hermitian = enforce_hermitian_symmetry(every.data, every.weight)[1]
     np.testing.assert_allclose(sym.noise_sigma2(), reconstruction_noise_sigma2(hermitian, every.grid), rtol=1e-9)
-    joined = mstep.summed_backprojector([sym, sym], model, _config(name), N, np)
+    # the final iteration's joined halves (the second's sums added into the first's)
+    sym2 = mstep.backprojector(*_sums([np.eye(3)]), model, _config(name), N, np)
+    every2 = mstep.backprojector(*_sums(g.rotations), model, _config("C1"), N, np)
+    joined = mstep.joined_backprojector([sym, sym2], model, _config(name), N, np)
+    joined_every = mstep.joined_backprojector([every, every2], model, _config("C1"), N, np)
     np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np, _masks()),
-                               mstep.reconstruct_map(mstep.summed_backprojector([every, every], model, _config("C1"),
-                                                                                N, np), tau2 * 2, model,
-                                                     _config("C1"), np, _masks()), atol=1e-5 * np.abs(b).max())
+                               mstep.reconstruct_map(joined_every, tau2 * 2, model, _config("C1"), np, _masks()),
+                               atol=1e-5 * np.abs(b).max())
 
 
 def test_c1_leaves_the_sums_as_they_are():
@@ -103,3 +106,30 @@ def test_the_lowest_shells_are_not_regularised():
 
     assert difference(shells <= 2) < 0.25
     assert difference((shells >= 6) & (shells < N // 2)) > 0.95
+
+
+@pytest.mark.gpu
+def test_float32_device_mstep_matches_the_float64_host():
+    # the GPU engine's sums are float32 (complex64 data): FSC, noise spectrum, joined halves and maps from them, on
+    # the device in slabs, against the host's float64 M-step of the same sums
+    from conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=3.0)
+    tau2 = np.random.default_rng(1).uniform(0.01, 0.1, N // 2 + 1)
+    halves = [_sums([np.eye(3)], seed=5), _sums([np.eye(3)], seed=6)]
+    host = [mstep.backprojector(d.copy(), w.copy(), model, _config("C1"), N, np) for d, w in halves]
+    device = [mstep.backprojector(cp.asarray(d, dtype=cp.complex64), cp.asarray(w, dtype=cp.float32), model,
+                                  _config("C1"), N, cp) for d, w in halves]
+    assert device[0].data.dtype == cp.complex64  # not widened
+    np.testing.assert_allclose(mstep.half_sets_fsc(device, cp), mstep.half_sets_fsc(host, np), atol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(device[0].noise_sigma2()), host[0].noise_sigma2(), rtol=1e-5)
+    for d, h in zip(device, host):
+        want = mstep.reconstruct_map(h, tau2, model, _config("C1"), np, _masks())
+        got = mstep.reconstruct_map(d, tau2, model, _config("C1"), cp, _masks())
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+    want = mstep.reconstruct_map(mstep.joined_backprojector(host, model, _config("C1"), N, np), tau2 * 2, model,
+                                 _config("C1"), np, _masks())
+    got = mstep.reconstruct_map(mstep.joined_backprojector(device, model, _config("C1"), N, cp), tau2 * 2, model,
+                                _config("C1"), cp, _masks())
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

@@ -133,15 +133,15 @@ def test_backprojection_kernel_matches_backprojector(cp):
     want.backproject(coef.scatter(data), coef.scatter(weight), mats)
     grid = want.grid
     d, _, w = grid.shape
-    vol = cp.zeros((1,) + grid.shape, dtype=cp.complex128)
-    wvol = cp.zeros((1,) + grid.shape, dtype=cp.float64)
+    vol = cp.zeros((1,) + grid.shape, dtype=cp.complex64)  # float32 sums, as the engine keeps them
+    wvol = cp.zeros((1,) + grid.shape, dtype=cp.float32)
     kernel_module().get_function("backproject_slices")(
         ((coef.positions.size + 127) // 128, 9), (128,),  # fewer y blocks than rows: each takes several
         (cp.asarray(data), cp.asarray(weight), cp.asarray(mats.reshape(-1, 9), dtype=cp.float32),
          cp.zeros(rows, dtype=cp.int32), np.int32(rows), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(coef.positions.size), np.int32(d), np.int32(w),
          np.int32(grid.origin), np.float32(grid.padding_factor), np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)),
-         np.int64(vol[0].size), vol.view(cp.float64), wvol))
+         np.int64(vol[0].size), vol.view(cp.float32), wvol))
     got_d, got_w = cp.asnumpy(vol[0]), cp.asnumpy(wvol[0])
     assert np.max(np.abs(got_d - want.data)) / np.max(np.abs(want.data)) < 1e-5
     assert np.max(np.abs(got_w - want.weight)) / np.max(np.abs(want.weight)) < 1e-5

@@ -47,7 +47,8 @@ def test_three_moments_with_sizes_from_the_schedule(capsys, particles):
     assert final["current_size_px"] == 64
     assert first["n_orientations"] == 4608  # HEALPix order 2, global
     assert final["n_orientations"] < first["n_orientations"]  # local searches
-    assert final["maximization_bytes"] > plan["moments"][1]["maximization_bytes"]  # + the joined map
+    # the final iteration joins the halves in place: its M-step needs no more than a late one of its size
+    assert final["maximization_bytes"] >= plan["moments"][1]["maximization_bytes"]
 
 
 def test_padding_and_batch_change_the_prediction(capsys, particles):

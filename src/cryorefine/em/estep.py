@@ -112,13 +112,14 @@ def _collect(engine, stages, flops):
     return sums
 
 
-def empty_sums(unit, xp=np):
+def empty_sums(unit, xp=np, real_dtype=np.float64):
     """Zero WeightedSums of a unit, shaped as its engine's would be (a unit without batches; a template to
-    receive sums into)."""
+    receive sums into), volumes of `real_dtype` (and its complex)."""
     s = unit.setup
     grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
     n_optics, n_shells = np.asarray(s.sigma2_noise).shape
-    return WeightedSums.zeros(grid.shape, len(unit.classes), n_optics, n_shells, s.sampling.n_directions, xp=xp)
+    return WeightedSums.zeros(grid.shape, len(unit.classes), n_optics, n_shells, s.sampling.n_directions, xp=xp,
+                              real_dtype=real_dtype)
 
 
 def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np):

@@ -2,8 +2,10 @@
 from it (τ² regularised, solvent-flattened), RELION's joining of two halves at low resolution, and
 maximizationOtherParameters (noise spectra, σ of the offsets, norm and scale corrections).
 
-Everything runs with the array module of the sums it is given: CuPy FFTs and reductions on the
-device for the GPU engine's sums, numpy otherwise; the maps come back to the host as float32.
+Everything runs with the array module of the sums it is given and in their precision (the GPU
+engine's float32 sums stay float32; float64 only in per-shell sums and one slab's temporaries): CuPy
+FFTs and reductions on the device for the GPU engine's sums, numpy otherwise; nothing the size of the
+sums is copied (`core.reconstruct` works in slabs); the maps come back to the host as float32.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import BackProjector
+from cryorefine.core import reconstruct
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em.schedule import MINRES_MAP_SHELL
 from cryorefine.images import coefficients_per_shell
@@ -25,19 +28,29 @@ def backprojector(data, weight, model, config, current_size_px, xp):
     """A BackProjector over the padded sums `data` (complex) and `weight` (real) of one class, symmetrised
     with --sym (RELION's symmetriseReconstructions, right after the sums are combined: the FSC, the noise
     spectra and the reconstruction all see the symmetrised sums). The sums are changed in place."""
-    data = xp.asarray(data, dtype=xp.complex128)
-    weight = xp.asarray(weight, dtype=xp.float64)
     bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, current_size_px // 2,
                                    xp=xp)
     bp.symmetrise(symmetry_group(config.symmetry))
     return bp
 
 
-def summed_backprojector(bps, model, config, current_size_px, xp):
-    """A BackProjector over the sums of several (e.g. the two halves'), not symmetrised again."""
-    return BackProjector.from_arrays(sum(bp.data for bp in bps), sum(bp.weight for bp in bps), model.ori_size_px,
-                                     config.padding_factor, current_size_px // 2, xp=xp,
+def joined_backprojector(bps, model, config, current_size_px, xp):
+    """A BackProjector over the sums of several (the two halves'), not symmetrised again: the others' sums are
+    added into the first's, in place (no third copy of the sums: make what needs the first's own sums before)."""
+    first = bps[0]
+    for bp in bps[1:]:
+        first.data += bp.data
+        first.weight += bp.weight
+    return BackProjector.from_arrays(first.data, first.weight, model.ori_size_px, config.padding_factor,
+                                     current_size_px // 2, xp=xp,
                                      hermitian_enforced=all(bp.hermitian_enforced for bp in bps))
+
+
+def half_sets_fsc(bps, xp):
+    """The FSC (N//2+1,) on the host between the downsampled averages of two back-projectors' sums (RELION's
+    getDownsampledAverage and getFSC), summed a run of planes at a time."""
+    return to_host(reconstruct.half_sets_fsc((bps[0].data, bps[0].weight), (bps[1].data, bps[1].weight),
+                                             bps[0].grid, xp))
 
 
 def reconstruct_map(bp, tau2, model, config, xp, masks):
@@ -57,16 +70,22 @@ def unregularised_map(bp, xp):
 
 
 def join_halves_at_low_resolution(bps, resolution_angstrom, model):
-    """RELION's joinTwoHalvesAtLowResolution: both halves get the sum of their data below a resolution."""
+    """RELION's joinTwoHalvesAtLowResolution: both halves get the sum of their data below a resolution (only the
+    small box around the origin that holds those frequencies is touched)."""
     grid = bps[0].grid
+    xp = bps[0].xp
     shell_limit = model.ori_size_px * model.pixel_size_angstrom / resolution_angstrom
-    r2 = grid.radius2(bps[0].xp)
-    low = r2 <= (shell_limit * grid.padding_factor) ** 2
-    data = bps[0].data[low] + bps[1].data[low]
-    weight = bps[0].weight[low] + bps[1].weight[low]
+    limit2 = (shell_limit * grid.padding_factor) ** 2
+    reach = min(int(math.floor(math.sqrt(limit2))), grid.origin)
+    o = grid.origin
+    box = (slice(o - reach, o + reach + 1), slice(o - reach, o + reach + 1), slice(0, reach + 1))
+    kz, ky, kx = grid.frequencies(xp)
+    low = (kz[box[0]] ** 2 + ky[:, box[1]] ** 2 + kx[:, :, box[2]] ** 2) <= limit2
+    data = xp.where(low, bps[0].data[box] + bps[1].data[box], 0)
+    weight = xp.where(low, bps[0].weight[box] + bps[1].weight[box], 0)
     for bp in bps:
-        bp.data[low] = data
-        bp.weight[low] = weight
+        bp.data[box] = xp.where(low, data, bp.data[box])
+        bp.weight[box] = xp.where(low, weight, bp.weight[box])
 
 
 def maximize_other_parameters(model, config, sums, do_cc):

@@ -57,6 +57,7 @@ class NumpyBackend:
 
     def __init__(self, dtype=np.float64, threads=1):
         self.dtype = np.dtype(dtype)
+        self.sums_dtype = self.dtype  # the real dtype of the back-projection sums
         self.threads = int(threads)
         self.high_water_bytes = {}
 
@@ -90,6 +91,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    sums_dtype = np.dtype(np.float32)  # the back-projection sums, as RELION's GPU build keeps them
 
     def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True, shared_by=1):
         self.device_id = int(device_id)

@@ -16,7 +16,8 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`, slices projected on the
    fly), per-particle weights with segment reductions (`segment_reduce`);
 4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
-   and atomic back-projection of the slices into float64 padded volumes (`backproject_slices`).
+   and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
+   GPU build keeps them.
 
 Device memory comes from the stack arena (`gpu.allocator`) when one is given: the loop opens
 the ITERATION scope, every sub-batch of particles a PARTICLE scope and every orientation or
@@ -103,6 +104,9 @@ class CupyEngine:
             return contextlib.nullcontext()
         return self.arena.scope(level)
 
+    def _pooled(self):
+        return contextlib.nullcontext() if self.arena is None else self.arena.pooled()
+
     def _tick(self, stage, tic):
         self.cp.cuda.get_current_stream().synchronize()
         now = time.perf_counter()
@@ -156,8 +160,8 @@ class CupyEngine:
             # back-projection sums first (they outlive this half's E-step), then the references
             grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
             self.bp_grid = grid
-            self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex128)
-            self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float64)
+            self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex64)
+            self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float32)
             self._upload_references(s)
             self.n_shells = t.n_shells
             self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
@@ -176,7 +180,8 @@ class CupyEngine:
         """The classes' padded transforms in one (K, …) complex64 array. From maps, the array is taken first
         and each class's transform (temporaries of the padded box, gigabytes at 360 px) is computed in a
         deeper scope that ends once it is copied in: on the arena's stack, temporaries freed below a
-        surviving array could not be reused until the iteration ends."""
+        surviving array could not be reused until the iteration ends; inside it a caching pool serves the
+        transform's slabs (`core.padded_transforms`), whose temporaries are freed in any order."""
         from cryorefine.gpu.allocator import Scope
 
         cp = self.cp
@@ -184,11 +189,10 @@ class CupyEngine:
             grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
             self.ref_volumes = cp.empty((len(s.maps),) + grid.shape, dtype=cp.complex64)
             for k, volume in enumerate(s.maps):
-                with self._scope(Scope.PARTICLE):
+                with self._scope(Scope.PARTICLE), self._pooled():
                     projector = Projector(cp.asarray(volume), s.padding_factor, s.current_size_px // 2,
-                                          dtype=np.float32, xp=cp)
+                                          dtype=np.float32, xp=cp, out=self.ref_volumes[k])
                     assert projector.grid == grid
-                    self.ref_volumes[k] = projector.data
                     del projector
         else:
             grid = s.projectors[0].grid
@@ -684,7 +688,7 @@ class CupyEngine:
                 bp_fn(((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
                       (slice_data, slice_weight, cp.asarray(row_mats, dtype=cp.float32),
                        cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
-                       *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float64),
+                       *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float32),
                        self.bp_weight))
                 del slice_data, slice_weight, in_chunk, local, row0
                 tic = self._tick("backproject", tic)

@@ -121,11 +121,14 @@ class WeightedSums:
     n_particles: int = 0
 
     @classmethod
-    def zeros(cls, volume_shape, n_classes, n_optics, n_shells, n_directions, xp=np, data=None, weight=None):
-        """Empty sums of `n_classes` classes; the volumes (complex128 data, float64 weights of
-        `volume_shape`) are made with `xp` unless an engine gives its own (lists of K arrays)."""
-        return cls(data=data if data is not None else [xp.zeros(volume_shape, xp.complex128) for _ in range(n_classes)],
-                   weight=weight if weight is not None else [xp.zeros(volume_shape, xp.float64)
+    def zeros(cls, volume_shape, n_classes, n_optics, n_shells, n_directions, xp=np, data=None, weight=None,
+              real_dtype=np.float64):
+        """Empty sums of `n_classes` classes; the volumes (complex data and real weights of `volume_shape`,
+        `real_dtype` and its complex) are made with `xp` unless an engine gives its own (lists of K arrays)."""
+        real = np.dtype(real_dtype)
+        complex_ = np.result_type(real, np.complex64)
+        return cls(data=data if data is not None else [xp.zeros(volume_shape, complex_) for _ in range(n_classes)],
+                   weight=weight if weight is not None else [xp.zeros(volume_shape, real)
                                                              for _ in range(n_classes)],
                    sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
                    pdf_class=np.zeros(n_classes), pdf_direction=np.zeros((n_classes, n_directions)),
@@ -160,15 +163,19 @@ class WeightedSums:
         return arrays + [np.asarray(scalars, dtype=np.float64)]
 
     def unpack(self, arrays):
-        """New host sums shaped like these (the template) from `pack`'s list of arrays."""
+        """New host sums shaped like these (the template) and of their dtypes (the volumes: float32 sums stay
+        float32 once reduced in float64) from `pack`'s list of arrays."""
         arrays = list(arrays)
         scalars = iter(arrays.pop().tolist())
         arrays = iter(arrays)
 
         def shaped(template, flat):
+            dtype = getattr(template, "dtype", np.float64)
             if np.iscomplexobj(template):
-                return np.asarray(flat, dtype=np.float64).view(np.complex128).reshape(template.shape)
-            return np.asarray(flat, dtype=np.float64).reshape(np.shape(template))
+                out = np.asarray(flat, dtype=np.float64).view(np.complex128).reshape(template.shape)
+            else:
+                out = np.asarray(flat, dtype=np.float64).reshape(np.shape(template))
+            return out if out.dtype == dtype else out.astype(dtype)
 
         values = {}
         for f in fields(self):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cryorefine.em import schedule
-from cryorefine.core.grid import PaddedGrid, padded_size_px
+from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
@@ -38,6 +38,8 @@ LOCAL_ESTEP_FRACTION_OF_PEAK = 0.042
 # in the local iterations of benchmarks/refine_accuracy.py on the H100)
 MIN_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
+SLAB_BYTES_PER_ELEMENT = 150.0  # the loops over slabs of a padded grid (core.reconstruct): float64 temporaries
+MAPS_PER_RECONSTRUCTION = 3  # float32 maps of the box alive at once in a reconstruction (window, masks)
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,11 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
-    sums_per_half = n_classes * volume * (16 + 8)  # complex128 data + float64 weight
-    references = n_classes * volume * 8 + 4 * npad ** 3 * 4  # complex64, and building them (padded FFT)
+    sums_per_half = n_classes * volume * (8 + 4)  # complex64 data + float32 weight, as the engine keeps them
+    d, _, w = grid.shape
+    slab = min(SLAB_ELEMENTS, volume) * SLAB_BYTES_PER_ELEMENT  # one slab's temporaries (PaddedGrid.slabs)
+    # complex64 references, and building one (core.padded_transforms): the map, its planes' transforms, the result
+    references = n_classes * volume * 8 + box ** 3 * 4 + box * d * w * 8 + volume * 8 + slab
     kc, kf = _coefficients(coarse), _coefficients(current)
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
@@ -115,11 +120,12 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     # one sub-batch, and at most one group of fine samples (its size depends on how broad the posteriors are)
     particle = plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
-    joined = 1 if label == "final" else 0  # the final iteration also reconstructs the joined halves
-    # reconstruction temporaries, measured on the GPU: ≈ 180 B per padded-grid element + 40 B per FFT-box voxel
-    maximization = (2 + joined) * sums_per_half + 180 * volume + 40 * float(npad) ** 3
-    if sampling.group.order > 1:  # --sym: a copy of one class's sums and one slab's temporaries at a time
-        maximization = max(maximization, 2 * sums_per_half + volume * (16 + 8) + SYMMETRISE_SLAB_BYTES)
+    # both halves' sums (the final iteration joins them in place), a reconstruction's complex64 padded-box
+    # transform, a few maps and one slab's temporaries (core.reconstruct); with --sym a copy of one class's sums
+    maximization = (2 * sums_per_half + float(npad) ** 2 * (npad // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * box ** 3 * 4
+                    + slab)
+    if sampling.group.order > 1:
+        maximization = max(maximization, 2 * sums_per_half + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
     coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
     if local:
         estep = n_particles * coarse_flops / (LOCAL_ESTEP_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)

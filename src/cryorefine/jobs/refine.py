@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 
 from cryorefine.core.arrays import array_module, to_host
-from cryorefine.core.fsc import fourier_shell_correlation, solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
+from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, initial_noise_spectra
@@ -164,8 +164,6 @@ class RefineJob:
         n_shells = model.n_shells
         xp = array_module(sums[0].data[0])
         bps = [mstep.backprojector(s.data[0], s.weight[0], model, config, current, xp) for s in sums]
-        if joined:
-            joined_bp = mstep.summed_backprojector(bps, model, config, current, xp)
         fsc = np.zeros(n_shells)
         masks = self._masks(model)
         if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
@@ -182,9 +180,7 @@ class RefineJob:
                 log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
                             "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
         else:
-            avg = [bp.downsampled_average() for bp in bps]
-            fsc_part = to_host(fourier_shell_correlation(avg[0], avg[1], xp=xp))
-            del avg
+            fsc_part = mstep.half_sets_fsc(bps, xp)
             fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
         if config.low_resol_join_halves_angstrom > 0 and not joined:  # RELION: 0 or less joins nothing
             mstep.join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
@@ -206,7 +202,9 @@ class RefineJob:
             ssnr[h, 0, : s.size] = s[:n_shells]
             maps.append([volume])
         model.maps = maps
-        model.joined_map = reconstruct(joined_bp, True)[0] if joined else None
+        # the final iteration's map of both halves: half 2's sums added into half 1's (its map is made)
+        model.joined_map = reconstruct(mstep.joined_backprojector(bps, model, config, current, xp), True)[0] \
+            if joined else None
         model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
         mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
         model.class_distribution = np.ones(1)

@@ -251,12 +251,14 @@ class MpiRunner:
         with particles.image_reader(preread) as reader:
             sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops)
-        host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u])) for u in mine}
+        host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
+                for u in mine}
         del sums
         host = self._reduce(host, plan, n_units)
         comm.gather((stages, flops), root=0)
         if worker == 0:
-            all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers))
+            all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers),
+                                                                     backend.sums_dtype)
                         for u in range(n_units)]
             with backend.maximization_scope():
                 for s in all_sums:
@@ -324,9 +326,10 @@ class MpiRunner:
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest, tag=TAG_SUMS)
 
-    def _receive_sums(self, unit, holder):
-        """A unit's sums sent by its holder (`_send_sums`), received into the unit's shapes."""
-        template = empty_sums(unit)
+    def _receive_sums(self, unit, holder, real_dtype):
+        """A unit's sums sent by its holder (`_send_sums`), received into the unit's shapes and the engine's
+        precision (`real_dtype`)."""
+        template = empty_sums(unit, real_dtype=real_dtype)
         totals = []
         for like in template.pack():
             flat = np.empty(like.size)

@@ -62,7 +62,7 @@ class SerialRunner:
             with particles.image_reader(preread) as reader:
                 sums = run_batches(self.backend, plan.units, work, particles, settings, inputs, reader, on_result,
                                    stages, flops)
-            sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module)
+            sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module, self.backend.sums_dtype)
                     for u, unit in enumerate(plan.units)]
             expectation = time.perf_counter() - tic
             tic = time.perf_counter()

@@ -1,16 +1,17 @@
 // Back-projection of weighted slices into padded data/weight volumes with atomic adds.
 // Twin of core.projector.BackProjector.backproject: coefficient (kx, ky) of slice r goes to
 // q = pf·Aᵀ(kx, ky, 0) with trilinear weights (conjugated at the mirrored point where x < 0);
-// coefficients with weight ≤ 0 or |q|² beyond r_pad_sq are skipped. The sums are float64
-// (data interleaved re, im), so long accumulations over many particles keep their precision.
+// coefficients with weight ≤ 0 or |q|² beyond r_pad_sq are skipped. The sums are float32 (data
+// interleaved re, im), as RELION's GPU back-projector keeps them through an iteration: half the
+// memory of float64 and cheaper atomics; the M-step sums them per shell in float64.
 
 extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_data,
                                               const float* __restrict__ slice_weight, const float* __restrict__ mats,
                                               const int* __restrict__ row_class, int n_rows,
                                               const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
                                               int d, int w, int origin, float pf, float r_pad_sq,
-                                              long long class_stride, double* __restrict__ data,
-                                              double* __restrict__ weight)
+                                              long long class_stride, float* __restrict__ data,
+                                              float* __restrict__ weight)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n_coef) return;
@@ -28,7 +29,7 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
         float2 v = slice_data[at];
         if (qx < 0.f) { qx = -qx; qy = -qy; qz = -qz; v.y = -v.y; }
         const float x0 = floorf(qx), y0 = floorf(qy), z0 = floorf(qz);
-        const double fx = qx - x0, fy = qy - y0, fz = qz - z0;
+        const float fx = qx - x0, fy = qy - y0, fz = qz - z0;
         const int ix = min(max((int)x0, 0), w - 2);
         const int iy = min(max((int)y0 + origin, 0), d - 2);
         const int iz = min(max((int)z0 + origin, 0), d - 2);
@@ -37,7 +38,7 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
 #pragma unroll
         for (int corner = 0; corner < 8; ++corner) {
             const int dz = corner >> 2, dy = (corner >> 1) & 1, dx = corner & 1;
-            const double cw = (dz ? fz : 1.0 - fz) * (dy ? fy : 1.0 - fy) * (dx ? fx : 1.0 - fx);
+            const float cw = (dz ? fz : 1.f - fz) * (dy ? fy : 1.f - fy) * (dx ? fx : 1.f - fx);
             const size_t i = base + dz * sz + dy * sy + dx;
             atomicAdd(&data[2 * i], cw * v.x);
             atomicAdd(&data[2 * i + 1], cw * v.y);
