@@ -170,6 +170,12 @@ def run_job(name, star, reference, work, args, iterations=None):
     if iterations:
         arguments += ["--iter", str(iterations)]
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
+    if args.arena_gb and args.engine != "numpy":  # leave free all but --arena_gb of what the device has free now
+        import cupy
+
+        with cupy.cuda.Device(args.gpu):
+            free_bytes = cupy.cuda.runtime.memGetInfo()[0]
+        arguments += ["--free_gpu_memory", f"{max(0.0, free_bytes - args.arena_gb * 1e9) / 2 ** 20:.0f}"]
     config = config_from_arguments(command, arguments)
     from cryorefine.estep.backend import make_backend
     from cryorefine.jobs import classify, refine
@@ -326,6 +332,9 @@ def main(argv=None):
                         help="stop each job after this many iterations (default: 25 for Class3D, convergence for "
                              "refine; 2 with numpy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--arena_gb", type=float, default=None,
+                        help="run the jobs in a GPU memory arena of this many GB (--free_gpu_memory set to leave the "
+                             "rest of the device's free memory alone)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help=f"measure without first running each job on {WARMUP_PARTICLES} particles for "
                              f"{WARMUP_ITERATIONS} iterations (which compiles the GPU kernels outside the measurement)")
