@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 
+from cryorefine.core import reconstruct
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import BackProjector
-from cryorefine.core import reconstruct
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em.schedule import MINRES_MAP_SHELL
 from cryorefine.images import coefficients_per_shell
