@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cryorefine.core.grid import map_slabs
+
 
 def rfft2_centered(images, xp=np):
     """Forward 2D half transform of real images centred at N//2 (normalised by 1/N²)."""
@@ -172,10 +174,9 @@ def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np, dtype=np.float64
     float64 only in one slab's temporaries)."""
     k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
     out = xp.empty((size_px,) * 3, dtype=dtype)
-    step = max(1, (1 << 22) // (size_px * size_px))
-    for z in range(0, size_px, step):
-        r = xp.sqrt(k[z:z + step, None, None] ** 2 + k[None, :, None] ** 2 + k[None, None, :] ** 2)
-        out[z:z + step] = raised_cosine(r, radius_px, edge_px, xp)
+    for planes in map_slabs(size_px):
+        r = xp.sqrt(k[planes, None, None] ** 2 + k[None, :, None] ** 2 + k[None, None, :] ** 2)
+        out[planes] = raised_cosine(r, radius_px, edge_px, xp)
     return out
 
 

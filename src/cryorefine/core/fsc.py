@@ -16,6 +16,8 @@ from cryorefine.core import fourier
 
 __all__ = [
     "shell_correlation",
+    "shell_correlation_sums",
+    "correlation_from_sums",
     "fourier_shell_correlation",
     "fsc_volumes",
     "resolution_at_threshold",
@@ -43,9 +45,20 @@ def shell_correlation(ft1, ft2, shells, n_shells, xp=np):
     `shells` gives the integer shell of every coefficient (same shape as ft1, ft2);
     coefficients in shells ≥ n_shells are ignored; empty or all-zero shells give 0.
     """
+    return correlation_from_sums(*shell_correlation_sums(ft1, ft2, shells, n_shells, xp), xp)
+
+
+def shell_correlation_sums(ft1, ft2, shells, n_shells, xp=np):
+    """(Re Σ F1·conj(F2), Σ|F1|², Σ|F2|²) per shell, float64: what `shell_correlation` divides, to be summed over
+    parts of the transforms first."""
     num = fourier.shell_sum((ft1 * xp.conj(ft2)).real.astype(xp.float64), shells, n_shells, xp)
     den1 = fourier.shell_sum((ft1.real ** 2 + ft1.imag ** 2).astype(xp.float64), shells, n_shells, xp)
     den2 = fourier.shell_sum((ft2.real ** 2 + ft2.imag ** 2).astype(xp.float64), shells, n_shells, xp)
+    return num, den1, den2
+
+
+def correlation_from_sums(num, den1, den2, xp=np):
+    """num / sqrt(den1·den2), 0 where the denominator is 0."""
     den = xp.sqrt(den1 * den2)
     return xp.where(den > 0, num / xp.where(den > 0, den, 1.0), 0.0)
 

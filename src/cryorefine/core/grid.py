@@ -20,6 +20,13 @@ def padded_size_px(size_px, padding_factor):
     return padded + padded % 2
 
 
+def map_slabs(size_px, ndim=3):
+    """Slices of the first axis of an N-sized 2D or 3D map covering it in slabs of about `SLAB_ELEMENTS` voxels,
+    for loops whose float64 temporaries must stay bounded at any box size."""
+    step = max(1, SLAB_ELEMENTS // (size_px ** (ndim - 1)))
+    return [slice(z, min(size_px, z + step)) for z in range(0, size_px, step)]
+
+
 def complex_dtype_for(real_dtype):
     """complex64 for float32, complex128 for float64."""
     return np.result_type(np.dtype(real_dtype), np.complex64)
@@ -70,17 +77,18 @@ class PaddedGrid:
         d = 2 * self.r_max_padded + 3
         return (d, d, self.r_max_padded + 2)
 
-    def frequencies(self, xp=np, planes=slice(None)):
-        """Padded integer frequencies (z, y, x), each broadcastable to `shape` (to the z `planes` given, a
-        slice of the first axis), as float64."""
+    def frequencies(self, xp=np, planes=slice(None), rows=slice(None)):
+        """Padded integer frequencies (z, y, x), each broadcastable to `shape` (to the z `planes` and y `rows`
+        given, slices of the first two axes), as float64."""
         d, _, w = self.shape
         k = xp.arange(d, dtype=xp.float64) - self.origin
         kx = xp.arange(w, dtype=xp.float64)
-        return k[planes][:, None, None], k[None, :, None], kx[None, None, :]
+        return k[planes][:, None, None], k[rows][None, :, None], kx[None, None, :]
 
-    def radius2(self, xp=np, planes=slice(None)):
-        """|k|² in padded Fourier pixels for every compact element (of the z `planes` given), float64."""
-        kz, ky, kx = self.frequencies(xp, planes)
+    def radius2(self, xp=np, planes=slice(None), rows=slice(None)):
+        """|k|² in padded Fourier pixels for every compact element (of the z `planes` and y `rows` given),
+        float64."""
+        kz, ky, kx = self.frequencies(xp, planes, rows)
         return kz * kz + ky * ky + kx * kx
 
     def slabs(self, elements=None):

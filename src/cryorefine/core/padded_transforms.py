@@ -80,16 +80,10 @@ def padded_forward(volume, grid: PaddedGrid, xp=np, elements=SLAB_ELEMENTS, out=
         column = xp.zeros((npad, y.stop - y.start, w), dtype=cdtype)
         column[u] = planes[:, y, :]
         ft = xp.fft.fft(column, axis=0, norm="backward")[rows_fft_d]  # (rows, y rows, W)
-        r2 = _radius2_rows(grid, rows, y, xp)
+        r2 = grid.radius2(xp, slice(int(rows[0]), int(rows[-1]) + 1), y)
         out[rows[0]:rows[-1] + 1, y, :] = xp.where(r2 <= grid.r_max_padded ** 2, ft * scale, 0).astype(out.dtype)
         del column, ft, r2
     return out
-
-
-def _radius2_rows(grid, rows, y, xp):
-    """|k|² (float64) at compact z `rows` (contiguous), y rows `y` (a slice) and every x."""
-    kz, ky, kx = grid.frequencies(xp, slice(int(rows[0]), int(rows[-1]) + 1))
-    return kz * kz + ky[:, y, :] ** 2 + kx * kx
 
 
 def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=SLAB_ELEMENTS):
@@ -109,7 +103,7 @@ def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=SLAB_E
             block = ft[:, lo + a:lo + b, :wx]
             ft[:, lo + a:lo + b, :wx] = xp.fft.ifft(block, axis=0, norm="forward")
     u = xp.asarray(window_indices(n, npad))
-    out = xp.empty((n, n, n), dtype=xp.empty(0, dtype=ft.dtype).real.dtype)
+    out = xp.empty((n, n, n), dtype=np.empty(0, dtype=ft.dtype).real.dtype)
     for a, b in _blocks(n, elements // (npad * wf)):
         images = xp.fft.irfft2(ft[u[a:b]], s=(npad, npad), norm="forward")
         out[a:b] = images[:, u[:, None], u[None, :]]

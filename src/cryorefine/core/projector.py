@@ -36,7 +36,7 @@ import numpy as np
 
 from cryorefine.core import fourier
 from cryorefine.core import reconstruct
-from cryorefine.core.grid import PaddedGrid, complex_dtype_for, trilinear_gridding_kernel
+from cryorefine.core.grid import PaddedGrid, complex_dtype_for, map_slabs, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import padded_forward
 from cryorefine.core.symmetry import symmetrise_padded_sums
 
@@ -149,9 +149,7 @@ class Projector:
         self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px)
         npad = grid.padded_size_px
         corrected = xp.empty(vol.shape, dtype=self.real_dtype)
-        step = max(1, (1 << 22) // (n * n))
-        for z in range(0, n, step):  # in float64, a slab at a time
-            planes = slice(z, min(n, z + step))
+        for planes in map_slabs(n):  # in float64, a slab at a time
             v = vol[planes].astype(xp.float64)
             if do_gridding:
                 v = v / trilinear_gridding_kernel(n, npad, xp, planes)

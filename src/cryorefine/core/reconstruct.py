@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from cryorefine.core import fourier
-from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, relion_round, trilinear_gridding_kernel
+from cryorefine.core.fsc import correlation_from_sums, shell_correlation_sums
+from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, map_slabs, relion_round, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window
 
 __all__ = [
@@ -193,11 +194,9 @@ def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
                                downsampled_average_planes(*sums2, grid, xp=xp)):
         kzf = xp.asarray(kz, dtype=xp.float64)[:, None, None]
         shells = xp.rint(xp.sqrt(kzf * kzf + ky * ky + kx * kx)).astype(xp.int64)
-        num += fourier.shell_sum((a * xp.conj(b)).real.astype(xp.float64), shells, n_shells, xp)
-        den1 += fourier.shell_sum((a.real ** 2 + a.imag ** 2).astype(xp.float64), shells, n_shells, xp)
-        den2 += fourier.shell_sum((b.real ** 2 + b.imag ** 2).astype(xp.float64), shells, n_shells, xp)
-    den = xp.sqrt(den1 * den2)
-    fsc = xp.where(den > 0, num / xp.where(den > 0, den, 1.0), 0.0)
+        sums = shell_correlation_sums(a, b, shells, n_shells, xp)
+        num, den1, den2 = num + sums[0], den1 + sums[1], den2 + sums[2]
+    fsc = correlation_from_sums(num, den1, den2, xp)
     fsc[0] = 1.0
     return fsc
 
@@ -215,8 +214,7 @@ def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
     radius_p = radius + cosine_width_px
     k = xp.arange(n, dtype=xp.float64) - n // 2
     rest2 = sum(a * a for a in xp.meshgrid(*(k,) * (volume.ndim - 1), indexing="ij"))
-    step = max(1, (1 << 22) // max(1, rest2.size))
-    slabs = [slice(z, min(n, z + step)) for z in range(0, n, step)]
+    slabs = map_slabs(n, volume.ndim)
 
     def blend(planes):
         r = xp.sqrt(k[planes].reshape((-1,) + (1,) * (volume.ndim - 1)) ** 2 + rest2[None])
@@ -243,9 +241,7 @@ def gridding_correct(volume, padded_size_px, xp=np):
     """Divide a (N, N, N) map by sinc²(r/Np) (RELION's griddingCorrect for trilinear), in place, one slab at a
     time; returns the map."""
     n = volume.shape[0]
-    step = max(1, (1 << 22) // (n * n))
-    for z in range(0, n, step):
-        planes = slice(z, min(n, z + step))
+    for planes in map_slabs(n):
         volume[planes] = (volume[planes] / trilinear_gridding_kernel(n, padded_size_px, xp, planes)).astype(
             volume.dtype)
     return volume

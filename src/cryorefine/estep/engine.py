@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cryorefine.core.grid import complex_dtype_for
+
 
 @dataclass
 class IterationSetup:
@@ -126,7 +128,7 @@ class WeightedSums:
         """Empty sums of `n_classes` classes; the volumes (complex data and real weights of `volume_shape`,
         `real_dtype` and its complex) are made with `xp` unless an engine gives its own (lists of K arrays)."""
         real = np.dtype(real_dtype)
-        complex_ = np.result_type(real, np.complex64)
+        complex_ = complex_dtype_for(real)
         return cls(data=data if data is not None else [xp.zeros(volume_shape, complex_) for _ in range(n_classes)],
                    weight=weight if weight is not None else [xp.zeros(volume_shape, real)
                                                              for _ in range(n_classes)],
