@@ -54,8 +54,8 @@ def test_mstep_map_of_symmetrised_sums_is_that_of_every_equivalent_view(name):
     # the final iteration's joined halves (the second's sums added into the first's)
     sym2 = mstep.backprojector(*_sums([np.eye(3)]), model, _config(name), N, np)
     every2 = mstep.backprojector(*_sums(g.rotations), model, _config("C1"), N, np)
-    joined = mstep.joined_backprojector([sym, sym2], model, _config(name), N, np)
-    joined_every = mstep.joined_backprojector([every, every2], model, _config("C1"), N, np)
+    joined = mstep.joined_backprojector(sym, [(sym2.data, sym2.weight)], model, _config(name), N)
+    joined_every = mstep.joined_backprojector(every, [(every2.data, every2.weight)], model, _config("C1"), N)
     np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np, _masks()),
                                mstep.reconstruct_map(joined_every, tau2 * 2, model, _config("C1"), np, _masks()),
                                atol=1e-5 * np.abs(b).max())
@@ -122,14 +122,15 @@ def test_float32_device_mstep_matches_the_float64_host():
     device = [mstep.backprojector(cp.asarray(d, dtype=cp.complex64), cp.asarray(w, dtype=cp.float32), model,
                                   _config("C1"), N, cp) for d, w in halves]
     assert device[0].data.dtype == cp.complex64  # not widened
-    np.testing.assert_allclose(mstep.half_sets_fsc(device, cp), mstep.half_sets_fsc(host, np), atol=1e-5)
+    np.testing.assert_allclose(mstep.half_sets_fsc(*[(b.data, b.weight) for b in device], device[0].grid, cp),
+                               mstep.half_sets_fsc(*[(b.data, b.weight) for b in host], host[0].grid, np), atol=1e-5)
     np.testing.assert_allclose(cp.asnumpy(device[0].noise_sigma2()), host[0].noise_sigma2(), rtol=1e-5)
     for d, h in zip(device, host):
         want = mstep.reconstruct_map(h, tau2, model, _config("C1"), np, _masks())
         got = mstep.reconstruct_map(d, tau2, model, _config("C1"), cp, _masks())
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
-    want = mstep.reconstruct_map(mstep.joined_backprojector(host, model, _config("C1"), N, np), tau2 * 2, model,
-                                 _config("C1"), np, _masks())
-    got = mstep.reconstruct_map(mstep.joined_backprojector(device, model, _config("C1"), N, cp), tau2 * 2, model,
-                                _config("C1"), cp, _masks())
+    want = mstep.reconstruct_map(mstep.joined_backprojector(host[0], [(host[1].data, host[1].weight)], model,
+                                                            _config("C1"), N), tau2 * 2, model, _config("C1"), np, _masks())
+    got = mstep.reconstruct_map(mstep.joined_backprojector(device[0], [(device[1].data, device[1].weight)], model,
+                                                           _config("C1"), N), tau2 * 2, model, _config("C1"), cp, _masks())
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

@@ -184,14 +184,16 @@ def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
 def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
     """The FSC per shell (N//2+1,) between the downsampled averages of two half sets' sums, each (data, weight):
     `fsc.fourier_shell_correlation` of their `downsampled_average`s with shell 0 set to 1, summed one run of
-    planes at a time so that neither average is ever whole."""
+    planes at a time so that neither average is ever whole. `sums1` may instead be its `downsampled_average`
+    already made (of a half that has left the device since)."""
     n = grid.size_px
     n_shells = n // 2 + 1
     num, den1, den2 = xp.zeros(n_shells), xp.zeros(n_shells), xp.zeros(n_shells)
     ky = fourier.signed_frequencies(n, xp)[None, :, None]
     kx = xp.arange(n // 2 + 1, dtype=xp.float64)[None, None, :]
-    for (kz, a), (_, b) in zip(downsampled_average_planes(*sums1, grid, xp=xp),
-                               downsampled_average_planes(*sums2, grid, xp=xp)):
+    first = downsampled_average_planes(*sums1, grid, xp=xp) if isinstance(sums1, tuple) else None
+    for kz, b in downsampled_average_planes(*sums2, grid, xp=xp):
+        a = next(first)[1] if first is not None else xp.asarray(sums1[kz % n])
         kzf = xp.asarray(kz, dtype=xp.float64)[:, None, None]
         shells = xp.rint(xp.sqrt(kzf * kzf + ky * ky + kx * kx)).astype(xp.int64)
         sums = shell_correlation_sums(a, b, shells, n_shells, xp)

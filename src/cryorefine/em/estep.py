@@ -6,7 +6,8 @@ process, or an MPI worker fed by the master) hands `run_batches` a stream of (un
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
 one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
 An engine is set up when its unit's first batch arrives and its weighted sums are collected when
-the unit's batches end. Every second is added to a named stage: `setup` (engines), `read_wait`
+the unit's batches end; where the device cannot hold every unit's sums (`sums_wait_on_host`), a
+finished unit's sums wait on the host while the next unit is worked on. Every second is added to a named stage: `setup` (engines), `read_wait`
 (waiting for the read-ahead thread), `images` (preparation), then the engine's own stages.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cryorefine.core.grid import PaddedGrid
+from cryorefine.em import memory
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.images import NoiseEstimate, prepare_batch
 from cryorefine.io import mrc
@@ -59,11 +61,13 @@ def add_counts(totals, counts):
         totals[name] = totals.get(name, 0.0) + value
 
 
-def run_batches(backend, units, work, particles, settings, inputs, reader, on_result, stages, flops):
+def run_batches(backend, units, work, particles, settings, inputs, reader, on_result, stages, flops,
+                park_finished=False):
     """The E-step over `work`, an iterable of (unit index, particle indices) in which each unit's batches
     come together; `on_result(unit index, indices, BatchResult)` after each batch. Returns the weighted
-    sums of each unit that had batches {unit index: WeightedSums}. Seconds per stage are added to
-    `stages`, the engines' operation counts to `flops`."""
+    sums of each unit that had batches {unit index: WeightedSums}; with `park_finished` those of every unit
+    but the last are on the host (moved there as the unit ends, `backend.to_host`; stage `park`). Seconds
+    per stage are added to `stages`, the engines' operation counts to `flops`."""
     xp = backend.array_module
     previous = inputs.previous
     norms = previous.norm_correction if inputs.use_norms else np.ones_like(previous.norm_correction)
@@ -86,6 +90,9 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
                 sums[current] = _collect(engine, stages, flops)  # its seconds go to the engine's own stages
                 engine = None  # its device buffers go before the next engine takes its own
                 tic = time.perf_counter()
+                if park_finished:
+                    sums[current].move_volumes(backend.to_host)
+                    tic = add_seconds(stages, "park", tic)
             engine = backend.make_engine()
             engine.setup(units[u].setup)
             current = u
@@ -103,6 +110,24 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
     if engine is not None:
         sums[current] = _collect(engine, stages, flops)
     return sums
+
+
+def sums_wait_on_host(backend, units):
+    """Whether finished units' sums wait on the host in this iteration: when the device's free memory cannot hold
+    every unit's sums beside one unit's set-up or a reconstruction (`em.memory.halves_wait_on_host`); never
+    for the numpy engine."""
+    free = backend.free_device_bytes()
+    if free is None or len(units) < 2:
+        return False
+    sums, setup, reconstruction = [], 0.0, 0.0
+    for unit in units:
+        s = unit.setup
+        grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+        sums.append(memory.sums_bytes(grid.shape, len(unit.classes)))
+        setup = max(setup, memory.references_bytes(grid.shape, s.ori_size_px, len(unit.classes)))
+        reconstruction = max(reconstruction, memory.reconstruction_bytes(grid.shape, s.ori_size_px,
+                                                                         grid.padded_size_px))
+    return memory.halves_wait_on_host(free, sums, setup, reconstruction)
 
 
 def _collect(engine, stages, flops):

@@ -83,8 +83,9 @@ class Job(Protocol):
     def plan(self, run: RunState, iteration: int) -> IterationPlan:
         """The schedule of `iteration` (updates run.optimiser); its work units."""
 
-    def maximize(self, model, sums: list, plan: IterationPlan):
-        """The M-step: a new ModelState from `model` and the reduced WeightedSums of each unit."""
+    def maximize(self, model, sums: list, plan: IterationPlan, backend):
+        """The M-step on `backend` (estep.backend): a new ModelState from `model` and the reduced WeightedSums of
+        each unit (their volumes on the host or the device; the job moves them as it needs and may let them go)."""
 
     def update(self, run: RunState, plan: IterationPlan, changes) -> None:
         """After the M-step (run.model is the new model): resolution, convergence, the job's extras."""

@@ -16,8 +16,10 @@ import numpy as np
 
 from cryorefine.core import reconstruct
 from cryorefine.core.arrays import to_host
+from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
+from cryorefine.em import memory
 from cryorefine.em.schedule import MINRES_MAP_SHELL
 from cryorefine.images import coefficients_per_shell
 
@@ -34,23 +36,30 @@ def backprojector(data, weight, model, config, current_size_px, xp):
     return bp
 
 
-def joined_backprojector(bps, model, config, current_size_px, xp):
-    """A BackProjector over the sums of several (the two halves'), not symmetrised again: the others' sums are
-    added into the first's, in place (no third copy of the sums: make what needs the first's own sums before)."""
-    first = bps[0]
-    for bp in bps[1:]:
-        first.data += bp.data
-        first.weight += bp.weight
-    return BackProjector.from_arrays(first.data, first.weight, model.ori_size_px, config.padding_factor,
-                                     current_size_px // 2, xp=xp,
-                                     hermitian_enforced=all(bp.hermitian_enforced for bp in bps))
+def joined_backprojector(bp, others, model, config, current_size_px):
+    """A BackProjector over the sums of several (the two halves'), not symmetrised again: the `others`' sums
+    ((data, weight) pairs, on the device or waiting on the host) are added into `bp`'s in place, one slab of planes
+    at a time (no third copy of the sums: make what needs `bp`'s own sums before)."""
+    xp = bp.xp
+    for data, weight in others:
+        for planes in bp.grid.slabs():
+            bp.data[planes] += xp.asarray(data[planes])
+            bp.weight[planes] += xp.asarray(weight[planes])
+    return BackProjector.from_arrays(bp.data, bp.weight, model.ori_size_px, config.padding_factor,
+                                     current_size_px // 2, xp=xp, hermitian_enforced=bp.hermitian_enforced)
 
 
-def half_sets_fsc(bps, xp):
-    """The FSC (N//2+1,) on the host between the downsampled averages of two back-projectors' sums (RELION's
-    getDownsampledAverage and getFSC), summed a run of planes at a time."""
-    return to_host(reconstruct.half_sets_fsc((bps[0].data, bps[0].weight), (bps[1].data, bps[1].weight),
-                                             bps[0].grid, xp))
+def half_sets_fsc(first, second, grid, xp):
+    """The FSC (N//2+1,) on the host between the downsampled averages of two halves' sums (RELION's
+    getDownsampledAverage and getFSC), summed a run of planes at a time. Each half is its (data, weight) on the
+    device, or the first may be its `downsampled_average` already made (a half that waits on the host)."""
+    return to_host(reconstruct.half_sets_fsc(first, second, grid, xp))
+
+
+def downsampled_average(bp):
+    """A back-projector's downsampled average (N, N, N//2+1) on the host: what the FSC needs of a half that then
+    waits on the host."""
+    return to_host(reconstruct.downsampled_average(bp.data, bp.weight, bp.grid, xp=bp.xp))
 
 
 def reconstruct_map(bp, tau2, model, config, xp, masks):
@@ -69,23 +78,97 @@ def unregularised_map(bp, xp):
     return bp.reconstruct(tau2=None)
 
 
-def join_halves_at_low_resolution(bps, resolution_angstrom, model):
-    """RELION's joinTwoHalvesAtLowResolution: both halves get the sum of their data below a resolution (only the
-    small box around the origin that holds those frequencies is touched)."""
-    grid = bps[0].grid
-    xp = bps[0].xp
+def _low_resolution_box(grid, resolution_angstrom, model, xp):
     shell_limit = model.ori_size_px * model.pixel_size_angstrom / resolution_angstrom
     limit2 = (shell_limit * grid.padding_factor) ** 2
     reach = min(int(math.floor(math.sqrt(limit2))), grid.origin)
     o = grid.origin
     box = (slice(o - reach, o + reach + 1), slice(o - reach, o + reach + 1), slice(0, reach + 1))
     kz, ky, kx = grid.frequencies(xp)
-    low = (kz[box[0]] ** 2 + ky[:, box[1]] ** 2 + kx[:, :, box[2]] ** 2) <= limit2
-    data = xp.where(low, bps[0].data[box] + bps[1].data[box], 0)
-    weight = xp.where(low, bps[0].weight[box] + bps[1].weight[box], 0)
-    for bp in bps:
-        bp.data[box] = xp.where(low, data, bp.data[box])
-        bp.weight[box] = xp.where(low, weight, bp.weight[box])
+    return box, (kz[box[0]] ** 2 + ky[:, box[1]] ** 2 + kx[:, :, box[2]] ** 2) <= limit2
+
+
+def low_resolution_sums(bp, resolution_angstrom, model):
+    """Host copies of (data, weight) of a back-projector in the small box around the origin that holds the
+    frequencies below a resolution (what RELION's joinTwoHalvesAtLowResolution adds up)."""
+    box, _ = _low_resolution_box(bp.grid, resolution_angstrom, model, bp.xp)
+    return np.array(to_host(bp.data[box])), np.array(to_host(bp.weight[box]))  # copies, also of host sums
+
+
+def join_at_low_resolution(bp, joined, resolution_angstrom, model):
+    """RELION's joinTwoHalvesAtLowResolution for one half: its sums below a resolution replaced by `joined`, the
+    sum of both halves' `low_resolution_sums` (only that small box is touched)."""
+    xp = bp.xp
+    box, low = _low_resolution_box(bp.grid, resolution_angstrom, model, xp)
+    bp.data[box] = xp.where(low, xp.asarray(joined[0]), bp.data[box])
+    bp.weight[box] = xp.where(low, xp.asarray(joined[1]), bp.weight[box])
+
+
+class HalfSums:
+    """The two half sets' sums (`WeightedSums` of one class each) through a refinement's M-step, each half on the
+    device while it is worked on (`backprojector`). Where the device cannot hold a half that waits on the host
+    beside the other and a reconstruction (`em.memory`), they take turns: the half not worked on waits on the
+    host (`parking`), so that one half's sums at most are on the device, as on each of RELION's MPI ranks.
+    The sums' volumes are moved and let go in place: after the M-step they are not there any more."""
+
+    def __init__(self, sums, backend, model, config, current_size_px):
+        self.sums, self.backend = sums, backend
+        self.model, self.config, self.current_size_px = model, config, current_size_px
+        self.resident = [backend.on_device(s.data[0]) for s in sums]
+        self.symmetrised = [False] * len(sums)
+        self.hermitian = [False] * len(sums)
+        grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, current_size_px // 2)
+        away = sum(memory.sums_bytes(grid.shape, 1) for here in self.resident if not here)
+        free = backend.free_device_bytes()
+        self.parking = free is not None and away > 0 and \
+            away + memory.reconstruction_bytes(grid.shape, model.ori_size_px, grid.padded_size_px) > free
+        if not self.parking:
+            for h in range(len(sums)):
+                self._move(h, True)
+
+    def order(self):
+        """The halves, those on the device first (the fewest bytes moved)."""
+        return sorted(range(len(self.sums)), key=lambda h: not self.resident[h])
+
+    def backprojector(self, h):
+        """Half h's BackProjector on the device, symmetrised with --sym the first time (`backprojector`); when
+        parking, the other half is moved to the host first. Drop it before asking for the other half."""
+        if self.parking:
+            for other in range(len(self.sums)):
+                if other != h and self.resident[other]:
+                    self._move(other, False)
+            self.backend.release_cached()
+        self._move(h, True)
+        s = self.sums[h]
+        xp = self.backend.array_module
+        if self.symmetrised[h]:
+            return BackProjector.from_arrays(s.data[0], s.weight[0], self.model.ori_size_px,
+                                             self.config.padding_factor, self.current_size_px // 2, xp=xp,
+                                             hermitian_enforced=self.hermitian[h])
+        bp = backprojector(s.data[0], s.weight[0], self.model, self.config, self.current_size_px, xp)
+        self.symmetrised[h], self.hermitian[h] = True, bp.hermitian_enforced
+        return bp
+
+    def release(self, h):
+        """Half h's sums are not needed any more: their memory goes."""
+        self.sums[h].data[0] = self.sums[h].weight[0] = None
+        self.resident[h] = False
+
+    def joined(self):
+        """A BackProjector of both halves' sums (the final iteration's map): the other half's added into those of
+        the half on the device (half 1 when both are), from the host one slab at a time if it waits there."""
+        h = self.resident.index(True) if any(self.resident) else 0
+        bp = self.backprojector(h)
+        others = [(s.data[0], s.weight[0]) for g, s in enumerate(self.sums) if g != h]
+        return joined_backprojector(bp, others, self.model, self.config, self.current_size_px)
+
+    def _move(self, h, to_device):
+        s = self.sums[h]
+        move = self.backend.to_device if to_device else self.backend.to_host
+        if s.data[0] is not None and self.resident[h] != to_device:
+            s.data[0] = move(s.data[0])
+            s.weight[0] = move(s.weight[0])
+        self.resident[h] = to_device
 
 
 def maximize_other_parameters(model, config, sums, do_cc):

@@ -5,7 +5,10 @@ A backend is an object passed to whoever needs it (never a global): the array mo
 prepared with, a fresh E-step engine per work unit, and the device-memory lifetimes as context
 managers: `run_scope()` for the whole run (the GPU arena and its GLOBAL scope), `iteration_scope()`
 around one iteration's E- and M-step, `maximization_scope()` around the M-step. On the host the
-scopes do nothing. Importing this module imports neither CuPy nor an engine.
+scopes do nothing. Large arrays move between the host and the device with `to_host`/`to_device`
+(sums that wait on the host while the device is needed for other work, `em.memory`);
+`free_device_bytes()` says how much room there is (None on the host: nothing waits). Importing this
+module imports neither CuPy nor an engine.
 """
 
 from __future__ import annotations
@@ -69,9 +72,6 @@ class NumpyBackend:
 
         return NumpyEngine(self.dtype, self.threads)
 
-    def asarray(self, array):
-        return np.asarray(array)
-
     def run_scope(self):
         return contextlib.nullcontext(self)
 
@@ -80,6 +80,22 @@ class NumpyBackend:
 
     def maximization_scope(self):
         return contextlib.nullcontext(self)
+
+    def free_device_bytes(self):
+        """None: everything is on the host already."""
+        return None
+
+    def on_device(self, array):
+        return True
+
+    def to_device(self, array):
+        return array
+
+    def to_host(self, array):
+        return array
+
+    def release_cached(self):
+        """Nothing is cached on the host."""
 
 
 class CudaBackend:
@@ -115,9 +131,6 @@ class CudaBackend:
         from cryorefine.estep.cuda import CupyEngine
 
         return CupyEngine(self.device_id, self.arena)
-
-    def asarray(self, array):
-        return self.array_module.asarray(array)
 
     @contextlib.contextmanager
     def run_scope(self):
@@ -160,3 +173,35 @@ class CudaBackend:
             return
         with self.arena.pooled():
             yield self
+
+    def free_device_bytes(self):
+        """Bytes free for this run on the device now: the arena's, else the device's and CuPy's pool's."""
+        if self.arena is not None:
+            return self.arena.free_bytes
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        return free + cupy.get_default_memory_pool().free_bytes()
+
+    def on_device(self, array):
+        from cryorefine.core.arrays import array_module
+
+        return array_module(array) is not np
+
+    def to_device(self, array):
+        """`array` on the device (a host array copied there; a device array as it is)."""
+        from cryorefine.core.arrays import to_device
+
+        return array if self.on_device(array) else to_device(array, self.array_module)
+
+    def to_host(self, array):
+        """A host copy of `array` (pageable: a pinned buffer of gigabytes would cost more to make than it saves)."""
+        from cryorefine.core.arrays import to_host
+
+        return to_host(array)
+
+    def release_cached(self):
+        """The M-step's caching pool gives its unused blocks back to the arena, so that memory freed below them
+        (sums moved to the host) can be used again."""
+        if self.arena is not None:
+            self.arena.release_pooled()

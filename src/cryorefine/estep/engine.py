@@ -140,6 +140,14 @@ class WeightedSums:
     def n_classes(self):
         return len(self.data)
 
+    def move_volumes(self, move):
+        """Every class's data and weight replaced, in place and one at a time, by `move(array)` (a copy on the
+        host or on the device: `estep.backend`)."""
+        for volumes in (self.data, self.weight):
+            for k, array in enumerate(volumes):
+                volumes[k] = move(array)
+        return self
+
     def pack(self):
         """The sums as a list of flat float64 host arrays (complex volumes viewed as float64 pairs), every
         array field in field order and, last, one vector of the number fields."""

@@ -311,6 +311,7 @@ class DeviceArena(StackArena):
 
         self.device_id = int(device_id)
         self._memory = None
+        self._pools = []  # the `pooled` pools open now, innermost last
         with cupy.cuda.Device(self.device_id):
             cupy.get_default_memory_pool().free_all_blocks()
             free, total = cupy.cuda.runtime.memGetInfo()
@@ -396,11 +397,19 @@ class DeviceArena(StackArena):
         pool = cupy.cuda.MemoryPool(self.malloc)
         previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(pool.malloc)
+        self._pools.append(pool)
         try:
             yield self
         finally:
+            self._pools.pop()
             cupy.cuda.set_allocator(previous)
             pool.free_all_blocks()
+
+    def release_pooled(self) -> None:
+        """The innermost `pooled` pool's unused blocks back to the arena (they are popped once on top): for
+        memory freed below them, e.g. a large array moved to the host, to be usable again."""
+        if self._pools:
+            self._pools[-1].free_all_blocks()
 
     def close(self) -> None:
         """Free the device allocation. Every array from the arena must be gone by then."""

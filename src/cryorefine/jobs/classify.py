@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cryorefine.core.arrays import array_module, to_host
+from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
@@ -225,12 +225,15 @@ class ClassifyJob:
             local_searches=bool(config.skip_align or optimiser.local_searches),
             sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg)
 
-    def maximize(self, model, sums, plan):
+    def maximize(self, model, sums, plan, backend):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
-        distributions and the rest."""
+        distributions and the rest. On `backend`'s device (the sums are moved there)."""
         config = self.config
         model = dataclasses.replace(model)
         k_classes = model.n_classes
+        xp = backend.array_module
+        for s in sums:
+            s.move_volumes(backend.to_device)
         sums = WeightedSums.total([s.spread_to_classes(unit.classes, k_classes) for s, unit in zip(sums, plan.units)])
         box, n_shells = model.ori_size_px, model.n_shells
         r_max = plan.sizes.current_size_px // 2
@@ -242,7 +245,6 @@ class ClassifyJob:
         new_maps = []
         for k in range(k_classes):
             previous = model.maps[0][k]
-            xp = array_module(sums.data[k])
             t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, xp=xp).power_spectrum)
             t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
             t2[r_max + 1:] = 0.0
@@ -260,7 +262,6 @@ class ClassifyJob:
             s[r_max + 1:] = 0.0
             ssnr[0, k, : s.size] = s
         if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
-            xp = array_module(sums.data[0])
             first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
                                                 model.pixel_size_angstrom))
             new_maps = [first.astype(np.float32) for _ in range(k_classes)]

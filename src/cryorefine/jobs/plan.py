@@ -6,7 +6,8 @@ at three quarters of Nyquist) and the final iteration (the whole box, halves joi
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
 sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
-M-step's reconstruction and, with --sym, its symmetrisation of the sums), and an estimated E-step
+M-step's reconstruction and, with --sym, its symmetrisation of the sums; where both halves' sums do not
+fit, the idle half waits on the host and one half is counted, `em.memory`), and an estimated E-step
 time per iteration from the coarse pass's arithmetic at the throughput measured on an H100 (about
 65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
 benchmarks/estep_throughput.py). With --sym the orientations are those of the group's asymmetric
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cryorefine.em import schedule
-from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, padded_size_px
+from cryorefine.em import memory, schedule
+from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
@@ -38,8 +39,6 @@ LOCAL_ESTEP_FRACTION_OF_PEAK = 0.042
 # in the local iterations of benchmarks/refine_accuracy.py on the H100)
 MIN_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
-SLAB_BYTES_PER_ELEMENT = 150.0  # the loops over slabs of a padded grid (core.reconstruct): float64 temporaries
-MAPS_PER_RECONSTRUCTION = 3  # float32 maps of the box alive at once in a reconstruction (window, masks)
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,12 @@ class Moment:
     n_translations: int
     particles_per_batch: int
     cache_coarse_slices: bool
-    iteration_bytes: float  # ITERATION scope at the E-step's peak (sums of both halves, references, slices)
+    iteration_bytes: float  # ITERATION scope at the E-step's peak (sums on the device, references, slices)
     particle_bytes: float  # one sub-batch
     orientation_bytes: float  # one chunk
     maximization_bytes: float  # the M-step's peak
     estep_seconds: float
+    half_waits_on_host: bool = False  # the idle half's sums wait on the host (em.memory)
 
     @property
     def peak_bytes(self):
@@ -103,15 +103,16 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
-    sums_per_half = n_classes * volume * (8 + 4)  # complex64 data + float32 weight, as the engine keeps them
-    d, _, w = grid.shape
-    slab = min(SLAB_ELEMENTS, volume) * SLAB_BYTES_PER_ELEMENT  # one slab's temporaries (PaddedGrid.slabs)
-    # complex64 references, and building one (core.padded_transforms): the map, its planes' transforms, the result
-    references = n_classes * volume * 8 + box ** 3 * 4 + box * d * w * 8 + volume * 8 + slab
+    sums_per_half = memory.sums_bytes(grid.shape, n_classes)
+    references = memory.references_bytes(grid.shape, box, n_classes)
+    reconstruction = memory.reconstruction_bytes(grid.shape, box, npad)
+    waits = memory.halves_wait_on_host(arena_bytes, [sums_per_half] * 2, references, reconstruction)
+    # the E-step: both halves' sums, or the one worked on while the other waits on the host
+    estep_sums = sums_per_half * (1 if waits else 2)
     kc, kf = _coefficients(coarse), _coefficients(current)
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
-    fixed = 2 * sums_per_half + references
+    fixed = estep_sums + references
     plan = plan_batches(max(arena_bytes - fixed, 1), kc, kf, n_orientations, n_t, n_classes, config.batch_size,
                         children, local=local)
     slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
@@ -120,12 +121,12 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     # one sub-batch, and at most one group of fine samples (its size depends on how broad the posteriors are)
     particle = plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
-    # both halves' sums (the final iteration joins them in place), a reconstruction's complex64 padded-box
-    # transform, a few maps and one slab's temporaries (core.reconstruct); with --sym a copy of one class's sums
-    maximization = (2 * sums_per_half + float(npad) ** 2 * (npad // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * box ** 3 * 4
-                    + slab)
+    # the M-step: both halves' sums where they fit beside a reconstruction (the final iteration joins them in
+    # place), else one at a time (em.mstep.HalfSums); with --sym a copy of one class's sums
+    mstep_sums = sums_per_half * (2 if 2 * sums_per_half + reconstruction <= arena_bytes else 1)
+    maximization = mstep_sums + reconstruction
     if sampling.group.order > 1:
-        maximization = max(maximization, 2 * sums_per_half + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
+        maximization = max(maximization, mstep_sums + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
     coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
     if local:
         estep = n_particles * coarse_flops / (LOCAL_ESTEP_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
@@ -134,7 +135,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
         estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
     estep = max(estep, n_particles * MIN_ESTEP_SECONDS_PER_PARTICLE)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
-                  2 * sums_per_half + references + slices, particle, orientation, maximization, estep)
+                  estep_sums + references + slices, particle, orientation, maximization, estep, waits)
 
 
 def plan_run(config, gpu):
@@ -182,11 +183,12 @@ def format_plan(result):
              f"{gpu.name}: arena {result['arena_bytes'] / GB:.1f} GB, FP32 peak {gpu.fp32_tflops:.1f} TFLOP/s",
              "",
              "| iteration | size / coarse px | orientations × translations | particles per batch | ITERATION GB "
-             "| PARTICLE GB | ORIENTATION GB | M-step GB | peak GB | E-step s (est.) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| PARTICLE GB | ORIENTATION GB | M-step GB | peak GB | E-step s (est.) | idle half on host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in result["moments"]:
         lines.append(f"| {m.label} | {m.current_size_px} / {m.coarse_size_px} | {m.n_orientations} × {m.n_translations}"
                      f"{' (slices cached)' if m.cache_coarse_slices else ''} | {m.particles_per_batch} | "
                      f"{m.iteration_bytes / GB:.2f} | {m.particle_bytes / GB:.2f} | {m.orientation_bytes / GB:.2f} | "
-                     f"{m.maximization_bytes / GB:.2f} | {m.peak_bytes / GB:.2f} | {m.estep_seconds:.1f} |")
+                     f"{m.maximization_bytes / GB:.2f} | {m.peak_bytes / GB:.2f} | {m.estep_seconds:.1f} | "
+                     f"{'yes' if m.half_waits_on_host else 'no'} |")
     return "\n".join(lines)

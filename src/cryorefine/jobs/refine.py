@@ -29,7 +29,7 @@ from functools import partial
 
 import numpy as np
 
-from cryorefine.core.arrays import array_module, to_host
+from cryorefine.core.arrays import to_host
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
@@ -151,24 +151,41 @@ class RefineJob:
             data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
             avg_norm_correction=model.avg_norm_correction)
 
-    def maximize(self, model, sums, plan):
+    def maximize(self, model, sums, plan, backend):
         """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
 
-        Runs where the sums are: on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU
-        engine's sums, with numpy otherwise; the maps come back to the host.
+        Runs on `backend` (estep.backend): on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU
+        engine, with numpy otherwise; the maps come back to the host. Each half is on the device while it is
+        worked on; where both do not fit, they take turns and the other waits on the host (`mstep.HalfSums`):
+        first each half's part of the FSC and of the low-resolution join, then each half's map.
         """
         config = self.config
         model = dataclasses.replace(model)
         joined = plan.final
         current = plan.sizes.current_size_px
         n_shells = model.n_shells
-        xp = array_module(sums[0].data[0])
-        bps = [mstep.backprojector(s.data[0], s.weight[0], model, config, current, xp) for s in sums]
-        fsc = np.zeros(n_shells)
+        xp = backend.array_module
+        halves = mstep.HalfSums(sums, backend, model, config, current)
         masks = self._masks(model)
+        join_low = config.low_resol_join_halves_angstrom > 0 and not joined  # RELION: 0 or less joins nothing
+        fsc_inputs, low = [None, None], [None, None]
+        order = halves.order()
+        for i, h in enumerate(order):
+            bp = halves.backprojector(h)
+            if masks.correct_fsc:  # the unregularised half maps (host)
+                fsc_inputs[i] = to_host(mstep.unregularised_map(bp, xp))
+            elif halves.parking and i == 0:  # this half leaves the device before the other comes
+                fsc_inputs[i] = mstep.downsampled_average(bp)
+            else:
+                fsc_inputs[i] = (bp.data, bp.weight)
+            if join_low:
+                low[h] = mstep.low_resolution_sums(bp, config.low_resol_join_halves_angstrom, model)
+            grid = bp.grid
+            del bp
+        fsc = np.zeros(n_shells)
         if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
-            unfiltered = [mstep.unregularised_map(bp, xp) for bp in bps]
             rng = np.random.default_rng([config.random_seed, plan.iteration])
+            unfiltered = [xp.asarray(fsc_inputs[order.index(h)]) for h in range(2)]
             curves = solvent_corrected_fsc(unfiltered[0], unfiltered[1], xp.asarray(masks.mask), rng, xp)
             del unfiltered
             fsc[:] = curves.corrected[:n_shells]
@@ -180,10 +197,11 @@ class RefineJob:
                 log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
                             "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
         else:
-            fsc_part = mstep.half_sets_fsc(bps, xp)
+            fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], grid, xp)
             fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
-        if config.low_resol_join_halves_angstrom > 0 and not joined:  # RELION: 0 or less joins nothing
-            mstep.join_halves_at_low_resolution(bps, config.low_resol_join_halves_angstrom, model)
+        del fsc_inputs
+        if join_low:
+            low_joined = (low[0][0] + low[1][0], low[0][1] + low[1][1])
         tau2 = np.zeros((2, 1, n_shells))
         ssnr = np.zeros((2, 1, n_shells))
         ref_sigma2 = np.zeros((2, 1, n_shells))
@@ -193,18 +211,24 @@ class RefineJob:
             t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
             return mstep.reconstruct_map(bp, t2, model, config, xp, masks), sigma2, t2
 
-        maps = []
-        for h, bp in enumerate(bps):
+        maps = [None, None]
+        for h in halves.order():
+            bp = halves.backprojector(h)
+            if join_low:
+                mstep.join_at_low_resolution(bp, low_joined, config.low_resol_join_halves_angstrom, model)
             volume, sigma2, t2 = reconstruct(bp, False)
+            del bp
+            if not joined:
+                halves.release(h)
             tau2[h, 0, : t2.size] = t2
             ref_sigma2[h, 0, : sigma2.size] = sigma2
             s = np.asarray(ssnr_from_fsc(fsc, config.tau2_fudge, whole_instead_of_half=joined))
             ssnr[h, 0, : s.size] = s[:n_shells]
-            maps.append([volume])
+            maps[h] = [volume]
         model.maps = maps
-        # the final iteration's map of both halves: half 2's sums added into half 1's (its map is made)
-        model.joined_map = reconstruct(mstep.joined_backprojector(bps, model, config, current, xp), True)[0] \
-            if joined else None
+        # the final iteration's map of both halves: one half's sums added into the other's (their maps are made)
+        model.joined_map = reconstruct(halves.joined(), True)[0] if joined else None
+        del halves
         model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
         mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
         model.class_distribution = np.ones(1)

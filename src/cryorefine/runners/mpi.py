@@ -38,7 +38,7 @@ from dataclasses import replace
 import numpy as np
 
 from cryorefine.data import load_particles, scratch_copy
-from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches
+from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError
 from cryorefine.estep.backend import make_backend
@@ -250,7 +250,8 @@ class MpiRunner:
         preread = np.concatenate([plan.units[u].members for u in mine]) if self.config.preread_images else None
         with particles.image_reader(preread) as reader:
             sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
-                               on_result, stages, flops)
+                               on_result, stages, flops,
+                               park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
         del sums
@@ -260,11 +261,8 @@ class MpiRunner:
             all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers),
                                                                      backend.sums_dtype)
                         for u in range(n_units)]
-            with backend.maximization_scope():
-                for s in all_sums:
-                    s.data = [backend.asarray(d) for d in s.data]
-                    s.weight = [backend.asarray(w) for w in s.weight]
-                new_model = job.maximize(model, all_sums, plan)
+            with backend.maximization_scope():  # the job moves the sums to the device as they fit
+                new_model = job.maximize(model, all_sums, plan, backend)
                 del all_sums
             comm.send(new_model, dest=0, tag=TAG_MODEL)
         else:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from cryorefine.data import scratch_copy
-from cryorefine.em.estep import BatchInputs, empty_sums, run_batches
+from cryorefine.em.estep import BatchInputs, empty_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 
 log = logging.getLogger("cryorefine")
@@ -61,12 +61,12 @@ class SerialRunner:
             preread = np.arange(len(particles)) if self.preread_images else None
             with particles.image_reader(preread) as reader:
                 sums = run_batches(self.backend, plan.units, work, particles, settings, inputs, reader, on_result,
-                                   stages, flops)
+                                   stages, flops, park_finished=sums_wait_on_host(self.backend, plan.units))
             sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module, self.backend.sums_dtype)
                     for u, unit in enumerate(plan.units)]
             expectation = time.perf_counter() - tic
             tic = time.perf_counter()
             with self.backend.maximization_scope():
-                new_model = job.maximize(model, sums, plan)
+                new_model = job.maximize(model, sums, plan, self.backend)
             del sums
         return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)

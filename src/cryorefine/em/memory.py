@@ -1,0 +1,65 @@
+"""The device memory an iteration's large arrays take, in bytes, as the GPU engine and the M-step make them:
+what decides whether a finished half set's sums wait on the host (`halves_wait_on_host`), and what
+`cryorefine plan` predicts.
+
+The arrays that grow with the box (N px, padded box Np = pf·N, compact grid of V elements at the
+iteration's r_max; `core.grid.PaddedGrid`):
+- a work unit's back-projection sums: complex64 data and float32 weights per class, 12·V bytes each;
+- its references while the E-step is set up: complex64 transforms per class, and building one
+  (`core.padded_transforms`): the map, its planes' transforms (N·D·W complex64), the result, one slab;
+- a reconstruction in the M-step: the complex64 half transform of the padded box, three float32 maps
+  of the box, one slab's float64 temporaries (`core.reconstruct`).
+
+Both half sets' sums stay on the device when they fit beside the larger of one unit's set-up (with
+room for the E-step's batches) and a reconstruction; otherwise the half that is not being worked on
+waits on the host, so that only one half's sums are ever on the device: RELION's footprint per MPI
+rank, which holds one half.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cryorefine.core.grid import SLAB_ELEMENTS
+
+#: bytes per element of the float64 temporaries of one slab (`core.reconstruct`, `core.padded_transforms`)
+SLAB_BYTES_PER_ELEMENT = 150.0
+#: float32 maps of the box alive at once in a reconstruction (the window, the masks)
+MAPS_PER_RECONSTRUCTION = 3
+#: room kept for the E-step's batches when deciding whether both halves' sums stay on the device
+BATCH_RESERVE_BYTES = 2.0e9
+
+
+def slab_bytes(grid_shape):
+    """One slab's temporaries in a loop over a padded grid."""
+    return min(SLAB_ELEMENTS, float(np.prod(grid_shape))) * SLAB_BYTES_PER_ELEMENT
+
+
+def sums_bytes(grid_shape, n_classes):
+    """A work unit's back-projection sums: complex64 data and float32 weights per class."""
+    return n_classes * float(np.prod(grid_shape)) * (8 + 4)
+
+
+def references_bytes(grid_shape, box_px, n_classes):
+    """The E-step's references: complex64 transforms of every class, and the temporaries of building one."""
+    volume = float(np.prod(grid_shape))
+    d, _, w = grid_shape
+    return n_classes * volume * 8 + float(box_px) ** 3 * 4 + float(box_px) * d * w * 8 + volume * 8 \
+        + slab_bytes(grid_shape)
+
+
+def reconstruction_bytes(grid_shape, box_px, padded_size_px):
+    """One reconstruction's temporaries in the M-step."""
+    npad = float(padded_size_px)
+    return npad ** 2 * (padded_size_px // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * float(box_px) ** 3 * 4 \
+        + slab_bytes(grid_shape)
+
+
+def halves_wait_on_host(free_bytes, unit_sums_bytes, unit_setup_bytes, reconstruction_bytes_):
+    """True when the sums of every unit (`unit_sums_bytes`, one figure per unit) do not fit in `free_bytes`
+    beside the larger of one unit's set-up (references, and the batches' reserve) and a reconstruction:
+    then a finished unit's sums wait on the host while the others are worked on."""
+    if len(unit_sums_bytes) < 2:
+        return False
+    need = sum(unit_sums_bytes) + max(unit_setup_bytes + BATCH_RESERVE_BYTES, reconstruction_bytes_)
+    return need > free_bytes
