@@ -6,7 +6,8 @@ process, or an MPI worker fed by the master) hands `run_batches` a stream of (un
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
 one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
 An engine is set up when its unit's first batch arrives and its weighted sums are collected when
-the unit's batches end; where the device cannot hold every unit's sums (`sums_wait_on_host`), a
+the unit's batches end; a batch of large images is prepared and run in parts that fit the device's
+free memory; where the device cannot hold every unit's sums (`sums_wait_on_host`), a
 finished unit's sums wait on the host while the next unit is worked on. Every second is added to a named stage: `setup` (engines), `read_wait`
 (waiting for the read-ahead thread), `images` (preparation), then the engine's own stages.
 """
@@ -97,19 +98,29 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
             engine.setup(units[u].setup)
             current = u
             tic = add_seconds(stages, "setup", tic)
-        batch = prepare_batch(particles, indices, reader, settings, inputs.current_size_px,
-                              inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px,
-                              previous.origin_y_px, norms, previous.class_index, poses, xp=xp, images=images)
+        for part in _preparation_parts(backend, indices.size, settings.ori_size_px):
+            batch = prepare_batch(particles, indices[part], reader, settings, inputs.current_size_px,
+                                  inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px,
+                                  previous.origin_y_px, norms, previous.class_index, poses, xp=xp, images=images[part])
+            add_seconds(stages, "images", tic)
+            result = engine.run(batch)
+            del batch  # its device arrays go before the next batch's (the arena is a stack)
+            result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
+            on_result(u, indices[part], result)
+            tic = time.perf_counter()
         del images
-        add_seconds(stages, "images", tic)
-        result = engine.run(batch)
-        del batch  # its device arrays go before the next batch's (the arena is a stack)
-        result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
-        on_result(u, indices, result)
         tic_wait = time.perf_counter()
     if engine is not None:
         sums[current] = _collect(engine, stages, flops)
     return sums
+
+
+def _preparation_parts(backend, n_images, box_px):
+    """Slices of a batch of `n_images` prepared (and run) one after the other: as many images at once as the
+    device's free memory leaves room for (`em.memory.images_per_preparation`); the whole batch on the host."""
+    free = backend.free_device_bytes()
+    step = n_images if free is None else memory.images_per_preparation(free, box_px)
+    return [slice(a, min(n_images, a + step)) for a in range(0, n_images, step)]
 
 
 def sums_wait_on_host(backend, units):

@@ -28,6 +28,11 @@ SLAB_BYTES_PER_ELEMENT = 150.0
 MAPS_PER_RECONSTRUCTION = 3
 #: room kept for the E-step's batches when deciding whether both halves' sums stay on the device
 BATCH_RESERVE_BYTES = 2.0e9
+#: device bytes a batch's image preparation takes on the arena's stack per pixel of each image (`images.prepare_batch`
+#: works on the whole box in float64; measured on the H100: 5.1 GB for 128 images of 512² px)
+PREPARATION_BYTES_PER_PIXEL = 160.0
+#: the share of the free device memory one batch's preparation may take; the rest is the engine's
+PREPARATION_SHARE = 0.25
 
 
 def slab_bytes(grid_shape):
@@ -53,6 +58,11 @@ def reconstruction_bytes(grid_shape, box_px, padded_size_px):
     npad = float(padded_size_px)
     return npad ** 2 * (padded_size_px // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * float(box_px) ** 3 * 4 \
         + slab_bytes(grid_shape)
+
+
+def images_per_preparation(free_bytes, box_px):
+    """The most images of `box_px` prepared at once (and handed to the engine together) in `free_bytes`."""
+    return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
 
 
 def halves_wait_on_host(free_bytes, unit_sums_bytes, unit_setup_bytes, reconstruction_bytes_):
