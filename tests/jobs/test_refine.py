@@ -387,3 +387,27 @@ def test_a_bad_mask_ends_the_run_before_it_starts(refined, tmp_path, capsys, cas
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
     assert (tmp_path / "job" / "RELION_JOB_EXIT_FAILURE").is_file()
     assert not (tmp_path / "job" / "RELION_JOB_EXIT_SUCCESS").exists()
+
+
+def test_a_small_device_gives_the_same_refinement(refined, tmp_path, monkeypatch, caplog):
+    """With a device too small for both halves' sums or a whole batch's preparation (em.memory), the idle half waits
+    on the host and batches are prepared and run a few images at a time: the same poses and maps, to rounding."""
+    import logging
+
+    from cryorefine.estep.backend import NumpyBackend
+
+    converge_at_iteration_two(monkeypatch)
+    folder, _ = refined
+    args = ("--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc", "--ini_high", 50, "--ctf",
+            "--particle_diameter", 320, "--zero_mask", "--offset_range", 3, "--offset_step", 1, "--iter", 5)
+    assert run_cli("refine", *args, "--o", tmp_path / "roomy" / "run") == 0
+    monkeypatch.setattr(NumpyBackend, "free_device_bytes", lambda self: 5e6)  # 7 images of 32 px at a time
+    with caplog.at_level(logging.INFO, logger="cryorefine"):
+        assert run_cli("refine", *args, "--o", tmp_path / "small" / "run") == 0
+    assert "park" in caplog.text  # the idle half's move is a stage of the E-step
+    roomy, small = (starfile.read(tmp_path / name / "run_data.star")["particles"] for name in ("roomy", "small"))
+    for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst"):
+        np.testing.assert_allclose(small[column], roomy[column], atol=1e-6, err_msg=column)
+    want, _ = read_volume(tmp_path / "roomy" / "run_class001.mrc")
+    got, _ = read_volume(tmp_path / "small" / "run_class001.mrc")
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

@@ -6,7 +6,8 @@ The arrays that grow with the box (N px, padded box Np = pf·N, compact grid of 
 iteration's r_max; `core.grid.PaddedGrid`):
 - a work unit's back-projection sums: complex64 data and float32 weights per class, 12·V bytes each;
 - its references while the E-step is set up: complex64 transforms per class, and building one
-  (`core.padded_transforms`): the map, its planes' transforms (N·D·W complex64), the result, one slab;
+  (`core.padded_transforms`, written in its place): the map, its planes' transforms (N·D·W complex64),
+  one slab;
 - a reconstruction in the M-step: the complex64 half transform of the padded box, three float32 maps
   of the box, one slab's float64 temporaries (`core.reconstruct`).
 
@@ -46,11 +47,11 @@ def sums_bytes(grid_shape, n_classes):
 
 
 def references_bytes(grid_shape, box_px, n_classes):
-    """The E-step's references: complex64 transforms of every class, and the temporaries of building one."""
+    """The E-step's references: complex64 transforms of every class (each built in its place), and the temporaries
+    of building one: the map and its planes' transforms, one slab."""
     volume = float(np.prod(grid_shape))
     d, _, w = grid_shape
-    return n_classes * volume * 8 + float(box_px) ** 3 * 4 + float(box_px) * d * w * 8 + volume * 8 \
-        + slab_bytes(grid_shape)
+    return n_classes * volume * 8 + float(box_px) ** 3 * 4 + float(box_px) * d * w * 8 + slab_bytes(grid_shape)
 
 
 def reconstruction_bytes(grid_shape, box_px, padded_size_px):
