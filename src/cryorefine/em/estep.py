@@ -7,9 +7,10 @@ indices) pairs; for each batch the loop reads the images (the next batch's on a 
 one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
 An engine is set up when its unit's first batch arrives and its weighted sums are collected when
 the unit's batches end; a batch of large images is prepared and run in parts that fit the device's
-free memory; where the device cannot hold every unit's sums (`sums_wait_on_host`), a
-finished unit's sums wait on the host while the next unit is worked on. Every second is added to a named stage: `setup` (engines), `read_wait`
-(waiting for the read-ahead thread), `images` (preparation), then the engine's own stages.
+free memory; where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished
+unit's sums wait on the host while the next unit is worked on. Every second is added to a named
+stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation),
+`park` (sums moved to the host), then the engine's own stages.
 """
 
 from __future__ import annotations
