@@ -54,8 +54,8 @@ def test_mstep_map_of_symmetrised_sums_is_that_of_every_equivalent_view(name):
     # the final iteration's joined halves (the second's sums added into the first's)
     sym2 = mstep.backprojector(*_sums([np.eye(3)]), model, _config(name), N, np)
     every2 = mstep.backprojector(*_sums(g.rotations), model, _config("C1"), N, np)
-    joined = mstep.joined_backprojector(sym, [(sym2.data, sym2.weight)], model, _config(name), N)
-    joined_every = mstep.joined_backprojector(every, [(every2.data, every2.weight)], model, _config("C1"), N)
+    joined = mstep.joined_backprojector(sym, [(sym2.data, sym2.weight)])
+    joined_every = mstep.joined_backprojector(every, [(every2.data, every2.weight)])
     np.testing.assert_allclose(mstep.reconstruct_map(joined, tau2 * 2, model, _config(name), np, _masks()),
                                mstep.reconstruct_map(joined_every, tau2 * 2, model, _config("C1"), np, _masks()),
                                atol=1e-5 * np.abs(b).max())
@@ -129,8 +129,8 @@ def test_float32_device_mstep_matches_the_float64_host():
         want = mstep.reconstruct_map(h, tau2, model, _config("C1"), np, _masks())
         got = mstep.reconstruct_map(d, tau2, model, _config("C1"), cp, _masks())
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
-    want = mstep.reconstruct_map(mstep.joined_backprojector(host[0], [(host[1].data, host[1].weight)], model,
-                                                            _config("C1"), N), tau2 * 2, model, _config("C1"), np, _masks())
-    got = mstep.reconstruct_map(mstep.joined_backprojector(device[0], [(device[1].data, device[1].weight)], model,
-                                                           _config("C1"), N), tau2 * 2, model, _config("C1"), cp, _masks())
+    want = mstep.reconstruct_map(mstep.joined_backprojector(host[0], [(host[1].data, host[1].weight)]), tau2 * 2,
+                                 model, _config("C1"), np, _masks())
+    got = mstep.reconstruct_map(mstep.joined_backprojector(device[0], [(device[1].data, device[1].weight)]), tau2 * 2,
+                                model, _config("C1"), cp, _masks())
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

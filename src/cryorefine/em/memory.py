@@ -66,6 +66,12 @@ def images_per_preparation(free_bytes, box_px):
     return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
 
 
+def halves_take_turns(free_bytes, away_bytes, reconstruction_bytes_):
+    """True when the M-step cannot bring the sums that wait on the host (`away_bytes`) onto the device beside a
+    reconstruction in `free_bytes` (what the half already there leaves): then the halves take turns."""
+    return away_bytes > 0 and away_bytes + reconstruction_bytes_ > free_bytes
+
+
 def halves_wait_on_host(free_bytes, unit_sums_bytes, unit_setup_bytes, reconstruction_bytes_):
     """True when the sums of every unit (`unit_sums_bytes`, one figure per unit) do not fit in `free_bytes`
     beside the larger of one unit's set-up (references, and the batches' reserve) and a reconstruction:

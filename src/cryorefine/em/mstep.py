@@ -36,17 +36,15 @@ def backprojector(data, weight, model, config, current_size_px, xp):
     return bp
 
 
-def joined_backprojector(bp, others, model, config, current_size_px):
-    """A BackProjector over the sums of several (the two halves'), not symmetrised again: the `others`' sums
-    ((data, weight) pairs, on the device or waiting on the host) are added into `bp`'s in place, one slab of planes
-    at a time (no third copy of the sums: make what needs `bp`'s own sums before)."""
-    xp = bp.xp
+def joined_backprojector(bp, others):
+    """`bp` holding the sums of several (the two halves'), not symmetrised again: the `others`' sums ((data, weight)
+    pairs, on the device or waiting on the host) are added into `bp`'s in place, one slab of planes at a time (no
+    third copy of the sums: make what needs `bp`'s own sums before)."""
     for data, weight in others:
         for planes in bp.grid.slabs():
-            bp.data[planes] += xp.asarray(data[planes])
-            bp.weight[planes] += xp.asarray(weight[planes])
-    return BackProjector.from_arrays(bp.data, bp.weight, model.ori_size_px, config.padding_factor,
-                                     current_size_px // 2, xp=xp, hermitian_enforced=bp.hermitian_enforced)
+            bp.data[planes] += bp.xp.asarray(data[planes])
+            bp.weight[planes] += bp.xp.asarray(weight[planes])
+    return bp
 
 
 def half_sets_fsc(first, second, grid, xp):
@@ -114,14 +112,13 @@ class HalfSums:
     def __init__(self, sums, backend, model, config, current_size_px):
         self.sums, self.backend = sums, backend
         self.model, self.config, self.current_size_px = model, config, current_size_px
+        self.grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, current_size_px // 2)
         self.resident = [backend.on_device(s.data[0]) for s in sums]
-        self.symmetrised = [False] * len(sums)
-        self.hermitian = [False] * len(sums)
-        grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, current_size_px // 2)
-        away = sum(memory.sums_bytes(grid.shape, 1) for here in self.resident if not here)
+        self.hermitian = [None] * len(sums)  # per half: None until symmetrised, then its Hermitian flag
+        away = sum(memory.sums_bytes(self.grid.shape, 1) for here in self.resident if not here)
         free = backend.free_device_bytes()
-        self.parking = free is not None and away > 0 and \
-            away + memory.reconstruction_bytes(grid.shape, model.ori_size_px, grid.padded_size_px) > free
+        self.parking = free is not None and memory.halves_take_turns(
+            free, away, memory.reconstruction_bytes(self.grid.shape, model.ori_size_px, self.grid.padded_size_px))
         if not self.parking:
             for h in range(len(sums)):
                 self._move(h, True)
@@ -140,13 +137,12 @@ class HalfSums:
             self.backend.release_cached()
         self._move(h, True)
         s = self.sums[h]
-        xp = self.backend.array_module
-        if self.symmetrised[h]:
-            return BackProjector.from_arrays(s.data[0], s.weight[0], self.model.ori_size_px,
-                                             self.config.padding_factor, self.current_size_px // 2, xp=xp,
-                                             hermitian_enforced=self.hermitian[h])
-        bp = backprojector(s.data[0], s.weight[0], self.model, self.config, self.current_size_px, xp)
-        self.symmetrised[h], self.hermitian[h] = True, bp.hermitian_enforced
+        bp = BackProjector.from_arrays(s.data[0], s.weight[0], self.model.ori_size_px, self.config.padding_factor,
+                                       self.current_size_px // 2, xp=self.backend.array_module,
+                                       hermitian_enforced=bool(self.hermitian[h]))
+        if self.hermitian[h] is None:  # first time on the device: --sym as `backprojector` applies it
+            bp.symmetrise(symmetry_group(self.config.symmetry))
+            self.hermitian[h] = bp.hermitian_enforced
         return bp
 
     def release(self, h):
@@ -159,8 +155,7 @@ class HalfSums:
         the half on the device (half 1 when both are), from the host one slab at a time if it waits there."""
         h = self.resident.index(True) if any(self.resident) else 0
         bp = self.backprojector(h)
-        others = [(s.data[0], s.weight[0]) for g, s in enumerate(self.sums) if g != h]
-        return joined_backprojector(bp, others, self.model, self.config, self.current_size_px)
+        return joined_backprojector(bp, [(s.data[0], s.weight[0]) for g, s in enumerate(self.sums) if g != h])
 
     def _move(self, h, to_device):
         s = self.sums[h]

@@ -175,13 +175,10 @@ class CudaBackend:
             yield self
 
     def free_device_bytes(self):
-        """Bytes free for this run on the device now: the arena's, else the device's and CuPy's pool's."""
-        if self.arena is not None:
-            return self.arena.free_bytes
-        import cupy
+        """Bytes free for this run on the device now (`gpu.allocator.free_device_bytes`)."""
+        from cryorefine.gpu.allocator import free_device_bytes
 
-        free, _ = cupy.cuda.runtime.memGetInfo()
-        return free + cupy.get_default_memory_pool().free_bytes()
+        return free_device_bytes(self.arena)
 
     def on_device(self, array):
         from cryorefine.core.arrays import array_module

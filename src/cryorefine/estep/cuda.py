@@ -43,6 +43,7 @@ from cryorefine.estep.cuda_plan import plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_GRID_Y, SEG_THREADS,
                                       fine_kernel_names, kernel_module, round_up)
+from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,7 @@ class CupyEngine:
         return now
 
     def _free_bytes(self):
-        if self.arena is not None:
-            return self.arena.free_bytes
-        free, _ = self.cp.cuda.runtime.memGetInfo()
-        return free + self.cp.get_default_memory_pool().free_bytes()
+        return free_device_bytes(self.arena)
 
     # ------------------------------------------------------------------ iteration set-up
     def setup(self, setup: IterationSetup):

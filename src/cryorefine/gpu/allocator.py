@@ -53,7 +53,7 @@ from cryorefine.errors import InputError
 
 MB = 2**20
 
-__all__ = ["ArenaOutOfMemory", "Block", "DeviceArena", "Scope", "StackArena", "describe_usage"]
+__all__ = ["ArenaOutOfMemory", "Block", "DeviceArena", "Scope", "StackArena", "describe_usage", "free_device_bytes"]
 
 
 class Scope(enum.IntEnum):
@@ -414,6 +414,16 @@ class DeviceArena(StackArena):
     def close(self) -> None:
         """Free the device allocation. Every array from the arena must be gone by then."""
         self._memory = None
+
+
+def free_device_bytes(arena: StackArena | None) -> int:
+    """Bytes free for a run on the current device now: the arena's, else the device's and CuPy's default pool's."""
+    if arena is not None:
+        return arena.free_bytes
+    import cupy
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    return free + cupy.get_default_memory_pool().free_bytes()
 
 
 def describe_usage(arena: StackArena) -> str:

@@ -123,7 +123,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
     # the M-step: both halves' sums where they fit beside a reconstruction (the final iteration joins them in
     # place), else one at a time (em.mstep.HalfSums); with --sym a copy of one class's sums
-    mstep_sums = sums_per_half * (2 if 2 * sums_per_half + reconstruction <= arena_bytes else 1)
+    turns = memory.halves_take_turns(arena_bytes - sums_per_half, sums_per_half, reconstruction)
+    mstep_sums = sums_per_half * (1 if turns else 2)
     maximization = mstep_sums + reconstruction
     if sampling.group.order > 1:
         maximization = max(maximization, mstep_sums + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)

@@ -180,7 +180,6 @@ class RefineJob:
                 fsc_inputs[i] = (bp.data, bp.weight)
             if join_low:
                 low[h] = mstep.low_resolution_sums(bp, config.low_resol_join_halves_angstrom, model)
-            grid = bp.grid
             del bp
         fsc = np.zeros(n_shells)
         if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
@@ -197,7 +196,7 @@ class RefineJob:
                 log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
                             "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
         else:
-            fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], grid, xp)
+            fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], halves.grid, xp)
             fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
         del fsc_inputs
         if join_low:
