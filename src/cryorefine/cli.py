@@ -400,21 +400,30 @@ def _report_classes(reports, out):
 @click.option("--gpu_tflops", type=float, default=None,
               help="FP32 peak (TFLOP/s) to plan for [default: the GPU's, else an H100's 51.6].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(gpu_memory, gpu_tflops, as_json, **options):
-    """Predict GPU memory per scope, batch sizes and E-step time of a refine run, without running it."""
-    from dataclasses import asdict
+@click.option("--K", "n_classes", type=int, default=None,
+              help="Plan a classify run of this many classes [default: a refine run].")
+@click.option("--resolution", "late_resolution", type=float, default=None,
+              help="Resolution (Å) of the late iterations to plan for [default: three quarters of Nyquist, the most "
+                   "a refinement reaches before its final iteration; a classification usually stops well short of it, "
+                   "so give the resolution you expect].")
+def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options):
+    """Predict GPU memory per scope, batch sizes and E-step time of a refine run (or, with --K, a classify run),
+    without running it."""
+    from dataclasses import asdict, replace
 
     from cryorefine.jobs.plan import GpuSpec, format_plan, plan_run
 
     if not options["star"]:
         raise click.UsageError("Missing option '--i'.")
-    for option, value in (("--gpu_memory", gpu_memory), ("--gpu_tflops", gpu_tflops)):
+    for option, value in (("--gpu_memory", gpu_memory), ("--gpu_tflops", gpu_tflops),
+                          ("--resolution", late_resolution)):
         if value is not None and not value > 0:
             raise InputError(f"{option} {value:g}: out of range; give more than 0")
-    options.update(gpu=None, force_cpu=True)
-    config = _refine_config(**options)
     device = parse_gpu_ids(options.get("gpu") or "")[0]
-    result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops))
+    options.update(gpu=None, force_cpu=True)
+    config = _refine_config(**options) if n_classes is None else _classify_config(n_classes, options)
+    config = replace(config, free_gpu_memory_mb=options["free_gpu_memory"])  # the CPU config above has the default
+    result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops), late_resolution)
     if as_json:
         out = dict(result, gpu=asdict(result["gpu"]), moments=[dict(asdict(m), peak_bytes=m.peak_bytes)
                                                              for m in result["moments"]])

@@ -3,9 +3,11 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cryorefine.cli import main
+from cryorefine.core.grid import PaddedGrid
 
 EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 
@@ -80,3 +82,30 @@ def test_symmetry_counts_the_orientations_of_the_asymmetric_unit(capsys, particl
     slow_c1 = plan_json(capsys, particles, "--gpu_tflops", 0.001)["moments"]
     slow_d2 = plan_json(capsys, particles, "--sym", "D2", "--gpu_tflops", 0.001)["moments"]
     assert slow_d2[0]["estep_seconds"] < 0.3 * slow_c1[0]["estep_seconds"]
+
+
+def test_a_classification_is_planned_as_one_unit_of_k_classes_with_global_searches(capsys, particles):
+    refine = plan_json(capsys, particles, "--ini_high", 40)["moments"]
+    one = plan_json(capsys, particles, "--ini_high", 40, "--K", 1, "--resolution", 15)["moments"]
+    six = plan_json(capsys, particles, "--ini_high", 40, "--K", 6, "--resolution", 15)["moments"]
+    assert [m["label"] for m in six] == ["first", "late (15.0 Å)"]  # no final iteration at the whole box
+    # 64 px at 6 Å/px, 15 Å: shell round(384/15) = 26, + incr_size 10 → 72 px, at most the box
+    assert six[1]["current_size_px"] == 64
+    assert six[1]["n_orientations"] == 192 * 24  # global searches every iteration
+    # K=1: one unit's sums where a refinement keeps two half sets; the references are those of one class either way
+    assert refine[0]["iteration_bytes"] > one[0]["iteration_bytes"]
+    # six classes: five more classes' sums and references (complex64 each) than one
+    volume = float(np.prod(PaddedGrid.create(64, 2, 32).shape))
+    assert six[1]["iteration_bytes"] - one[1]["iteration_bytes"] >= 5 * volume * (12 + 8)
+    assert six[1]["maximization_bytes"] > one[1]["maximization_bytes"]
+
+
+def test_a_late_resolution_beyond_nyquist_is_refused(capsys, particles):
+    code, out, err = run_cli(capsys, "plan", "--i", particles, "--resolution", 5)  # Nyquist is 12 Å at 6 Å/px
+    assert code == 2 and "--resolution 5" in err and "Nyquist" in err
+
+
+def test_the_arena_is_the_card_less_free_gpu_memory(capsys, particles):
+    default = plan_json(capsys, particles)["arena_bytes"]
+    none_kept = plan_json(capsys, particles, "--free_gpu_memory", 0)["arena_bytes"]
+    assert none_kept == 80e9 and default == 80e9 - 2048 * 2 ** 20

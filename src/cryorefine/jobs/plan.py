@@ -1,8 +1,10 @@
-"""`cryorefine plan`: what a refinement will need on the GPU, predicted without running it.
+"""`cryorefine plan`: what a refinement or a classification will need on the GPU, predicted without running it.
 
-For three moments of a run — the first iteration (image size from --ini_high, global search at
+For three moments of a refinement — the first iteration (image size from --ini_high, global search at
 --healpix_order), a late iteration (local searches at --auto_local_healpix_order, the image size
-at three quarters of Nyquist) and the final iteration (the whole box, halves joined) — the plan
+at --resolution, by default three quarters of Nyquist) and the final iteration (the whole box, halves
+joined) — or two of a classification (--K: the first iteration, and a late one at --resolution with
+global searches at --healpix_order; K classes in one work unit, no halves, no final iteration) — the plan
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
 sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
@@ -97,18 +99,19 @@ def _coefficients(size_px):
 
 
 def predict_moment(label, config, n_particles, box, pixel, current, coarse, sampling, n_orientations, n_classes,
-                   arena_bytes, gpu, local=False):
+                   arena_bytes, gpu, local=False, units=2):
     """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations); in a local
-    search (`local`) `n_orientations` is one particle's neighbourhood."""
+    search (`local`) `n_orientations` is one particle's neighbourhood. `units`: 2 half sets (refine), each of
+    `n_classes`, or 1 (classify)."""
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
     sums_per_half = memory.sums_bytes(grid.shape, n_classes)
     references = memory.references_bytes(grid.shape, box, n_classes)
     reconstruction = memory.reconstruction_bytes(grid.shape, box, npad)
-    waits = memory.halves_wait_on_host(arena_bytes, [sums_per_half] * 2, references, reconstruction)
+    waits = memory.halves_wait_on_host(arena_bytes, [sums_per_half] * units, references, reconstruction)
     # the E-step: both halves' sums, or the one worked on while the other waits on the host
-    estep_sums = sums_per_half * (1 if waits else 2)
+    estep_sums = sums_per_half * (1 if waits else units)
     kc, kf = _coefficients(coarse), _coefficients(current)
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
@@ -123,8 +126,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
     # the M-step: both halves' sums where they fit beside a reconstruction (the final iteration joins them in
     # place), else one at a time (em.mstep.HalfSums); with --sym a copy of one class's sums
-    turns = memory.halves_take_turns(arena_bytes - sums_per_half, sums_per_half, reconstruction)
-    mstep_sums = sums_per_half * (1 if turns else 2)
+    turns = units > 1 and memory.halves_take_turns(arena_bytes - sums_per_half, sums_per_half, reconstruction)
+    mstep_sums = sums_per_half * (1 if turns else units)
     maximization = mstep_sums + reconstruction
     if sampling.group.order > 1:
         maximization = max(maximization, mstep_sums + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
@@ -139,8 +142,11 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
                   estep_sums + references + slices, particle, orientation, maximization, estep, waits)
 
 
-def plan_run(config, gpu):
-    """The three moments of a refinement of `config` on `gpu`; raises InputError if one cannot fit."""
+def plan_run(config, gpu, late_resolution_angstrom=None):
+    """The moments of a run of `config` on `gpu`: a refinement's first, late and final iterations, or a
+    classification's first and late ones (global searches at --healpix_order, one work unit of K classes, no final
+    iteration at the whole box); the late one at `late_resolution_angstrom`, by default three quarters of Nyquist.
+    Raises InputError if one cannot fit."""
     from cryorefine.data import load_particles
 
     particles = load_particles(config.input_star)
@@ -150,11 +156,18 @@ def plan_run(config, gpu):
     arena = gpu.memory_bytes - config.free_gpu_memory_mb * 2 ** 20
     res0 = schedule.current_resolution(box, pixel, iteration=0,
                                        ini_high_angstrom=schedule.starting_resolution_angstrom(config))
+    late = late_resolution_angstrom or 2 * pixel / 0.75
+    if late < 2 * pixel:
+        raise InputError(f"--resolution {late:g}: beyond Nyquist ({2 * pixel:.2f} Å at {pixel:.3f} Å/px); give "
+                         f"{2 * pixel:.2f} Å or more")
+    refine = config.auto_refine
     moments = []
     for label, resolution, order, local, final in (
             ("first", res0.resolution_angstrom, config.healpix_order, False, False),
-            ("late (local searches)", 2 * pixel / 0.75, config.auto_local_healpix_order, True, False),
-            ("final", 2 * pixel, config.auto_local_healpix_order, True, True)):
+            (f"late (local searches, {late:.1f} Å)", late, config.auto_local_healpix_order, True, False),
+            ("final", 2 * pixel, config.auto_local_healpix_order, True, True)) if refine else (
+            ("first", res0.resolution_angstrom, config.healpix_order, False, False),
+            (f"late ({late:.1f} Å)", late, config.healpix_order, False, False)):
         sizes = schedule.image_sizes(resolution, order, diameter, box, pixel, config.incr_size_px, False, final,
                                      ave_pmax=0.0, oversampling=config.oversampling)
         sampling = Sampling(healpix_order=order, offset_range_px=config.offset_range_px,
@@ -165,7 +178,8 @@ def plan_run(config, gpu):
             n_orient = int(sampling.local_orientations(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma,
                                                        sigma).counts()[0])
         moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
-                                      sampling, n_orient, config.n_classes, arena, gpu, local=local))
+                                      sampling, n_orient, config.n_classes, arena, gpu, local=local,
+                                      units=2 if refine else 1))
     worst = max(moments, key=lambda m: m.peak_bytes)
     if worst.peak_bytes > arena:
         need_gb = (worst.peak_bytes + config.free_gpu_memory_mb * 2 ** 20) / GB
