@@ -8,7 +8,7 @@ import pytest
 from cryorefine.core import fourier
 from cryorefine.core.ctf import ctf_2d
 from cryorefine.data import load_particles
-from cryorefine.images import ImageSettings, background_noise, prepare_batch, roll_each
+from cryorefine.images import ImageSettings, background_noise, prepare_batch, prepare_in_parts, roll_each
 from cryorefine.io import mrc
 from conftest import make_particle_set
 
@@ -97,3 +97,24 @@ def test_ctf_intact_first_peak_leaves_the_lowest_frequencies_at_one(particles):
     for b in range(2):
         assert changed[b].any()
         assert k[changed[b]].max() < k[~changed[b] & (np.abs(plain[b]) < 0.999)].max()
+
+
+def test_a_batch_prepared_in_parts_is_the_batch_prepared_whole(particles):
+    """em.estep prepares a batch of large images a few at a time and hands the engine the joined batch."""
+    import dataclasses
+
+    settings = ImageSettings(32, 2.0, 40.0, zero_mask=False, do_ctf=True, random_seed=3)
+    indices = np.array([4, 0, 2, 3, 1])
+    with mrc.StackReader() as reader:
+        images = particles.read_images(indices, reader)
+
+        def prepare(part):
+            return prepare_batch(particles, indices[part], reader, settings, 24, 1.1, 2, images=images[part])
+
+        whole = prepare(slice(0, 5))
+        joined = prepare_in_parts(prepare, [slice(0, 2), slice(2, 4), slice(4, 5)])
+        tail = prepare_in_parts(prepare, [slice(1, 3), slice(3, 5)])  # a run that starts inside the batch
+    for f in dataclasses.fields(whole):
+        want = getattr(whole, f.name)
+        np.testing.assert_array_equal(getattr(joined, f.name), want, err_msg=f.name)
+        np.testing.assert_array_equal(getattr(tail, f.name), want[1:], err_msg=f.name)

@@ -11,6 +11,7 @@ the engine, together with the translations it searches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +165,29 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
         residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
         prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
         old_class=klass, norm_correction=norm, power_beyond_current=to_host(power))
+
+
+def prepare_in_parts(prepare_part, parts):
+    """One Batch of the images in `parts` (consecutive slices), each prepared by `prepare_part(slice)` in turn: the
+    whole batch's arrays are made once the first part shows their shapes, and each part is copied in and let go, so
+    that the preparation's temporaries exist for one part at a time."""
+    first = prepare_part(parts[0])
+    if len(parts) == 1:
+        return first
+    start, n = parts[0].start, parts[-1].stop - parts[0].start
+    whole = {}
+    for f in dataclasses.fields(Batch):
+        value = getattr(first, f.name)
+        xp = array_module(value)
+        whole[f.name] = xp.empty((n, *value.shape[1:]), dtype=value.dtype)
+        whole[f.name][: len(value)] = value
+    del first, value
+    for part in parts[1:]:
+        batch = prepare_part(part)
+        for name, array in whole.items():
+            array[part.start - start: part.stop - start] = getattr(batch, name)
+        del batch  # its device arrays go before the next part's (the arena is a stack)
+    return Batch(**whole)
 
 
 @dataclass

@@ -15,6 +15,7 @@ stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `imag
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.em import memory
 from cryorefine.estep.engine import IterationSetup, WeightedSums
-from cryorefine.images import NoiseEstimate, prepare_batch
+from cryorefine.images import NoiseEstimate, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
 
 
@@ -99,29 +100,43 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
             engine.setup(units[u].setup)
             current = u
             tic = add_seconds(stages, "setup", tic)
-        for part in _preparation_parts(backend, indices.size, settings.ori_size_px):
-            batch = prepare_batch(particles, indices[part], reader, settings, inputs.current_size_px,
-                                  inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px,
-                                  previous.origin_y_px, norms, previous.class_index, poses, xp=xp, images=images[part])
+        prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs, norms, poses,
+                                    xp)
+        for parts in _engine_runs(backend, indices.size, settings.ori_size_px, inputs.current_size_px):
+            batch = prepare_in_parts(prepare, parts)
             add_seconds(stages, "images", tic)
             result = engine.run(batch)
             del batch  # its device arrays go before the next batch's (the arena is a stack)
             result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
-            on_result(u, indices[part], result)
+            on_result(u, indices[parts[0].start:parts[-1].stop], result)
             tic = time.perf_counter()
-        del images
+        del images, prepare
         tic_wait = time.perf_counter()
     if engine is not None:
         sums[current] = _collect(engine, stages, flops)
     return sums
 
 
-def _preparation_parts(backend, n_images, box_px):
-    """Slices of a batch of `n_images` prepared (and run) one after the other: as many images at once as the
-    device's free memory leaves room for (`em.memory.images_per_preparation`); the whole batch on the host."""
+def _prepare_part(particles, indices, images, reader, settings, inputs, norms, poses, xp, part):
+    """The images `part` (a slice) of a batch prepared at the iteration's size, from their previous poses."""
+    previous = inputs.previous
+    return prepare_batch(particles, indices[part], reader, settings, inputs.current_size_px,
+                         inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px, previous.origin_y_px,
+                         norms, previous.class_index, poses, xp=xp, images=images[part])
+
+
+def _engine_runs(backend, n_images, box_px, current_size_px):
+    """How a batch of `n_images` goes through the engine: a list of runs, each a list of the slices it is prepared in
+    one after the other. As many images per part as the device's free memory leaves room for the preparation's
+    temporaries (`em.memory.images_per_preparation`, whole-box images), and as many per run as it leaves room for
+    the prepared images (`images_per_engine_run`, at the current size); on the host, the whole batch at once."""
     free = backend.free_device_bytes()
-    step = n_images if free is None else memory.images_per_preparation(free, box_px)
-    return [slice(a, min(n_images, a + step)) for a in range(0, n_images, step)]
+    if free is None:
+        return [[slice(0, n_images)]]
+    per_part = memory.images_per_preparation(free, box_px)
+    per_run = max(per_part, memory.images_per_engine_run(free, current_size_px))
+    return [[slice(a, min(b, a + per_part)) for a in range(start, b, per_part)]
+            for start in range(0, n_images, per_run) for b in [min(n_images, start + per_run)]]
 
 
 def sums_wait_on_host(backend, units):

@@ -9,7 +9,10 @@ iteration's r_max; `core.grid.PaddedGrid`):
   (`core.padded_transforms`, written in its place): the map, its planes' transforms (N·D·W complex64),
   one slab;
 - a reconstruction in the M-step: the complex64 half transform of the padded box, three float32 maps
-  of the box, one slab's float64 temporaries (`core.reconstruct`).
+  of the box, one slab's float64 temporaries (`core.reconstruct`);
+- a batch's image preparation: float64 images of the whole box and their transforms, prepared a few
+  at a time where the free memory is short; the prepared transforms at the current size, joined
+  into one batch for the engine.
 
 Both half sets' sums stay on the device when they fit beside the larger of one unit's set-up (with
 room for the E-step's batches) and a reconstruction; otherwise the half that is not being worked on
@@ -34,6 +37,9 @@ BATCH_RESERVE_BYTES = 2.0e9
 PREPARATION_BYTES_PER_PIXEL = 160.0
 #: the share of the free device memory one batch's preparation may take; the rest is the engine's
 PREPARATION_SHARE = 0.25
+#: device bytes of a prepared image per pixel of the current size (`estep.engine.Batch`: masked and unmasked complex128
+#: half transforms, a float64 CTF)
+PREPARED_BYTES_PER_PIXEL = 20.0
 
 
 def slab_bytes(grid_shape):
@@ -64,6 +70,12 @@ def reconstruction_bytes(grid_shape, box_px, padded_size_px):
 def images_per_preparation(free_bytes, box_px):
     """The most images of `box_px` prepared at once (and handed to the engine together) in `free_bytes`."""
     return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
+
+
+def images_per_engine_run(free_bytes, current_size_px):
+    """The most prepared images of `current_size_px` handed to the engine at once in `free_bytes` (the parts they
+    were prepared in, `images_per_preparation`, joined): the same share of the free memory."""
+    return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARED_BYTES_PER_PIXEL * float(current_size_px) ** 2)))
 
 
 def halves_take_turns(free_bytes, away_bytes, reconstruction_bytes_):
