@@ -401,7 +401,7 @@ def test_a_small_device_gives_the_same_refinement(refined, tmp_path, monkeypatch
     args = ("--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc", "--ini_high", 50, "--ctf",
             "--particle_diameter", 320, "--zero_mask", "--offset_range", 3, "--offset_step", 1, "--iter", 5)
     assert run_cli("refine", *args, "--o", tmp_path / "roomy" / "run") == 0
-    # 7 images of 32 px prepared at a time, runs of at most 61 images of 32 px (em.memory)
+    # 15 images of 32 px prepared at a time, runs of at most 61 images of 32 px (em.memory)
     monkeypatch.setattr(NumpyBackend, "free_device_bytes", lambda self: 5e6)
     with caplog.at_level(logging.INFO, logger="cryorefine"):
         assert run_cli("refine", *args, "--o", tmp_path / "small" / "run") == 0

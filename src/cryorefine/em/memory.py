@@ -35,11 +35,15 @@ BATCH_RESERVE_BYTES = 2.0e9
 #: device bytes a batch's image preparation takes on the arena's stack per pixel of each image (`images.prepare_batch`
 #: works on the whole box in float64; measured on the H100: 5.1 GB for 128 images of 512² px)
 PREPARATION_BYTES_PER_PIXEL = 160.0
-#: the share of the free device memory one batch's preparation may take; the rest is the engine's
-PREPARATION_SHARE = 0.25
+#: the share of the free device memory one part of a batch's preparation may take for its temporaries (they are gone
+#: before the engine runs)
+PREPARATION_SHARE = 0.5
 #: device bytes of a prepared image per pixel of the current size (`estep.engine.Batch`: masked and unmasked complex128
 #: half transforms, a float64 CTF)
 PREPARED_BYTES_PER_PIXEL = 20.0
+#: the share of the free device memory the prepared images handed to the engine at once may take; the rest is the
+#: engine's
+PREPARED_SHARE = 0.25
 
 
 def slab_bytes(grid_shape):
@@ -68,14 +72,14 @@ def reconstruction_bytes(grid_shape, box_px, padded_size_px):
 
 
 def images_per_preparation(free_bytes, box_px):
-    """The most images of `box_px` prepared at once (and handed to the engine together) in `free_bytes`."""
+    """The most images of `box_px` prepared at once (one part of a batch) in `free_bytes`."""
     return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
 
 
 def images_per_engine_run(free_bytes, current_size_px):
     """The most prepared images of `current_size_px` handed to the engine at once in `free_bytes` (the parts they
-    were prepared in, `images_per_preparation`, joined): the same share of the free memory."""
-    return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARED_BYTES_PER_PIXEL * float(current_size_px) ** 2)))
+    were prepared in, `images_per_preparation`, joined)."""
+    return max(1, int(PREPARED_SHARE * free_bytes / (PREPARED_BYTES_PER_PIXEL * float(current_size_px) ** 2)))
 
 
 def halves_take_turns(free_bytes, away_bytes, reconstruction_bytes_):
