@@ -98,7 +98,8 @@ def build_reference(work, args):
     """The reference map in WORK (cached): the atomic model's density, or the tiny example map."""
     from cryorefine.io.mrc import read_volume, write_volume
 
-    path = work / f"reference_{args.box}px_{args.angpix:.3f}A.mrc"
+    finer = "" if args.density_oversample == 2 else f"_oversample{args.density_oversample}"
+    path = work / f"reference_{args.box}px_{args.angpix:.3f}A{finer}.mrc"
     if path.exists():
         return path, 0.0
     tic = time.perf_counter()
@@ -112,8 +113,9 @@ def build_reference(work, args):
 
         if not Path(args.model).is_file():
             sys.exit(f"empiar10028: {args.model}: atomic model not found; give one with --model")
-        log.info("density of %s at %.3f Å/px in a %d px box (gemmi) ...", args.model, args.angpix, args.box)
-        volume = density_from_model(args.model, args.box, args.angpix)
+        log.info("density of %s at %.3f Å/px in a %d px box (gemmi, sampled %d× finer) ...", args.model, args.angpix,
+                 args.box, args.density_oversample)
+        volume = density_from_model(args.model, args.box, args.angpix, oversample=args.density_oversample)
     write_volume(path, volume, args.angpix)
     return path, time.perf_counter() - tic
 
@@ -326,6 +328,10 @@ def main(argv=None):
     parser.add_argument("--angpix", type=float, default=None, help="Å/px (default 1.34; 12 with numpy)")
     parser.add_argument("--snr", type=float, default=None, help="default 0.05; 1 with numpy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--density_oversample", type=int, default=2,
+                        help="gemmi samples the model's density on a grid this many times finer than the box (default "
+                             "2; 1 takes an eighth of the time and memory, e.g. for an 800 px box, at the cost of more "
+                             "aliasing near Nyquist)")
     parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
     parser.add_argument("--jobs", nargs="+", choices=sorted(JOB_ARGUMENTS), default=["class3d", "refine"])
     parser.add_argument("--iterations", type=int, default=None,
