@@ -289,6 +289,13 @@ class CupyEngine:
             b_idx, k_idx, o_idx, t_idx, olp, per_particle, n_sig = self._coarse_pass(pre)
         else:
             b_idx, k_idx, o_idx, t_idx, olp, per_particle, n_sig = self._local_coarse_pass(pre, local)
+        if self.arena is not None:
+            # the coarse pass's weights are released but lie under these blocks on the arena's stack: the blocks go
+            # to the host and back, so that the fine pass has that memory (broad posteriors need it there)
+            host = [cp.asnumpy(a) for a in (b_idx, k_idx, o_idx, t_idx, olp)]
+            del b_idx, k_idx, o_idx, t_idx, olp
+            b_idx, k_idx, o_idx, t_idx, olp = (cp.asarray(a) for a in host)
+            del host
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
         results, blocks = [], []
         starts = np.r_[0, np.cumsum(per_particle)]
@@ -656,7 +663,10 @@ class CupyEngine:
         uniq_pairs_d, pair_rank = cp.unique(pair[order], return_inverse=True)
         pair_rank = pair_rank.reshape(-1)
         uniq_pairs = cp.asnumpy(uniq_pairs_d)
-        pairs_per_chunk = max(1, self.plan.slice_rows_per_chunk // nfo)
+        # the rows' data and weights (12 bytes per coefficient) in at most half of what is free now: the plan's share
+        # for them assumed the batch's other buffers kept to theirs, which broad posteriors overrun
+        rows_free = int(0.5 * self._free_bytes()) // (12 * n_coef)
+        pairs_per_chunk = max(1, min(self.plan.slice_rows_per_chunk, rows_free) // nfo)
         for first in range(0, uniq_pairs.size, pairs_per_chunk):
             with self._scope(Scope.ORIENTATION):
                 if uniq_pairs.size <= pairs_per_chunk:
