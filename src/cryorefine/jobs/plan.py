@@ -7,7 +7,7 @@ joined) — or two of a classification (--K: the first iteration, and a late one
 global searches at --healpix_order; K classes in one work unit, no halves, no final iteration) — the plan
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
-sums, references, cached coarse slices; PARTICLE: one sub-batch; ORIENTATION: one chunk; the
+sums, references, cached coarse slices; PARTICLE: the prepared batch and one sub-batch; ORIENTATION: one chunk; the
 M-step's reconstruction and, with --sym, its symmetrisation of the sums; where both halves' sums do not
 fit, the idle half waits on the host and one half is counted, `em.memory`), and an estimated E-step
 time per iteration from the coarse pass's arithmetic at the throughput measured on an H100 (about
@@ -116,13 +116,17 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     fixed = estep_sums + references
-    plan = plan_batches(max(arena_bytes - fixed, 1), kc, kf, n_orientations, n_t, n_classes, config.batch_size,
-                        children, local=local)
+    # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
+    prepared = (min(config.batch_size, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
+                * memory.PREPARED_BYTES_PER_PIXEL * float(current) ** 2)
+    plan = plan_batches(max(arena_bytes - fixed - prepared, 1), kc, kf, n_orientations, n_t, n_classes,
+                        config.batch_size, children, local=local)
     slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
     chunk = 3 * 2 * kc * 4 / 2 * plan.orientations_per_chunk if not plan.cache_coarse_slices else 0.0
     per_particle = (local_per_particle_bytes if local else per_particle_bytes)(kc, kf, n_orientations, n_t, n_classes)
-    # one sub-batch, and at most one group of fine samples (its size depends on how broad the posteriors are)
-    particle = plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
+    # the prepared batch, one sub-batch, and at most one group of fine samples (its size depends on how broad the
+    # posteriors are)
+    particle = prepared + plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
     orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
     # the M-step: both halves' sums where they fit beside a reconstruction (the final iteration joins them in
     # place), else one at a time (em.mstep.HalfSums); with --sym a copy of one class's sums
