@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import platform
@@ -188,7 +189,10 @@ def run_job(name, star, reference, work, args, iterations=None):
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
     tic = time.perf_counter()
     job = classify if command == "classify" else refine
-    reports = job.run(config, runner, argv=[command, *map(str, arguments)])
+    progress = None if args.keep_maps is None else functools.partial(prune_half_maps, work / name, args.keep_maps)
+    reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress)
+    if progress is not None:  # the last iteration's maps were written after the last batch
+        progress()
     wall = time.perf_counter() - tic
     iterations = [{
         "iteration": r.iteration, "current_size_px": r.current_size_px, "coarse_size_px": r.coarse_size_px,
@@ -197,6 +201,17 @@ def run_job(name, star, reference, work, args, iterations=None):
         "stage_flops": dict(r.stage_flops)} for r in reports]
     return {"command": f"cryorefine {command} " + " ".join(map(str, arguments)), "wall_seconds": wall,
             "iterations": iterations, "arena_high_water_bytes": dict(backend.high_water_bytes)}
+
+
+def prune_half_maps(folder, keep, *_progress):
+    """Delete the iteration maps (`run_itNNN_*class*.mrc`) of all but the `keep` newest iterations in `folder`
+    (--keep_maps; the job's progress callback): at 800 px RELION's naming writes 4 GB of half maps an iteration."""
+    maps = sorted(folder.glob("run_it[0-9][0-9][0-9]_*class*.mrc"))
+    iterations = sorted({path.name[6:9] for path in maps})
+    kept = set(iterations[-keep:]) if keep > 0 else set()
+    for path in maps:
+        if path.name[6:9] not in kept:
+            path.unlink(missing_ok=True)
 
 
 def summarise(job, n_particles, peak_flops):
@@ -341,6 +356,9 @@ def main(argv=None):
     parser.add_argument("--arena_gb", type=float, default=None,
                         help="run the jobs in a GPU memory arena of this many GB (--free_gpu_memory set to leave the "
                              "rest of the device's free memory alone)")
+    parser.add_argument("--keep_maps", type=int, default=None,
+                        help="keep the maps of only this many of the newest iterations as the jobs run (the 800 px "
+                             "auto-refine writes 4 GB of half maps an iteration; 2 keeps it on a 64 GB disk)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help=f"measure without first running each job on {WARMUP_PARTICLES} particles for "
                              f"{WARMUP_ITERATIONS} iterations (which compiles the GPU kernels outside the measurement)")
