@@ -409,7 +409,7 @@ def _report_classes(reports, out):
 def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options):
     """Predict GPU memory per scope, batch sizes and E-step time of a refine run (or, with --K, a classify run),
     without running it."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from cryorefine.jobs.plan import GpuSpec, format_plan, plan_run
 
@@ -422,7 +422,6 @@ def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options)
     device = parse_gpu_ids(options.get("gpu") or "")[0]
     options.update(gpu=None, force_cpu=True)
     config = _refine_config(**options) if n_classes is None else _classify_config(n_classes, options)
-    config = replace(config, free_gpu_memory_mb=options["free_gpu_memory"])  # the CPU config above has the default
     result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops), late_resolution)
     if as_json:
         out = dict(result, gpu=asdict(result["gpu"]), moments=[dict(asdict(m), peak_bytes=m.peak_bytes)
@@ -511,10 +510,8 @@ def engine_options(gpu, force_cpu, free_gpu_memory):
         raise click.UsageError("--gpu and --cpu exclude each other; give one")
     if free_gpu_memory < 0:
         raise InputError(f"--free_gpu_memory {free_gpu_memory:g}: out of range; give 0 MB or more")
-    if force_cpu:
-        return {"engine": "numpy"}
-    if gpu is None and not cupy_available():
-        return {"engine": "numpy"}
+    if force_cpu or (gpu is None and not cupy_available()):  # the reserve is kept for `plan`, which plans a GPU run
+        return {"engine": "numpy", "free_gpu_memory_mb": free_gpu_memory}
     if not cupy_available():
         raise InputError(f"--gpu {gpu}: no usable CUDA device (CuPy missing or no GPU); install "
                          f"cryorefine[cuda13] (or [cuda12]) on a GPU node, or run with --cpu")

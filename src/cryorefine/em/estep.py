@@ -6,8 +6,8 @@ process, or an MPI worker fed by the master) hands `run_batches` a stream of (un
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
 one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
 An engine is set up when its unit's first batch arrives and its weighted sums are collected when
-the unit's batches end; a batch of large images is prepared and run in parts that fit the device's
-free memory; where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished
+the unit's batches end; a batch of large images is prepared in parts that fit the device's free
+memory and handed to the engine joined (in runs, where even the prepared images are too many); where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished
 unit's sums wait on the host while the next unit is worked on. Every second is added to a named
 stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation),
 `park` (sums moved to the host), then the engine's own stages.
