@@ -71,3 +71,27 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run):
         assert summary["extrapolated_seconds"] >= lower * 0.999
         assert summary["extrapolated_seconds"] <= lower + summary["start_seconds"] * scale * 1.001
         assert "later iterations as the last measured one" in summary["extrapolation"]
+
+
+@pytest.mark.mpi
+def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
+    """benchmarks/mpi_scaling.py in its tiny numpy mode: one process and `mpiexec -n 3` on the same Class3D job, the
+    MPI stages timed only under MPI, and the same classes and maps from both."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if not beside.exists():
+        pytest.skip("no mpiexec beside Python (pip install mpich, part of the test extra)")
+    script = SCRIPT.parent / "mpi_scaling.py"
+    done = subprocess.run([sys.executable, str(script), "--engine", "numpy", "--work", str(tmp_path), "--json",
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = json.loads((tmp_path / "out.json").read_text())["jobs"]["class3d"]
+    assert (one["workers"], two["workers"]) == (1, 2)
+    assert "mpiexec -n 3" in two["command"] and "mpiexec" not in one["command"]
+    assert [it["iteration"] for it in one["iterations"]] == [it["iteration"] for it in two["iterations"]] == [1, 2]
+    for name in ("broadcast", "reduction", "M-step on rank 1"):
+        assert name in two["stage_totals"] and name not in one["stage_totals"]
+    assert two["e_step_seconds"] <= two["wall_seconds"]
+    parity = two["parity"]
+    assert parity["same_class_fraction"] == 1.0
+    assert parity["class_distribution"][0] == parity["class_distribution"][1]
+    assert min(parity["map_correlation"].values()) > 0.999999

@@ -207,12 +207,20 @@ class NoiseEstimate:
 
     def add(self, batch_ft_full, optics_index, power=None):
         """Add a batch's full-size masked transforms (numpy or cupy); `power` per shell if already known."""
-        n_shells = self.power_sum.shape[1]
+        self.add_batch_sums(*self.batch_sums(batch_ft_full, optics_index, power))
+
+    def batch_sums(self, batch_ft_full, optics_index, power=None):
+        """What `add` adds for a batch, on the host: (power per image and shell, optics_index, Σ transforms); a
+        batch worked on elsewhere (an MPI worker) is added with `add_batch_sums`, bit for bit as `add` would."""
         if power is None:
-            power = to_host(shell_power(batch_ft_full, batch_ft_full.shape[-2], n_shells, array_module(batch_ft_full)))
+            power = shell_power(batch_ft_full, batch_ft_full.shape[-2], self.power_sum.shape[1],
+                                array_module(batch_ft_full))
+        return to_host(power), np.asarray(optics_index), to_host(batch_ft_full.sum(axis=0))
+
+    def add_batch_sums(self, power, optics_index, ft_sum):
         np.add.at(self.power_sum, optics_index, power)
         self.count += np.bincount(optics_index, minlength=self.count.size)
-        self.ft_sum += to_host(batch_ft_full.sum(axis=0))
+        self.ft_sum += ft_sum
 
     def sigma2(self):
         """Per-component noise variance per shell and optics group (RELION's initial sigma2_noise)."""

@@ -7,9 +7,9 @@ indices) pairs; for each batch the loop reads the images (the next batch's on a 
 one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
 An engine is set up when its unit's first batch arrives and its weighted sums are collected when
 the unit's batches end; a batch of large images is prepared in parts that fit the device's free
-memory and handed to the engine joined (in runs, where even the prepared images are too many); where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished
-unit's sums wait on the host while the next unit is worked on. Every second is added to a named
-stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation),
+memory and handed to the engine joined (in runs, where even the prepared images are too many);
+where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished unit's sums
+wait on the host while the next unit is worked on. Every second is added to a named stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation),
 `park` (sums moved to the host), then the engine's own stages.
 """
 
@@ -177,14 +177,31 @@ def empty_sums(unit, xp=np, real_dtype=np.float64):
 def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np):
     """RELION's initial noise spectra from the masked images at their stored origins."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
+    for _, sums in noise_batch_sums(particles, settings, n_optics, enumerate(particles.batches(batch_size)), xp):
+        noise.add_batch_sums(*sums)
+    return noise.sigma2()
+
+
+def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np):
+    """(batch number, NoiseEstimate.batch_sums) of each (number, particle indices) of `numbered_batches`: what
+    the initial noise spectra add up, one batch at a time (batches may be shared out, and added up elsewhere in
+    their order)."""
+    noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
+    numbers = deque()
+
+    def batches():
+        for number, indices in numbered_batches:
+            numbers.append(number)
+            yield indices
+
     with mrc.StackReader() as reader:
-        for indices, images in particles.read_ahead(particles.batches(batch_size), reader, xp):
+        for indices, images in particles.read_ahead(batches(), reader, xp):
             batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
                                   images=images)
             del images
-            noise.add(batch.images_ft, batch.optics_index, batch.power_beyond_current)
+            sums = noise.batch_sums(batch.images_ft, batch.optics_index, batch.power_beyond_current)
             del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
-    return noise.sigma2()
+            yield numbers.popleft(), sums
 
 
 def keep_norms_unless_refined(use_norms, previous, state):

@@ -56,10 +56,11 @@ class StepOutcome:
     """What a runner's E- and M-step gave: the new model, and where the time went."""
 
     model: Any  # em.state.ModelState after the M-step
-    stages: dict  # E-step seconds per stage (summed over workers under MPI)
+    stages: dict  # E-step seconds per stage (summed over workers under MPI; its "broadcast" is the master's)
     flops: dict  # useful floating-point operations per engine stage
     expectation_seconds: float
     maximization_seconds: float
+    maximization_stages: dict = dataclasses.field(default_factory=dict)  # MPI: seconds of the M-step's parts
 
 
 class Job(Protocol):
@@ -73,8 +74,9 @@ class Job(Protocol):
         """(ParticleSet, images.ImageSettings), the inputs checked (`particles_and_settings` does the common part);
         the loop then makes the output folder."""
 
-    def start(self, particles, settings, xp) -> RunState:
-        """The state before iteration 1 (initial maps, noise spectra with `xp`, schedule)."""
+    def start(self, particles, settings, noise_spectra) -> RunState:
+        """The state before iteration 1 (initial maps, schedule; the initial noise spectra from the runner's
+        `noise_spectra(particles, settings, n_optics)`)."""
 
     def resume(self, run: RunState, particles, iteration_root: str) -> None:
         """A --continue state (its box and particle count already checked) completed: its maps read from the
@@ -104,10 +106,12 @@ class Runner(Protocol):
     """Where the loop's steps run (`runners.serial.SerialRunner`, `runners.mpi.MpiRunner`): what the loop asks."""
 
     leads: bool  # this process runs the loop (False: an MPI worker, which serves instead)
-    array_module: Any  # numpy or cupy: what the leading process prepares images with (the initial noise pass)
 
     def serve(self, job) -> None:
         """An MPI worker's part of the whole run."""
+
+    def initial_noise_spectra(self, particles, settings, n_optics):
+        """RELION's initial noise spectra (n_optics, shells) from all images, on the runner's engines."""
 
     def session(self):
         """A context manager around the run (the device arena; MPI: the workers' start and stop, failures)."""
@@ -145,7 +149,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                                  f"file has {len(particles)}; continue with the same --i")
             job.resume(state, particles, resume.iteration_root(resume_from))
         else:
-            state = job.start(particles, settings, runner.array_module)
+            state = job.start(particles, settings, runner.initial_noise_spectra)
         session.announce(particles, settings)
         reports = []
         out_root = config.output_root
@@ -183,6 +187,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                          timings["expectation"], timings["maximization"])
                 log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
                                                                for name, seconds in outcome.stages.items()))
+                if outcome.maximization_stages:
+                    log.info("  M-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}" for name, seconds
+                                                                   in outcome.maximization_stages.items()))
                 if job.finished(state, plan):
                     break
     return reports

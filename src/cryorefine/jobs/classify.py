@@ -49,7 +49,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
-from cryorefine.em.estep import WorkUnit, initial_noise_spectra
+from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
@@ -136,7 +136,7 @@ class ClassifyJob:
             return 0.0, float(config.sigma_psi_deg)
         return None
 
-    def start(self, particles, settings, xp):
+    def start(self, particles, settings, noise_spectra):
         config = self.config
         k_classes = int(config.n_classes)
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
@@ -154,7 +154,7 @@ class ClassifyJob:
                            sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics),
                            pdf_direction=np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir)))
         model.maps = [maps]
-        model.sigma2_noise = initial_noise_spectra(particles, settings, n_optics, config.batch_size, xp)
+        model.sigma2_noise = noise_spectra(particles, settings, n_optics)
         model.current_resolution_angstrom = schedule.current_resolution(
             box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),

@@ -33,7 +33,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
-from cryorefine.em.estep import WorkUnit, initial_noise_spectra
+from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
@@ -87,7 +87,7 @@ class RefineJob:
         self.halves, self.particles = halves, particles
         return particles, settings
 
-    def start(self, particles, settings, xp):
+    def start(self, particles, settings, noise_spectra):
         config = self.config
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         n_optics = len(particles.optics_groups)
@@ -97,7 +97,7 @@ class RefineJob:
                            sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics))
         first = lowpass_to_ini_high(self.reference.astype(np.float64), config, box, pixel)
         model.maps = [[first.copy()], [first.copy()]]
-        model.sigma2_noise = initial_noise_spectra(particles, settings, n_optics, config.batch_size, xp)
+        model.sigma2_noise = noise_spectra(particles, settings, n_optics)
         if not config.ini_high_angstrom:
             log.warning("no --ini_high: the reference is used unfiltered and the first image size is set for %.0f Å",
                         schedule.DEFAULT_START_RESOLUTION_ANGSTROM)

@@ -1,8 +1,9 @@
 """MPI master and workers: `mpirun -n N cryorefine refine|classify ...` serves every job.
 
 Rank 0 is the master: it runs the iteration loop (`em.loop`: set-up, schedule, every output
-file) and, for each iteration's E-step, broadcasts the plan (the work units) and the model and
-hands out (work unit, batch of particle indices) on request, storing each batch's per-particle
+file). The set-up's initial noise pass over all images is shared out: worker w prepares batches
+w, w + W, … on its engine and the master adds their sums in batch order. For each iteration's
+E-step the master broadcasts the plan (the work units) and the model and hands out (work unit, batch of particle indices) on request, storing each batch's per-particle
 results as they come back. Workers (ranks 1 … N−1) are assigned work units: with at least as many
 workers as units, worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else
 worker w serves the units u with u mod W = w, one after the other. A worker reads its batches'
@@ -38,15 +39,17 @@ from dataclasses import replace
 import numpy as np
 
 from cryorefine.data import load_particles, scratch_copy
-from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, run_batches, sums_wait_on_host
+from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError
 from cryorefine.estep.backend import make_backend
+from cryorefine.images import NoiseEstimate
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
 TAG_SUMS = 13  # a unit's first worker -> rank 1: the unit's reduced sums
-TAG_MODEL = 14  # rank 1 -> master: the model after the M-step
+TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds of its parts
+TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums) of the initial noise pass
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI message or reduction (128 MB)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -118,10 +121,13 @@ class MpiRunner:
 
     def __init__(self, config, min_ranks, on_abort=None):
         from mpi4py import MPI
+        from mpi4py.util import pkl5
 
         self.config = config
         self.on_abort = on_abort
         self.comm = MPI.COMM_WORLD
+        # the same communicator for Python objects of any size (plans, models): pickle protocol 5, arrays as buffers
+        self.objects = pkl5.Intracomm(self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if self.size < min_ranks:
             if self.rank == 0:
@@ -136,9 +142,24 @@ class MpiRunner:
         self.announced = False
         self._unit_comms = {}
 
-    @property
-    def array_module(self):
-        return np  # the master prepares images (the initial noise spectra) on the host
+    def initial_noise_spectra(self, particles, settings, n_optics):
+        """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
+        on its engine and sends each batch's sums here, where they are added in batch order (bit for bit as one
+        process adds them)."""
+        from mpi4py import MPI
+
+        comm = self.comm
+        self.objects.bcast(("noise", (settings, n_optics)), root=0)
+        noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
+        pending, status = {}, MPI.Status()
+        for number in range(-(-len(particles) // self.config.batch_size)):
+            while number not in pending:
+                while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
+                    time.sleep(0.0005)  # poll gently, as the E-step's master does
+                received, sums = comm.recv(source=status.Get_source(), tag=TAG_NOISE)
+                pending[received] = sums
+            noise.add_batch_sums(*pending.pop(number))
+        return noise.sigma2()
 
     # ------------------------------------------------------------------ master
     @contextlib.contextmanager
@@ -149,10 +170,10 @@ class MpiRunner:
             yield self
         except BaseException as exc:
             if not self.announced:  # nothing distributed yet: every rank ends quietly, the master reports
-                self.comm.bcast(("error", None), root=0)
+                self.objects.bcast(("error", None), root=0)
                 raise
             _abort(self.comm, exc, self.on_abort)
-        self.comm.bcast(("stop", None), root=0)
+        self.objects.bcast(("stop", None), root=0)
 
     def staged(self, particles):
         """The master reads its images (the initial noise spectra) where they are; workers copy to --scratch_dir."""
@@ -160,7 +181,7 @@ class MpiRunner:
 
     def announce(self, particles, settings):
         """First broadcast: the run is set up (the workers load the particles and go on)."""
-        self.comm.bcast(("setup", settings), root=0)
+        self.objects.bcast(("setup", settings), root=0)
         self.announced = True
 
     def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress):
@@ -168,7 +189,8 @@ class MpiRunner:
 
         comm = self.comm
         tic = time.perf_counter()
-        comm.bcast(("iteration", (plan, model, previous)), root=0)
+        self.objects.bcast(("iteration", (plan, model, previous)), root=0)
+        broadcast = time.perf_counter() - tic
         batch_size = self.config.batch_size
         queues = [deque(particles.batches(batch_size, unit.members)) for unit in plan.units]
         n_units = len(plan.units)
@@ -194,14 +216,16 @@ class MpiRunner:
             else:
                 comm.send((unit, queues[unit].popleft()), dest=source, tag=TAG_WORK)
                 outstanding += 1
-        stages, flops = {}, {}
+        stages, flops = {"broadcast": broadcast}, {}
         for worker_stages, worker_flops in comm.gather(({}, {}), root=0)[1:]:  # the workers' E-steps are over
             add_counts(stages, worker_stages)
             add_counts(flops, worker_flops)
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
-        new_model = comm.recv(source=1, tag=TAG_MODEL)  # the M-step runs on rank 1
-        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)
+        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)  # the M-step runs on rank 1
+        maximization = time.perf_counter() - tic
+        maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
+        return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages)
 
     # ------------------------------------------------------------------ workers
     def serve(self, job):
@@ -214,22 +238,39 @@ class MpiRunner:
             _abort(self.comm, exc, self.on_abort)
 
     def _serve(self, job):
-        comm = self.comm
-        kind, settings = comm.bcast(None, root=0)
-        if kind != "setup":  # the master could not set the run up and says why
+        kind, payload = self.objects.bcast(None, root=0)
+        if kind not in ("noise", "setup"):  # the master could not set the run up and says why
             sys.exit(2)
         particles = load_particles(self.config.input_star, check_stacks=False)
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
         backend = make_backend(config, shared_by=shared_by)
+        with backend.run_scope():
+            if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
+                self._noise_batches(backend, particles, *payload)
+                kind, payload = self.objects.bcast(None, root=0)
+            if kind != "setup":  # the master could not set the run up and says why
+                sys.exit(2)
+            self._iterations(job, backend, particles, payload)
+
+    def _noise_batches(self, backend, particles, settings, n_optics):
+        """This worker's share of the initial noise pass (`initial_noise_spectra`), each batch's sums to the master."""
+        worker = self.rank - 1
+        mine = ((number, indices) for number, indices in enumerate(particles.batches(self.config.batch_size))
+                if number % self.n_workers == worker)
+        with backend.iteration_scope():
+            for number, sums in noise_batch_sums(particles, settings, n_optics, mine, backend.array_module):
+                self.comm.send((number, sums), dest=0, tag=TAG_NOISE)
+
+    def _iterations(self, job, backend, particles, settings):
+        """The E-steps (and on rank 1 the M-steps) of the run, from the stack copies under --scratch_dir if asked."""
         from mpi4py import MPI
 
         node = self.workers.Split_type(MPI.COMM_TYPE_SHARED) if self.config.scratch_dir else None
-        with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node), \
-                backend.run_scope():
+        with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node) as particles:
             while True:
-                kind, payload = comm.bcast(None, root=0)
+                kind, payload = self.objects.bcast(None, root=0)
                 if kind != "iteration":
                     return
                 plan, model, previous = payload
@@ -255,16 +296,21 @@ class MpiRunner:
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
         del sums
+        tic = time.perf_counter()
         host = self._reduce(host, plan, n_units)
+        stages["reduction"] = time.perf_counter() - tic
         comm.gather((stages, flops), root=0)
         if worker == 0:
+            tic = time.perf_counter()
             all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers),
                                                                      backend.sums_dtype)
                         for u in range(n_units)]
+            received = time.perf_counter() - tic
             with backend.maximization_scope():  # the job moves the sums to the device as they fit
                 new_model = job.maximize(model, all_sums, plan, backend)
                 del all_sums
-            comm.send(new_model, dest=0, tag=TAG_MODEL)
+            self.objects.send((new_model, {"sums to rank 1": received, "M-step on rank 1": time.perf_counter() - tic
+                                           - received}), dest=0, tag=TAG_MODEL)
         else:
             for u, s in host.items():
                 self._send_sums(s, dest=1)

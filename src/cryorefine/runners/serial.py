@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from cryorefine.data import scratch_copy
-from cryorefine.em.estep import BatchInputs, empty_sums, run_batches, sums_wait_on_host
+from cryorefine.em.estep import BatchInputs, empty_sums, initial_noise_spectra, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 
 log = logging.getLogger("cryorefine")
@@ -27,9 +27,10 @@ class SerialRunner:
         self.preread_images = bool(preread_images)
         self.scratch_dir = scratch_dir
 
-    @property
-    def array_module(self):
-        return self.backend.array_module
+    def initial_noise_spectra(self, particles, settings, n_optics):
+        """The initial noise pass over all images, prepared on the backend (the device's arena is open)."""
+        with self.backend.iteration_scope():
+            return initial_noise_spectra(particles, settings, n_optics, self.batch_size, self.backend.array_module)
 
     @contextlib.contextmanager
     def session(self):

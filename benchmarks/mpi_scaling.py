@@ -1,0 +1,257 @@
+"""Several GPUs: the Class3D K=6 job and an auto-refine on 1, 2, 4, 8 GPUs of one host, as a user runs them.
+
+The inputs are the EMPIAR-10028 stand-in of empiar10028.py (a 7P6Z ribosome density, --n particles of
+360 px at 1.34 Å/px, SNR 0.05; built once and cached in --work). Each job has RELION's settings of that
+benchmark (empiar10028.JOB_ARGUMENTS) and runs through the command line, as a user would:
+
+    1 GPU      python -m cryorefine classify|refine ... --gpu 0               (one process)
+    W GPUs     mpirun -n W+1 python -m cryorefine ... --gpu 0:1:…:W-1          (a master and W workers)
+
+Before the measurements the Class3D job runs on 200 of the particles for 3 iterations, so that CuPy
+compiles the kernels and caches them on disk for every later process (--no-warmup: measure a cold start).
+
+Reported per run: the job's wall time (the process's, start to exit), the speed-up over one GPU, per
+iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
+worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
+the sums by the workers, sums to rank 1, M-step on rank 1, the new model to the master), the set-up
+before iteration 1 (reading, the initial noise pass, the references), and the GPU arena's high water
+of each worker. Parity with one GPU, from the last iteration's files: the class distribution, each
+class map's correlation with the one-GPU map, and the particles in the same class.
+
+    python benchmarks/mpi_scaling.py --work /tmp/e10028 --n 20000 --workers 1 2 --json out.json
+    python benchmarks/mpi_scaling.py --engine numpy --work /tmp/tiny     # CPU, tiny: the script works
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import empiar10028  # noqa: E402  (the stand-in and the jobs' settings)
+
+log = logging.getLogger("mpi_scaling")
+ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
+STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
+MEMORY = re.compile(r"^GPU (\d+) memory: GPU arena [\d.]+ MB: in use [\d.]+ MB, high water ([\d.]+) MB")
+MPI_STAGES = ("broadcast", "reduction", "sums to rank 1", "M-step on rank 1", "model to the master")
+
+
+def stage_values(text):
+    """{name: seconds} of a "name 1.0, other name 2.5" list."""
+    values = {}
+    for item in text.split(", "):
+        name, _, seconds = item.rpartition(" ")
+        values[name] = float(seconds)
+    return values
+
+
+def parse_log(text):
+    """The iterations (E, M, stages) and the arenas' high water (GB per device) of a run's log."""
+    iterations, memory = [], {}
+    for line in text.splitlines():
+        if m := ITERATION.match(line):
+            iterations.append({"iteration": int(m[1]), "expectation": float(m[2]), "maximization": float(m[3]),
+                               "e_stages": {}, "m_stages": {}})
+        elif (m := STAGES.match(line)) and iterations:
+            iterations[-1]["e_stages" if m[1] == "E" else "m_stages"] = stage_values(m[2])
+        elif m := MEMORY.match(line):
+            memory[f"GPU {m[1]}"] = max(memory.get(f"GPU {m[1]}", 0.0), float(m[2]) * 2 ** 20 / 1e9)
+    return iterations, memory
+
+
+def command_of(job, star, reference, out, workers, args, iterations=None):
+    command_name, template = empiar10028.JOB_ARGUMENTS[job]
+    arguments = [command_name, "--i", str(star), "--ref", str(reference), "--o", str(out / "run")]
+    arguments += [a.format(K=args.K) for a in template]
+    if iterations or args.iterations:
+        arguments += ["--iter", str(iterations or args.iterations)]
+    cryorefine = [sys.executable, "-m", "cryorefine"]
+    if args.engine == "numpy":
+        engine = ["--cpu"]
+    else:
+        engine = ["--gpu", ":".join(str(w % args.gpus) for w in range(workers))]
+    if workers == 1:
+        return cryorefine + arguments + engine
+    return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine]
+
+
+def run_one(job, star, reference, workers, args, iterations=None, folder=None):
+    out = folder or args.work / "scaling" / f"{job}_{workers}gpu"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    command = command_of(job, star, reference, out, workers, args, iterations)
+    log.info("%s on %d: %s", job, workers, " ".join(command))
+    tic = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wall = time.perf_counter() - tic
+    (out / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        sys.exit(f"mpi_scaling: {job} on {workers} failed (exit {done.returncode}); see {out / 'log.txt'}:\n"
+                 + done.stderr[-3000:])
+    iterations_seen, memory = parse_log(done.stderr)
+    loop = sum(it["expectation"] + it["maximization"] for it in iterations_seen)
+    totals = {}
+    for it in iterations_seen:
+        for name, seconds in {**it["e_stages"], **it["m_stages"]}.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    return {"workers": workers, "command": " ".join(command), "wall_seconds": wall, "folder": str(out),
+            "iterations": iterations_seen, "stage_totals": totals, "e_step_seconds": sum(it["expectation"] for it in
+                                                                                        iterations_seen),
+            "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
+            "outside_iterations_seconds": wall - loop, "gpu_high_water_gb": memory}
+
+
+def parity(one, other):
+    """The last iteration's class distributions, per-class map correlations and particles in the same class."""
+    import starfile
+
+    from cryorefine.io.mrc import read_volume
+
+    folders = [Path(one["folder"]), Path(other["folder"])]
+    last = [sorted(f.glob("run_it[0-9][0-9][0-9]_data.star"))[-1] for f in folders]
+    if last[0].name != last[1].name:
+        return {"note": f"last iterations differ: {last[0].name} and {last[1].name}"}
+    root = last[0].name[: -len("_data.star")]
+    tables = [starfile.read(path)["particles"] for path in last]
+    result = {"iteration_files": root}
+    if "rlnClassNumber" in tables[0]:
+        classes = [t["rlnClassNumber"].to_numpy() for t in tables]
+        result["same_class_fraction"] = float(np.mean(classes[0] == classes[1]))
+        k = int(max(c.max() for c in classes))
+        result["class_distribution"] = [np.bincount(c, minlength=k + 1)[1:].tolist() for c in classes]
+    maps = sorted(folders[0].glob(f"{root}_*class*.mrc"))
+    correlations = {}
+    for path in maps:
+        a, _ = read_volume(path)
+        b, _ = read_volume(folders[1] / path.name)
+        correlations[path.name[len(root) + 1:]] = float(np.corrcoef(a.ravel(), b.ravel())[0, 1])
+    result["map_correlation"] = correlations
+    angles = [t[["rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi"]].to_numpy() for t in tables]
+    difference = np.abs((angles[0] - angles[1] + 180.0) % 360.0 - 180.0)
+    result["median_angle_difference_deg"] = float(np.median(difference))
+    return result
+
+
+def format_report(results):
+    lines = [f"EMPIAR-10028 stand-in: {results['n_particles']} particles, {results['box_px']} px; "
+             f"{results['gpus']} × {results['device']}; {results['date']}"]
+    for job, runs in results["jobs"].items():
+        one = runs[0]
+        lines += ["", f"### {job}: {one['command']}", "",
+                  "| GPUs | job s | speed-up | E-step s | M-step s | outside iterations s | "
+                  + " | ".join(f"{name} s" for name in MPI_STAGES) + " | arena high water GB |",
+                  "|---|---|---|---|---|---|" + "---|" * len(MPI_STAGES) + "---|"]
+        for run in runs:
+            totals = run["stage_totals"]
+            memory = ", ".join(f"{v:.1f}" for _, v in sorted(run["gpu_high_water_gb"].items()))
+            speed_up = one["wall_seconds"] / run["wall_seconds"]
+            lines.append(f"| {run['workers']} | {run['wall_seconds']:.0f} | {speed_up:.2f}× | "
+                         f"{run['e_step_seconds']:.1f} | {run['m_step_seconds']:.1f} | "
+                         f"{run['outside_iterations_seconds']:.1f} | "
+                         + " | ".join(f"{totals.get(name, 0.0):.1f}" for name in MPI_STAGES) + f" | {memory} |")
+        lines += ["", "E-step stages summed over the workers (s):", "",
+                  "| stage | " + " | ".join(f"{run['workers']} GPU" for run in runs) + " |",
+                  "|---|" + "---|" * len(runs)]
+        names = [n for n in dict.fromkeys(n for run in runs for n in run["stage_totals"]) if n not in MPI_STAGES]
+        for name in names:
+            cells = [f"{run['stage_totals'].get(name, 0.0):.1f}" for run in runs]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", "per iteration, E-step / M-step (s):", "",
+                  "| iteration | " + " | ".join(f"{run['workers']} GPU" for run in runs) + " |",
+                  "|---|" + "---|" * len(runs)]
+        for i, it in enumerate(one["iterations"]):
+            cells = [f"{r['iterations'][i]['expectation']:.1f} / {r['iterations'][i]['maximization']:.1f}"
+                     if i < len(r["iterations"]) else "—" for r in runs]
+            lines.append(f"| {it['iteration']} | " + " | ".join(cells) + " |")
+        for run in runs[1:]:
+            lines.append(f"\nparity of {run['workers']} GPUs with one: {json.dumps(run['parity'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/cryorefine_empiar10028"))
+    parser.add_argument("--engine", choices=["cuda", "numpy"], default=None)
+    parser.add_argument("--model", default=str(empiar10028.DEFAULT_MODEL), help="atomic model of the reference")
+    parser.add_argument("--n", type=int, default=None, help="particles (default 20,000; 120 with numpy)")
+    parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
+    parser.add_argument("--jobs", nargs="+", choices=sorted(empiar10028.JOB_ARGUMENTS), default=["class3d"])
+    parser.add_argument("--workers", nargs="+", type=int, default=None,
+                        help="GPU counts to run (default 1, 2, 4, 8 up to the GPUs present; 1 and 2 with numpy)")
+    parser.add_argument("--iterations", type=int, default=None, help="stop each job after this many iterations")
+    parser.add_argument("--mpirun", default=None,
+                        help="the launcher and its options (default: Open MPI's `mpirun --allow-run-as-root --bind-to "
+                             "none` on the GPU machine; with numpy the mpiexec beside Python, pip's mpich)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.engine is None:
+        from cryorefine.estep.backend import cupy_available
+
+        args.engine = "cuda" if cupy_available() else "numpy"
+    tiny = args.engine == "numpy"
+    # the stand-in's settings, as empiar10028.py takes them
+    stand_in = argparse.Namespace(engine=args.engine, model=args.model, n=args.n or
+                                  (120 if tiny else 20_000), box=32 if tiny else 360, angpix=12.0 if tiny else 1.34,
+                                  snr=1.0 if tiny else 0.05, seed=0, density_oversample=2)
+    args.iterations = args.iterations or (2 if tiny else None)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if tiny:
+        args.gpus, device, xp = 1, "CPU", np
+        beside = Path(sys.executable).parent / "mpiexec"
+        args.mpirun = args.mpirun or (str(beside) if beside.exists() else "mpiexec")
+    else:
+        import cupy
+
+        args.gpus = cupy.cuda.runtime.getDeviceCount()
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        xp = cupy
+        args.mpirun = args.mpirun or "mpirun --allow-run-as-root --bind-to none"
+    workers = args.workers or ([1, 2] if tiny else [w for w in (1, 2, 4, 8) if w <= args.gpus])
+    reference, _ = empiar10028.build_reference(args.work, stand_in)
+    star, _ = empiar10028.simulate_particles(args.work, reference, stand_in, xp)
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+    if args.warmup and not tiny:
+        import starfile
+
+        blocks = starfile.read(star, always_dict=True)
+        blocks["particles"] = blocks["particles"].head(empiar10028.WARMUP_PARTICLES)
+        subset = star.parent / "warmup_particles.star"
+        starfile.write(blocks, subset)
+        tic = time.perf_counter()
+        run_one("class3d", subset, reference, 1, args, iterations=empiar10028.WARMUP_ITERATIONS,
+                folder=args.work / "scaling" / "warmup")
+        log.info("warm-up (kernel compilation): %.0f s", time.perf_counter() - tic)
+    results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name,
+                                                                               *(argv or sys.argv[1:])]),
+               "device": device, "gpus": args.gpus, "n_particles": stand_in.n, "box_px": stand_in.box, "jobs": {}}
+    for job in args.jobs:
+        runs = [run_one(job, star, reference, w, args) for w in workers]
+        for run in runs[1:]:
+            run["parity"] = parity(runs[0], run)
+        results["jobs"][job] = runs
+    report = format_report(results)
+    print(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
