@@ -71,7 +71,7 @@ def parse_log(text):
     return iterations, memory
 
 
-def command_of(job, star, reference, out, workers, args, iterations=None):
+def command_of(job, star, reference, out, workers, args, iterations=None, mpi=False):
     command_name, template = empiar10028.JOB_ARGUMENTS[job]
     arguments = [command_name, "--i", str(star), "--ref", str(reference), "--o", str(out / "run")]
     arguments += [a.format(K=args.K) for a in template]
@@ -82,16 +82,18 @@ def command_of(job, star, reference, out, workers, args, iterations=None):
         engine = ["--cpu"]
     else:
         engine = ["--gpu", ":".join(str(w % args.gpus) for w in range(workers))]
-    if workers == 1:
+    if workers == 1 and not mpi:
         return cryorefine + arguments + engine
     return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine]
 
 
 def run_one(job, star, reference, workers, args, iterations=None, folder=None):
-    out = folder or args.work / "scaling" / f"{job}_{workers}gpu"
+    """One run of `job` with `workers` ("1": one process; "W" or "1mpi": a master and W workers)."""
+    mpi, workers = workers.endswith("mpi") or int(workers.removesuffix("mpi")) > 1, int(workers.removesuffix("mpi"))
+    out = folder or args.work / "scaling" / f"{job}_{workers}gpu{'_mpi' if mpi and workers == 1 else ''}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    command = command_of(job, star, reference, out, workers, args, iterations)
+    command = command_of(job, star, reference, out, workers, args, iterations, mpi)
     log.info("%s on %d: %s", job, workers, " ".join(command))
     tic = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -106,7 +108,8 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
     for it in iterations_seen:
         for name, seconds in {**it["e_stages"], **it["m_stages"]}.items():
             totals[name] = totals.get(name, 0.0) + seconds
-    return {"workers": workers, "command": " ".join(command), "wall_seconds": wall, "folder": str(out),
+    return {"workers": workers, "mpi": mpi, "label": f"{workers} GPU" + (" (MPI)" if mpi and workers == 1 else ""),
+            "command": " ".join(command), "wall_seconds": wall, "folder": str(out),
             "iterations": iterations_seen, "stage_totals": totals, "e_step_seconds": sum(it["expectation"] for it in
                                                                                         iterations_seen),
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
@@ -157,26 +160,26 @@ def format_report(results):
             totals = run["stage_totals"]
             memory = ", ".join(f"{v:.1f}" for _, v in sorted(run["gpu_high_water_gb"].items()))
             speed_up = one["wall_seconds"] / run["wall_seconds"]
-            lines.append(f"| {run['workers']} | {run['wall_seconds']:.0f} | {speed_up:.2f}× | "
+            lines.append(f"| {run['label']} | {run['wall_seconds']:.0f} | {speed_up:.2f}× | "
                          f"{run['e_step_seconds']:.1f} | {run['m_step_seconds']:.1f} | "
                          f"{run['outside_iterations_seconds']:.1f} | "
                          + " | ".join(f"{totals.get(name, 0.0):.1f}" for name in MPI_STAGES) + f" | {memory} |")
         lines += ["", "E-step stages summed over the workers (s):", "",
-                  "| stage | " + " | ".join(f"{run['workers']} GPU" for run in runs) + " |",
+                  "| stage | " + " | ".join(run["label"] for run in runs) + " |",
                   "|---|" + "---|" * len(runs)]
         names = [n for n in dict.fromkeys(n for run in runs for n in run["stage_totals"]) if n not in MPI_STAGES]
         for name in names:
             cells = [f"{run['stage_totals'].get(name, 0.0):.1f}" for run in runs]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", "per iteration, E-step / M-step (s):", "",
-                  "| iteration | " + " | ".join(f"{run['workers']} GPU" for run in runs) + " |",
+                  "| iteration | " + " | ".join(run["label"] for run in runs) + " |",
                   "|---|" + "---|" * len(runs)]
         for i, it in enumerate(one["iterations"]):
             cells = [f"{r['iterations'][i]['expectation']:.1f} / {r['iterations'][i]['maximization']:.1f}"
                      if i < len(r["iterations"]) else "—" for r in runs]
             lines.append(f"| {it['iteration']} | " + " | ".join(cells) + " |")
         for run in runs[1:]:
-            lines.append(f"\nparity of {run['workers']} GPUs with one: {json.dumps(run['parity'])}")
+            lines.append(f"\nparity of {run['label']} with one process: {json.dumps(run['parity'])}")
     return "\n".join(lines)
 
 
@@ -189,8 +192,9 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=None, help="particles (default 20,000; 120 with numpy)")
     parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
     parser.add_argument("--jobs", nargs="+", choices=sorted(empiar10028.JOB_ARGUMENTS), default=["class3d"])
-    parser.add_argument("--workers", nargs="+", type=int, default=None,
-                        help="GPU counts to run (default 1, 2, 4, 8 up to the GPUs present; 1 and 2 with numpy)")
+    parser.add_argument("--workers", nargs="+", default=None,
+                        help="GPU counts to run (default 1, 2, 4, 8 up to the GPUs present; 1 and 2 with numpy); 1mpi: "
+                             "one worker under mpirun -n 2 (the MPI runner's own cost on one GPU)")
     parser.add_argument("--iterations", type=int, default=None, help="stop each job after this many iterations")
     parser.add_argument("--mpirun", default=None,
                         help="the launcher and its options (default: Open MPI's `mpirun --allow-run-as-root --bind-to "
@@ -222,7 +226,9 @@ def main(argv=None):
         device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         xp = cupy
         args.mpirun = args.mpirun or "mpirun --allow-run-as-root --bind-to none"
-    workers = args.workers or ([1, 2] if tiny else [w for w in (1, 2, 4, 8) if w <= args.gpus])
+    workers = args.workers or ([str(w) for w in ((1, 2) if tiny else (1, 2, 4, 8)) if tiny or w <= args.gpus])
+    if workers[0] != "1":
+        sys.exit("mpi_scaling: --workers must start with 1, the one-process run the others are compared with")
     reference, _ = empiar10028.build_reference(args.work, stand_in)
     star, _ = empiar10028.simulate_particles(args.work, reference, stand_in, xp)
     if xp is not np:
@@ -235,7 +241,7 @@ def main(argv=None):
         subset = star.parent / "warmup_particles.star"
         starfile.write(blocks, subset)
         tic = time.perf_counter()
-        run_one("class3d", subset, reference, 1, args, iterations=empiar10028.WARMUP_ITERATIONS,
+        run_one("class3d", subset, reference, "1", args, iterations=empiar10028.WARMUP_ITERATIONS,
                 folder=args.work / "scaling" / "warmup")
         log.info("warm-up (kernel compilation): %.0f s", time.perf_counter() - tic)
     results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name,
