@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,6 +56,14 @@ SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SL
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
                         "SLURM_LOCALID", "PMIX_LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class HeldMap:
+    """In the master's broadcast, a map every worker holds already: model.maps[half][klass] of the last M-step."""
+
+    half: int
+    klass: int
 
 
 def launched_with_mpi():
@@ -141,6 +149,9 @@ class MpiRunner:
         self.workers = self.comm.Split(MPI.UNDEFINED if self.rank == 0 else 0, self.rank)
         self.announced = False
         self._unit_comms = {}
+        # the maps of the last M-step (made on rank 1): the master's to know them, every worker's to use them
+        self.held_maps = []
+        self.worker_objects = None if self.rank == 0 else pkl5.Intracomm(self.workers)
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
@@ -189,7 +200,7 @@ class MpiRunner:
 
         comm = self.comm
         tic = time.perf_counter()
-        self.objects.bcast(("iteration", (plan, model, previous)), root=0)
+        self.objects.bcast(("iteration", self._without_held_maps(plan, model) + (previous,)), root=0)
         broadcast = time.perf_counter() - tic
         batch_size = self.config.batch_size
         queues = [deque(particles.batches(batch_size, unit.members)) for unit in plan.units]
@@ -225,6 +236,7 @@ class MpiRunner:
         new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)  # the M-step runs on rank 1
         maximization = time.perf_counter() - tic
         maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
+        self.held_maps = new_model.maps  # rank 1 shares them out to the workers meanwhile
         return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages)
 
     # ------------------------------------------------------------------ workers
@@ -274,6 +286,7 @@ class MpiRunner:
                 if kind != "iteration":
                     return
                 plan, model, previous = payload
+                plan, model = self._with_held_maps(plan, model)
                 with backend.iteration_scope():
                     self._iteration(job, backend, particles, settings, plan, model, previous)
 
@@ -314,6 +327,29 @@ class MpiRunner:
         else:
             for u, s in host.items():
                 self._send_sums(s, dest=1)
+        self.held_maps = self.worker_objects.bcast(new_model.maps if worker == 0 else None, root=0)
+
+    # ------------------------------------------------------------------ maps
+    def _without_held_maps(self, plan, model):
+        """(plan, model) with every map the workers hold already (`held_maps`, the last M-step's, which rank 1
+        shared out among them) replaced by its place (`HeldMap`): each map crosses the job once per iteration.
+        Maps are only ever replaced, never changed in place, so a held map is recognised by its identity."""
+        held = {id(m): HeldMap(h, k) for h, row in enumerate(self.held_maps) for k, m in enumerate(row)}
+
+        def light(maps):
+            return None if maps is None else [held.get(id(m), m) for m in maps]
+
+        units = [replace(u, setup=replace(u.setup, maps=light(u.setup.maps))) for u in plan.units]
+        return replace(plan, units=units), replace(model, maps=[light(row) for row in model.maps])
+
+    def _with_held_maps(self, plan, model):
+        """A worker's (plan, model) from the master's, every `HeldMap` replaced by the map it names."""
+        def whole(maps):
+            return None if maps is None else [self.held_maps[m.half][m.klass] if isinstance(m, HeldMap) else m
+                                              for m in maps]
+
+        units = [replace(u, setup=replace(u.setup, maps=whole(u.setup.maps))) for u in plan.units]
+        return replace(plan, units=units), replace(model, maps=[whole(row) for row in model.maps])
 
     def _work(self, iteration):
         """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""
@@ -355,6 +391,8 @@ class MpiRunner:
         if n_units not in self._unit_comms:
             self._unit_comms[n_units] = self.workers.Split(worker % n_units, worker)
         unit_comm = self._unit_comms[n_units]
+        if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
+            return {u: s}
         root = unit_comm.Get_rank() == 0
         totals = []
         for flat in s.pack():
