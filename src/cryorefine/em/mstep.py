@@ -67,7 +67,7 @@ def reconstruct_map(bp, tau2, model, config, xp, masks):
     the particle diameter, then --solvent_mask2's region at its average); a host float32 volume (the maps go
     on as they are written, so a continued run sees exactly the same)."""
     volume = bp.reconstruct(tau2=xp.asarray(tau2), tau2_fudge=config.tau2_fudge, minres_map_px=MINRES_MAP_SHELL)
-    return to_host(masks.apply(volume, xp)).astype(np.float32)
+    return to_host(masks.apply(volume, xp).astype(np.float32, copy=False))  # made float32 where it is
 
 
 def unregularised_map(bp, xp):

@@ -245,7 +245,9 @@ class ClassifyJob:
         new_maps = []
         for k in range(k_classes):
             previous = model.maps[0][k]
-            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, xp=xp).power_spectrum)
+            # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
+            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=sums.weight[k].dtype,
+                                   xp=xp).power_spectrum)
             t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
             t2[r_max + 1:] = 0.0
             bp = mstep.backprojector(sums.data[k], sums.weight[k], model, config, plan.sizes.current_size_px, xp)
