@@ -158,6 +158,29 @@ def test_nan_pixels_met_by_refine_name_the_image_and_leave_no_iteration_files(tm
     assert not list(out.glob("run_it*")) if out.exists() else True
 
 
+def test_a_full_disk_is_named_with_what_to_do_not_as_an_internal_error(tmp_path, capsys, monkeypatch):
+    """A map that does not fit on the output's disk: one line saying so, --continue named, exit code 3."""
+    import errno
+
+    from cryorefine.io import mrc
+
+    path, images = make_particle_set(tmp_path, n=6)
+    write_mrc(tmp_path / "stack.mrcs", images, pixel_size=1.5)
+    write_mrc(tmp_path / "ref.mrc", np.ones((16, 16, 16), np.float32), pixel_size=1.5)
+
+    def full(name, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(name))
+
+    monkeypatch.setattr(mrc, "write_volume", full)
+    code, _, err = run(capsys, "refine", "--i", str(path), "--ref", str(tmp_path / "ref.mrc"), "--o",
+                       str(tmp_path / "out" / "run"), "--ini_high", "10", "--iter", "1", "--cpu")
+    lines = err.strip().splitlines()
+    assert code == 3 and len(lines) == 1, err
+    assert lines[0].startswith("cryorefine: error: no space left on the device writing ")
+    assert "run_it001_half1_class001.mrc" in lines[0] and "--continue" in lines[0]
+    assert "internal error" not in err and "Traceback" not in err
+
+
 def test_relion_gpu_strings_give_one_device_per_worker():
     import click
 
