@@ -32,6 +32,18 @@ def host_buffer(shape, dtype, xp=np):
     return cupyx.empty_pinned(shape, dtype)
 
 
+def to_host_pinned(array):
+    """A host copy of a CuPy array in page-locked memory (the copy, and later uploads of it, run at the bus's
+    speed; the memory returns to CuPy's pinned pool when the copy is let go); a numpy array as it is."""
+    if isinstance(array, np.ndarray):
+        return array
+    import cupy
+
+    out = host_buffer(array.shape, array.dtype, cupy)
+    array.get(out=out)
+    return out
+
+
 def to_device(array, xp=np):
     """`array` (host) on `xp`'s device; the copy is finished on return, so the host buffer may be reused."""
     if xp is np:
