@@ -37,9 +37,12 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # local searches: the coarse products' operations per second of the whole E-step, as a fraction of the FP32 peak
 # (measured: 2.15 TFLOP/s at HEALPix order 6 in the 360 px box on the H100, results/local_search_h100.json)
 LOCAL_ESTEP_FRACTION_OF_PEAK = 0.042
-# an E-step's fixed cost per particle, however small the images (measured: 1.4–1.6 s per 2,000 particles of 64 px
-# in the local iterations of benchmarks/refine_accuracy.py on the H100)
-MIN_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
+# an E-step's fixed cost per particle, however small the images: local searches (measured: 1.4–1.6 s per 2,000
+# particles of 64 px in the local iterations of benchmarks/refine_accuracy.py on the H100) and global ones (3.7–4.3 s
+# per 10,000 particles in the late iterations of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100,
+# benchmarks/results/mpi_overhead_class3d_10k_h100.json)
+MIN_LOCAL_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
+MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 3.7e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
 
@@ -141,7 +144,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     else:
         seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
         estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
-    estep = max(estep, n_particles * MIN_ESTEP_SECONDS_PER_PARTICLE)
+    estep = max(estep, n_particles * (MIN_LOCAL_ESTEP_SECONDS_PER_PARTICLE if local else
+                                      MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE))
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
                   estep_sums + references + slices, particle, orientation, maximization, estep, waits)
 
