@@ -9,8 +9,10 @@ An engine is set up when its unit's first batch arrives and its weighted sums ar
 the unit's batches end; a batch of large images is prepared in parts that fit the device's free
 memory and handed to the engine joined (in runs, where even the prepared images are too many);
 where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished unit's sums
-wait on the host while the next unit is worked on. Every second is added to a named stage: `setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation),
-`park` (sums moved to the host), then the engine's own stages.
+wait on the host while the next unit is worked on. Every second is added to a named stage:
+`setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation), `park`
+(sums moved to the host), then the engine's own stages. The initial noise spectra are added up
+one batch at a time (`noise_batch_sums`), so that MPI workers can share the pass out.
 """
 
 from __future__ import annotations

@@ -3,19 +3,25 @@
 Rank 0 is the master: it runs the iteration loop (`em.loop`: set-up, schedule, every output
 file). The set-up's initial noise pass over all images is shared out: worker w prepares batches
 w, w + W, … on its engine and the master adds their sums in batch order. For each iteration's
-E-step the master broadcasts the plan (the work units) and the model and hands out (work unit, batch of particle indices) on request, storing each batch's per-particle
-results as they come back. Workers (ranks 1 … N−1) are assigned work units: with at least as many
-workers as units, worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else
-worker w serves the units u with u mod W = w, one after the other. A worker reads its batches'
-images itself (the next batch's while the GPU works on the current one), runs its own engine (the
-GPU engine on one device each when CuPy sees one, else numpy; `--preread_images` keeps its
-units' images in memory) and asks for the next batch before it starts on the current one.
+E-step the master broadcasts the plan (the work units) and the model and hands out (work unit,
+batch of particle indices) on request, storing each batch's per-particle results as they come
+back. Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
+worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
+the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
+next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
+device each when CuPy sees one, else numpy; `--preread_images` keeps its units' images in memory)
+and asks for the next batch before it starts on the current one.
 
 At the end of the E-step the sums of each unit are added up by MPI reductions inside the
-communicator of the unit's workers (in chunks of host buffers) onto the unit's first worker,
-which passes them to rank 1; rank 1 runs the job's M-step (on its GPU when it has one) and sends
-the new model to the master. The M-step is the job's own code, so results do not depend on the
-number of ranks beyond the order of floating-point sums.
+communicator of the unit's workers (in chunks of host buffers) onto the unit's first worker
+(a unit's only worker keeps them where they are), which passes them to rank 1; rank 1 runs the
+job's M-step (on its GPU when it has one), sends the new model to the master and shares its maps
+out among the workers, so that the master's next broadcast names those maps (`HeldMap`) instead
+of sending them again: each map crosses the job once per iteration. Plans and models go as
+pickle-5 buffers (`mpi4py.util.pkl5`), in messages of any size. The M-step is the job's own
+code, so results do not depend on the number of ranks beyond the order of floating-point sums.
+Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), and the M-step's
+parts (sums to rank 1, the M-step itself, the model's way to the master).
 
 Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
 aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A bad input found while
@@ -187,7 +193,7 @@ class MpiRunner:
         self.objects.bcast(("stop", None), root=0)
 
     def staged(self, particles):
-        """The master reads its images (the initial noise spectra) where they are; workers copy to --scratch_dir."""
+        """The master reads no images; the workers copy the stacks to --scratch_dir after the noise pass."""
         return contextlib.nullcontext(particles)
 
     def announce(self, particles, settings):
