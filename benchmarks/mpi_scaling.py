@@ -108,7 +108,8 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
     for it in iterations_seen:
         for name, seconds in {**it["e_stages"], **it["m_stages"]}.items():
             totals[name] = totals.get(name, 0.0) + seconds
-    return {"workers": workers, "mpi": mpi, "label": f"{workers} GPU" + (" (MPI)" if mpi and workers == 1 else ""),
+    label = f"{workers} GPU" if workers <= args.gpus else f"{workers} workers on {args.gpus} GPU"
+    return {"workers": workers, "mpi": mpi, "label": label + (" (MPI)" if mpi and workers == 1 else ""),
             "command": " ".join(command), "wall_seconds": wall, "folder": str(out),
             "iterations": iterations_seen, "stage_totals": totals, "e_step_seconds": sum(it["expectation"] for it in
                                                                                         iterations_seen),
