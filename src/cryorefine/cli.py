@@ -7,7 +7,6 @@ exit code 2 (a traceback only with --debug).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import sys
 from pathlib import Path
@@ -15,9 +14,7 @@ from pathlib import Path
 import click
 
 from cryorefine import __version__
-from cryorefine.errors import InputError
-
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an output that did not fit: the user's to fix, not ours
+from cryorefine.errors import InputError, disk_full_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -572,13 +569,10 @@ def main(argv=None):
         _fail(str(exc), 2, debug)
     except MemoryError as exc:
         _fail(f"out of memory: {exc}; use a smaller batch or box", 3, debug)
-    except OSError as exc:
-        if exc.errno not in DISK_FULL_ERRNOS:
-            _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug)
-        where = f" writing {exc.filename}" if exc.filename else ""
-        _fail(f"no space left on the device{where}: free space where the run writes (--o), then carry on from its "
-              "last complete iteration with --continue (its _optimiser.star)", 3, debug)
     except Exception as exc:  # the last line of defence: one line, and the traceback with --debug
+        disk_full = disk_full_message(exc)
+        if disk_full:
+            _fail(disk_full, 3, debug)
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug)
     return 0
 

@@ -47,7 +47,7 @@ import numpy as np
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
-from cryorefine.errors import InputError
+from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.images import NoiseEstimate
 
@@ -123,7 +123,7 @@ def _abort(comm, exc, on_abort=None):
         except OSError:
             pass  # the job ends either way
     rank = comm.Get_rank()
-    message = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+    message = str(exc) if isinstance(exc, InputError) else disk_full_message(exc) or f"{type(exc).__name__}: {exc}"
     sys.stderr.write(f"cryorefine: error: rank {rank} on {socket.gethostname()}: {message}\n")
     sys.stderr.flush()
     time.sleep(1.0)  # let mpirun forward the line before the abort tears the job down
