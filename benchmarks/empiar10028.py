@@ -129,14 +129,14 @@ def simulate_particles(work, reference, args, xp):
 
     folder = work / f"sim_{args.n}"
     stamp = folder / "settings.json"
-    settings = {"n": args.n, "reference": reference.name, "snr": args.snr, "seed": args.seed}
+    settings = {"n": args.n, "reference": reference.name, "snr": args.snr, "seed": args.seed, "float16": args.float16}
     unaligned = folder / "particles_unaligned.star"
     if unaligned.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
         return unaligned, 0.0
     tic = time.perf_counter()
     options = SimulationOptions(n_particles=args.n, snr=args.snr, defocus_range_um=(0.8, 3.0), astigmatism_um=0.05,
                                 voltage_kv=300.0, cs_mm=2.7, amplitude_contrast=0.1, seed=args.seed,
-                                particle_diameter_angstrom=PARTICLE_DIAMETER_ANGSTROM)
+                                particle_diameter_angstrom=PARTICLE_DIAMETER_ANGSTROM, float16=args.float16)
     simulate(reference, folder, options, log=log.debug, xp=xp)
     blocks = starfile.read(folder / "particles.star", always_dict=True)
     blocks["particles"] = blocks["particles"].drop(columns=["rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi",
@@ -173,6 +173,8 @@ def run_job(name, star, reference, work, args, iterations=None):
     if iterations:
         arguments += ["--iter", str(iterations)]
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
+    if args.batch:
+        arguments += ["--batch", str(args.batch)]
     if args.arena_gb and args.engine != "numpy":  # leave free all but --arena_gb of what the device has free now
         import cupy
 
@@ -353,6 +355,9 @@ def main(argv=None):
                         help="stop each job after this many iterations (default: 25 for Class3D, convergence for "
                              "refine; 2 with numpy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--batch", type=int, default=None, help="the jobs' --batch (particles per E-step batch)")
+    parser.add_argument("--float16", action="store_true",
+                        help="simulate the stack in float16 (MRC mode 12): 27 GB for 105,247 particles instead of 55")
     parser.add_argument("--arena_gb", type=float, default=None,
                         help="run the jobs in a GPU memory arena of this many GB (--free_gpu_memory set to leave the "
                              "rest of the device's free memory alone)")

@@ -322,3 +322,22 @@ def test_reconstruct_without_angles_is_refused(simulated, tmp_path, capsys):
     code = call("reconstruct", "--i", star, "--o", out, "--half_maps")
     assert_one_line_error(capsys, code, "rlnAngleRot", str(star))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_float16_stack_is_the_float32_stack_rounded(truth, tmp_path):
+    """--float16 writes MRC mode 12 holding the float32 images rounded to float16 (same seed, same images)."""
+    wide, half = tmp_path / "f32", tmp_path / "f16"
+    assert call("simulate", "--ref", truth[0], "--n", 20, "--o", wide, "--seed", 4, "--cpu") == 0
+    assert call("simulate", "--ref", truth[0], "--n", 20, "--o", half, "--seed", 4, "--cpu", "--float16") == 0
+    with mrcfile.open(wide / "particles.mrcs") as a, mrcfile.open(half / "particles.mrcs") as b:
+        assert (int(a.header.mode), int(b.header.mode)) == (2, 12)
+        np.testing.assert_array_equal(b.data, a.data.astype(np.float16))
+    assert (half / "particles.star").read_text() == (wide / "particles.star").read_text()
+
+
+def test_float16_overflow_is_refused_without_outputs(tmp_path, capsys):
+    ref = write_map(tmp_path / "bright.mrc", blob_map(n_blobs=5) * 1e6)
+    out = tmp_path / "sim"
+    assert call("simulate", "--ref", ref, "--n", 4, "--o", out, "--snr", "inf", "--cpu", "--float16") == 2
+    assert "float16" in capsys.readouterr().err
+    assert not (out / "particles.mrcs").exists() and not (out / "particles.star").exists()

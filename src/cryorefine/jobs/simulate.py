@@ -70,6 +70,7 @@ class SimulationOptions:
     batch_size: int = 256
     particle_diameter_angstrom: float | None = None  # None: the box's inscribed circle
     apply_ctf: bool = True
+    float16: bool = False  # the stack in MRC mode 12 (half the disk; RELION 4.0+ reads it)
 
 
 def parse_defocus_range_um(text):
@@ -231,13 +232,18 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
         with atomic_path(stack_path) as stack_tmp:
             total = total_sq = 0.0
             lo, hi = np.inf, -np.inf
-            with mrcfile.new_mmap(stack_tmp, shape=(n, box, box), mrc_mode=2, overwrite=True) as m:
+            mode, dtype = (12, np.float16) if options.float16 else (2, np.float32)
+            with mrcfile.new_mmap(stack_tmp, shape=(n, box, box), mrc_mode=mode, overwrite=True) as m:
                 m.set_image_stack()
                 for start in range(0, n, options.batch_size):
                     index = np.arange(start, min(n, start + options.batch_size))
                     images = simulate_images(projector, params, index, options, pixel, box, mask, noise_seed,
                                              noise_filter, xp)
-                    images = images.get() if xp is not np else images
+                    with np.errstate(over="ignore"):  # an overflow is refused just below
+                        images = (images.get() if xp is not np else images).astype(dtype, copy=False)
+                    if not np.isfinite(images).all():
+                        raise InputError(f"--float16: the images of {reference_path} exceed float16's range "
+                                         f"(±65504); write them in float32 (leave out --float16) or scale the map")
                     m.data[index[0]:index[-1] + 1] = images
                     flat = images.astype(np.float64)
                     total += flat.sum()
