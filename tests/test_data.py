@@ -195,3 +195,30 @@ def test_refine_with_a_scratch_dir_gives_the_same_map(tmp_path):
         name = f"run_it001_half{half}_class001.mrc"
         np.testing.assert_array_equal(read_volume(tmp_path / "a" / name)[0], read_volume(tmp_path / "b" / name)[0])
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_float16_stacks_can_be_read_as_they_are_stored(tmp_path):
+    """Mode-12 stacks: read as float16 (the GPU's read-ahead uploads those bytes and converts on the device), the
+    preread copy stays float16, and float32 reads of either give the same values; a set with any float32 stack
+    travels as float32."""
+    star, images = make_particle_set(tmp_path, n=9, box=8)
+    half = images.astype(np.float16)
+    write_mrc(tmp_path / "stack.mrcs", half)  # the same file, now MRC mode 12
+    write_mrc(tmp_path / "other.mrcs", images)
+    particles = load_particles(star)
+    batch = np.array([7, 2, 3, 4])
+    with StackReader() as reader:
+        assert reader.wire_dtype(particles.stack_paths) == np.float16
+        assert reader.wire_dtype([*particles.stack_paths, str(tmp_path / "other.mrcs")]) == np.float32
+        raw = particles.read_images(batch, reader, dtype=np.float16)
+        assert raw.dtype == np.float16
+        np.testing.assert_array_equal(raw, half[batch])
+        buffer = np.full((6, 8, 8), np.nan, np.float16)
+        np.testing.assert_array_equal(particles.read_images(batch, reader, out=buffer), half[batch])
+        wide = particles.read_images(batch, reader)
+        assert wide.dtype == np.float32
+        np.testing.assert_array_equal(wide, half[batch].astype(np.float32))
+    preread = particles.image_reader(np.arange(9))
+    assert preread.nbytes == half.nbytes and preread.wire_dtype(particles.stack_paths) == np.float16
+    np.testing.assert_array_equal(particles.read_images(batch, preread), wide)
+    np.testing.assert_array_equal(particles.read_images(batch, preread, out=np.zeros((5, 8, 8), np.float32)), wide)

@@ -143,8 +143,9 @@ class PrereadImages:
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
-        with StackReader() as reader:
-            parts = [reader.read(paths[s:s + batch_size], indices[s:s + batch_size])
+        with StackReader() as reader:  # float16 stacks stay float16: half the memory
+            dtype = reader.wire_dtype(paths)
+            parts = [reader.read(paths[s:s + batch_size], indices[s:s + batch_size], dtype=dtype)
                      for s in range(0, len(paths), batch_size)]
         self.images = np.concatenate(parts) if parts else np.zeros((0, 0, 0), np.float32)
 
@@ -158,11 +159,18 @@ class PrereadImages:
     def __exit__(self, *exc):
         pass
 
-    def read(self, paths, indices_1based, out=None, check_finite=True):
+    def wire_dtype(self, paths):
+        """The dtype the images are held in (see StackReader.wire_dtype)."""
+        return self.images.dtype
+
+    def read(self, paths, indices_1based, out=None, check_finite=True, dtype=np.float32):
         """As StackReader.read (the images were checked for NaN/Inf when they were read in)."""
         rows = [self._row[(str(p), int(i))] for p, i in zip(paths, np.asarray(indices_1based))]
         if out is None:
-            return self.images[rows]
+            return self.images[rows].astype(dtype, copy=False)
+        if out.dtype != self.images.dtype:
+            out[:len(rows)] = self.images[rows]
+            return out[:len(rows)]
         return np.take(self.images, rows, axis=0, out=out[:len(rows)])
 
 
@@ -204,12 +212,21 @@ class StackReader:
         data = self.handle(path).data
         return 1 if data.ndim == 2 else int(data.shape[0])
 
-    def read(self, paths, indices_1based, out=None, check_finite=True):
-        """Images (B, y, x) float32 for parallel sequences of stack paths and 1-based indices.
+    def wire_dtype(self, paths):
+        """float16 when every stack in `paths` holds native float16 (MRC mode 12), else float32: the dtype in
+        which images can travel to where they are prepared without a conversion on the host (which costs more
+        than the read itself)."""
+        kinds = {self.handle(p).data.dtype for p in dict.fromkeys(str(p) for p in paths)}
+        return np.dtype(np.float16) if kinds == {np.dtype(np.float16)} else np.dtype(np.float32)
 
-        `out`: an array of at least B images of the right box to read into (e.g. pinned host memory); the
-        first B are returned. `check_finite=False` leaves the NaN/Inf check to the caller (`require_finite`).
+    def read(self, paths, indices_1based, out=None, check_finite=True, dtype=np.float32):
+        """Images (B, y, x) for parallel sequences of stack paths and 1-based indices, float32 (or `dtype`).
+
+        `out`: an array of at least B images of the right box to read into (e.g. pinned host memory; its dtype
+        is the result's); the first B are returned. `check_finite=False` leaves the NaN/Inf check to the caller
+        (`require_finite`).
         """
+        dtype = np.dtype(dtype if out is None else out.dtype)
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         path_array = np.asarray(paths, dtype=object)
@@ -225,10 +242,9 @@ class StackReader:
                                  f"{stack.shape[0]} images; fix rlnImageName in the STAR file")
             if result is None:
                 shape = (len(paths),) + stack.shape[1:]
-                if out is not None and (out.shape[0] < len(paths) or out.shape[1:] != shape[1:]
-                                        or out.dtype != np.float32):
-                    raise ValueError(f"read buffer {out.shape} {out.dtype} cannot take {shape} float32")
-                result = np.empty(shape, np.float32) if out is None else out[:len(paths)]
+                if out is not None and (out.shape[0] < len(paths) or out.shape[1:] != shape[1:]):
+                    raise ValueError(f"read buffer {out.shape} {out.dtype} cannot take {shape}")
+                result = np.empty(shape, dtype) if out is None else out[:len(paths)]
             elif stack.shape[1:] != result.shape[1:]:
                 raise InputError(f"{path}: images are {stack.shape[2]}×{stack.shape[1]} px but others in the "
                                  f"set are {result.shape[2]}×{result.shape[1]} px; mixed box sizes cannot be "
@@ -236,14 +252,14 @@ class StackReader:
             self._read_runs(path, stack, wanted, rows, result)
             if check_finite:
                 require_finite(result[rows], path, wanted)
-        return result if result is not None else np.empty((0, 0, 0), np.float32)
+        return result if result is not None else np.empty((0, 0, 0), dtype)
 
     def _read_runs(self, path, stack, wanted, rows, result):
         order = np.argsort(wanted, kind="stable")  # file order
         first, row = wanted[order] - 1, rows[order]
         breaks = np.flatnonzero((np.diff(first) != 1) | (np.diff(row) != 1)) + 1
-        raw = isinstance(stack, np.memmap) and stack.dtype == np.float32 and stack.dtype.isnative
-        image_bytes = int(np.prod(stack.shape[1:])) * 4
+        raw = isinstance(stack, np.memmap) and stack.dtype == result.dtype and stack.dtype.isnative
+        image_bytes = int(np.prod(stack.shape[1:])) * stack.dtype.itemsize
         for a, b in zip(np.r_[0, breaks], np.r_[breaks, first.size]):
             i, r, n = int(first[a]), int(row[a]), int(b - a)
             target = result[r:r + n]
