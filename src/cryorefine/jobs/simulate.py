@@ -240,15 +240,16 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
                     images = simulate_images(projector, params, index, options, pixel, box, mask, noise_seed,
                                              noise_filter, xp)
                     with np.errstate(over="ignore"):  # an overflow is refused just below
-                        images = (images.get() if xp is not np else images).astype(dtype, copy=False)
-                    if not np.isfinite(images).all():
+                        images = images.astype(dtype, copy=False)
+                    if not bool(xp.isfinite(images).all()):
                         raise InputError(f"--float16: the images of {reference_path} exceed float16's range "
                                          f"(±65504); write them in float32 (leave out --float16) or scale the map")
-                    m.data[index[0]:index[-1] + 1] = images
-                    flat = images.astype(np.float64)
-                    total += flat.sum()
-                    total_sq += (flat * flat).sum()
+                    flat = images.astype(xp.float64)  # the header's statistics where the images are made
+                    total += float(flat.sum())
+                    total_sq += float((flat * flat).sum())
                     lo, hi = min(lo, float(images.min())), max(hi, float(images.max()))
+                    del flat
+                    m.data[index[0]:index[-1] + 1] = images.get() if xp is not np else images
                     log(f"simulate: {index[-1] + 1}/{n} particles ({time.monotonic() - start_time:.1f} s)")
                 count = float(n) * box * box
                 mean = total / count
