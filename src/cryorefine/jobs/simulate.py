@@ -241,7 +241,7 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
                                              noise_filter, xp)
                     with np.errstate(over="ignore"):  # an overflow is refused just below
                         images = images.astype(dtype, copy=False)
-                    if not bool(xp.isfinite(images).all()):
+                    if options.float16 and not bool(xp.isfinite(images).all()):
                         raise InputError(f"--float16: the images of {reference_path} exceed float16's range "
                                          f"(±65504); write them in float32 (leave out --float16) or scale the map")
                     flat = images.astype(xp.float64)  # the header's statistics where the images are made
