@@ -212,7 +212,7 @@ def main(argv=None):
     # the stand-in's settings, as empiar10028.py takes them
     stand_in = argparse.Namespace(engine=args.engine, model=args.model, n=args.n or
                                   (120 if tiny else 20_000), box=32 if tiny else 360, angpix=12.0 if tiny else 1.34,
-                                  snr=1.0 if tiny else 0.05, seed=0, density_oversample=2)
+                                  snr=1.0 if tiny else 0.05, seed=0, density_oversample=2, float16=False)
     args.iterations = args.iterations or (2 if tiny else None)
     args.work.mkdir(parents=True, exist_ok=True)
     if tiny:
