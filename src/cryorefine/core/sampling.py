@@ -334,23 +334,28 @@ class Sampling:
     def orientations_deg(self, xp=np, index=None):
         """(rot, tilt, psi), each (n_dir·n_psi,), orientation index dir·n_psi + psi; perturbed. With
         `index` (host ints), those orientations only."""
+        return self._perturb_angles(*self._unperturbed_orientations_deg(xp, index), xp)
+
+    def orientation_matrices(self, xp=np, index=None):
+        """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed); with `index`, of those.
+
+        Made in `xp` (the angles are gathered on the host, the trigonometry runs where `xp` does) as the
+        unperturbed matrix times the perturbation's, the rotation `_perturb_angles` turns back into angles."""
+        m = euler_to_matrix(*self._unperturbed_orientations_deg(xp, index), xp=xp)
+        if not self.perturbation:
+            return m
+        a = self.perturbation * self.angular_sampling_deg(0)
+        return (m.reshape(-1, 3) @ euler_to_matrix(a, a, a, xp=xp)).reshape(m.shape)
+
+    def _unperturbed_orientations_deg(self, xp, index):
         if index is None:
             d = self.directions_deg(xp)
             psi = self.psi_deg(xp)
             n_psi = psi.shape[0]
-            rot = xp.repeat(d[:, 0], n_psi)
-            tilt = xp.repeat(d[:, 1], n_psi)
-            psi_all = xp.tile(psi, d.shape[0])
-        else:
-            o = np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
-            d = self._directions[o // self.n_psi]
-            rot, tilt = xp.asarray(d[:, 0]), xp.asarray(d[:, 1])
-            psi_all = xp.asarray((o % self.n_psi) * self.psi_step_deg)
-        return self._perturb_angles(rot, tilt, psi_all, xp)
-
-    def orientation_matrices(self, xp=np, index=None):
-        """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed); with `index`, of those."""
-        return euler_to_matrix(*self.orientations_deg(xp, index), xp=xp)
+            return xp.repeat(d[:, 0], n_psi), xp.repeat(d[:, 1], n_psi), xp.tile(psi, d.shape[0])
+        o = np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
+        d = self._directions[o // self.n_psi]
+        return xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp.asarray((o % self.n_psi) * self.psi_step_deg)
 
     def translations_px(self, xp=np):
         """(n_trans, 2) coarse translations (x, y) in pixels, RELION's order; perturbed."""

@@ -133,9 +133,10 @@ class IterationTables:
                    n_fine_orientations=sampling.n_fine_orientations(),
                    n_fine_translations=sampling.n_fine_translations(), scale=scale, scale_use=scale_use)
 
-    def orientation_matrices(self, index=None):
-        """(n, 3, 3) float64 matrices of the orientations `index` (host ints; all of them by default)."""
-        return np.asarray(self.sampling.orientation_matrices(index=index), dtype=np.float64)
+    def orientation_matrices(self, index=None, xp=np):
+        """(n, 3, 3) float64 matrices of the orientations `index` (host ints; all of them by default), made in
+        `xp` (cupy: on the device)."""
+        return xp.asarray(self.sampling.orientation_matrices(xp=xp, index=index), dtype=xp.float64)
 
     @property
     def n_translations(self):

@@ -464,7 +464,7 @@ class CupyEngine:
         # (re, im) pairs, coefficient-major: Re Σ a·conj(p) is a dot product of the pairs
         moved = cp.ascontiguousarray(moved.view(cp.float32).reshape(b_count, n_t, 2 * kc).transpose(0, 2, 1))
         del x_s, shifts
-        mats = cp.asarray(self.tables.orientation_matrices(orientation.reshape(-1)).reshape(-1, 9), dtype=cp.float32)
+        mats = self.tables.orientation_matrices(orientation.reshape(-1), xp=cp).reshape(-1, 9).astype(cp.float32)
         tic = self._tick("coarse_images", tic)
         diff2 = cp.empty((b_count, self.n_classes, width, n_t), dtype=cp.float32)
         project = kernel_module(device_id=self.device_id).get_function("project_slices")
@@ -590,9 +590,17 @@ class CupyEngine:
                 "norm_correction": new_norm}
 
     def _fine_orientations(self, orientations):
-        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique),
-        computed once per iteration for each coarse orientation met (HEALPix children and perturbation are host
-        work); the table holds the orientations met, not the grid."""
+        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique).
+
+        HEALPix children and perturbation are host work. A global search meets the same coarse orientations in
+        every batch: they are computed once per iteration, in a table of the orientations met (not the grid). A
+        local search's neighbourhoods move with the particles, so a batch's children are computed for it alone
+        (keeping them would copy a growing table in every batch)."""
+        if self.setup_.local_searches:
+            rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in
+                              self.setup_.sampling.fine_orientations_deg(orientations))
+            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
+            return rot, tilt, psi, matrices.reshape(-1, 9)
         known = self._fine_known
         missing = orientations[~np.isin(orientations, known, assume_unique=True)]
         if missing.size:
