@@ -98,8 +98,7 @@ def _write(path, data, pixel_size_angstrom, stack):
                 m.set_image_stack()
             else:
                 m.set_volume()
-            m.voxel_size = float(pixel_size_angstrom)
-            m.update_header_stats()
+            m.voxel_size = float(pixel_size_angstrom)  # set_data has made the header statistics
             set_label(m)
 
 
