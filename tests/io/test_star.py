@@ -112,3 +112,30 @@ def test_write_is_atomic(tmp_path):
             raise RuntimeError("interrupted")
     assert target.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["x.star"]
+
+
+def test_loop_blocks_are_written_as_starfile_writes_them():
+    """Loops are formatted column by column (fast); the text must be starfile's, cell for cell: floats as %.12g,
+    NaN as <NA>, ±inf, float32 and unsigned columns, names with a space or empty in quotes, an empty loop."""
+    import starfile
+
+    from cryorefine.io.star import FLOAT_FORMAT, star_to_string
+
+    rng = np.random.default_rng(3)
+    n = 500
+    table = pd.DataFrame({
+        "rlnAngleRot": rng.normal(size=n) * 1e5,
+        "rlnClassNumber": rng.integers(-3, 7, n),
+        "rlnImageName": [f"{i}@a b.mrcs" if i % 7 == 0 else ("" if i % 11 == 0 else f"{i}@x.mrcs") for i in range(n)],
+        "rlnDefocusU": np.where(rng.random(n) < 0.1, np.nan, rng.normal(size=n)),
+        "rlnOriginXAngst": np.r_[np.inf, -np.inf, 1e-300, 123456789012345.0, np.zeros(n - 4)],
+        "rlnNormCorrection": rng.normal(size=n).astype(np.float32),
+        "rlnRandomSubset": rng.integers(1, 3, n).astype(np.uint8),
+    })
+    blocks = {"general": {"rlnX": 1, "rlnY": "a"}, "particles": table, "empty": table.iloc[:0],
+              "strings": pd.DataFrame({"rlnAngleRot": ["1.5", "nan"]})}
+    expected = []
+    for name, block in blocks.items():
+        text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
+        expected.append(f"\n# version 30001\n\n{text[text.index('data_'):].rstrip()}\n")
+    assert star_to_string(blocks) == "".join(expected) + "\n"

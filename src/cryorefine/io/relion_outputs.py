@@ -403,9 +403,23 @@ def sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom: float
         "rlnOffsetRangeOriginal": _f(config.offset_range_px * pixel),
         "rlnOffsetStepOriginal": _f(config.offset_step_px * pixel),
     }
-    directions = np.asarray(sampling.directions_deg(), dtype=np.float64)
-    table = pd.DataFrame({"rlnAngleRot": _fcol(directions[:, 0]), "rlnAngleTilt": _fcol(directions[:, 1])})
-    return {"sampling_general": general, "sampling_directions": table}
+    return {"sampling_general": general, "sampling_directions": _direction_table(sampling)}
+
+
+_DIRECTION_TABLES = {}
+
+
+def _direction_table(sampling):
+    """sampling_directions of `sampling`: the same in every iteration at one HEALPix order and symmetry, so made once
+    for each (786,432 rows at order 8); the newest two are kept."""
+    key = (int(sampling.healpix_order), str(sampling.symmetry))
+    if key not in _DIRECTION_TABLES:
+        directions = np.asarray(sampling.directions_deg(), dtype=np.float64)
+        while len(_DIRECTION_TABLES) >= 2:
+            del _DIRECTION_TABLES[next(iter(_DIRECTION_TABLES))]
+        _DIRECTION_TABLES[key] = pd.DataFrame({"rlnAngleRot": _fcol(directions[:, 0]),
+                                               "rlnAngleTilt": _fcol(directions[:, 1])})
+    return _DIRECTION_TABLES[key]
 
 
 # ------------------------------------------------------------------------------- data.star

@@ -58,10 +58,44 @@ def star_to_string(blocks):
     """STAR text for {name: DataFrame or dict}, each block headed by RELION's version comment."""
     parts = []
     for name, block in blocks.items():
-        text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
-        body = text[text.index("data_"):] if "data_" in text else text
+        body = _loop_text(name, block) if isinstance(block, pd.DataFrame) else None
+        if body is None:
+            text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
+            body = text[text.index("data_"):] if "data_" in text else text
         parts.append(f"\n# version {STAR_VERSION}\n\n{body.rstrip()}\n")
     return "".join(parts) + "\n"
+
+
+def _loop_text(name, table):
+    """A loop block as starfile writes it (labels numbered, rows tab-separated, floats as FLOAT_FORMAT, NaN as
+    <NA>, strings that are empty or hold a space in double quotes), made column by column: a 100,000-row data.star
+    or a 786,432-row direction table is written in a fraction of starfile's time, which goes cell by cell while
+    holding the interpreter (these files are written on a thread beside the E-step). None for a table with a column
+    of another kind (starfile writes it)."""
+    columns = []
+    for label in table.columns:
+        column = _column_text(table[label])
+        if column is None:
+            return None
+        columns.append(column)
+    lines = [f"data_{name}", "", "loop_", *(f"_{label} #{i}" for i, label in enumerate(table.columns, 1))]
+    if len(table):
+        lines.extend(map("\t".join, zip(*columns)) if columns else [""] * len(table))
+    return "\n".join(lines) + "\n"
+
+
+def _column_text(column):
+    values = column.to_numpy()
+    if values.dtype.kind == "f":
+        text = list(map(FLOAT_FORMAT.__mod__, values.tolist()))
+        for i in np.flatnonzero(np.isnan(values)).tolist():
+            text[i] = "<NA>"
+        return text
+    if values.dtype.kind in "iu":
+        return list(map(str, values.tolist()))
+    if values.dtype.kind == "O" and all(type(v) is str for v in values):
+        return [f'"{v}"' if (not v or " " in v) else v for v in values]
+    return None
 
 
 def write_star(blocks, path):
