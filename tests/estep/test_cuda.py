@@ -193,6 +193,49 @@ def test_coarse_diff2_relative_error_below_1e5(cp, seed, n):
     np.testing.assert_array_equal(np.argmin(got, axis=1), np.argmin(want, axis=1))
 
 
+@pytest.mark.parametrize("do_cc", [False, True])
+def test_local_coarse_diff2_matches_float64_projections(cp, do_cc):
+    """The local search's coarse diff2 (local_diff2: slices projected inside the kernel) against the numpy
+    engine's float64 arithmetic on each particle's own orientations: two classes, neighbourhoods wider than
+    one block of orientations and more translations than one block of translations."""
+    import dataclasses
+
+    from cryorefine.estep.common import local_orientations
+    from cryorefine.estep.cuda import CupyEngine
+
+    n = 48
+    volume, setup, batch = random_problem(11, n, 7, healpix_order=2, offset_range=4, offset_step=1,
+                                          coarse_size_px=n // 2 + 6, local_searches=True, sigma_rot_deg=9.0,
+                                          sigma_psi_deg=9.0, do_cc=do_cc)
+    second = np.roll(volume, 3, axis=0) * 0.8
+    setup = dataclasses.replace(setup, maps=[volume, second], log_pdf_class=np.log([0.6, 0.4]))
+    gpu = CupyEngine(keep_blocks=True)
+    gpu.setup(setup)
+    gpu.run(batch)
+    got = gpu.last_coarse_diff2[0]  # (B, K, width, T)
+    ref = NumpyEngine(np.float64)
+    ref.setup(setup)
+    orientation, _ = local_orientations(setup, batch).padded()
+    width, n_t = orientation.shape[1], ref.translations.shape[0]
+    assert got.shape == (7, 2, width, n_t) and width > 32 and n_t > 32, (got.shape, width, n_t)
+    sel = ref._fine_to_coarse_selection()
+    x = ref.fine.gather(batch.images_ft)[:, sel]
+    c = ref.fine.gather(batch.ctf)[:, sel]
+    shifts = batch.residual_origin_px[:, None, :] + ref.translations[None]
+    x_shift = x[:, None, :] * ref.coarse.phase(shifts, n, complex)
+    minv = ref.minv_coarse[batch.optics_index]
+    want = np.empty(got.shape)
+    for k, projector in enumerate(ref.setup_.projectors):
+        for b in range(7):
+            proj = ref._project(projector, ref.tables.orientation_matrices(orientation[b]), ref.coarse)
+            want[b, k] = ref._diff2_dense(x[b:b + 1], x_shift[b:b + 1], c[b:b + 1], minv[b:b + 1], proj)[0]
+    rel = np.max(np.abs(got - want) / np.abs(want))
+    print(f"local coarse diff2 ({'cc' if do_cc else 'likelihood'}): max relative error vs float64 {rel:.2e}")
+    assert np.all(np.isfinite(got))
+    assert rel <= 1e-5, rel
+    np.testing.assert_array_equal(np.argmin(got.reshape(7, -1), axis=1), np.argmin(want.reshape(7, -1), axis=1))
+
+
 def test_fine_diff2_relative_error_below_1e5(cp):
     _, setup, batch = random_problem(6, 48, 5, sigma_scale=30.0)
     from cryorefine.estep.cuda import CupyEngine

@@ -32,13 +32,16 @@ def test_small_images_need_little():
 
 
 def test_a_local_search_plans_from_its_neighbourhood_not_the_grid():
-    """Local searches: each particle's own slices and weights (about 178 orientations at any order), nothing cached;
-    the sub-batch and its slices fit the budget."""
+    """Local searches: each particle's moved images and weights (about 178 orientations at any order), nothing
+    cached, no slices in memory (local_diff2 projects them in the kernel); the sub-batch fits the budget, and a
+    neighbourhood ten times wider takes (nearly) no more room per particle than the moved images do."""
     kc = int(3.1416 * 145 ** 2 / 2)
     free = 16 * 2**30
     plan = plan_batches(free, kc, kc, 178, 29, 1, 1 << 30, 32, local=True)
     assert not plan.cache_coarse_slices
-    own_slices = 12 * kc * 178  # complex slices and their powers
-    per_particle = 8 * kc * 29 + own_slices + 36 * 178 * 29 + 144 * kc
+    moved = 8 * kc * 32  # complex, 29 translations padded to the kernel's 32
+    per_particle = moved + 36 * 178 * 29 + 144 * kc
     assert plan.particles_per_batch * per_particle <= free // 2
-    assert plan.particles_per_batch > 10
+    assert plan.particles_per_batch > 100
+    wide = plan_batches(free, kc, kc, 1780, 29, 1, 1 << 30, 32, local=True)
+    assert wide.particles_per_batch >= 0.8 * plan.particles_per_batch

@@ -8,9 +8,10 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
    translation) × orientation pairs as one tiled matrix product per orientation chunk
    (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle
-   its own orientations (`core.sampling.LocalOrientations`): their slices (`project_slices`) and
-   its moved images meet in one batched matrix product per class (cuBLAS, FP32), padded to the
-   widest neighbourhood of the sub-batch; nothing the size of the whole grid is made;
+   its own orientations (`core.sampling.LocalOrientations`), padded to the widest neighbourhood of
+   the sub-batch: `local_diff2` projects their slices inside the kernel and meets them with the
+   particle's moved images there (no slice reaches device memory); nothing the size of the whole
+   grid is made;
 2. weights and significance with CuPy array operations on the device (priors, row maximum,
    exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`, slices projected on the
@@ -41,8 +42,8 @@ from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size
                                       significant_samples)
 from cryorefine.estep.cuda_plan import plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
-from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_GRID_Y, SEG_THREADS,
-                                      fine_kernel_names, kernel_module, round_up)
+from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
+                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, kernel_module, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -438,7 +439,7 @@ class CupyEngine:
         """A local search: each particle against its own orientations (`local`, padded to the widest; the
         padding has log prior −inf), as `_coarse_pass` returns them. diff2 as the numpy engine's
         `_diff2_dense`: a + ½Σ minv·CTF²|P|² − Re Σ (minv·CTF·X_t)·conj(P), with X_t the image moved
-        by translation t; the cross terms of a particle are one matrix product (R, 2Kc) × (2Kc, T)."""
+        by translation t, in one `local_diff2` launch per class that projects the slices P itself."""
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
@@ -450,43 +451,36 @@ class CupyEngine:
         ctf_c = pre["ctf"][:, sel]
         minv_c = self.minv_coarse[pre["optics_d"]]
         n_t, kc = self.n_trans, self.coarse.positions.size
-        x2 = cp.sum(x_c.real ** 2 + x_c.imag ** 2, axis=1, dtype=cp.float64)
         if s.do_cc:
             scale_a, pair_a = ctf_c, ctf_c * ctf_c
-            row_term = cp.sqrt(cp.maximum(x2, 1e-300))
+            row_term = cp.sqrt(cp.maximum(cp.sum(x_c.real ** 2 + x_c.imag ** 2, axis=1, dtype=cp.float64), 1e-300))
         else:
             scale_a, pair_a = minv_c * ctf_c, 0.5 * minv_c * ctf_c * ctf_c
             row_term = 0.5 * cp.sum(minv_c.astype(cp.float64) * (x_c.real ** 2 + x_c.imag ** 2), axis=1)
         x_s = (x_c * scale_a).astype(cp.complex64)
         shifts = cp.asarray(pre["residual"])[:, None, :] + cp.asarray(self.translations)[None, :, :]  # (B, T, 2)
-        moved = _shift_kernel(cp)(x_s.real[:, None, :], x_s.imag[:, None, :], shifts[:, :, 0:1], shifts[:, :, 1:2],
-                                  self.kx_c[None, None, :], self.ky_c[None, None, :], -2.0 * np.pi / s.ori_size_px)
-        # (re, im) pairs, coefficient-major: Re Σ a·conj(p) is a dot product of the pairs
-        moved = cp.ascontiguousarray(moved.view(cp.float32).reshape(b_count, n_t, 2 * kc).transpose(0, 2, 1))
+        # the moved images coefficient-major, translations padded to the kernel's tile: (B, Kc, ldt)
+        ldt = round_up(n_t, LOCAL_TT)
+        moved = cp.zeros((b_count, kc, ldt), dtype=cp.complex64)
+        _shift_kernel(cp)(x_s.real[:, :, None], x_s.imag[:, :, None], shifts[:, None, :, 0], shifts[:, None, :, 1],
+                          self.kx_c[None, :, None], self.ky_c[None, :, None], -2.0 * np.pi / s.ori_size_px,
+                          moved[:, :, :n_t])
+        pair_a = cp.ascontiguousarray(pair_a, dtype=cp.float32)
+        row_term = cp.ascontiguousarray(row_term, dtype=cp.float64)
         del x_s, shifts
         mats = self.tables.orientation_matrices(orientation.reshape(-1), xp=cp).reshape(-1, 9).astype(cp.float32)
         tic = self._tick("coarse_images", tic)
         diff2 = cp.empty((b_count, self.n_classes, width, n_t), dtype=cp.float32)
-        project = kernel_module(device_id=self.device_id).get_function("project_slices")
-        n_rot = b_count * width
+        kernel = kernel_module(device_id=self.device_id).get_function("local_diff2")
+        grid = ((width + LOCAL_RT - 1) // LOCAL_RT, ldt // LOCAL_TT, b_count)
         for k in range(self.n_classes):
-            slices = cp.empty((n_rot, kc), dtype=cp.complex64)
-            project(((kc + 127) // 128, min(n_rot, MAX_GRID_Y)), (128,),
-                    (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n_rot), slices))
-            tic = self._tick("coarse_slices", tic)
-            power = (slices.real ** 2 + slices.imag ** 2).reshape(b_count, width, kc)
-            term2 = cp.matmul(power, pair_a[:, :, None].astype(cp.float32))[..., 0].astype(cp.float64)  # (B, R)
-            del power
-            cross = cp.matmul(slices.view(cp.float32).reshape(b_count, width, 2 * kc), moved).astype(cp.float64)
-            del slices  # cross: (B, R, T)
-            if s.do_cc:
-                d2 = -cross / (cp.sqrt(cp.maximum(term2, 1e-300))[:, :, None] * row_term[:, None, None])
-            else:
-                d2 = row_term[:, None, None] + term2[:, :, None] - cross
-            diff2[:, k] = d2
-            del cross, term2, d2
+            kernel(grid, (LOCAL_THREADS,),
+                   (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), moved, _i32(ldt),
+                    pair_a, row_term, _i32(width), _i32(n_t), _i32(1 if s.do_cc else 0), _i32(self.n_classes),
+                    _i32(k), diff2))
             self.stage_flops["coarse"] += 2.0 * b_count * width * n_t * 2 * kc + 2.0 * b_count * width * kc
-            tic = self._tick("coarse", tic)
+        del moved
+        tic = self._tick("coarse", tic)
         if self.keep_blocks:
             self.last_coarse_diff2.append(cp.asnumpy(diff2))
         orientation_d, orientation_prior_d = cp.asarray(orientation), cp.asarray(orientation_prior)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, round_up
+from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, LOCAL_TT, round_up
 
 FINE_SAMPLES_PER_GROUP_MAX = 1 << 22  # fine samples (children) per group of particles, at most
 FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
@@ -41,9 +41,10 @@ def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translation
 
 def local_per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
     """Device bytes one particle of a local search's sub-batch takes: its images moved by every
-    translation 8·Kc·T (complex), its own slices and their powers 12·Kc·R (one class at a time), the
-    coarse weights 36·K·R·T as in a global search, and its images about 144·Kf."""
-    return (8 * n_coarse_coef * n_translations + 12 * n_coarse_coef * n_orientations
+    translation 8·Kc·T (complex, T padded to local_diff2's tile), their coarse gathers about 32·Kc,
+    the coarse weights 36·K·R·T as in a global search, and its images about 144·Kf. Its slices are
+    projected inside the kernel and take no device memory."""
+    return (8 * n_coarse_coef * round_up(n_translations, LOCAL_TT) + 32 * n_coarse_coef
             + 36 * n_classes * n_orientations * n_translations + 144 * n_fine_coef)
 
 
@@ -55,8 +56,8 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
     and cumulative sums float64) 4·8·K·R·T; per fine sample about FINE_SAMPLE_BYTES; per slice
     row 12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
-    In a local search (`local`) R is one particle's neighbourhood (its widest in a batch), each
-    particle has its own slices (`local_per_particle_bytes`) and nothing is shared or cached.
+    In a local search (`local`) R is one particle's neighbourhood (its widest in a batch), its slices
+    are projected inside the diff2 kernel (`local_per_particle_bytes`) and nothing is cached.
     """
     free = max(int(free_bytes), 1 << 20)
     kc, kf = int(n_coarse_coef), int(n_fine_coef)

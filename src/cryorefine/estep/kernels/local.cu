@@ -1,0 +1,135 @@
+// Coarse-pass squared differences of a local search, with the slices projected inside the kernel.
+//
+// Each particle b has its own `width` orientations (rotation matrices mats[(b·width + r)·9 ..], the
+// padding of narrower neighbourhoods included) and its own images moved by T translations. A block
+// takes LOCAL_RT orientations × LOCAL_TT translations of one particle; per chunk of LOCAL_CK
+// coefficients it projects its orientations' slices into shared memory (cr_slice_value, the values
+// of project_slices) and stages the moved images beside them, then every thread adds a 2 × 2 tile
+// of cross terms Σ_c Re(moved_t(c)·conj(P_r(c))). The slices never reach device memory: the
+// neighbourhood of one particle is seen by no other, so there is nothing to share, and writing the
+// slices out and reading them back twice (|P|², then the product) cost more than projecting them.
+// Sums run in float32 over a chunk and in float64 across chunks.
+//
+// moved: (B, n_coef, ldt) complex, the image moved by translation t and multiplied by
+//        minv·CTF (mode 0) or CTF (mode 1); translations n_t..ldt-1 are padding (any finite value)
+// pair:  (B, n_coef), ½·minv·CTF² (mode 0) or CTF² (mode 1)
+// row_term: (B,) float64, ½·Σ minv·|X|² (mode 0) or ‖X‖ (mode 1)
+// out:   out[((b·n_class + k)·width + r)·n_t + t] for r < width, t < n_t:
+//   mode 0 (likelihood):   row_term[b] + Σ_c pair·|P_r|² − cross
+//   mode 1 (correlation):  −cross / (row_term[b] · sqrt(Σ_c pair·|P_r|²))
+// Numpy twin: NumpyEngine._diff2_dense on each particle's own projections.
+
+#ifndef LOCAL_RT
+#define LOCAL_RT 32
+#endif
+#ifndef LOCAL_TT
+#define LOCAL_TT 32
+#endif
+#ifndef LOCAL_CK
+#define LOCAL_CK 32
+#endif
+#ifndef LOCAL_THREADS
+#define LOCAL_THREADS 256
+#endif
+
+#define LOCAL_PS_STRIDE (LOCAL_RT + 2)  // float2 per staged coefficient: 16-byte rows, fewer bank conflicts
+
+extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
+local_diff2(const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,
+            const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
+            const float2* __restrict__ moved, int ldt, const float* __restrict__ pair,
+            const double* __restrict__ row_term, int width, int n_t, int mode, int n_class, int k,
+            float* __restrict__ out)
+{
+    static_assert(LOCAL_THREADS == 16 * (LOCAL_RT / 2) && LOCAL_TT == 32, "2 × 2 outputs per thread");
+    static_assert(LOCAL_THREADS % LOCAL_CK == 0 && LOCAL_CK == 32, "one warp per orientation while projecting");
+    __shared__ __align__(16) float2 ps[LOCAL_CK * LOCAL_PS_STRIDE];
+    __shared__ __align__(16) float4 ms[LOCAL_CK][LOCAL_TT / 2];
+    __shared__ float am[LOCAL_RT][6];
+    __shared__ double power_s[LOCAL_RT];
+
+    const int tid = threadIdx.x;
+    const long long b = blockIdx.z;
+    const int r0 = blockIdx.x * LOCAL_RT, t0 = blockIdx.y * LOCAL_TT;
+    for (int i = tid; i < LOCAL_RT * 6; i += LOCAL_THREADS) {
+        const int r = i / 6, j = i % 6;
+        am[r][j] = (r0 + r < width) ? mats[(b * width + r0 + r) * 9 + j] : 0.f;
+    }
+    // projecting: lane = coefficient in the chunk, warp = orientations warp, warp + 8, ...
+    const int lane = tid % LOCAL_CK, warp = tid / LOCAL_CK;
+    constexpr int WARPS = LOCAL_THREADS / LOCAL_CK;
+    constexpr int R_PER_WARP = LOCAL_RT / WARPS;
+    double power[R_PER_WARP];
+#pragma unroll
+    for (int j = 0; j < R_PER_WARP; ++j) power[j] = 0.0;
+    // accumulating: orientations 2·tr, 2·tr + 1 and translations 2·tt, 2·tt + 1 of the tile
+    const int tr = tid / 16, tt = tid % 16;
+    double cross[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+    const float2* moved_b = moved + b * n_coef * ldt + t0;
+    const float* pair_b = pair + b * n_coef;
+    __syncthreads();
+
+    for (int c0 = 0; c0 < n_coef; c0 += LOCAL_CK) {
+        const int c = c0 + lane;
+        const bool inside = c < n_coef;
+        const float kxc = inside ? kx[c] : 0.f, kyc = inside ? ky[c] : 0.f, pc = inside ? pair_b[c] : 0.f;
+#pragma unroll
+        for (int j = 0; j < R_PER_WARP; ++j) {
+            const int r = warp + j * WARPS;
+            float a[6];
+#pragma unroll
+            for (int i = 0; i < 6; ++i) a[i] = am[r][i];
+            const float2 v = inside ? cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kxc, kyc)
+                                    : make_float2(0.f, 0.f);
+            ps[lane * LOCAL_PS_STRIDE + r] = v;
+            power[j] += (double)(pc * (v.x * v.x + v.y * v.y));
+        }
+        for (int i = tid; i < LOCAL_CK * (LOCAL_TT / 2); i += LOCAL_THREADS) {
+            const int cc = i / (LOCAL_TT / 2), pairt = i % (LOCAL_TT / 2);
+            float4 m = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (c0 + cc < n_coef && t0 + 2 * pairt < ldt)
+                m = *reinterpret_cast<const float4*>(moved_b + (size_t)(c0 + cc) * ldt + 2 * pairt);
+            ms[cc][pairt] = m;
+        }
+        __syncthreads();
+        float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 8
+        for (int cc = 0; cc < LOCAL_CK; ++cc) {
+            const float4 p = *reinterpret_cast<const float4*>(&ps[cc * LOCAL_PS_STRIDE + 2 * tr]);
+            const float4 m = ms[cc][tt];
+            acc[0][0] += p.x * m.x + p.y * m.y;
+            acc[0][1] += p.x * m.z + p.y * m.w;
+            acc[1][0] += p.z * m.x + p.w * m.y;
+            acc[1][1] += p.z * m.z + p.w * m.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) cross[i][j] += (double)acc[i][j];
+        __syncthreads();
+    }
+    // Σ_c pair·|P_r|²: the lanes of each warp hold one coefficient each
+#pragma unroll
+    for (int j = 0; j < R_PER_WARP; ++j) {
+        double v = power[j];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+        if (lane == 0) power_s[warp + j * WARPS] = v;
+    }
+    __syncthreads();
+    const double row = row_term[b];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + 2 * tr + i;
+        if (r >= width) continue;
+        const double pw = power_s[2 * tr + i];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int t = t0 + 2 * tt + j;
+            if (t >= n_t) continue;
+            const double value = mode == 0 ? row + pw - cross[i][j]
+                                           : -cross[i][j] / (sqrt(fmax(pw, 1e-300)) * row);
+            out[((b * n_class + k) * width + r) * n_t + t] = (float)value;
+        }
+    }
+}
