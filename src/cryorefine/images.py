@@ -12,6 +12,7 @@ the engine, together with the translations it searches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,15 +65,21 @@ def _splitmix64(z, xp):
     return z ^ (z >> xp.uint64(31))
 
 
+def noise_keys(seed, iteration, particle_indices, xp=np):
+    """The generator key of each particle's background noise (B,) uint64: SplitMix64 of the seed, the
+    iteration and the particle index."""
+    key = _splitmix64(xp.full(1, seed, dtype=xp.uint64), xp)
+    key = _splitmix64(key ^ xp.uint64(iteration), xp)
+    return _splitmix64(key ^ xp.asarray(particle_indices, dtype=xp.uint64), xp)
+
+
 def background_noise(seed, iteration, particle_indices, size_px, xp=np):
     """Standard normal noise (B, N, N) that depends only on (seed, iteration, particle, pixel).
 
     A counter-based generator (SplitMix64 hashes, Box–Muller), so numpy and cupy draw the same
     values and a particle's noise does not depend on its batch, its worker or the rank count.
     """
-    key = _splitmix64(xp.full(1, seed, dtype=xp.uint64), xp)
-    key = _splitmix64(key ^ xp.uint64(iteration), xp)
-    key = _splitmix64(key ^ xp.asarray(particle_indices, dtype=xp.uint64), xp)  # (B,)
+    key = noise_keys(seed, iteration, particle_indices, xp)  # (B,)
     counter = xp.arange(size_px * size_px, dtype=xp.uint64) * xp.uint64(2)
     bits_a = _splitmix64(key[:, None] ^ counter[None, :], xp)
     bits_b = _splitmix64(key[:, None] ^ (counter[None, :] + xp.uint64(1)), xp)
@@ -105,6 +112,81 @@ def roll_each(images, shift_x_px, shift_y_px, xp=np):
     return images[xp.arange(images.shape[0])[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
+_SPLITMIX64 = """
+__device__ __forceinline__ unsigned long long cr_splitmix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _shifted_kernel(cp):
+    """out[b, i, j] = float64(raw[b, (y − ry[b]) mod N, (x − rx[b]) mod N])·factor[b], (y, x) = (i, j) + N//2 mod N:
+    norm correction, integer re-centring (roll_each) and the transform's ifftshift in one pass."""
+    return cp.ElementwiseKernel(
+        "raw T raw_images, raw int64 ry, raw int64 rx, raw float64 factor, int32 n", "float64 out",
+        """
+        const long long nn = (long long)n * n;
+        const long long b = i / nn;
+        const long long q = i - b * nn;
+        const int h = n / 2;
+        const int y = ((int)(q / n) + h) % n, x = ((int)(q % n) + h) % n;
+        int sy = (int)((y - ry[b]) % n), sx = (int)((x - rx[b]) % n);
+        if (sy < 0) sy += n;
+        if (sx < 0) sx += n;
+        out = (double)raw_images[b * nn + (long long)sy * n + sx] * factor[b];
+        """, "cryorefine_shifted_images")
+
+
+@functools.lru_cache(maxsize=None)
+def _masked_noise_kernel(cp):
+    """masked_images on ifftshifted images: v·mask + (1 − mask)·noise·std[b], the noise drawn in place
+    (background_noise's SplitMix64 counters and Box–Muller) at the unshifted pixel."""
+    return cp.ElementwiseKernel(
+        "float64 v, float64 m, raw float64 std, raw uint64 key, int32 n", "float64 out",
+        """
+        const long long nn = (long long)n * n;
+        const long long b = i / nn;
+        const long long q = i - b * nn;
+        const int h = n / 2;
+        const long long y = ((int)(q / n) + h) % n, x = ((int)(q % n) + h) % n;
+        const unsigned long long counter = (unsigned long long)(y * n + x) * 2ull;
+        const unsigned long long bits_a = cr_splitmix64(key[b] ^ counter);
+        const unsigned long long bits_b = cr_splitmix64(key[b] ^ (counter + 1ull));
+        const double u_a = 1.0 - (double)(bits_a >> 11) * 1.1102230246251565e-16;  // 2^-53
+        const double u_b = (double)(bits_b >> 11) * 1.1102230246251565e-16;
+        const double normal = sqrt(-2.0 * log(u_a)) * cos(6.283185307179586 * u_b);  // 2π
+        out = v * m + (1.0 - m) * normal * std[b];
+        """, "cryorefine_masked_noise", preamble=_SPLITMIX64)
+
+
+def device_shifted_images(raw_images, factor, rx, ry, settings, particle_indices, iteration, xp):
+    """The device's version of prepare_batch's real-space steps: the norm-corrected, re-centred images and
+    their masked copies (`masked_images`), both already moved by ifftshift for the transform (B, N, N)
+    float64, each made in one pass over the batch; the background's standard deviation from two
+    matrix-vector products over the pixels outside the mask."""
+    n = settings.ori_size_px
+    b = int(raw_images.shape[0])
+    shifted = xp.empty((b, n, n), dtype=xp.float64)
+    _shifted_kernel(xp)(raw_images, xp.asarray(ry, dtype=xp.int64), xp.asarray(rx, dtype=xp.int64),
+                        xp.asarray(factor, dtype=xp.float64), np.int32(n), shifted)
+    mask = xp.fft.ifftshift(fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px, xp))
+    if settings.zero_mask:
+        return shifted, shifted * mask
+    outside = (mask < 1e-6).reshape(-1).astype(xp.float64)
+    flat = shifted.reshape(b, -1)
+    count = float(outside.sum())
+    mean = flat @ outside / count
+    mean_square = (flat * flat) @ outside / count
+    std = xp.sqrt(xp.maximum(mean_square - mean ** 2, 0.0))
+    keys = xp.asarray(noise_keys(settings.random_seed, iteration, np.asarray(particle_indices)))
+    masked = _masked_noise_kernel(xp)(shifted, mask, std, keys, np.int32(n))
+    return shifted, masked
+
+
 def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
                   origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None, xp=np,
                   images=None):
@@ -125,17 +207,25 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
     if images is None:
         images = particles.read_images(indices, reader, check_finite=False)
-    images = to_device(images, xp).astype(xp.float64)
+    images = to_device(images, xp)
     finite = xp.isfinite(images).reshape(indices.size, -1).all(axis=1)
     if not bool(finite.all()):  # the reader's check names the image
         first = int(to_host(xp.flatnonzero(~finite))[0])
         i = indices[first]
         mrc.require_finite(to_host(images[first:first + 1]), particles.stack_paths[i], [particles.stack_indices[i]])
-    images *= xp.asarray(avg_norm_correction / norm)[:, None, None]
-    if np.any(rx != 0) or np.any(ry != 0):
-        images = roll_each(images, xp.asarray(rx), xp.asarray(ry), xp)
-    ft_nomask = fourier.window_ft_2d(fourier.rfft2_centered(images, xp), current_size_px, xp)
-    ft_mask = fourier.rfft2_centered(masked_images(images, settings, xp.asarray(indices), iteration, xp), xp)
+    factor = avg_norm_correction / np.asarray(norm, dtype=np.float64)
+    if xp is np:
+        images = images.astype(np.float64) * factor[:, None, None]
+        if np.any(rx != 0) or np.any(ry != 0):
+            images = roll_each(images, rx, ry)
+        ft_nomask = fourier.window_ft_2d(fourier.rfft2_centered(images), current_size_px)
+        ft_mask = fourier.rfft2_centered(masked_images(images, settings, indices, iteration))
+    else:  # the same arithmetic in two fused passes over the batch (`device_shifted_images`)
+        shifted, masked = device_shifted_images(images, factor, rx, ry, settings, indices, iteration, xp)
+        ft_nomask = fourier.window_ft_2d(fourier.rfft2_of_shifted(shifted, xp), current_size_px, xp)
+        del shifted
+        ft_mask = fourier.rfft2_of_shifted(masked, xp)
+        del masked
     del images
     n_shells = n // 2 + 1
     power = shell_power(ft_mask, n, n_shells, xp)

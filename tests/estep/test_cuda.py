@@ -193,20 +193,21 @@ def test_coarse_diff2_relative_error_below_1e5(cp, seed, n):
     np.testing.assert_array_equal(np.argmin(got, axis=1), np.argmin(want, axis=1))
 
 
-@pytest.mark.parametrize("do_cc", [False, True])
-def test_local_coarse_diff2_matches_float64_projections(cp, do_cc):
+@pytest.mark.parametrize("do_cc,offset_range,sigma_deg", [(False, 4, 9.0), (True, 4, 9.0), (False, 1.5, 9.0)])
+def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range, sigma_deg):
     """The local search's coarse diff2 (local_diff2: slices projected inside the kernel) against the numpy
     engine's float64 arithmetic on each particle's own orientations: two classes, neighbourhoods wider than
-    one block of orientations and more translations than one block of translations."""
+    one block's orientations, more translations than one block's (49) and fewer (9)."""
     import dataclasses
 
     from cryorefine.estep.common import local_orientations
     from cryorefine.estep.cuda import CupyEngine
+    from cryorefine.estep.kernels import LOCAL_RT, LOCAL_TT
 
     n = 48
-    volume, setup, batch = random_problem(11, n, 7, healpix_order=2, offset_range=4, offset_step=1,
-                                          coarse_size_px=n // 2 + 6, local_searches=True, sigma_rot_deg=9.0,
-                                          sigma_psi_deg=9.0, do_cc=do_cc)
+    volume, setup, batch = random_problem(11, n, 7, healpix_order=2, offset_range=offset_range, offset_step=1,
+                                          coarse_size_px=n // 2 + 6, local_searches=True, sigma_rot_deg=sigma_deg,
+                                          sigma_psi_deg=sigma_deg, do_cc=do_cc)
     second = np.roll(volume, 3, axis=0) * 0.8
     setup = dataclasses.replace(setup, maps=[volume, second], log_pdf_class=np.log([0.6, 0.4]))
     gpu = CupyEngine(keep_blocks=True)
@@ -217,7 +218,7 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc):
     ref.setup(setup)
     orientation, _ = local_orientations(setup, batch).padded()
     width, n_t = orientation.shape[1], ref.translations.shape[0]
-    assert got.shape == (7, 2, width, n_t) and width > 32 and n_t > 32, (got.shape, width, n_t)
+    assert got.shape == (7, 2, width, n_t) and width > LOCAL_RT and (n_t > LOCAL_TT) == (offset_range > 3), got.shape
     sel = ref._fine_to_coarse_selection()
     x = ref.fine.gather(batch.images_ft)[:, sel]
     c = ref.fine.gather(batch.ctf)[:, sel]
@@ -438,21 +439,28 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- image preparation
-@pytest.mark.parametrize("zero_mask", [True, False])
-def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask):
-    """images.prepare_batch with cupy against numpy on fresh random images, origins and CTFs (float64 both)."""
+@pytest.mark.parametrize("zero_mask,dtype,box", [(True, np.float32, 48), (False, np.float32, 48),
+                                                  (False, np.float16, 50), (False, np.float64, 48)])
+def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, dtype, box):
+    """images.prepare_batch with cupy (the fused passes of device_shifted_images) against numpy on fresh random
+    images, origins and CTFs (float64 arithmetic both), from stacks of float32, float16 (read as they are
+    stored) and float64 images."""
     from conftest import make_particle_set
     from cryorefine.data import load_particles
     from cryorefine.images import ImageSettings, prepare_batch
     from cryorefine.io import mrc
 
-    star, _ = make_particle_set(tmp_path, n=9, box=48, pixel_size=1.7, seed=11)
+    star, _ = make_particle_set(tmp_path, n=9, box=box, pixel_size=1.7, seed=11)
     particles = load_particles(star)
-    settings = ImageSettings(48, 1.7, 60.0, zero_mask=zero_mask, do_ctf=True, random_seed=3)
+    settings = ImageSettings(box, 1.7, 60.0, zero_mask=zero_mask, do_ctf=True, random_seed=3)
     indices = np.array([0, 2, 3, 5, 8])
+    origins = np.random.default_rng(5).uniform(-6, 6, (2, len(particles)))
     with mrc.StackReader() as reader:
-        host = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2)
-        device = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, xp=cp)
+        images = particles.read_images(indices, reader).astype(dtype)
+        host = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, origin_x_px=origins[0],
+                             origin_y_px=origins[1], images=images)
+        device = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, origin_x_px=origins[0],
+                               origin_y_px=origins[1], xp=cp, images=images)
     for name in ("images_ft", "images_ft_unmasked", "ctf"):
         got, want = cp.asnumpy(getattr(device, name)), getattr(host, name)
         err = np.abs(got - want).max() / np.abs(want).max()

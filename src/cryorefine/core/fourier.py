@@ -18,7 +18,11 @@ from cryorefine.core.grid import map_slabs
 
 def rfft2_centered(images, xp=np):
     """Forward 2D half transform of real images centred at N//2 (normalised by 1/N²)."""
-    shifted = xp.fft.ifftshift(images, axes=(-2, -1))
+    return rfft2_of_shifted(xp.fft.ifftshift(images, axes=(-2, -1)), xp)
+
+
+def rfft2_of_shifted(shifted, xp=np):
+    """rfft2_centered of images given already moved by ifftshift (their centre N//2 at index 0)."""
     if xp is np:
         return np.fft.rfft2(shifted, norm="forward")
     from cryorefine.gpu.fft_plans import rfft2_forward  # plans kept across batches (see there)
