@@ -42,13 +42,13 @@ BOX_PX, PIXEL_ANGSTROM, DIAMETER_ANGSTROM = 360, 1.34, 360.0
 PER = 10_000
 
 
-def order_setup(setup, batch, order, rng):
+def order_setup(setup, batch, order, rng, offset_range_px=3.0):
     """The set-up and batch of a local search at HEALPix `order` (late-iteration sizes), priors near the truth."""
     sigma = schedule.local_search_sigma_deg(order, 1)
     sizes = schedule.image_sizes(2 * PIXEL_ANGSTROM / 0.75, order, DIAMETER_ANGSTROM, BOX_PX, PIXEL_ANGSTROM, 10,
                                  False, False, ave_pmax=0.5, oversampling=1)
     current, coarse = sizes.current_size_px, sizes.coarse_size_px
-    sampling = Sampling(healpix_order=order, offset_range_px=3 * 1.0, offset_step_px=1.0)
+    sampling = Sampling(healpix_order=order, offset_range_px=offset_range_px, offset_step_px=1.0)
     n = batch.indices.size
     moved = {name: getattr(batch, name) + rng.normal(0, sigma / 2, n)
              for name in ("prior_rot_deg", "prior_tilt_deg", "prior_psi_deg")}
@@ -104,6 +104,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=256, help="particles per engine.run call")
     parser.add_argument("--snr", type=float, default=0.05)
     parser.add_argument("--model", type=Path, default=None, help="atomic model of the reference (default: blobs)")
+    parser.add_argument("--offset_range", type=float, default=3.0,
+                        help="translation disc radius in px, step 1 px (3: 29 translations; 1.5: 9, as the late "
+                             "iterations of the stand-in's auto-refine)")
     parser.add_argument("--free_gpu_memory", type=float, default=2048.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -121,7 +124,7 @@ def main(argv=None):
     rng = np.random.default_rng(4)
     rows = []
     for order in args.orders:
-        s, b, sigma = order_setup(setup, batch, order, rng)
+        s, b, sigma = order_setup(setup, batch, order, rng, args.offset_range)
         r = run_order(cp, s, b, args.batch, args.free_gpu_memory)
         scale = PER / r["particles"]
         r.update(order=order, sigma_deg=sigma, current_size_px=s.current_size_px, coarse_size_px=s.coarse_size_px,
