@@ -90,8 +90,8 @@ class CupyEngine:
         self.last_blocks = []
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
-        self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse_slices": 0.0,
-                              "coarse": 0.0, "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
+        self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
+                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
