@@ -24,7 +24,11 @@ Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), an
 parts (sums to rank 1, the M-step itself, the model's way to the master).
 
 Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
-aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A bad input found while
+aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A failing worker tells the
+master (TAG_FAILURE), which stops where it polls for the workers, lets its writer finish the last
+completed iteration's files (what --continue starts from), prints the worker's line and aborts the
+job; a worker the master does not hear within FAILURE_GRACE_SECONDS (it waits in a collective)
+prints its line and aborts the job itself. A bad input found while
 the master sets the run up ends every rank with exit code 2 and one message from the master.
 
 CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of that iteration:
@@ -56,6 +60,8 @@ TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, o
 TAG_SUMS = 13  # a unit's first worker -> rank 1: the unit's reduced sums
 TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds of its parts
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums) of the initial noise pass
+TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
+FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI message or reduction (128 MB)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -115,6 +121,22 @@ def _local_rank(rank):
     return rank
 
 
+class WorkerFailed(Exception):
+    """Raised on the master when a worker reports its failure; `line` is the worker's "rank R on HOST: cause"."""
+
+    def __init__(self, line):
+        super().__init__(line)
+        self.line = line
+
+
+def _failure_line(comm, exc):
+    """ "rank R on HOST: cause" of an exception on this rank (a worker's reported one as it came)."""
+    if isinstance(exc, WorkerFailed):
+        return exc.line
+    message = str(exc) if isinstance(exc, InputError) else disk_full_message(exc) or f"{type(exc).__name__}: {exc}"
+    return f"rank {comm.Get_rank()} on {socket.gethostname()}: {message}"
+
+
 def _abort(comm, exc, on_abort=None):
     """One line naming the rank, host and cause, then end every rank of the job."""
     if on_abort is not None:
@@ -122,12 +144,24 @@ def _abort(comm, exc, on_abort=None):
             on_abort()
         except OSError:
             pass  # the job ends either way
-    rank = comm.Get_rank()
-    message = str(exc) if isinstance(exc, InputError) else disk_full_message(exc) or f"{type(exc).__name__}: {exc}"
-    sys.stderr.write(f"cryorefine: error: rank {rank} on {socket.gethostname()}: {message}\n")
+    sys.stderr.write(f"cryorefine: error: {_failure_line(comm, exc)}\n")
     sys.stderr.flush()
     time.sleep(1.0)  # let mpirun forward the line before the abort tears the job down
     comm.Abort(2)
+    os._exit(2)  # MPI_Abort may return before the launcher's kill arrives: nothing after it may run (the loop's
+    # normal end would write RELION_JOB_EXIT_SUCCESS)
+
+
+def _report_failure(comm, exc, on_abort=None):
+    """A worker's failure: the master is told, and ends the job once its writer has finished; if it does not
+    within FAILURE_GRACE_SECONDS, this worker ends the job itself."""
+    try:
+        comm.isend(_failure_line(comm, exc), dest=0, tag=TAG_FAILURE)
+        deadline = time.monotonic() + FAILURE_GRACE_SECONDS
+        while time.monotonic() < deadline:  # the master's abort ends this process here
+            time.sleep(0.05)
+    finally:
+        _abort(comm, exc, on_abort)
 
 
 class MpiRunner:
@@ -172,6 +206,7 @@ class MpiRunner:
         for number in range(-(-len(particles) // self.config.batch_size)):
             while number not in pending:
                 while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
+                    self._raise_worker_failure()
                     time.sleep(0.0005)  # poll gently, as the E-step's master does
                 received, sums = comm.recv(source=status.Get_source(), tag=TAG_NOISE)
                 pending[received] = sums
@@ -179,6 +214,14 @@ class MpiRunner:
         return noise.sigma2()
 
     # ------------------------------------------------------------------ master
+    def _raise_worker_failure(self):
+        """Raise WorkerFailed when a worker has reported its failure (the master's polling loops ask)."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_FAILURE, status=status):
+            raise WorkerFailed(self.comm.recv(source=status.Get_source(), tag=TAG_FAILURE))
+
     @contextlib.contextmanager
     def session(self):
         """The master's run: a failure before the workers were told the run is set up ends every rank with
@@ -186,7 +229,8 @@ class MpiRunner:
         try:
             yield self
         except BaseException as exc:
-            if not self.announced:  # nothing distributed yet: every rank ends quietly, the master reports
+            # nothing distributed yet and no worker failed: every rank ends quietly, the master reports
+            if not self.announced and not isinstance(exc, WorkerFailed):
                 self.objects.bcast(("error", None), root=0)
                 raise
             _abort(self.comm, exc, self.on_abort)
@@ -216,6 +260,7 @@ class MpiRunner:
         status = MPI.Status()
         while workers_left or outstanding:
             while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=status):
+                self._raise_worker_failure()
                 time.sleep(0.0005)  # poll gently: the master must not take a core from the workers
             source = status.Get_source()
             kind, payload = comm.recv(source=source, tag=TAG_REQUEST)
@@ -253,7 +298,7 @@ class MpiRunner:
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
-            _abort(self.comm, exc, self.on_abort)
+            _report_failure(self.comm, exc, self.on_abort)
 
     def _serve(self, job):
         kind, payload = self.objects.bcast(None, root=0)
