@@ -109,3 +109,22 @@ def test_the_arena_is_the_card_less_free_gpu_memory(capsys, particles):
     default = plan_json(capsys, particles)["arena_bytes"]
     none_kept = plan_json(capsys, particles, "--free_gpu_memory", 0)["arena_bytes"]
     assert none_kept == 80e9 and default == 80e9 - 2048 * 2 ** 20
+
+
+def test_a_local_search_is_estimated_from_its_interpolations_not_its_translations(capsys, particles):
+    """local_diff2 projects each particle's slices itself: the local moments' E-step follows classes × orientations ×
+    coarse coefficients (and the current size), not the translations searched, while a global search's follows its
+    products' operations; on a slower card the size-dependent part takes longer, the fixed part does not."""
+    base = plan_json(capsys, particles)["moments"]
+    wide = plan_json(capsys, particles, "--offset_range", 8, "--offset_step", 1)["moments"]
+    assert base[1]["label"].startswith("late (local")
+    assert wide[1]["n_translations"] > 5 * base[1]["n_translations"]
+    assert wide[1]["estep_seconds"] == pytest.approx(base[1]["estep_seconds"])
+    # the first, global, iteration (on a card slow enough that its products, not its fixed cost, set the time)
+    slow_base = plan_json(capsys, particles, "--gpu_tflops", 0.001)["moments"]
+    slow_wide = plan_json(capsys, particles, "--offset_range", 8, "--offset_step", 1, "--gpu_tflops", 0.001)["moments"]
+    assert slow_wide[0]["estep_seconds"] > 5 * slow_base[0]["estep_seconds"]
+    slow = plan_json(capsys, particles, "--gpu_tflops", 5)["moments"]
+    fast = plan_json(capsys, particles, "--gpu_tflops", 500)["moments"]
+    assert fast[1]["estep_seconds"] < base[1]["estep_seconds"] < slow[1]["estep_seconds"]
+    assert fast[1]["estep_seconds"] > 0.5 * base[1]["estep_seconds"]  # the fixed costs stay

@@ -10,10 +10,12 @@ on the arena the run would have), the peak device memory per scope (ITERATION: b
 sums, references, cached coarse slices; PARTICLE: the prepared batch and one sub-batch; ORIENTATION: one chunk; the
 M-step's reconstruction and, with --sym, its symmetrisation of the sums; where both halves' sums do not
 fit, the idle half waits on the host and one half is counted, `em.memory`), and an estimated E-step
-time per iteration from the coarse pass's arithmetic at the throughput measured on an H100 (about
-65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
-benchmarks/estep_throughput.py). With --sym the orientations are those of the group's asymmetric
-unit (`core.sampling.Sampling`), so the E-step shrinks with the group's order.
+time per iteration: for a global search from the coarse pass's arithmetic at the throughput measured on
+an H100 (about 65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
+benchmarks/estep_throughput.py), for a local search from its trilinear interpolations and image sizes
+(fitted to a converged auto-refine of the 360 px stand-in on an H100). With --sym the orientations are
+those of the group's asymmetric unit (`core.sampling.Sampling`), so the E-step shrinks with the group's
+order.
 
 A run that cannot fit is refused with the option that would make it fit.
 """
@@ -34,14 +36,21 @@ from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_byt
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
 COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
-# local searches: the coarse products' operations per second of the whole E-step, as a fraction of the FP32 peak
-# (measured: 2.15 TFLOP/s at HEALPix order 6 in the 360 px box on the H100, results/local_search_h100.json)
-LOCAL_ESTEP_FRACTION_OF_PEAK = 0.042
-# an E-step's fixed cost per particle, however small the images: local searches (measured: 1.4–1.6 s per 2,000
-# particles of 64 px in the local iterations of benchmarks/refine_accuracy.py on the H100) and global ones (3.7–4.3 s
-# per 10,000 particles in the late iterations of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100,
+# a local search's E-step (local_diff2 projects its slices itself, so its cost follows the trilinear interpolations,
+# classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration, one per particle,
+# one per interpolation and one per coefficient at the current size (the fine pass, the sums, the back-projection,
+# the images). Fitted on the H100 to the converged 10,000-particle auto-refine of the 360 px stand-in (orders 4
+# and 6, the final iteration: 4.3, 5.7, 12.5 s; results/empiar10028_refine_10k_h100_converged_local_diff2.json)
+# with the fixed cost of the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py (1.1–1.6 s);
+# the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
+LOCAL_ESTEP_FIXED_SECONDS = 1.0
+LOCAL_ESTEP_SECONDS_PER_PARTICLE = 0.98e-4
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 4.75e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 1.22e-8
+REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
+# a global search's fixed cost per particle, however small the images (3.7–4.3 s per 10,000 particles in the late
+# iterations of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100,
 # benchmarks/results/mpi_overhead_class3d_10k_h100.json)
-MIN_LOCAL_ESTEP_SECONDS_PER_PARTICLE = 7.5e-4
 MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 3.7e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
@@ -138,14 +147,15 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     maximization = mstep_sums + reconstruction
     if sampling.group.order > 1:
         maximization = max(maximization, mstep_sums + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
-    coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
     if local:
-        estep = n_particles * coarse_flops / (LOCAL_ESTEP_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
+        scaled = (LOCAL_ESTEP_SECONDS_PER_INTERPOLATION * n_classes * n_orientations * kc
+                  + LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT * kf) * REFERENCE_TFLOPS / gpu.fp32_tflops
+        estep = LOCAL_ESTEP_FIXED_SECONDS + n_particles * (LOCAL_ESTEP_SECONDS_PER_PARTICLE + scaled)
     else:
+        coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
         seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
-        estep = n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP
-    estep = max(estep, n_particles * (MIN_LOCAL_ESTEP_SECONDS_PER_PARTICLE if local else
-                                      MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE))
+        estep = max(n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP,
+                    n_particles * MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
                   estep_sums + references + slices, particle, orientation, maximization, estep, waits)
 
