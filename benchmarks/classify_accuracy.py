@@ -14,7 +14,11 @@ Steps, in one work folder:
              positive mass; the reference: A low-passed to 40 Å.
 2. particles --n particles, each state drawn with probability 1/2 (seeded), made by `cryorefine simulate`
              (uniform random poses, CTF with defocus 0.9–2.5 µm at 300 kV, white noise at --snr in the
-             particle circle); one STAR file in a shuffled order, the true states in states.txt.
+             particle circle); one STAR file in a shuffled order, the true states in states.txt. With
+             --relion_project CMD the images are RELION's own (`relion_project --ang --ctf --add_noise`,
+             e.g. Debian's build) at the same poses, CTFs and origins, their white noise set to the same
+             --snr in the particle circle (measured on RELION's noiseless projections): the kind of set the
+             issue's RELION-made images were.
 3. classify  for each --seeds S: `cryorefine classify --K 2 --iter 15 --tau2_fudge 4 --particle_diameter 270
              --ini_high 40 --ctf --zero_mask --flatten_solvent --healpix_order 2 --offset_range 5
              --offset_step 2 --random_seed S` (the options of the set RELION 5 reached 94.2 % on), and
@@ -70,6 +74,9 @@ def parse_args(argv):
                         help="Also run RELION's relion_refine (this command or path) with the same options on the same "
                              "files, for the same seeds")
     parser.add_argument("--relion_j", type=int, default=1, help="--j of the RELION runs.")
+    parser.add_argument("--relion_project", default=None,
+                        help="Make the images with RELION's relion_project (this command or path) instead of "
+                             "`cryorefine simulate`, at the same poses, CTFs, origins and SNR")
     parser.add_argument("--relion_seconds", type=float, default=None,
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
@@ -123,6 +130,8 @@ def make_set(work, options, engine):
         run_cli("simulate", "--ref", work / f"{name}.mrc", "--n", count, "--snr", options.snr, "--defocus", "0.9:2.5",
                 "--particle_diameter", 270, "--seed", options.data_seed + 10 * state, "--o", work / f"sim_{name}",
                 engine, log_path=work / f"simulate_{name}.log")
+        if options.relion_project:
+            relion_images(work / f"sim_{name}", work / f"{name}.mrc", pixel, options.snr, options.relion_project)
         star = read_particle_star(work / f"sim_{name}" / "particles.star")
         tables.append((star, name))
     first = tables[0][0]
@@ -137,6 +146,33 @@ def make_set(work, options, engine):
     write_particle_star(first, work / "particles.star", mixed)
     np.savetxt(work / "states.txt", labels, fmt="%d")
     return erased
+
+
+def relion_images(folder, volume_path, pixel, snr, command):
+    """Replace the images of `folder`/particles.star by relion_project's at the same poses, CTFs and origins: first
+    noiseless, to measure the signal's variance inside the particle circle (270 Å, as `cryorefine simulate`
+    measures its SNR), then with white noise of variance signal / `snr`; the STAR file then names RELION's stack."""
+    import mrcfile
+
+    program = command.split()
+    star = folder / "particles.star"
+
+    def project(root, *noise):
+        subprocess.run(program + ["--i", str(volume_path), "--o", str(folder / root), "--ang", str(star), "--ctf",
+                                  "--angpix", str(pixel), *noise], check=True, capture_output=True, text=True)
+        return folder / f"{root}.mrcs"
+
+    with mrcfile.open(project("relion_clean"), permissive=True) as mrc:
+        clean = np.asarray(mrc.data, dtype=np.float64)
+    n = clean.shape[-1]
+    axis = np.arange(n) - n // 2
+    inside = axis[:, None] ** 2 + axis[None, :] ** 2 <= (270.0 / (2 * pixel)) ** 2
+    sigma = float(np.sqrt(np.mean(clean[:, inside].var(axis=1)) / snr))
+    stack = project("relion", "--add_noise", "--white_noise", f"{sigma:.6g}")
+    (folder / "relion_clean.mrcs").unlink()
+    table = read_particle_star(star)
+    names = [f"{i + 1:06d}@{stack.name}" for i in range(len(table.particles))]
+    write_particle_star(table, star, table.particles.assign(rlnImageName=names))
 
 
 def accuracy(classes, states):
