@@ -251,11 +251,11 @@ class CupyEngine:
 
     def _local_batch_size(self, local):
         """Particles per sub-batch of a local search: the set-up's plan, and what the widest neighbourhood
-        leaves room for."""
+        leaves room for; at most MAX_GRID_Y (local_diff2 runs one grid layer per particle)."""
         plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
                             int(local.counts().max(initial=1)), self.n_trans, self.n_classes, 1 << 30, self.children,
                             local=True)
-        return min(self.plan.particles_per_batch, plan.particles_per_batch)
+        return min(self.plan.particles_per_batch, plan.particles_per_batch, MAX_GRID_Y)
 
     def _run_rows(self, batch, rows, local):
         cp = self.cp
