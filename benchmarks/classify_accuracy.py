@@ -45,7 +45,7 @@ import numpy as np
 
 from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
 from cryorefine.core import fourier
-from cryorefine.io.mrc import read_volume, write_volume
+from cryorefine.io.mrc import open_mrc, read_volume, write_volume
 from cryorefine.io.star import read_particle_star, read_star, write_particle_star
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,8 +152,6 @@ def relion_images(folder, volume_path, pixel, snr, command):
     """Replace the images of `folder`/particles.star by relion_project's at the same poses, CTFs and origins: first
     noiseless, to measure the signal's variance inside the particle circle (270 Å, as `cryorefine simulate`
     measures its SNR), then with white noise of variance signal / `snr`; the STAR file then names RELION's stack."""
-    import mrcfile
-
     program = command.split()
     star = folder / "particles.star"
 
@@ -162,7 +160,7 @@ def relion_images(folder, volume_path, pixel, snr, command):
                                   "--angpix", str(pixel), *noise], check=True, capture_output=True, text=True)
         return folder / f"{root}.mrcs"
 
-    with mrcfile.open(project("relion_clean"), permissive=True) as mrc:
+    with open_mrc(project("relion_clean")) as mrc:
         clean = np.asarray(mrc.data, dtype=np.float64)
     n = clean.shape[-1]
     axis = np.arange(n) - n // 2
