@@ -380,3 +380,35 @@ def test_local_orientations_split_and_pad_by_particle():
     tail = local.rows(1, 3)
     assert tail.n_particles == 2 and np.array_equal(tail.counts(), counts[1:])
     np.testing.assert_array_equal(tail.orientation, local.orientation[local.offsets[1]:])
+
+
+# 3σ just inside half a pixel of order N − 2 (healpy.nside2resol): the widest disc whose candidates come from
+# blocks of 9 pixels of that order, the tightest case of the neighbourhood search
+_EDGE_SIGMA_DEG = 0.999 * 0.5 * 58.6323 / 2 ** 3 / 3
+
+
+@pytest.mark.parametrize("name, order, sigma, n", [
+    ("C1", 1, 15.0, 40), ("C1", 4, 3.75, 40), ("C1", 7, 0.47, 40), ("C1", 8, 0.23, 40), ("C1", 5, 40.0, 40),
+    ("I", 3, 7.5, 40), ("D7", 4, 3.75, 40), ("C4", 2, 0.5, 40), ("C1", 5, _EDGE_SIGMA_DEG, 400),
+    ("C1", 6, _EDGE_SIGMA_DEG / 2, 200)])
+def test_local_directions_of_random_priors_are_those_of_the_whole_grid(name, order, sigma, n):
+    """Random priors (poles and the asymmetric units' edges included by chance), at the schedule's
+    σ = 2 oversampled steps, beyond it and at the edge of the candidate blocks, wide and narrow: the directions
+    kept are those the whole grid holds within 3σ of a mate of the prior (or the nearest alone)."""
+    s = Sampling(order, 5, 2, symmetry=name)
+    g = symmetry_group(name)
+    rng = np.random.default_rng(order)
+    v = rng.normal(size=(n, 3))
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    prior_tilt = np.degrees(np.arccos(v[:, 2]))
+    prior_rot = np.degrees(np.arctan2(v[:, 1], v[:, 0]))
+    prior_psi = np.zeros(n)
+    local = s.local_orientations(prior_rot, prior_tilt, prior_psi, sigma, 360.0)  # psi: every angle
+    for b in range(n):
+        ang = _brute_sym_angle(prior_rot[b], prior_tilt[b], s.direction_vectors(), g)
+        keep = ang < 3 * sigma
+        if not keep.any():
+            keep = np.arange(ang.size) == np.argmin(ang)
+        segment = slice(local.offsets[b], local.offsets[b + 1])
+        got_dirs = np.unique(local.orientation[segment] // s.n_psi)
+        assert np.array_equal(got_dirs, np.flatnonzero(keep)), b
