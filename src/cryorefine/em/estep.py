@@ -10,9 +10,10 @@ the unit's batches end; a batch of large images is prepared in parts that fit th
 memory and handed to the engine joined (in runs, where even the prepared images are too many);
 where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished unit's sums
 wait on the host while the next unit is worked on. Every second is added to a named stage:
-`setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation), `park`
-(sums moved to the host), then the engine's own stages. The initial noise spectra are added up
-one batch at a time (`noise_batch_sums`), so that MPI workers can share the pass out.
+`setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation), `results`
+(each batch's per-particle results stored, progress), `park` (sums moved to the host), then the
+engine's own stages. The initial noise spectra are added up one batch at a time (`noise_batch_sums`),
+so that MPI workers can share the pass out.
 """
 
 from __future__ import annotations
@@ -108,10 +109,11 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
             batch = prepare_in_parts(prepare, parts)
             add_seconds(stages, "images", tic)
             result = engine.run(batch)
+            tic = time.perf_counter()
             del batch  # its device arrays go before the next batch's (the arena is a stack)
             result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
             on_result(u, indices[parts[0].start:parts[-1].stop], result)
-            tic = time.perf_counter()
+            tic = add_seconds(stages, "results", tic)
         del images, prepare
         tic_wait = time.perf_counter()
     if engine is not None:

@@ -91,7 +91,7 @@ class CupyEngine:
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
         self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
-                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0}
+                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0, "results": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
@@ -99,6 +99,7 @@ class CupyEngine:
         self.plan = None  # estep.cuda_plan.BatchPlan of the iteration
         self.setup_ = None
         self.tables = None  # estep.common.IterationTables of the iteration
+        self.pdf_class_d = self.pdf_direction_d = None  # the class and direction sums of the half, on the device
 
     # ------------------------------------------------------------------ helpers
     def _scope(self, level):
@@ -135,8 +136,9 @@ class CupyEngine:
             self.matrices_host = None if s.local_searches else t.orientation_matrices().reshape(-1, 9)
             self.translations, self.fine_translations = t.translations, t.fine_translations  # (T, 2), (T, nft, 2)
             self.scale = t.scale
-            self.log_pdf_class = np.asarray(s.log_pdf_class, dtype=np.float64)
-            self.log_pdf_direction = None if s.log_pdf_direction is None else np.asarray(s.log_pdf_direction)
+            self.log_pdf_class = cp.asarray(s.log_pdf_class, dtype=cp.float64)
+            self.log_pdf_direction = (None if s.log_pdf_direction is None
+                                      else cp.asarray(s.log_pdf_direction, dtype=cp.float64))
             # children of the coarse orientations met so far (sorted): angles (n, NFO, 3), matrices (n, NFO, 9)
             self._fine_known = np.zeros(0, dtype=np.int64)
             self._fine_angles = np.zeros((0, self.n_fo, 3))
@@ -161,6 +163,8 @@ class CupyEngine:
             self.bp_grid = grid
             self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex64)
             self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float32)
+            self.pdf_class_d = cp.zeros(self.n_classes, dtype=cp.float64)
+            self.pdf_direction_d = cp.zeros((self.n_classes, s.sampling.n_directions), dtype=cp.float64)
             self._upload_references(s)
             self.n_shells = t.n_shells
             self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
@@ -242,11 +246,13 @@ class CupyEngine:
                 with self._scope(Scope.PARTICLE):
                     parts.append(self._run_rows(batch, rows, None if local is None else local.rows(start, rows[-1] + 1)))
                 blocks.extend(self.last_blocks)
+        tic = time.perf_counter()
         self.last_blocks = blocks
         merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
         self.sums_.log_likelihood += float(merged["log_likelihood"].sum())
         self.sums_.sum_pmax += float(merged["pmax"].sum())
         self.sums_.n_particles += n
+        self.stage_seconds["results"] += time.perf_counter() - tic
         return BatchResult(**merged)
 
     def _local_batch_size(self, local):
@@ -293,10 +299,12 @@ class CupyEngine:
         if self.arena is not None:
             # the coarse pass's weights are released but lie under these blocks on the arena's stack: the blocks go
             # to the host and back, so that the fine pass has that memory (broad posteriors need it there)
+            tic = time.perf_counter()
             host = [cp.asnumpy(a) for a in (b_idx, k_idx, o_idx, t_idx, olp)]
             del b_idx, k_idx, o_idx, t_idx, olp
             b_idx, k_idx, o_idx, t_idx, olp = (cp.asarray(a) for a in host)
             del host
+            self._tick("weights", tic)
         # the fine pass in groups of particles so that memory stays bounded however broad the weights
         results, blocks = [], []
         starts = np.r_[0, np.cumsum(per_particle)]
@@ -428,9 +436,9 @@ class CupyEngine:
         (B or 1, R) global indices with log priors `orientation_prior`), and offsets."""
         cp = self.cp
         s = self.setup_
-        lp = cp.asarray(self.log_pdf_class)[None, :, None, None] + cp.asarray(orientation_prior)[:, None, :, None]
+        lp = self.log_pdf_class[None, :, None, None] + cp.asarray(orientation_prior)[:, None, :, None]
         if self.log_pdf_direction is not None:
-            lp = lp + cp.asarray(self.log_pdf_direction)[:, orientation // self.n_psi].transpose(1, 0, 2)[..., None]
+            lp = lp + self.log_pdf_direction[:, orientation // self.n_psi].transpose(1, 0, 2)[..., None]
         centre = pre["old"] if s.local_searches else None
         off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
         return lp, cp.asarray(off)[:, None, None, :]  # (B or 1, K, R, 1) and (B, 1, 1, T), float64
@@ -517,9 +525,9 @@ class CupyEngine:
                 fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
                 pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
         # priors of every child: class, parent orientation (and direction), child offset
-        parent = cp.asarray(self.log_pdf_class)[k_blk] + olp_blk
+        parent = self.log_pdf_class[k_blk] + olp_blk
         if self.log_pdf_direction is not None:
-            parent = parent + cp.asarray(self.log_pdf_direction)[k_blk, o_blk // self.n_psi]
+            parent = parent + self.log_pdf_direction[k_blk, o_blk // self.n_psi]
         old = cp.asarray(pre["old"])
         off = old[b_blk][:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
         if s.local_searches:
@@ -566,6 +574,7 @@ class CupyEngine:
 
         new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d,
                                        unique_o.size, d2_off, tic)
+        tic = time.perf_counter()
         best = cp.asnumpy(best)
         bb, f = best // nf, best % nf
         io, it = f // nft, f % nft
@@ -578,10 +587,12 @@ class CupyEngine:
         else:
             log_likelihood = (np.log(cp.asnumpy(sum_w)) + cp.asnumpy(top) - min_d2
                               - self.logsigma2[pre["optics"]])
-        return {"rot_deg": rot.reshape(-1)[rows], "tilt_deg": tilt.reshape(-1)[rows],
-                "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
-                "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
-                "norm_correction": new_norm}
+        result = {"rot_deg": rot.reshape(-1)[rows], "tilt_deg": tilt.reshape(-1)[rows],
+                  "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
+                  "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
+                  "norm_correction": new_norm}
+        self.stage_seconds["results"] += time.perf_counter() - tic
+        return result
 
     def _fine_orientations(self, orientations):
         """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique).
@@ -717,17 +728,24 @@ class CupyEngine:
         w3 = w_blocks.reshape(-1, nfo, nft)
         sums.sigma2_offset_angstrom2 += float(cp.sum(w3 * d2_off[:, None, :])) * s.pixel_size_angstrom ** 2
         w_per_block = w3.sum(axis=(1, 2))
-        sums.pdf_class += cp.asnumpy(cp.bincount(k_blk, weights=w_per_block, minlength=self.n_classes))
-        n_dir = sums.pdf_direction.shape[1]
-        sums.pdf_direction += cp.asnumpy(cp.bincount(k_blk * n_dir + o_blk // self.n_psi, weights=w_per_block,
-                                                     minlength=sums.pdf_direction.size)).reshape(
-            sums.pdf_direction.shape)
+        # class and direction sums stay on the device until the half ends (`sums`): the direction table has the
+        # grid's directions (786,432 at order 8), too many to copy for every batch
+        import cupyx
+
+        cupyx.scatter_add(self.pdf_class_d, k_blk, w_per_block)
+        n_dir = self.pdf_direction_d.shape[1]
+        cupyx.scatter_add(self.pdf_direction_d.reshape(-1), k_blk * n_dir + o_blk // self.n_psi, w_per_block)
         new_norm = pre["norm"] / s.avg_norm_correction * np.sqrt(2.0 * wdiff_total)
         sums.norm_correction += float(new_norm.sum())
+        self._tick("sums", tic)
         return new_norm
 
     def sums(self):
         """The accumulated sums; the references and cached slices are let go (their memory returns)."""
         self.ref_volumes = None
         self.coarse_cache = None
+        if self.pdf_class_d is not None:
+            self.sums_.pdf_class += self.cp.asnumpy(self.pdf_class_d)
+            self.sums_.pdf_direction += self.cp.asnumpy(self.pdf_direction_d).reshape(self.sums_.pdf_direction.shape)
+            self.pdf_class_d = self.pdf_direction_d = None
         return self.sums_
