@@ -81,6 +81,7 @@ STAGES = (  # (label, stage names summed) in the order of an iteration
     ("weighted sums + back-projection", ("sums", "backproject")),
     ("per-particle results (to the host, stored)", ("results",)),
 )
+STAGE_COLUMNS = ("set-up", "read", "images", "orient.", "upload", "coarse", "weights", "fine", "sums+BP", "results")
 JOB_ARGUMENTS = {
     "class3d": ("classify", ["--K", "{K}", "--iter", "25", "--tau2_fudge", "4", "--particle_diameter", "360",
                              "--healpix_order", "2", "--offset_range", "5", "--offset_step", "2", "--oversampling",
@@ -187,7 +188,7 @@ def run_job(name, star, reference, work, args, iterations=None):
     from cryorefine.runners.serial import SerialRunner
 
     backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
-    runner = SerialRunner(backend, config.batch_size, config.preread_images)
+    runner = SerialRunner(backend, config.batch_size_for, config.preread_images)
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
     tic = time.perf_counter()
     job = classify if command == "classify" else refine
@@ -313,6 +314,17 @@ def format_report(results):
             lines.append(f"| {it['iteration']} | {it['current_size_px']} ({it['coarse_size_px']}) | "
                          f"{it['resolution_angstrom']:.1f} | {sec.get('expectation', 0):.1f} | "
                          f"{sec.get('maximization', 0):.1f} | {sec.get('write', 0):.1f} |")
+        lines += ["", "E-step seconds per stage and iteration (columns in the order of the stage table below; "
+                  "other: in no named stage):", "",
+                  "| it. | order | " + " | ".join(short for short in STAGE_COLUMNS) + " | other | E-step |",
+                  "|---" * (len(STAGE_COLUMNS) + 4) + "|"]
+        for it in job["iterations"]:
+            st = it["stage_seconds"]
+            cells = [sum(st.get(n, 0.0) for n in names) for _, names in STAGES]
+            e_step = it["seconds"].get("expectation", 0.0)
+            lines.append(f"| {it['iteration']} | {it['healpix_order']}{' L' if it['local_searches'] else ''} | "
+                         + " | ".join(f"{c:.2f}" for c in cells)
+                         + f" | {max(e_step - sum(st.values()), 0.0):.2f} | {e_step:.2f} |")
         lines += ["", "| stage | seconds | particle-iterations/s |", "|---|---|---|"]
         for row in s["stages"]:
             rate = row["particle_iterations_per_second"]
