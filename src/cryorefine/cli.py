@@ -183,7 +183,9 @@ def _refine_options(command):
                     help="Accepted for RELION command lines: refine always uses gold-standard halves."),
         click.option("--dont_combine_weights_via_disc", is_flag=True,
                     help="Accepted for RELION command lines: sums are never combined through files."),
-        click.option("--batch", default=None, type=int, help="Particles per E-step batch [default: --pool, else 128]."),
+        click.option("--batch", default=None, type=int,
+                     help="Particles per E-step batch [default: --pool, else 128 on the CPU and on the GPU 512 images "
+                          "of 360 px or as many as hold as many pixels (32 to 512)]."),
         click.option("--pool", default=None, type=int, help="RELION's particles per batch: --batch unless that is given."),
         click.option("--j", "threads", default=None, type=int,
                      help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) "
@@ -474,7 +476,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, do_norm=norm, do_scale=scale,
-        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else (pool if pool is not None else 128),
+        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else pool,
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,

@@ -15,6 +15,14 @@ from cryorefine.errors import InputError
 MAX_HEALPIX_ORDER = 8  # RELION's finest angular sampling, 0.23° (order 0: 60°)
 MAX_OVERSAMPLING = 4
 MAX_PADDING_FACTOR = 4.0
+# particles per E-step batch when --batch and --pool are not given: on the CPU a fixed count; on the GPU as many
+# images as hold this many pixels (512 of 360 px), between the two bounds. Per-batch work (launches, host tables,
+# transfers) is then a small share of an iteration: the converged auto-refine of 10,000 particles of 360 px took
+# 204 s with batches of 128 and 152 s with 512 on the H100 (benchmarks/README.md); the two pinned read-ahead buffers
+# of the images stay at ~0.5 GB whatever the box
+CPU_BATCH_PARTICLES = 128
+GPU_BATCH_PIXELS = 512 * 360 * 360
+GPU_BATCH_PARTICLES = (32, 512)
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class RefineConfig:
     n_classes: int = 1
     width_mask_edge_px: float = 5.0
     incr_size_px: int = 10  # RELION's --incr_size
-    batch_size: int = 256
+    batch_size: int | None = None  # --batch (or --pool); None: `batch_size_for`'s rule
     preread_images: bool = False  # --preread_images: read the images once into memory
     scratch_dir: str | None = None  # --scratch_dir: the stacks copied to this (local) disk for the run
     engine: str = "numpy"  # "numpy" or "cuda"
@@ -66,6 +74,11 @@ class RefineConfig:
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
     dtype: str = "float32"  # numpy engine precision: float32 (as the GPU), or float64 (the oracle's)
     threads: int | None = None  # --j: the CPU engine's threads (None: this machine's cores, shared among its ranks)
+
+    def batch_size_for(self, box_px: int) -> int:
+        """Particles per E-step batch for images of `box_px`: --batch (or --pool) as given, else the default of
+        the engine (`default_batch_size`)."""
+        return self.batch_size if self.batch_size is not None else default_batch_size(box_px, self.engine == "cuda")
 
     def check(self):
         """This config, or an InputError naming the first option out of RELION's range and what to give."""
@@ -88,7 +101,7 @@ class RefineConfig:
              "more than 0 Å"),
             ("--pad", self.padding_factor, 1 <= self.padding_factor <= MAX_PADDING_FACTOR,
              f"1 to {MAX_PADDING_FACTOR:g} (RELION: 2)"),
-            ("--batch", self.batch_size, self.batch_size >= 1, "1 or more particles"),
+            ("--batch", self.batch_size, self.batch_size is None or self.batch_size >= 1, "1 or more particles"),
             ("--free_gpu_memory", self.free_gpu_memory_mb, self.free_gpu_memory_mb >= 0, "0 MB or more"),
             ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
             ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more"),
@@ -141,6 +154,15 @@ class RefineConfig:
         if "gpu_ids" in values:
             values["gpu_ids"] = tuple(values["gpu_ids"])
         return cls(**values)
+
+
+def default_batch_size(box_px: int, on_gpu: bool) -> int:
+    """Particles per E-step batch when none is given: CPU_BATCH_PARTICLES on the CPU; on the GPU the images that hold
+    GPU_BATCH_PIXELS pixels, within GPU_BATCH_PARTICLES (512 at 360 px, 253 at 512 px, 103 at 800 px)."""
+    if not on_gpu:
+        return CPU_BATCH_PARTICLES
+    low, high = GPU_BATCH_PARTICLES
+    return int(min(high, max(low, GPU_BATCH_PIXELS // max(int(box_px), 1) ** 2)))
 
 
 def check_output_folder(option, folder):

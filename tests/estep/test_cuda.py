@@ -430,7 +430,7 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
                           reference_map=str(example), ini_high_angstrom=30.0, do_ctf=True, max_iterations=1,
                           engine="cuda", gpu_ids=(0,))
     backend = CudaBackend(0, config.free_gpu_memory_mb)
-    run_refine(config, SerialRunner(backend, config.batch_size))
+    run_refine(config, SerialRunner(backend, config.batch_size_for))
     measured = backend.high_water_bytes["total"]
     predicted = plan_run(config, GpuSpec.detect(0)).get("moments")[0].peak_bytes
     print(f"plan: first iteration predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB "

@@ -30,6 +30,7 @@ import numpy as np
 from cryorefine.em import memory, schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
+from cryorefine.config import default_batch_size
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
 
@@ -39,19 +40,20 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # a local search's E-step (local_diff2 projects its slices itself, so its cost follows the trilinear interpolations,
 # classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration, one per particle,
 # one per interpolation and one per coefficient at the current size (the fine pass, the sums, the back-projection,
-# the images). Fitted on the H100 to the converged 10,000-particle auto-refine of the 360 px stand-in (orders 4
-# and 6, the final iteration: 4.3, 5.7, 12.5 s; results/empiar10028_refine_10k_h100_converged_local_diff2.json)
-# with the fixed cost of the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py (1.1–1.6 s);
-# the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
+# the images). Fitted on the H100 to the local iterations (orders 4–8 and the final one) of the converged
+# 10,000-particle auto-refine of the 360 px stand-in with the GPU's default batches of 512
+# (results/empiar10028_refine_10k_h100_converged_batch512.json: estimated / measured 0.78–1.23, order 8 the
+# lowest), the fixed cost kept from the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py
+# (1.1–1.6 s); the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
 LOCAL_ESTEP_FIXED_SECONDS = 1.0
-LOCAL_ESTEP_SECONDS_PER_PARTICLE = 0.98e-4
-LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 4.75e-11
-LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 1.22e-8
+LOCAL_ESTEP_SECONDS_PER_PARTICLE = 0.38e-4
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 5.2e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 6.3e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
-# a global search's fixed cost per particle, however small the images (3.7–4.3 s per 10,000 particles in the late
-# iterations of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100,
-# benchmarks/results/mpi_overhead_class3d_10k_h100.json)
-MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 3.7e-4
+# a global search's fixed cost per particle, however small the images (1.65–1.8 s per 10,000 particles in iterations
+# 6–10 of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100 with batches of 512, the GPU's default,
+# benchmarks/results/empiar10028_class3d_10k_10it_float16_batch512_h100.json)
+MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 1.7e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
 
@@ -129,10 +131,11 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     fixed = estep_sums + references
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
-    prepared = (min(config.batch_size, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
+    batch = config.batch_size if config.batch_size is not None else default_batch_size(box, on_gpu=True)  # a GPU run's
+    prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
                 * memory.PREPARED_BYTES_PER_PIXEL * float(current) ** 2)
     plan = plan_batches(max(arena_bytes - fixed - prepared, 1), kc, kf, n_orientations, n_t, n_classes,
-                        config.batch_size, children, local=local)
+                        batch, children, local=local)
     slices = 3 * math.ceil(2 * kc / 8) * 8 * 4 / 2 * n_orientations * n_classes if plan.cache_coarse_slices else 0.0
     chunk = 3 * 2 * kc * 4 / 2 * plan.orientations_per_chunk if not plan.cache_coarse_slices else 0.0
     per_particle = (local_per_particle_bytes if local else per_particle_bytes)(kc, kf, n_orientations, n_t, n_classes)

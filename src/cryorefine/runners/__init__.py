@@ -18,4 +18,4 @@ def for_config(config, min_mpi_ranks, on_abort=None):
 
     backend = make_backend(config)
     logging.getLogger("cryorefine").info("E-step engine: %s", backend.describe())
-    return SerialRunner(backend, config.batch_size, config.preread_images, config.scratch_dir)
+    return SerialRunner(backend, config.batch_size_for, config.preread_images, config.scratch_dir)

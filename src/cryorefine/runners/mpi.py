@@ -203,7 +203,7 @@ class MpiRunner:
         self.objects.bcast(("noise", (settings, n_optics)), root=0)
         noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
         pending, status = {}, MPI.Status()
-        for number in range(-(-len(particles) // self.config.batch_size)):
+        for number in range(-(-len(particles) // self.config.batch_size_for(settings.ori_size_px))):
             while number not in pending:
                 while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
                     self._raise_worker_failure()
@@ -252,7 +252,7 @@ class MpiRunner:
         tic = time.perf_counter()
         self.objects.bcast(("iteration", self._without_held_maps(plan, model) + (previous,)), root=0)
         broadcast = time.perf_counter() - tic
-        batch_size = self.config.batch_size
+        batch_size = self.config.batch_size_for(settings.ori_size_px)
         queues = [deque(particles.batches(batch_size, unit.members)) for unit in plan.units]
         n_units = len(plan.units)
         served = {w: units_of_worker(w, self.n_workers, n_units) for w in range(self.n_workers)}
@@ -320,7 +320,8 @@ class MpiRunner:
     def _noise_batches(self, backend, particles, settings, n_optics):
         """This worker's share of the initial noise pass (`initial_noise_spectra`), each batch's sums to the master."""
         worker = self.rank - 1
-        mine = ((number, indices) for number, indices in enumerate(particles.batches(self.config.batch_size))
+        mine = ((number, indices) for number, indices in enumerate(particles.batches(self.config.batch_size_for(
+            settings.ori_size_px)))
                 if number % self.n_workers == worker)
         with backend.iteration_scope():
             for number, sums in noise_batch_sums(particles, settings, n_optics, mine, backend.array_module):

@@ -21,16 +21,17 @@ class SerialRunner:
 
     leads = True  # runs the iteration loop itself
 
-    def __init__(self, backend, batch_size, preread_images=False, scratch_dir=None):
+    def __init__(self, backend, batch_size_for, preread_images=False, scratch_dir=None):
         self.backend = backend
-        self.batch_size = int(batch_size)
+        self.batch_size_for = batch_size_for  # particles per batch of images of a box (config.batch_size_for)
         self.preread_images = bool(preread_images)
         self.scratch_dir = scratch_dir
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass over all images, prepared on the backend (the device's arena is open)."""
         with self.backend.iteration_scope():
-            return initial_noise_spectra(particles, settings, n_optics, self.batch_size, self.backend.array_module)
+            return initial_noise_spectra(particles, settings, n_optics, self.batch_size_for(settings.ori_size_px),
+                                         self.backend.array_module)
 
     @contextlib.contextmanager
     def session(self):
@@ -51,7 +52,7 @@ class SerialRunner:
         inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
                              job.config.do_norm)
         work = ((u, indices) for u, unit in enumerate(plan.units)
-                for indices in particles.batches(self.batch_size, unit.members))
+                for indices in particles.batches(self.batch_size_for(settings.ori_size_px), unit.members))
 
         def on_result(u, indices, result):
             store(indices, result)
