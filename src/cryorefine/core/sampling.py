@@ -187,6 +187,8 @@ def _normalised_gaussian(dist, row, n_rows, sigma, cutoff):
 # sizes (healpy.nside2resol) of any point of the middle pixel: measured ≥ 0.70 at orders 0–5
 # (tests/core/test_sampling.py checks the neighbourhoods this gives against discs)
 _BLOCK_REACH_IN_PIXELS = 0.5
+# a local search's candidate directions are measured for this many (particle, candidate) pairs at a time
+LOCAL_CANDIDATES_PER_CHUNK = 1 << 18
 
 
 def _neighbourhood_pixels(order: int, centres, radius_rad: float) -> np.ndarray:
@@ -524,7 +526,8 @@ class Sampling:
     def _local_directions(self, prior_rot_deg, prior_tilt_deg, sigma_deg, cutoff):
         """Ragged (offsets, directions, log priors) of the directions near each prior direction: the
         candidates are the pixels of order N inside a block of coarser pixels around each symmetry mate
-        of the prior (`_neighbourhood_pixels`), their exact angles decide."""
+        of the prior (`_neighbourhood_pixels`), their exact angles decide. Particles go in chunks of about
+        LOCAL_CANDIDATES_PER_CHUNK candidates (a group of 60 mates has 60 blocks per particle)."""
         import healpy
 
         n = prior_rot_deg.size
@@ -533,7 +536,24 @@ class Sampling:
         mates = np.einsum("bj,gjk->bgk", q, mats)  # q·R: the angle to d is the one between Rᵀq and d
         # at least two pixels wide: the candidates hold the nearest direction when none is in range
         radius = max(math.radians(cutoff * sigma_deg), 2.0 * healpy.nside2resol(healpix_nside(self.healpix_order)))
-        pix = _neighbourhood_pixels(self.healpix_order, mates, radius)  # (B, C), −1 for none
+        counts, directions, log_priors = [], [], []
+        start, step = 0, 1  # the first particle alone tells how many candidates a particle has
+        while start < n:
+            pix = _neighbourhood_pixels(self.healpix_order, mates[start:start + step], radius)  # (b, C), −1: none
+            chunk = self._directions_in_range(pix, mates[start:start + step], sigma_deg, cutoff)
+            counts.append(chunk[0])
+            directions.append(chunk[1])
+            log_priors.append(chunk[2])
+            start += step
+            step = max(1, LOCAL_CANDIDATES_PER_CHUNK // max(pix.shape[1], 1))
+        counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+        offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+        return offsets, np.concatenate(directions or [np.zeros(0, np.int64)]), np.concatenate(log_priors or [np.zeros(0)])
+
+    def _directions_in_range(self, pix, mates, sigma_deg, cutoff):
+        """Counts (b,), directions and log priors of `_local_directions` for candidate pixels (b, C) (−1: none)
+        around the mates (b, G, 3) of b particles."""
+        n = pix.shape[0]
         found = np.where(pix >= 0, self._direction_of_pixel[pix], -1)  # increasing where ≥ 0 (NEST ranges)
         empty = ~(found >= 0).any(axis=1)
         if empty.any():  # no unit pixel near any mate (a tiny disc): every direction is a candidate
@@ -541,19 +561,29 @@ class Sampling:
             found = np.pad(found, ((0, 0), (0, width - found.shape[1])), constant_values=-1)
             found[empty] = -1
             found[empty, :self.n_directions] = np.arange(self.n_directions)
-        valid = found >= 0
-        vectors = self._direction_vectors[np.where(valid, found, 0)]  # (B, C, 3)
-        cosine = np.einsum("bck,bgk->bcg", vectors, mates).max(axis=2)
-        cosine[~valid] = -np.inf
-        # the candidates in range (a hair wider: the angles below decide), else the nearest alone
+        if mates.shape[1] == 1:  # C1: every candidate is a direction, measured in place
+            cosine = np.einsum("bck,bk->bc", self._direction_vectors[np.maximum(found, 0)], mates[:, 0])
+            row, col = np.nonzero((found >= 0) & (cosine > math.cos(math.radians(cutoff * sigma_deg)) - 2e-9))
+            if np.unique(row).size < n:  # a particle with none in range: all its candidates, for its nearest
+                row, col = np.nonzero(found >= 0)
+            cand, cosine = found[row, col], cosine[row, col]
+        else:  # the unit's directions only (1/|G| of the candidates)
+            row, col = np.nonzero(found >= 0)
+            cand = found[row, col]
+            cosine = np.einsum("ngk,nk->ng", mates[row], self._direction_vectors[cand]).max(axis=1)
+        # the candidates in range (a hair wider: the angles below decide), else each particle's nearest alone
         near = cosine > math.cos(math.radians(cutoff * sigma_deg)) - 1e-9
-        near[np.flatnonzero(~near.any(axis=1)), np.argmax(cosine[~near.any(axis=1)], axis=1)] = True
-        row, col = np.nonzero(near)
-        cand = found[row, col]
-        angle = np.rad2deg(np.arccos(np.clip(cosine[row, col], -1.0, 1.0)))
+        has = np.zeros(n, dtype=bool)
+        has[row[near]] = True
+        if not has.all():
+            starts = np.searchsorted(row, np.arange(n))
+            for r in np.flatnonzero(~has):  # candidates are increasing: the first of equals, as np.argmin
+                stop = starts[r + 1] if r + 1 < n else row.size
+                near[starts[r] + int(np.argmax(cosine[starts[r]:stop]))] = True
+        row, cand, cosine = row[near], cand[near], cosine[near]
+        angle = np.rad2deg(np.arccos(np.clip(cosine, -1.0, 1.0)))
         keep, log_prior = _normalised_gaussian(angle, row, n, sigma_deg, cutoff)
-        offsets = np.r_[0, np.cumsum(np.bincount(row[keep], minlength=n))].astype(np.int64)
-        return offsets, cand[keep], log_prior
+        return np.bincount(row[keep], minlength=n).astype(np.int64), cand[keep], log_prior
 
     def _local_psi(self, prior_psi_deg, sigma_deg, cutoff):
         """Ragged (offsets, psi indices, log priors) of the psi angles near each prior psi."""
