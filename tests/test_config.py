@@ -20,6 +20,7 @@ def test_a_given_batch_wins_and_the_cpu_keeps_its_own_default():
     cpu = RefineConfig(**files, engine="numpy")
     assert gpu.batch_size_for(360) == 512 and gpu.batch_size_for(800) == 103
     assert cpu.batch_size_for(360) == cpu.batch_size_for(800) == 128
+    assert cpu.batch_size_for(360, on_gpu=True) == 512  # what `plan` asks for a GPU run, wherever it plans
     for config in (gpu, cpu):
         given = RefineConfig(**files, engine=config.engine, batch_size=7)
         assert given.batch_size_for(360) == given.batch_size_for(800) == 7

@@ -75,10 +75,12 @@ class RefineConfig:
     dtype: str = "float32"  # numpy engine precision: float32 (as the GPU), or float64 (the oracle's)
     threads: int | None = None  # --j: the CPU engine's threads (None: this machine's cores, shared among its ranks)
 
-    def batch_size_for(self, box_px: int) -> int:
-        """Particles per E-step batch for images of `box_px`: --batch (or --pool) as given, else the default of
-        the engine (`default_batch_size`)."""
-        return self.batch_size if self.batch_size is not None else default_batch_size(box_px, self.engine == "cuda")
+    def batch_size_for(self, box_px: int, on_gpu: bool | None = None) -> int:
+        """Particles per E-step batch for images of `box_px`: --batch (or --pool) as given, else the default
+        (`default_batch_size`) of the GPU or the CPU (`on_gpu`; None: this config's engine)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return default_batch_size(box_px, self.engine == "cuda" if on_gpu is None else on_gpu)
 
     def check(self):
         """This config, or an InputError naming the first option out of RELION's range and what to give."""

@@ -561,26 +561,25 @@ class Sampling:
             found = np.pad(found, ((0, 0), (0, width - found.shape[1])), constant_values=-1)
             found[empty] = -1
             found[empty, :self.n_directions] = np.arange(self.n_directions)
+        # the candidates in range (a hair wider: the angles below decide); a particle with none keeps all of its
+        # candidates, of which _normalised_gaussian keeps the nearest
+        least = math.cos(math.radians(cutoff * sigma_deg)) - 1e-9
         if mates.shape[1] == 1:  # C1: every candidate is a direction, measured in place
             cosine = np.einsum("bck,bk->bc", self._direction_vectors[np.maximum(found, 0)], mates[:, 0])
-            row, col = np.nonzero((found >= 0) & (cosine > math.cos(math.radians(cutoff * sigma_deg)) - 2e-9))
-            if np.unique(row).size < n:  # a particle with none in range: all its candidates, for its nearest
-                row, col = np.nonzero(found >= 0)
+            valid = found >= 0
+            near = valid & (cosine > least)
+            near |= valid & ~near.any(axis=1)[:, None]
+            row, col = np.nonzero(near)
             cand, cosine = found[row, col], cosine[row, col]
         else:  # the unit's directions only (1/|G| of the candidates)
             row, col = np.nonzero(found >= 0)
             cand = found[row, col]
             cosine = np.einsum("ngk,nk->ng", mates[row], self._direction_vectors[cand]).max(axis=1)
-        # the candidates in range (a hair wider: the angles below decide), else each particle's nearest alone
-        near = cosine > math.cos(math.radians(cutoff * sigma_deg)) - 1e-9
-        has = np.zeros(n, dtype=bool)
-        has[row[near]] = True
-        if not has.all():
-            starts = np.searchsorted(row, np.arange(n))
-            for r in np.flatnonzero(~has):  # candidates are increasing: the first of equals, as np.argmin
-                stop = starts[r + 1] if r + 1 < n else row.size
-                near[starts[r] + int(np.argmax(cosine[starts[r]:stop]))] = True
-        row, cand, cosine = row[near], cand[near], cosine[near]
+            near = cosine > least
+            has = np.zeros(n, dtype=bool)
+            has[row[near]] = True
+            near |= ~has[row]
+            row, cand, cosine = row[near], cand[near], cosine[near]
         angle = np.rad2deg(np.arccos(np.clip(cosine, -1.0, 1.0)))
         keep, log_prior = _normalised_gaussian(angle, row, n, sigma_deg, cutoff)
         return np.bincount(row[keep], minlength=n).astype(np.int64), cand[keep], log_prior

@@ -30,7 +30,6 @@ import numpy as np
 from cryorefine.em import memory, schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
-from cryorefine.config import default_batch_size
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
 
@@ -131,7 +130,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     fixed = estep_sums + references
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
-    batch = config.batch_size if config.batch_size is not None else default_batch_size(box, on_gpu=True)  # a GPU run's
+    batch = config.batch_size_for(box, on_gpu=True)  # a GPU run's, wherever it is planned
     prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
                 * memory.PREPARED_BYTES_PER_PIXEL * float(current) ** 2)
     plan = plan_batches(max(arena_bytes - fixed - prepared, 1), kc, kf, n_orientations, n_t, n_classes,
