@@ -118,3 +118,30 @@ def test_a_batch_prepared_in_parts_is_the_batch_prepared_whole(particles):
         want = getattr(whole, f.name)
         np.testing.assert_array_equal(getattr(joined, f.name), want, err_msg=f.name)
         np.testing.assert_array_equal(getattr(tail, f.name), want[1:], err_msg=f.name)
+
+
+@pytest.mark.parametrize("current", [20, 21, 32])
+def test_noise_sums_hold_every_coefficient_of_each_shell_once(particles, current):
+    """Against a reference of zeros every sample's difference is the masked image itself, so the E-step's noise
+    sums (its coefficients' differences plus the power it leaves out) are each shell's whole power: the shell
+    that the current size's circle splits (|k| = current/2 rounds to it from both sides) included. RELION's
+    projections are 0 beyond that circle, so its sums are the same."""
+    from cryorefine.core.projector import Projector
+    from cryorefine.core.sampling import Sampling
+    from cryorefine.estep.engine import IterationSetup
+    from cryorefine.estep.reference import NumpyEngine
+    from cryorefine.images import shell_power
+
+    settings = ImageSettings(32, 2.0, 40.0, zero_mask=True, do_ctf=True)
+    indices = np.arange(5)
+    with mrc.StackReader() as reader:
+        batch = prepare_batch(particles, indices, reader, settings, current, 1.0, 1)
+        whole = prepare_batch(particles, indices, reader, settings, 32, 1.0, 1).images_ft
+    expected = shell_power(whole, 32, 17).sum(axis=0)
+    engine = NumpyEngine()
+    engine.setup(IterationSetup(projectors=[Projector(np.zeros((32, 32, 32)))], sigma2_noise=np.ones((1, 17)),
+                                sampling=Sampling(healpix_order=0, offset_range_px=1, offset_step_px=1),
+                                ori_size_px=32, current_size_px=current, coarse_size_px=min(current, 16),
+                                pixel_size_angstrom=2.0, log_pdf_class=np.zeros(1), sigma_offset_px=3.0))
+    engine.run(batch)
+    np.testing.assert_allclose(engine.sums().sigma2_noise[0], expected, rtol=1e-9)

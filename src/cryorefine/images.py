@@ -42,11 +42,14 @@ class ImageSettings:
         return self.particle_diameter_angstrom / (2 * self.pixel_size_angstrom)
 
 
-def shell_power(ft, ori_size_px, n_shells, xp=np):
-    """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells)."""
+def shell_power(ft, ori_size_px, n_shells, xp=np, beyond_radius_px=None):
+    """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells); with
+    `beyond_radius_px` only over the coefficients with |k| > that radius."""
     size = ft.shape[-2]
     ky, kx = fourier.frequencies_2d(size, xp)
     use = ~((kx == 0) & (ky < 0))
+    if beyond_radius_px is not None:
+        use = use & (kx * kx + ky * ky > beyond_radius_px * beyond_radius_px)
     shells = xp.where(use, xp.rint(xp.sqrt(kx * kx + ky * ky)), n_shells).astype(xp.int64)
     return fourier.shell_sum(xp.abs(ft) ** 2, shells, n_shells, xp)
 
@@ -228,7 +231,10 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
         del masked
     del images
     n_shells = n // 2 + 1
-    power = shell_power(ft_mask, n, n_shells, xp)
+    # the power of the coefficients the E-step leaves out (|k| > current size / 2), per shell: it counts as noise.
+    # Shell current/2 is split by that circle (round |k| = current/2 on both sides of it), as RELION's is, whose
+    # projections are 0 beyond the circle
+    power = shell_power(ft_mask, n, n_shells, xp, beyond_radius_px=current_size_px / 2)
     ft_mask = fourier.window_ft_2d(ft_mask, current_size_px, xp)
     if settings.do_ctf:
         # the CTF at the current size: the same integer frequencies of the original box

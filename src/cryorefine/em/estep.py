@@ -203,7 +203,7 @@ def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np):
             batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
                                   images=images)
             del images
-            sums = noise.batch_sums(batch.images_ft, batch.optics_index, batch.power_beyond_current)
+            sums = noise.batch_sums(batch.images_ft, batch.optics_index)
             del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
             yield numbers.popleft(), sums
 

@@ -715,9 +715,7 @@ class CupyEngine:
                 tic = self._tick("backproject", tic)
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)
-        beyond = pre["power_beyond"].copy()
-        beyond[:, : s.current_size_px // 2 + 1] = 0.0
-        beyond = beyond[:, :n_shells]
+        beyond = pre["power_beyond"][:, :n_shells]
         np.add.at(sums.sigma2_noise, optics, noise_h + beyond)
         wdiff_total = noise_h.sum(axis=1) + beyond.sum(axis=1)
         sums.sumw_group += np.bincount(optics, minlength=sums.sumw_group.size)

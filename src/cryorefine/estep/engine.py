@@ -71,7 +71,7 @@ class Batch:
     prior_psi_deg: np.ndarray
     old_class: np.ndarray  # (B,) 0-based
     norm_correction: np.ndarray  # (B,) the norm correction applied to the images
-    power_beyond_current: np.ndarray  # (B, ori_size//2+1) image power per shell (for shells ≥ n/2)
+    power_beyond_current: np.ndarray  # (B, ori_size//2+1) per shell, the masked image's power at |k| > current/2
 
 
 @dataclass

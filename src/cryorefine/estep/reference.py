@@ -250,9 +250,7 @@ class NumpyEngine:
         # power beyond the current size counts as noise (RELION extends the spectra with it)
         sums = self.sums_
         n_shells = sums.sigma2_noise.shape[1]
-        beyond = pre["power_beyond"].copy()
-        beyond[:, : s.current_size_px // 2 + 1] = 0.0
-        beyond = beyond[:, :n_shells]
+        beyond = pre["power_beyond"][:, :n_shells]
         np.add.at(sums.sigma2_noise, pre["optics"], beyond)
         sums.sumw_group += np.bincount(pre["optics"], minlength=sums.sumw_group.size)
         wdiff_total = np.array([o.pop("wdiff") for o in out]) + beyond.sum(axis=1)
