@@ -19,7 +19,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-KERNEL_FILES = ("project.cu", "coarse.cu", "local.cu", "fine.cu", "backproject.cu", "segments.cu")
+KERNEL_FILES = ("atomics.cu", "project.cu", "coarse.cu", "local.cu", "fine.cu", "backproject.cu", "segments.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)

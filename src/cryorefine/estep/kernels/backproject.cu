@@ -40,8 +40,7 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
             const int dz = corner >> 2, dy = (corner >> 1) & 1, dx = corner & 1;
             const float cw = (dz ? fz : 1.f - fz) * (dy ? fy : 1.f - fy) * (dx ? fx : 1.f - fx);
             const size_t i = base + dz * sz + dy * sy + dx;
-            atomicAdd(&data[2 * i], cw * v.x);
-            atomicAdd(&data[2 * i + 1], cw * v.y);
+            atomic_add_complex(&data[2 * i], cw * v.x, cw * v.y);
             atomicAdd(&weight[i], cw * wv);
         }
     }

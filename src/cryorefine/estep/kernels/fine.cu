@@ -211,8 +211,7 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
                 dsum.y += wf * shn[it].y;
             }
             const size_t at = (size_t)(row0 + io) * n_coef + c;
-            atomicAdd(&slice_data[at].x, store * dsum.x);
-            atomicAdd(&slice_data[at].y, store * dsum.y);
+            atomic_add_complex(&slice_data[at].x, store * dsum.x, store * dsum.y);
             atomicAdd(&slice_weight[at], store * cv * wsum);
         }
         atomicAdd(&s_hist[min(shell[c], n_shells - 1)], wd2);

@@ -1,0 +1,71 @@
+"""Back-projection with one float2 atomic per complex sum (Hopper) against two scalar ones, side by side on one GPU.
+
+    python benchmarks/backproject_atomics.py [--size 214] [--particles 500] [--rows 40]
+
+The kernels of the package (`backproject_slices`) are compiled twice, once with -DSCALAR_ATOMICS; both
+back-project the same slices: --particles clusters of --rows orientations within about a degree of each other
+(as a late local search's significant orientations are), every coefficient of a --size px image (the E-step's
+disc) with a positive weight, into one class's padded (×2) volume. Prints each variant's kernel time (median of
+5) and the largest difference of their sums relative to the largest sum.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+
+def main():
+    import cupy as cp
+
+    from cryorefine.core import euler
+    from cryorefine.estep.common import Coefficients
+    from cryorefine.estep.kernels import COMPILE_OPTIONS, kernel_source
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--size", type=int, default=214, help="Current image size (px).")
+    parser.add_argument("--particles", type=int, default=500)
+    parser.add_argument("--rows", type=int, default=40, help="Orientations per particle.")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    coef = Coefficients.create(args.size)
+    n_coef = coef.positions.size
+    poses = rng.uniform([-180, 0, -180], [180, 180, 180], (args.particles, 3))
+    angles = (poses[:, None, :] + rng.normal(0, 0.5, (args.particles, args.rows, 3))).reshape(-1, 3)
+    mats = cp.asarray(euler.euler_to_matrix(angles[:, 0], angles[:, 1], angles[:, 2]).reshape(-1, 9), cp.float32)
+    n_rows = angles.shape[0]
+    data = (cp.random.standard_normal((n_rows, n_coef), dtype=cp.float32)
+            + 1j * cp.random.standard_normal((n_rows, n_coef), dtype=cp.float32)).astype(cp.complex64)
+    weight = cp.random.uniform(0.1, 1.0, (n_rows, n_coef), dtype=cp.float32)
+    row_class = cp.zeros(n_rows, dtype=cp.int32)
+    kx, ky = cp.asarray(coef.kx, cp.float32), cp.asarray(coef.ky, cp.float32)
+    pf = 2.0
+    r_pad = pf * args.size / 2
+    d = 2 * int(r_pad) + 3
+    w = int(r_pad) + 2
+    origin = d // 2
+    results = {}
+    for name, extra in (("float2 atomics", ()), ("scalar atomics", ("-DSCALAR_ATOMICS",))):
+        fn = cp.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + extra).get_function("backproject_slices")
+        times = []
+        for _ in range(6):
+            vol = cp.zeros(d * d * w * 2, dtype=cp.float32)
+            vol_w = cp.zeros(d * d * w, dtype=cp.float32)
+            cp.cuda.Device().synchronize()
+            tic = time.perf_counter()
+            fn(((n_coef + 127) // 128, min(n_rows, 65535)), (128,),
+               (data, weight, mats, row_class, np.int32(n_rows), kx, ky, np.int32(n_coef), np.int32(d), np.int32(w),
+                np.int32(origin), np.float32(pf), np.float32(r_pad * r_pad * (1 + 1e-5)), np.int64(d * d * w), vol,
+                vol_w))
+            cp.cuda.Device().synchronize()
+            times.append(time.perf_counter() - tic)
+        results[name] = (float(np.median(times[1:])), vol, vol_w)
+        print(f"{name}: {results[name][0] * 1e3:.1f} ms for {n_rows} slices of {n_coef} coefficients "
+              f"({n_rows * n_coef / results[name][0] / 1e9:.2f} G coefficients/s)")
+    (_, a, aw), (_, b, bw) = results.values()
+    print(f"largest difference of the data sums: {float(cp.abs(a - b).max() / cp.abs(b).max()):.2e} of the largest, "
+          f"weights {float(cp.abs(aw - bw).max() / cp.abs(bw).max()):.2e}")
+
+
+if __name__ == "__main__":
+    main()
