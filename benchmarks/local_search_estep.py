@@ -74,7 +74,8 @@ def run_order(cp, setup, batch, batch_size, free_gpu_memory_mb):
                 parts = [sub_batch(batch, np.arange(start, min(n, start + batch_size)))  # host copies, not timed
                          for start in range(0, n, batch_size)]
                 tic = time.perf_counter()  # the neighbourhoods' sizes, apart from the E-step's timing
-                counts = [local_orientations(setup, part).counts() for part in parts]
+                counts = [local_orientations(setup, part.prior_rot_deg, part.prior_tilt_deg,
+                                             part.prior_psi_deg).counts() for part in parts]
                 count_seconds = time.perf_counter() - tic
                 tic = time.perf_counter()
                 significant = []

@@ -216,7 +216,7 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     got = gpu.last_coarse_diff2[0]  # (B, K, width, T)
     ref = NumpyEngine(np.float64)
     ref.setup(setup)
-    orientation, _ = local_orientations(setup, batch).padded()
+    orientation, _ = local_orientations(setup, batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg).padded()
     width, n_t = orientation.shape[1], ref.translations.shape[0]
     assert got.shape == (7, 2, width, n_t) and width > LOCAL_RT and (n_t > LOCAL_TT) == (offset_range > 3), got.shape
     sel = ref._fine_to_coarse_selection()

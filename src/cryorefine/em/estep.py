@@ -4,16 +4,17 @@ An iteration's E-step is a list of work units (`WorkUnit`: the particles of a ha
 set of classes, with the engine set-up they are compared under). Whoever runs the E-step (one
 process, or an MPI worker fed by the master) hands `run_batches` a stream of (unit, particle
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
-one is worked on), prepares them, runs the unit's engine and passes the per-particle results on.
-An engine is set up when its unit's first batch arrives and its weighted sums are collected when
+one is worked on), prepares them, runs the unit's engine and passes the per-particle results on; in a
+local search the next batch's neighbourhoods are computed on another thread while the engine runs this
+one. An engine is set up when its unit's first batch arrives and its weighted sums are collected when
 the unit's batches end; a batch of large images is prepared in parts that fit the device's free
 memory and handed to the engine joined (in runs, where even the prepared images are too many);
 where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished unit's sums
 wait on the host while the next unit is worked on. Every second is added to a named stage:
-`setup` (engines), `read_wait` (waiting for the read-ahead thread), `images` (preparation), `results`
-(each batch's per-particle results stored, progress), `park` (sums moved to the host), then the
-engine's own stages. The initial noise spectra are added up one batch at a time (`noise_batch_sums`),
-so that MPI workers can share the pass out.
+`setup` (engines), `read_wait` (waiting for the read-ahead thread), `orientations` (waiting for the
+neighbourhoods' thread), `images` (preparation), `results` (each batch's per-particle results stored,
+progress), `park` (sums moved to the host), then the engine's own stages. The initial noise spectra are
+added up one batch at a time (`noise_batch_sums`), so that MPI workers can share the pass out.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.em import memory
+from cryorefine.estep.common import local_orientations
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.images import NoiseEstimate, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
@@ -73,52 +76,82 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
     come together; `on_result(unit index, indices, BatchResult)` after each batch. Returns the weighted
     sums of each unit that had batches {unit index: WeightedSums}; with `park_finished` those of every unit
     but the last are on the host (moved there as the unit ends, `backend.to_host`; stage `park`). Seconds
-    per stage are added to `stages`, the engines' operation counts to `flops`."""
+    per stage are added to `stages`, the engines' operation counts to `flops`.
+
+    In a local search the next batch's neighbourhoods (`estep.common.local_orientations` under its unit's
+    set-up, from its particles' previous poses) are computed on a thread while the engine runs this batch,
+    and handed to `engine.run`; the main thread's wait for them is stage `orientations`."""
     xp = backend.array_module
     previous = inputs.previous
     norms = previous.norm_correction if inputs.use_norms else np.ones_like(previous.norm_correction)
     poses = (previous.rot_deg, previous.tilt_deg, previous.psi_deg)
-    unit_of_batch = deque()
+    queued = deque()  # (unit, indices) of the batches taken from `work` (read_ahead takes one ahead), in order
 
     def batches():
         for u, indices in work:
-            unit_of_batch.append(u)
+            queued.append((u, indices))
             yield indices
 
     sums = {}
     engine, current = None, None
-    tic_wait = time.perf_counter()
-    for indices, images in particles.read_ahead(batches(), reader, xp):
-        u = unit_of_batch.popleft()
-        tic = add_seconds(stages, "read_wait", tic_wait)
-        if u != current:
-            if engine is not None:
-                sums[current] = _collect(engine, stages, flops)  # its seconds go to the engine's own stages
-                engine = None  # its device buffers go before the next engine takes its own
+    with ThreadPoolExecutor(1, thread_name_prefix="neighbourhoods") as pool:
+
+        def neighbourhoods(u, indices):  # a future of them (None in a global search), computed on the thread
+            return pool.submit(local_orientations, units[u].setup, *(p[indices] for p in poses))
+
+        tic = time.perf_counter()
+        _make_lazy_tables(units, poses)
+        tic_wait = add_seconds(stages, "orientations", tic)
+        following = None
+        for indices, images in particles.read_ahead(batches(), reader, xp):
+            u, _ = queued.popleft()
+            tic = add_seconds(stages, "read_wait", tic_wait)
+            # this batch's neighbourhoods were started while the last batch ran (the first batch's start now);
+            # the next batch's start now, under its own unit's set-up
+            this = following if following is not None else neighbourhoods(u, indices)
+            following = neighbourhoods(*queued[0]) if queued else None
+            tic = add_seconds(stages, "orientations", tic)
+            if u != current:
+                if engine is not None:
+                    sums[current] = _collect(engine, stages, flops)  # its seconds go to the engine's own stages
+                    engine = None  # its device buffers go before the next engine takes its own
+                    tic = time.perf_counter()
+                    if park_finished:
+                        sums[current].move_volumes(backend.to_host)
+                        tic = add_seconds(stages, "park", tic)
+                engine = backend.make_engine()
+                engine.setup(units[u].setup)
+                current = u
+                tic = add_seconds(stages, "setup", tic)
+            prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs, norms,
+                                        poses, xp)
+            runs = _engine_runs(backend, indices.size, settings.ori_size_px, inputs.current_size_px)
+            for parts in runs:
+                batch = prepare_in_parts(prepare, parts)
+                tic = add_seconds(stages, "images", tic)
+                # a batch taken in several runs has its neighbourhoods computed by the engine, run by run
+                local = this.result() if len(runs) == 1 else None
+                add_seconds(stages, "orientations", tic)
+                result = engine.run(batch, local=local)
                 tic = time.perf_counter()
-                if park_finished:
-                    sums[current].move_volumes(backend.to_host)
-                    tic = add_seconds(stages, "park", tic)
-            engine = backend.make_engine()
-            engine.setup(units[u].setup)
-            current = u
-            tic = add_seconds(stages, "setup", tic)
-        prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs, norms, poses,
-                                    xp)
-        for parts in _engine_runs(backend, indices.size, settings.ori_size_px, inputs.current_size_px):
-            batch = prepare_in_parts(prepare, parts)
-            add_seconds(stages, "images", tic)
-            result = engine.run(batch)
-            tic = time.perf_counter()
-            del batch  # its device arrays go before the next batch's (the arena is a stack)
-            result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
-            on_result(u, indices[parts[0].start:parts[-1].stop], result)
-            tic = add_seconds(stages, "results", tic)
-        del images, prepare
-        tic_wait = time.perf_counter()
+                del batch, local  # its device arrays go before the next batch's (the arena is a stack)
+                result.class_index = np.asarray(units[u].classes)[np.asarray(result.class_index)]
+                on_result(u, indices[parts[0].start:parts[-1].stop], result)
+                tic = add_seconds(stages, "results", tic)
+            del images, prepare, this
+            tic_wait = time.perf_counter()
     if engine is not None:
         sums[current] = _collect(engine, stages, flops)
     return sums
+
+
+def _make_lazy_tables(units, poses):
+    """The tables a local search's sampling makes on first use (functools.cached_property: the directions, the
+    pixel -> direction map) made on this thread, by one particle's neighbourhood per unit, before the engine and
+    the neighbourhoods' thread share the sampling."""
+    for unit in units:
+        if unit.setup.local_searches and len(unit.members):
+            local_orientations(unit.setup, *(p[unit.members[:1]] for p in poses))
 
 
 def _prepare_part(particles, indices, images, reader, settings, inputs, norms, poses, xp, part):

@@ -167,13 +167,14 @@ def inverse_sigma2(sigma2, shell, keep_origin):
     return values
 
 
-def local_orientations(setup, batch):
+def local_orientations(setup, prior_rot_deg, prior_tilt_deg, prior_psi_deg):
     """Each particle's orientations and their log priors (core.sampling.LocalOrientations) in a local search of
-    `setup`, around the batch's previous poses; None in a global search."""
+    `setup`, around its previous pose (a batch's prior_rot_deg, prior_tilt_deg, prior_psi_deg); None in a global
+    search."""
     if not setup.local_searches:
         return None
-    return setup.sampling.local_orientations(batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg,
-                                             setup.sigma_rot_deg, setup.sigma_psi_deg)
+    return setup.sampling.local_orientations(prior_rot_deg, prior_tilt_deg, prior_psi_deg, setup.sigma_rot_deg,
+                                             setup.sigma_psi_deg)
 
 
 def groups_by_size(sizes, limit):

@@ -228,7 +228,9 @@ class CupyEngine:
         return b, p2, n
 
     # ------------------------------------------------------------------ one batch
-    def run(self, batch):
+    def run(self, batch, local=None):
+        """The E-step of one batch (`estep.engine.Engine.run`); `local`: its local-search neighbourhoods when the
+        caller computed them ahead, else they are computed here."""
         from cryorefine.gpu.allocator import Scope
 
         cp = self.cp
@@ -238,7 +240,9 @@ class CupyEngine:
         blocks = []
         with cp.cuda.Device(self.device_id):
             tic = time.perf_counter()
-            local = local_orientations(self.setup_, batch)
+            if local is None:
+                local = local_orientations(self.setup_, batch.prior_rot_deg, batch.prior_tilt_deg,
+                                           batch.prior_psi_deg)
             self.stage_seconds["orientations"] += time.perf_counter() - tic
             step = max(1, self.plan.particles_per_batch if local is None else self._local_batch_size(local))
             for start in range(0, n, step):

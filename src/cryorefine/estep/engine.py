@@ -248,8 +248,10 @@ class Engine(Protocol):
     def setup(self, setup: IterationSetup) -> None:
         """References, noise model, sampling and priors of the iteration; sums start at zero."""
 
-    def run(self, batch: Batch) -> BatchResult:
-        """The E-step of one batch: per-particle results; the weighted sums are accumulated."""
+    def run(self, batch: Batch, local=None) -> BatchResult:
+        """The E-step of one batch: per-particle results; the weighted sums are accumulated. `local`: the batch's
+        local-search neighbourhoods (`estep.common.local_orientations` of its priors) where the caller computed
+        them ahead; None: the engine computes them (None too in a global search)."""
 
     def sums(self) -> WeightedSums:
         """The sums accumulated over every batch since `setup`."""

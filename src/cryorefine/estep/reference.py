@@ -94,7 +94,9 @@ class NumpyEngine:
         return np.concatenate(out) if out else np.zeros((0, coefficients.positions.size), self.complex)
 
     # ------------------------------------------------------------------ one batch
-    def run(self, batch):
+    def run(self, batch, local=None):
+        """The E-step of one batch (`estep.engine.Engine.run`); `local`: its local-search neighbourhoods when the
+        caller computed them ahead, else they are computed here."""
         optics = np.asarray(batch.optics_index)
         ctf_plain = self.fine.gather(np.asarray(batch.ctf)).astype(self.real)
         pre = {
@@ -108,7 +110,8 @@ class NumpyEngine:
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64),
         }
         tic = time.perf_counter()
-        local = local_orientations(self.setup_, batch)
+        if local is None:
+            local = local_orientations(self.setup_, batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg)
         b_idx, flat, olp, n_significant = self._coarse_pass(pre, local)
         self.stage_seconds["coarse"] += time.perf_counter() - tic
         # the fine pass in groups of particles, so that memory stays bounded however broad the weights
