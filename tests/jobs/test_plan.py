@@ -128,3 +128,12 @@ def test_a_local_search_is_estimated_from_its_interpolations_not_its_translation
     fast = plan_json(capsys, particles, "--gpu_tflops", 500)["moments"]
     assert fast[1]["estep_seconds"] < base[1]["estep_seconds"] < slow[1]["estep_seconds"]
     assert fast[1]["estep_seconds"] > 0.5 * base[1]["estep_seconds"]  # the fixed costs stay
+
+
+def test_a_batch_holds_no_more_than_a_unit_of_particles(capsys, particles):
+    """10 particles: a refinement's half sets hold 5 each, a classification's one unit all 10, however many the
+    GPU's default batch would take (512 at 64 px); the prediction is for what the engine is handed."""
+    refine = plan_json(capsys, particles, "--ini_high", 40)["moments"][0]
+    classify = plan_json(capsys, particles, "--ini_high", 40, "--K", 2)["moments"][0]
+    assert refine["particles_per_batch"] == 5
+    assert classify["particles_per_batch"] == 10

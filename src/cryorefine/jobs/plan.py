@@ -130,7 +130,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     fixed = estep_sums + references
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
-    batch = config.batch_size_for(box, on_gpu=True)  # a GPU run's, wherever it is planned
+    # a GPU run's, wherever it is planned; no more than a unit's particles (a half set, or all of them)
+    batch = min(config.batch_size_for(box, on_gpu=True), max(1, math.ceil(n_particles / units)))
     prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
                 * memory.PREPARED_BYTES_PER_PIXEL * float(current) ** 2)
     plan = plan_batches(max(arena_bytes - fixed - prepared, 1), kc, kf, n_orientations, n_t, n_classes,
