@@ -538,3 +538,16 @@ def test_relion_constants():
     assert sch.ACCURACY_NEG_LOG_P == pytest.approx(math.log(100), abs=1e-5)
     assert sch.angular_step_deg(2) == 15.0 and sch.angular_step_deg(2, 1) == 7.5
     assert sch.local_search_sigma_deg(4, 1) == 3.75
+
+
+def test_the_fine_step_is_measured_against_the_detail_the_e_step_compares():
+    """Order 2 with oversampling 1 steps 7.5°: at the edge of a 270 Å particle that is 7.5/360·π·270 = 17.67 Å,
+    resolving 17.67 / 1.2 = 14.73 Å (RELION's keep-safe factor). A 64 px box of 4.57 Å compares 64·4.57/20 =
+    14.62 Å at 40 px (too coarse) and 15.39 Å at 38 px; oversampling 2 halves the step."""
+    at40 = sch.fine_step(2, 1, 270.0, 40, 64, 4.57)
+    assert at40.step_deg == pytest.approx(7.5)
+    assert at40.resolves_angstrom == pytest.approx(7.5 / 360 * np.pi * 270 / 1.2)
+    assert at40.compared_angstrom == pytest.approx(14.624)
+    assert at40.too_coarse
+    assert not sch.fine_step(2, 1, 270.0, 38, 64, 4.57).too_coarse
+    assert not sch.fine_step(2, 2, 270.0, 40, 64, 4.57).too_coarse

@@ -276,3 +276,18 @@ def test_skip_align_on_the_gpu_matches_the_cpu(tmp_path):
         fsc = np.asarray(fsc_volumes(a, b))
         print(f"class {k}: FSC(CPU map, GPU map) min {fsc[1:shell_limit + 1].min():.5f} up to shell {shell_limit}")
         assert fsc[1:shell_limit + 1].min() >= 0.99
+
+
+@pytest.mark.parametrize("oversampling, said", [(1, True), (3, False)])
+def test_a_fine_step_coarser_than_the_compared_detail_is_said_once(tmp_path, caplog, oversampling, said):
+    """32 px of 12 Å compared whole (24 Å), a 320 Å particle: order 1 with oversampling 1 steps 15°, resolving
+    15/360·π·320/1.2 = 34.9 Å, so a warning in iteration 1 and not again; oversampling 3 (3.75°, 8.7 Å) none."""
+    make_mixture(tmp_path, 10)
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / "run", "--iter", 2, *CLASSIFY_ARGS, "--oversampling", oversampling)
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records if "fine angular step" in r.getMessage()]
+    assert len(lines) == (1 if said else 0), lines
+    if said:
+        assert lines[0].startswith("iteration 1:") and "--oversampling 2" in lines[0]

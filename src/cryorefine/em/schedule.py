@@ -381,6 +381,29 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
     return ImageSizes(int(current), int(coarse))
 
 
+class FineStep(NamedTuple):
+    step_deg: float  # the fine (oversampled) angular step
+    resolves_angstrom: float  # the finest detail that step supports at the particle's edge
+    compared_angstrom: float  # the finest detail the E-step compares (Nyquist of the current size)
+
+    @property
+    def too_coarse(self) -> bool:
+        return self.resolves_angstrom > self.compared_angstrom
+
+
+def fine_step(healpix_order: int, oversampling: int, particle_diameter_angstrom: float, current_size_px: int,
+              ori_size_px: int, pixel_size_angstrom: float) -> FineStep:
+    """The keep-safe rule RELION uses to size the coarse pass (a step moves the particle's edge by its rotated
+    distance step/360·π·diameter; detail finer than that / 1.2 is not resolved), applied to the fine pass and
+    the current size. Not a RELION rule: classification keeps its sampling, and where the fine step resolves
+    less than the E-step compares, the best class of a particle can follow the grid's luck (its pose's error),
+    not its state (benchmarks/README.md, classification accuracy)."""
+    step = angular_step_deg(healpix_order, oversampling)
+    resolves = step / 360.0 * math.pi * particle_diameter_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_3D
+    compared = ori_size_px * pixel_size_angstrom / (current_size_px / 2)
+    return FineStep(step, resolves, compared)
+
+
 def update_size_flags_from_fsc(optimiser, state: ScheduleState, fsc_halves, current_size_px: int):
     """RELION's check after the half-map FSC (MlOptimiserMpi::maximization, before the M-step).
 

@@ -104,6 +104,7 @@ class ClassifyJob:
         self.config = config
         self.particles = None
         self.masks = None  # em.solvent.SolventMasks, read by load (on an MPI worker: at its first M-step)
+        self.fine_step_said = False  # the warning that the fine angular step is coarse is given once
 
     # ------------------------------------------------------------------ set-up
     def load(self):
@@ -179,6 +180,8 @@ class ClassifyJob:
             sizes = schedule.ImageSizes(sizes.current_size_px, sizes.current_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         do_cc = iteration == 1 and config.firstiter_cc
+        if not (config.skip_align or self.local_sigmas() or do_cc or self.fine_step_said):
+            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, sizes.current_size_px, model)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -201,6 +204,18 @@ class ClassifyJob:
         else:
             units = [unit("all classes", everyone, list(range(k_classes)), True)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
+
+    def _say_if_fine_step_is_coarse(self, iteration, healpix_order, current_size_px, model):
+        step = schedule.fine_step(healpix_order, self.config.oversampling, self.diameter_angstrom, current_size_px,
+                                  model.ori_size_px, model.pixel_size_angstrom)
+        if step.too_coarse:
+            self.fine_step_said = True
+            log.warning("iteration %d: the fine angular step (%.3g°, --healpix_order %d --oversampling %d) resolves "
+                        "%.1f Å at the particle's edge, less than the %.1f Å the E-step now compares (%d px): "
+                        "particles may change class on their poses' errors from one iteration to the next; "
+                        "--oversampling %d or --healpix_order %d samples finer", iteration, step.step_deg,
+                        healpix_order, self.config.oversampling, step.resolves_angstrom, step.compared_angstrom,
+                        current_size_px, self.config.oversampling + 1, healpix_order + 1)
 
     def _setup(self, model, sampling, sizes, classes, do_cc, class_prior, optimiser):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
