@@ -210,11 +210,11 @@ class ClassifyJob:
                                   model.ori_size_px, model.pixel_size_angstrom)
         if step.too_coarse:
             self.fine_step_said = True
-            log.warning("iteration %d: the fine angular step (%.3g°, --healpix_order %d --oversampling %d) resolves "
-                        "%.1f Å at the particle's edge, less than the %.1f Å the E-step now compares (%d px): "
+            log.warning("the fine angular step (%.3g°, --healpix_order %d --oversampling %d) resolves %.1f Å at the "
+                        "particle's edge, less than the %.1f Å the E-step compares from iteration %d on (%d px): "
                         "particles may change class on their poses' errors from one iteration to the next; "
-                        "--oversampling %d or --healpix_order %d samples finer", iteration, step.step_deg,
-                        healpix_order, self.config.oversampling, step.resolves_angstrom, step.compared_angstrom,
+                        "--oversampling %d or --healpix_order %d samples finer", step.step_deg, healpix_order,
+                        self.config.oversampling, step.resolves_angstrom, step.compared_angstrom, iteration,
                         current_size_px, self.config.oversampling + 1, healpix_order + 1)
 
     def _setup(self, model, sampling, sizes, classes, do_cc, class_prior, optimiser):
