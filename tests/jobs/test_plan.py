@@ -70,6 +70,18 @@ def test_a_run_that_cannot_fit_is_refused_with_what_to_change(capsys, particles)
     assert code == 2 and "use a GPU with at least" in err
 
 
+def test_a_classification_refused_at_its_assumed_late_resolution_names_resolution(capsys, particles):
+    """A classification's late iteration is planned at three quarters of Nyquist unless --resolution says
+    otherwise (classifications often end far coarser): a refusal there names the assumption and the option;
+    one planned at a given resolution does not."""
+    code, out, err = run_cli(capsys, "plan", "--i", particles, "--K", 4, "--gpu_memory", 0.01, "--free_gpu_memory", 0)
+    assert code == 2 and err.count("\n") == 1
+    assert "the late" in err and "three quarters of Nyquist" in err and "--resolution" in err
+    code, out, err = run_cli(capsys, "plan", "--i", particles, "--K", 4, "--resolution", 20, "--gpu_memory", 0.01,
+                             "--free_gpu_memory", 0)
+    assert code == 2 and "three quarters of Nyquist" not in err
+
+
 def test_symmetry_counts_the_orientations_of_the_asymmetric_unit(capsys, particles):
     c1 = plan_json(capsys, particles)["moments"]
     d2 = plan_json(capsys, particles, "--sym", "D2")["moments"]

@@ -207,6 +207,9 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         hint = (f"lower --free_gpu_memory to {max(0.0, (gpu.memory_bytes - worst.peak_bytes) / 2 ** 20 - 256):.0f}"
                 if worst.peak_bytes < gpu.memory_bytes - 512 * 2 ** 20 else
                 f"use a GPU with at least {need_gb:.0f} GB, or --pad 1 (padded volumes one eighth the size)")
+        if worst.label.startswith("late") and late_resolution_angstrom is None:
+            hint += (f"; the late iteration is planned at {late:.1f} Å (three quarters of Nyquist): --resolution "
+                     f"plans it at the resolution the job is expected to reach")
         raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.1f} GB of GPU memory "
                          f"but the arena on {gpu.name} has {arena / GB:.1f} GB; {hint}")
     return {"particles": n, "box_px": box, "pixel_size_angstrom": pixel, "gpu": gpu, "arena_bytes": arena,
