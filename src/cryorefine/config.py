@@ -58,6 +58,7 @@ class RefineConfig:
     max_iterations: int = 50
     adaptive_fraction: float = 0.999
     max_significants: int = -1  # --maxsig; -1: no limit
+    strict_highres_exp_angstrom: float = -1.0  # --strict_highres_exp: the E-step's likelihood up to this resolution; ≤ 0: none
     do_norm: bool = False
     do_scale: bool = False
     auto_refine: bool = True  # gold-standard halves with RELION's auto-sampling

@@ -551,3 +551,14 @@ def test_the_fine_step_is_measured_against_the_detail_the_e_step_compares():
     assert at40.too_coarse
     assert not sch.fine_step(2, 1, 270.0, 38, 64, 4.57).too_coarse
     assert not sch.fine_step(2, 2, 270.0, 40, 64, 4.57).too_coarse
+
+
+def test_the_likelihood_size_of_strict_highres_exp():
+    """2·round(64·4.57 / 20) = 2·round(14.6) = 30 px, at most the current size; none without the limit; and the
+    coarse size follows it (RELION: both passes at that size)."""
+    assert sch.likelihood_size_px(20.0, 64, 4.57, 40) == 30
+    assert sch.likelihood_size_px(20.0, 64, 4.57, 24) == 24
+    assert sch.likelihood_size_px(-1.0, 64, 4.57, 40) is None
+    sizes = sch.image_sizes(15.0, 2, 270.0, 64, 4.57, 10, False, False, ave_pmax=0.5,
+                            strict_highres_exp_angstrom=20.0)
+    assert sizes.coarse_size_px == 30 and sizes.current_size_px > 30

@@ -319,3 +319,25 @@ def test_local_search_across_the_asymmetric_unit_border_finds_the_symmetry_mate(
     found = euler.euler_to_matrix(result.rot_deg, result.tilt_deg, result.psi_deg)
     np.testing.assert_allclose(found, truth, atol=1e-9)
     assert np.all(angular_distance_deg(found, mate, group) < 1e-6)
+
+
+def test_the_likelihood_size_leaves_the_coefficients_beyond_it_out_of_the_posterior(problem):
+    """--strict_highres_exp (likelihood_size_px 10 of 16 px, the coarse pass at that size as the schedule sets it):
+    what the images hold beyond |k| = 5 changes no pose, class or pmax; without the limit it does."""
+    rng, volume, projector, sampling, sigma2 = problem
+    images = noisy_projections(rng, projector, 4, 0.02)
+    ky, kx = fourier.frequencies_2d(N)
+    beyond = kx ** 2 + ky ** 2 > 25
+    changed = images + beyond * (rng.normal(size=images.shape) + 1j * rng.normal(size=images.shape)) * 0.05
+    ctf = np.ones((4, N, N // 2 + 1))
+
+    def results(likelihood_size, imgs):
+        engine = NumpyEngine()
+        engine.setup(setup_for(projector, sampling, sigma2 * 1e3, coarse=10, likelihood_size_px=likelihood_size))
+        return engine.run(make_batch(imgs, ctf, np.zeros((4, 2))))
+
+    limited, limited_changed = results(10, images), results(10, changed)
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "pmax"):
+        np.testing.assert_allclose(getattr(limited_changed, name), getattr(limited, name), rtol=1e-9, atol=1e-9)
+    whole, whole_changed = results(None, images), results(None, changed)
+    assert not np.allclose(whole_changed.pmax, whole.pmax, rtol=1e-6)

@@ -291,3 +291,19 @@ def test_a_fine_step_coarser_than_the_compared_detail_is_said_once(tmp_path, cap
     assert len(lines) == (1 if said else 0), lines
     if said:
         assert "from iteration 1 on" in lines[0] and "--oversampling 2" in lines[0]
+
+
+def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):
+    """RELION's --strict_highres_exp 48 on 32 px of 12 Å: both passes compare 2·round(384/48) = 16 px while the
+    current size stays the whole box (ini_high 40 + 10 shells); the optimiser file records the limit as RELION's."""
+    make_mixture(tmp_path, 10)
+    code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o", tmp_path / "run",
+                   "--iter", 1, *CLASSIFY_ARGS, "--strict_highres_exp", 48)
+    assert code == 0
+    from cryorefine.io.star import read_star
+
+    general = read_star(tmp_path / "run_it001_optimiser.star")["optimiser_general"]
+    assert float(general["rlnHighresLimitExpectation"]) == 48.0
+    assert int(general["rlnCoarseImageSize"]) == 16
+    model = read_star(tmp_path / "run_it001_model.star")["model_general"]
+    assert int(model["rlnCurrentImageSize"]) == 32

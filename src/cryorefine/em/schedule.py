@@ -368,7 +368,7 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
     current = min(current, ori_size_px)
 
     if strict_highres_exp_angstrom > 0:
-        coarse = 2 * _relion_round(n_angstrom / strict_highres_exp_angstrom)
+        coarse = likelihood_size_px(strict_highres_exp_angstrom, ori_size_px, pixel_size_angstrom, ori_size_px)
     elif oversampling > 0:
         rotated_distance_angstrom = angular_step_deg(healpix_order) / 360.0 * math.pi * particle_diameter_angstrom
         coarse_resolution_angstrom = rotated_distance_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_3D
@@ -379,6 +379,17 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
         coarse = current
     coarse = min(current, coarse)
     return ImageSizes(int(current), int(coarse))
+
+
+def likelihood_size_px(strict_highres_exp_angstrom: float, ori_size_px: int, pixel_size_angstrom: float,
+                       current_size_px: int) -> int | None:
+    """--strict_highres_exp: the image size both E-step passes compare, 2·round(ori_size·pixel_size / limit), at
+    most the current size (RELION's coarse size then, used by its fine pass too; the sums keep the current size);
+    None without the limit (≤ 0)."""
+    if strict_highres_exp_angstrom <= 0:
+        return None
+    size = 2 * _relion_round(ori_size_px * pixel_size_angstrom / strict_highres_exp_angstrom)
+    return min(int(current_size_px), size)
 
 
 class FineStep(NamedTuple):

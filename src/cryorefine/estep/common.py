@@ -111,7 +111,11 @@ class IterationTables:
         assert coarse_selection.size == coarse.positions.size
         sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
         shell = fine.shell
-        valid_log = np.where((shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1]),
+        # --strict_highres_exp: the likelihood's coefficients end at the likelihood size (RELION compares both
+        # passes at its coarse size); the sums (minv_store) keep them all
+        reach = s.likelihood_size_px
+        compared = r2 <= (reach / 2) ** 2 if reach else np.ones(r2.shape, bool)
+        valid_log = np.where(compared[None, :] & (shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1]),
                              np.log(2 * np.pi * np.maximum(sigma2[:, np.minimum(shell, sigma2.shape[1] - 1)],
                                                            1e-300)), 0.0)
         sampling = s.sampling
@@ -125,7 +129,7 @@ class IterationTables:
             dvp = np.asarray(s.data_vs_prior)
             scale_use = dvp[:, np.minimum(shell, dvp.shape[1] - 1)] > 3.0
         return cls(n_classes=n_classes, fine=fine, coarse=coarse, coarse_selection=coarse_selection, sigma2=sigma2,
-                   minv_fine=inverse_sigma2(sigma2, shell, keep_origin=False),
+                   minv_fine=inverse_sigma2(sigma2, shell, keep_origin=False) * compared[None, :],
                    minv_store=inverse_sigma2(sigma2, shell, keep_origin=True),
                    minv_coarse=inverse_sigma2(sigma2, coarse.shell, keep_origin=False),
                    logsigma2=valid_log.sum(axis=1), sampling=sampling, n_orientations=int(sampling.n_orientations),

@@ -40,6 +40,9 @@ class IterationSetup:
     coarse_size_px: int
     pixel_size_angstrom: float
     log_pdf_class: np.ndarray  # (K,)
+    # --strict_highres_exp: the fine pass's likelihood compares the coefficients up to this size (the coarse one);
+    # None: up to the current size. The sums keep the current size.
+    likelihood_size_px: int | None = None
     log_pdf_direction: np.ndarray | None = None  # (K, n_directions) or None for uniform
     sigma_offset_px: float = 10.0
     do_cc: bool = False  # normalised cross-correlation instead of likelihood (--firstiter_cc)

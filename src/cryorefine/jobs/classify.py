@@ -175,13 +175,17 @@ class ClassifyJob:
         optimiser = replace(run.optimiser, iteration=iteration)
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      model.ori_size_px, model.pixel_size_angstrom, config.incr_size_px, False, False,
-                                     ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+                                     ave_pmax=model.ave_pmax, oversampling=config.oversampling,
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
         if config.skip_align:  # RELION: no oversampling, so one pass at the current size
             sizes = schedule.ImageSizes(sizes.current_size_px, sizes.current_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         do_cc = iteration == 1 and config.firstiter_cc
         if not (config.skip_align or self.local_sigmas() or do_cc or self.fine_step_said):
-            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, sizes.current_size_px, model)
+            compared = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                   model.pixel_size_angstrom, sizes.current_size_px)
+            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, compared or sizes.current_size_px,
+                                             model)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -238,7 +242,9 @@ class ClassifyJob:
             data_vs_prior=None if model.ssnr is None else model.ssnr[0][classes],
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             local_searches=bool(config.skip_align or optimiser.local_searches),
-            sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg)
+            sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
+            likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                           model.pixel_size_angstrom, sizes.current_size_px))
 
     def maximize(self, model, sums, plan, backend):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction

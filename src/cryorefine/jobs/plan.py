@@ -190,7 +190,8 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
             ("first", res0.resolution_angstrom, config.healpix_order, False, False),
             (f"late ({late:.1f} Å)", late, config.healpix_order, False, False)):
         sizes = schedule.image_sizes(resolution, order, diameter, box, pixel, config.incr_size_px, False, final,
-                                     ave_pmax=0.0, oversampling=config.oversampling)
+                                     ave_pmax=0.0, oversampling=config.oversampling,
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
         sampling = Sampling(healpix_order=order, offset_range_px=config.offset_range_px,
                             offset_step_px=config.offset_step_px, symmetry=config.symmetry)
         n_orient = sampling.n_orientations

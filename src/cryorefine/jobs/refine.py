@@ -119,12 +119,14 @@ class RefineJob:
         final = optimiser.do_join_halves
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      box, pixel, run.schedule.incr_size_px, optimiser.has_high_fsc_at_resol_limit,
-                                     final, ave_pmax=model.ave_pmax, oversampling=config.oversampling)
+                                     final, ave_pmax=model.ave_pmax, oversampling=config.oversampling,
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         do_cc = iteration == 1 and config.firstiter_cc
         if not do_cc and model.tau2 is not None:
-            acc = schedule.estimated_accuracy_from_model(model, sizes.current_size_px, self.diameter_angstrom,
-                                                         do_ctf=config.do_ctf)
+            # RELION: the accuracy of the images the E-step compares (the coarse size with --strict_highres_exp)
+            compared = (sizes.coarse_size_px if config.strict_highres_exp_angstrom > 0 else sizes.current_size_px)
+            acc = schedule.estimated_accuracy_from_model(model, compared, self.diameter_angstrom, do_ctf=config.do_ctf)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
@@ -149,7 +151,9 @@ class RefineJob:
             local_searches=optimiser.local_searches, sigma_rot_deg=optimiser.sigma_rot_deg,
             sigma_psi_deg=optimiser.sigma_psi_deg, scale_correction=model.scale_correction if config.do_scale else None,
             data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
-            avg_norm_correction=model.avg_norm_correction)
+            avg_norm_correction=model.avg_norm_correction,
+            likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                           model.pixel_size_angstrom, sizes.current_size_px))
 
     def maximize(self, model, sums, plan, backend):
         """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
