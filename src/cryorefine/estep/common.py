@@ -112,7 +112,8 @@ class IterationTables:
         sigma2 = np.asarray(s.sigma2_noise, dtype=np.float64)
         shell = fine.shell
         # --strict_highres_exp: the likelihood's coefficients end at the likelihood size (RELION compares both
-        # passes at its coarse size); the sums (minv_store) keep them all
+        # passes at its coarse size, which is then no larger; with --skip_align the one pass is at the current
+        # size, so the coarse table is cut too); the sums (minv_store) keep them all
         reach = s.likelihood_size_px
         compared = r2 <= (reach / 2) ** 2 if reach else np.ones(r2.shape, bool)
         valid_log = np.where(compared[None, :] & (shell[None, :] > 0) & (shell[None, :] < sigma2.shape[1]),
@@ -131,7 +132,8 @@ class IterationTables:
         return cls(n_classes=n_classes, fine=fine, coarse=coarse, coarse_selection=coarse_selection, sigma2=sigma2,
                    minv_fine=inverse_sigma2(sigma2, shell, keep_origin=False) * compared[None, :],
                    minv_store=inverse_sigma2(sigma2, shell, keep_origin=True),
-                   minv_coarse=inverse_sigma2(sigma2, coarse.shell, keep_origin=False),
+                   minv_coarse=(inverse_sigma2(sigma2, coarse.shell, keep_origin=False)
+                                * compared[None, coarse_selection]),
                    logsigma2=valid_log.sum(axis=1), sampling=sampling, n_orientations=int(sampling.n_orientations),
                    n_psi=int(sampling.n_psi), translations=translations, fine_translations=fine_translations,
                    n_fine_orientations=sampling.n_fine_orientations(),
