@@ -370,8 +370,8 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
     if strict_highres_exp_angstrom > 0:
         coarse = likelihood_size_px(strict_highres_exp_angstrom, ori_size_px, pixel_size_angstrom, ori_size_px)
     elif oversampling > 0:
-        rotated_distance_angstrom = angular_step_deg(healpix_order) / 360.0 * math.pi * particle_diameter_angstrom
-        coarse_resolution_angstrom = rotated_distance_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_3D
+        coarse_resolution_angstrom = keep_safe_resolution_angstrom(angular_step_deg(healpix_order),
+                                                                   particle_diameter_angstrom)
         coarse = 2 * math.ceil(n_angstrom / coarse_resolution_angstrom)
         max_coarse = max_coarse_size_px if max_coarse_size_px > 0 else ori_size_px
         coarse = min(max_coarse, coarse)
@@ -379,6 +379,13 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
         coarse = current
     coarse = min(current, coarse)
     return ImageSizes(int(current), int(coarse))
+
+
+def keep_safe_resolution_angstrom(step_deg: float, particle_diameter_angstrom: float) -> float:
+    """The finest detail an angular step resolves by RELION's keep-safe rule (the coarse size's): the step moves
+    the particle's edge by its rotated distance step/360·π·diameter, and detail finer than that / 1.2 is not
+    resolved."""
+    return step_deg / 360.0 * math.pi * particle_diameter_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_3D
 
 
 def likelihood_size_px(strict_highres_exp_angstrom: float, ori_size_px: int, pixel_size_angstrom: float,
@@ -404,15 +411,13 @@ class FineStep(NamedTuple):
 
 def fine_step(healpix_order: int, oversampling: int, particle_diameter_angstrom: float, current_size_px: int,
               ori_size_px: int, pixel_size_angstrom: float) -> FineStep:
-    """The keep-safe rule RELION uses to size the coarse pass (a step moves the particle's edge by its rotated
-    distance step/360·π·diameter; detail finer than that / 1.2 is not resolved), applied to the fine pass and
-    the current size. Not a RELION rule: classification keeps its sampling, and where the fine step resolves
-    less than the E-step compares, the best class of a particle can follow the grid's luck (its pose's error),
-    not its state (benchmarks/README.md, classification accuracy)."""
+    """The keep-safe rule RELION uses to size the coarse pass (`keep_safe_resolution_angstrom`), applied to the
+    fine pass and the size the E-step compares. Not a RELION rule: classification keeps its sampling, and where
+    the fine step resolves less than the E-step compares, the best class of a particle can follow the grid's luck
+    (its pose's error), not its state (benchmarks/README.md, classification accuracy)."""
     step = angular_step_deg(healpix_order, oversampling)
-    resolves = step / 360.0 * math.pi * particle_diameter_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_3D
     compared = ori_size_px * pixel_size_angstrom / (current_size_px / 2)
-    return FineStep(step, resolves, compared)
+    return FineStep(step, keep_safe_resolution_angstrom(step, particle_diameter_angstrom), compared)
 
 
 def update_size_flags_from_fsc(optimiser, state: ScheduleState, fsc_halves, current_size_px: int):

@@ -180,11 +180,12 @@ class ClassifyJob:
         if config.skip_align:  # RELION: no oversampling, so one pass at the current size
             sizes = schedule.ImageSizes(sizes.current_size_px, sizes.current_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        # --strict_highres_exp: the size both E-step passes compare (None: the current size)
+        likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                 model.pixel_size_angstrom, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
         if not (config.skip_align or self.local_sigmas() or do_cc or self.fine_step_said):
-            compared = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
-                                                   model.pixel_size_angstrom, sizes.current_size_px)
-            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, compared or sizes.current_size_px,
+            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, likelihood or sizes.current_size_px,
                                              model)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
@@ -198,7 +199,7 @@ class ClassifyJob:
             searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
                         else sampling)
             return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
-                            self._setup(model, searched, sizes, classes, do_cc, class_prior, optimiser))
+                            self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser))
 
         if do_cc:  # class 1 alone, all particles
             units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
@@ -221,7 +222,7 @@ class ClassifyJob:
                         self.config.oversampling, step.resolves_angstrom, step.compared_angstrom, iteration,
                         current_size_px, self.config.oversampling + 1, healpix_order + 1)
 
-    def _setup(self, model, sampling, sizes, classes, do_cc, class_prior, optimiser):
+    def _setup(self, model, sampling, sizes, likelihood_size_px, classes, do_cc, class_prior, optimiser):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
         `class_prior`, else flat. RELION's prior in global searches is instead the joint distribution of
         classes and directions of the last M-step (pdf_direction); measured on two-state sets
@@ -243,8 +244,7 @@ class ClassifyJob:
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             local_searches=bool(config.skip_align or optimiser.local_searches),
             sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
-            likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
-                                                           model.pixel_size_angstrom, sizes.current_size_px))
+            likelihood_size_px=likelihood_size_px)
 
     def maximize(self, model, sums, plan, backend):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction

@@ -122,11 +122,13 @@ class RefineJob:
                                      final, ave_pmax=model.ave_pmax, oversampling=config.oversampling,
                                      strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        # --strict_highres_exp: the size both E-step passes compare (None: the current size)
+        likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
         if not do_cc and model.tau2 is not None:
-            # RELION: the accuracy of the images the E-step compares (the coarse size with --strict_highres_exp)
-            compared = (sizes.coarse_size_px if config.strict_highres_exp_angstrom > 0 else sizes.current_size_px)
-            acc = schedule.estimated_accuracy_from_model(model, compared, self.diameter_angstrom, do_ctf=config.do_ctf)
+            # RELION: the accuracy of the images the E-step compares
+            acc = schedule.estimated_accuracy_from_model(model, likelihood or sizes.current_size_px,
+                                                         self.diameter_angstrom, do_ctf=config.do_ctf)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
@@ -137,10 +139,10 @@ class RefineJob:
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         run.optimiser = optimiser
         units = [WorkUnit(f"half {h + 1}", self.members[h], np.zeros(1, np.int64),
-                          self._setup(model, optimiser, sampling, sizes, h, do_cc)) for h in (0, 1)]
+                          self._setup(model, optimiser, sampling, sizes, likelihood, h, do_cc)) for h in (0, 1)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units, final)
 
-    def _setup(self, model, optimiser, sampling, sizes, half, do_cc):
+    def _setup(self, model, optimiser, sampling, sizes, likelihood_size_px, half, do_cc):
         config = self.config
         return IterationSetup(
             projectors=None, maps=[model.maps[half][0]], sigma2_noise=model.sigma2_noise, sampling=sampling,
@@ -151,9 +153,7 @@ class RefineJob:
             local_searches=optimiser.local_searches, sigma_rot_deg=optimiser.sigma_rot_deg,
             sigma_psi_deg=optimiser.sigma_psi_deg, scale_correction=model.scale_correction if config.do_scale else None,
             data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
-            avg_norm_correction=model.avg_norm_correction,
-            likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
-                                                           model.pixel_size_angstrom, sizes.current_size_px))
+            avg_norm_correction=model.avg_norm_correction, likelihood_size_px=likelihood_size_px)
 
     def maximize(self, model, sums, plan, backend):
         """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
