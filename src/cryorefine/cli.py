@@ -284,6 +284,10 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
               help="Local searches: σ (degrees) of rot, tilt and psi around each particle's pose (±3σ).")
 @click.option("--sigma_psi", "sigma_psi", default=None, type=float,
               help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given.")
+@click.option("--relion_oversampling", is_flag=True,
+              help="Keep --oversampling throughout, as RELION does; by default the fine pass samples one order finer "
+                   "from the iteration after the share of particles changing class stops falling, where RELION's "
+                   "fine angular step resolves less than the E-step compares (the fine pass then costs up to 32x).")
 def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging
@@ -446,6 +450,7 @@ def _classify_config(n_classes, options):
     iterations = options["max_iterations"]
     return replace(_refine_config(**options), n_classes=n_classes, auto_refine=False,
                    max_iterations=25 if iterations is None else iterations, skip_align=bool(options.get("skip_align")),
+                   relion_oversampling=bool(options.get("relion_oversampling")),
                    sigma_ang_deg=options.get("sigma_ang"), sigma_psi_deg=options.get("sigma_psi")).check()
 
 

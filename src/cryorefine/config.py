@@ -46,6 +46,7 @@ class RefineConfig:
     skip_align: bool = False  # --skip_align (classify): the poses of the STAR file, only the class is searched
     sigma_ang_deg: float | None = None  # --sigma_ang (classify): local searches of ±3σ around the STAR poses
     sigma_psi_deg: float | None = None  # --sigma_psi: σ of psi in those searches (default: --sigma_ang)
+    relion_oversampling: bool = False  # --relion_oversampling (classify): --oversampling throughout
     auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
     padding_factor: float = 2.0

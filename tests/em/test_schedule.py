@@ -553,6 +553,23 @@ def test_the_fine_step_is_measured_against_the_detail_the_e_step_compares():
     assert not sch.fine_step(2, 2, 270.0, 40, 64, 4.57).too_coarse
 
 
+def test_a_classification_samples_finer_once_its_classes_stall_and_the_step_is_too_coarse():
+    """The first change (against the starting classes) is left out; a stall is a change no smaller than every one
+    after it so far; a step fine enough, or a pmax below 0.5, keeps RELION's sampling."""
+    coarse = sch.fine_step(2, 1, 270.0, 40, 64, 4.57)
+    fine = sch.fine_step(2, 1, 270.0, 38, 64, 4.57)
+    assert coarse.too_coarse and not fine.too_coarse
+    raised = sch.classification_sampling_raised
+    assert raised([0.5, 0.2, 0.25], 0.9, coarse)
+    assert raised([0.5, 0.2, 0.2], 0.9, coarse)
+    assert not raised([0.5, 0.2, 0.15], 0.9, coarse)  # still falling
+    assert not raised([0.0, 0.8], 0.9, coarse)  # one change after the first: nothing to compare
+    assert not raised([0.0, 0.8, 0.7], 0.9, coarse)  # the first (0.0) is not a stall's reference
+    assert not raised([0.5, 0.2, 0.25], 0.9, fine)
+    assert not raised([0.5, 0.2, 0.25], 0.4, coarse)
+    assert raised([0.5, 0.2, 0.25], sch.RAISED_SAMPLING_MIN_AVE_PMAX, coarse)
+
+
 def test_the_likelihood_size_of_strict_highres_exp():
     """2·round(64·4.57 / 20) = 2·round(14.6) = 30 px, at most the current size; none without the limit; and the
     coarse size follows it (RELION: both passes at that size)."""

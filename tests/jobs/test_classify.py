@@ -281,16 +281,47 @@ def test_skip_align_on_the_gpu_matches_the_cpu(tmp_path):
 @pytest.mark.parametrize("oversampling, said", [(1, True), (3, False)])
 def test_a_fine_step_coarser_than_the_compared_detail_is_said_once(tmp_path, caplog, oversampling, said):
     """32 px of 12 Å compared whole (24 Å), a 320 Å particle: order 1 with oversampling 1 steps 15°, resolving
-    15/360·π·320/1.2 = 34.9 Å, so a warning in iteration 1 and not again; oversampling 3 (3.75°, 8.7 Å) none."""
+    15/360·π·320/1.2 = 34.9 Å, so with RELION's sampling kept a warning in iteration 1 and not again; oversampling 3
+    (3.75°, 8.7 Å) none."""
     make_mixture(tmp_path, 10)
     with caplog.at_level("WARNING", logger="cryorefine"):
         code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
-                       tmp_path / "run", "--iter", 2, *CLASSIFY_ARGS, "--oversampling", oversampling)
+                       tmp_path / "run", "--iter", 2, *CLASSIFY_ARGS, "--oversampling", oversampling,
+                       "--relion_oversampling")
     assert code == 0
     lines = [r.getMessage() for r in caplog.records if "fine angular step" in r.getMessage()]
     assert len(lines) == (1 if said else 0), lines
     if said:
         assert "from iteration 1 on" in lines[0] and "--oversampling 2" in lines[0]
+
+
+@pytest.mark.parametrize("relion", [False, True])
+def test_the_fine_pass_is_sampled_finer_once_the_classes_stall(tmp_path, caplog, relion):
+    """The 32 px mixture at --healpix_order 1 (a 15° fine step, too coarse for the 24 Å compared) with a --tau2_fudge
+    so high that the classes churn: once the share of particles changing class stops falling (and pmax is high
+    enough), the next iteration samples at oversampling 2, says so once, and records it in its optimiser file;
+    --relion_oversampling keeps 1."""
+    from cryorefine.io.star import read_star
+
+    make_mixture(tmp_path, 20)
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / "run", "--iter", 6, *CLASSIFY_ARGS, "--tau2_fudge", 4,
+                       *(["--relion_oversampling"] if relion else []))
+    assert code == 0
+    said = [r.getMessage() for r in caplog.records if "samples one order finer" in r.getMessage()]
+    orders = [int(read_star(tmp_path / f"run_it{i:03d}_optimiser.star")["optimiser_general"]
+                  ["rlnAdaptiveOversampleOrder"]) for i in range(1, 7)]
+    pmax = [float(read_star(tmp_path / f"run_it{i:03d}_model.star")["model_general"]["rlnAveragePmax"])
+            for i in range(1, 7)]
+    print(orders, pmax, said)
+    if relion:
+        assert orders == [1] * 6 and not said
+        return
+    assert len(said) == 1, said
+    first = int(said[0].split("from iteration ")[1].split()[0])
+    assert orders == [1] * (first - 1) + [2] * (7 - first)
+    assert pmax[first - 2] >= 0.5  # the rule's pmax is the last M-step's
 
 
 def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):

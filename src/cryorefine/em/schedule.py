@@ -420,6 +420,25 @@ def fine_step(healpix_order: int, oversampling: int, particle_diameter_angstrom:
     return FineStep(step, keep_safe_resolution_angstrom(step, particle_diameter_angstrom), compared)
 
 
+#: classification_sampling_raised: the fewest average pmax at which the fine pass is sampled finer (it costs up to
+#: 32× its children per significant coarse sample; at low pmax there are many)
+RAISED_SAMPLING_MIN_AVE_PMAX = 0.5
+
+
+def classification_sampling_raised(changes_classes, ave_pmax: float, step: FineStep) -> bool:
+    """Whether a classification samples one order of oversampling finer from this iteration on: RELION's fine step
+    (`step`, at --oversampling) is too coarse for the size the E-step compares, the share of particles changing
+    class (`changes_classes`, one value per iteration so far; the first, against the starting classes, left out)
+    has stopped falling, the last no smaller than every one before, and the average pmax is at least
+    RAISED_SAMPLING_MIN_AVE_PMAX. Not a RELION rule (RELION keeps --oversampling): on two-state sets at RELION's
+    sampling the share of particles in their true class fell once the resolution passed what the step resolves;
+    one order finer from the stall kept it nearer its best (benchmarks/README.md, classification accuracy). Waiting
+    for the stall keeps the early iterations, where the classes separate fastest at the coarser step, as RELION's."""
+    changes = np.asarray(changes_classes, dtype=np.float64)[1:]
+    return bool(step.too_coarse and ave_pmax >= RAISED_SAMPLING_MIN_AVE_PMAX and changes.size >= 2
+                and changes[-1] >= changes[:-1].min())
+
+
 def update_size_flags_from_fsc(optimiser, state: ScheduleState, fsc_halves, current_size_px: int):
     """RELION's check after the half-map FSC (MlOptimiserMpi::maximization, before the M-step).
 

@@ -13,8 +13,11 @@ All particles form one set; K references are refined side by side. RELION's rule
 - the class distribution is Σw per class and the class prior of the next search (RELION's prior is
   the joint distribution of classes and directions; it is written to the model file, after a
   cross-correlation iteration class 1's for every class, but not used as a prior: on two-state
-  sets it put fewer particles in their true class); the sampling stays as given
-  (no auto-sampling) and every one of --iter iterations runs (no convergence test); --iter counts
+  sets it put fewer particles in their true class); the sampling stays as given (no auto-sampling), except
+  that the fine pass samples one order finer (orientations and translations) from the iteration after the share
+  of particles changing class stops falling where RELION's fine step resolves less than the E-step compares
+  (`schedule.classification_sampling_raised`; --relion_oversampling keeps RELION's), and every one of --iter
+  iterations runs (no convergence test); --iter counts
   from the start of the run (a --continue from iteration N runs N+1 … --iter);
 - --skip_align: the poses and origins of the STAR file are kept, only the class is searched (one
   orientation and one translation per particle, `em.given_poses`; a single pass at the current
@@ -184,12 +187,11 @@ class ClassifyJob:
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
                                                  model.pixel_size_angstrom, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
-        if not (config.skip_align or self.local_sigmas() or do_cc or self.fine_step_said):
-            self._say_if_fine_step_is_coarse(iteration, optimiser.healpix_order, likelihood or sizes.current_size_px,
-                                             model)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
+        if not (config.skip_align or self.local_sigmas() or do_cc):
+            sampling = self._fine_sampling(run, iteration, sampling, likelihood or sizes.current_size_px, model)
         run.optimiser = optimiser
         everyone = np.arange(len(run.particles.rot_deg))
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
@@ -210,17 +212,38 @@ class ClassifyJob:
             units = [unit("all classes", everyone, list(range(k_classes)), True)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
 
-    def _say_if_fine_step_is_coarse(self, iteration, healpix_order, current_size_px, model):
-        step = schedule.fine_step(healpix_order, self.config.oversampling, self.diameter_angstrom, current_size_px,
+    def _fine_sampling(self, run, iteration, sampling, compared_size_px, model):
+        """`sampling` at one order of oversampling finer from the iteration `schedule.classification_sampling_raised`
+        says on (not with --relion_oversampling); says so once, and warns once where the step used is still too
+        coarse for the size the E-step compares."""
+        config = self.config
+        k = config.oversampling
+        step = schedule.fine_step(sampling.healpix_order, k, self.diameter_angstrom, compared_size_px,
                                   model.ori_size_px, model.pixel_size_angstrom)
-        if step.too_coarse:
+        raised = int(run.extras.get("finer_sampling_from", 0))
+        if not (raised or config.relion_oversampling) and schedule.classification_sampling_raised(
+                run.extras["class_changes"], model.ave_pmax, step):
+            raised = run.extras["finer_sampling_from"] = iteration
+            log.info("from iteration %d on the fine pass samples one order finer (%.3g°, %.3g px): the share of "
+                     "particles changing class has stopped falling (%.3f, average pmax %.2f), and RELION's %.3g° "
+                     "resolves %.1f Å at the particle's edge, less than the %.1f Å compared (%d px); "
+                     "--relion_oversampling keeps RELION's", iteration, sampling.angular_sampling_deg(k + 1),
+                     sampling.offset_sampling_px(k + 1), run.extras["class_changes"][-1], model.ave_pmax,
+                     step.step_deg, step.resolves_angstrom, step.compared_angstrom, compared_size_px)
+        if raised:
+            k += 1
+            step = schedule.fine_step(sampling.healpix_order, k, self.diameter_angstrom, compared_size_px,
+                                      model.ori_size_px, model.pixel_size_angstrom)
+        if step.too_coarse and (raised or config.relion_oversampling) and not self.fine_step_said:
             self.fine_step_said = True
-            log.warning("the fine angular step (%.3g°, --healpix_order %d --oversampling %d) resolves %.1f Å at the "
+            log.warning("the fine angular step (%.3g°, --healpix_order %d, oversampling %d) resolves %.1f Å at the "
                         "particle's edge, less than the %.1f Å the E-step compares from iteration %d on (%d px): "
                         "particles may change class on their poses' errors from one iteration to the next; "
-                        "--oversampling %d or --healpix_order %d samples finer", step.step_deg, healpix_order,
-                        self.config.oversampling, step.resolves_angstrom, step.compared_angstrom, iteration,
-                        current_size_px, self.config.oversampling + 1, healpix_order + 1)
+                        "%s--healpix_order %d samples finer", step.step_deg, sampling.healpix_order, k,
+                        step.resolves_angstrom, step.compared_angstrom, iteration, compared_size_px,
+                        f"--oversampling {k + 1} or " if config.relion_oversampling else "",
+                        sampling.healpix_order + 1)
+        return replace(sampling, oversampling=k) if raised else sampling
 
     def _setup(self, model, sampling, sizes, likelihood_size_px, classes, do_cc, class_prior, optimiser):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
@@ -369,6 +392,8 @@ class ClassifyJob:
                     resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
                     tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)),
             partial(write_optimiser_star, f"{root}_optimiser.star",
-                    optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv)),
+                    # the oversampling this iteration used (one more once `_fine_sampling` raised it)
+                    optimiser_star_blocks(optimiser, model, replace(config, oversampling=plan.sampling.oversampling),
+                                          str(out_root), plan.iteration), list(argv)),
         ]
         return writes
