@@ -33,11 +33,12 @@ def blob_volume(rng, n, blobs=8):
 
 
 def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset_step=2, noise=0.3, ctf=True,
-                   sigma_scale=1.0, **setup_kw):
+                   sigma_scale=1.0, sampling_kw=None, **setup_kw):
     """A reference, a sampling, and noisy CTF-modulated projections at random poses and shifts."""
     rng = np.random.default_rng(seed)
     volume = blob_volume(rng, n)
-    sampling = Sampling(healpix_order=healpix_order, offset_range_px=offset_range, offset_step_px=offset_step)
+    sampling = Sampling(healpix_order=healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
+                        **(sampling_kw or {}))
     projector = Projector(volume)
     rot, tilt, psi = rng.uniform(-180, 180, n_particles), rng.uniform(0, 180, n_particles), rng.uniform(-180, 180,
                                                                                                        n_particles)
@@ -274,7 +275,10 @@ def test_fine_diff2_relative_error_below_1e5(cp):
 
 # ---------------------------------------------------------------------------------------- a whole batch
 @pytest.mark.parametrize("kw", [dict(), dict(do_cc=True), dict(local_searches=True, sigma_rot_deg=12.0,
-                                                                sigma_psi_deg=12.0)])
+                                                                sigma_psi_deg=12.0),
+                                dict(coarse_size_px=20, likelihood_size_px=20),  # --strict_highres_exp
+                                dict(sampling_kw=dict(oversampling=2))],  # 64 × 16 fine children
+                         ids=["global", "cc", "local", "strict_highres_exp", "oversampling_2"])
 def test_batch_results_and_sums_match_the_numpy_engine(cp, kw):
     _, setup, batch = random_problem(7, 32, 12, sigma_scale=5.0, **kw)
     ref, want, gpu, got = run_both(cp, setup, batch)
