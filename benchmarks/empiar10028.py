@@ -46,6 +46,7 @@ is reconstructed from 20 particles, and against such weak references the posteri
 
     python benchmarks/empiar10028.py --work /tmp/e10028 --json benchmarks/results/empiar10028_h100.json
     python benchmarks/empiar10028.py --work /tmp/e10028 --jobs class3d --iterations 4     # a quick look
+    python benchmarks/empiar10028.py --work /tmp/e10028 --jobs class3d -- --relion_oversampling  # options for every job
     python benchmarks/empiar10028.py --engine numpy --work /tmp/tiny                     # CPU, tiny
 """
 
@@ -62,6 +63,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench_common import split_at_double_dash
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.gz"
@@ -176,6 +179,7 @@ def run_job(name, star, reference, work, args, iterations=None):
     arguments += ["--cpu"] if args.engine == "numpy" else ["--gpu", str(args.gpu)]
     if args.batch:
         arguments += ["--batch", str(args.batch)]
+    arguments += [str(a) for a in args.job_options]
     if args.arena_gb and args.engine != "numpy":  # leave free all but --arena_gb of what the device has free now
         import cupy
 
@@ -379,7 +383,9 @@ def main(argv=None):
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help=f"measure without first running each job on {WARMUP_PARTICLES} particles for "
                              f"{WARMUP_ITERATIONS} iterations (which compiles the GPU kernels outside the measurement)")
+    argv, job_options = split_at_double_dash(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.job_options = job_options  # after `--`: options added to every job's command line
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
         from cryorefine.estep.backend import cupy_available
