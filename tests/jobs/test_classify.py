@@ -299,8 +299,8 @@ def test_a_fine_step_coarser_than_the_compared_detail_is_said_once(tmp_path, cap
 def test_the_fine_pass_is_sampled_finer_once_the_classes_stall(tmp_path, caplog, relion):
     """The 32 px mixture at --healpix_order 1 (a 15° fine step, too coarse for the 24 Å compared) with a --tau2_fudge
     so high that the classes churn: once the share of particles changing class stops falling (and pmax is high
-    enough), the next iteration samples at oversampling 2, says so once, and records it in its optimiser file;
-    --relion_oversampling keeps 1."""
+    enough), the next iteration samples at oversampling 2, says so once, records it in its optimiser file and keeps
+    it through a --continue; --relion_oversampling keeps 1."""
     from cryorefine.io.star import read_star
 
     make_mixture(tmp_path, 20)
@@ -322,6 +322,11 @@ def test_the_fine_pass_is_sampled_finer_once_the_classes_stall(tmp_path, caplog,
     first = int(said[0].split("from iteration ")[1].split()[0])
     assert orders == [1] * (first - 1) + [2] * (7 - first)
     assert pmax[first - 2] >= 0.5  # the rule's pmax is the last M-step's
+    caplog.clear()  # a --continue keeps the raised order and does not say it again
+    with caplog.at_level("INFO", logger="cryorefine"):
+        assert run_cli("classify", "--continue", tmp_path / "run_it006_optimiser.star", "--iter", 7) == 0
+    assert not [r for r in caplog.records if "samples one order finer" in r.getMessage()]
+    assert int(read_star(tmp_path / "run_it007_optimiser.star")["optimiser_general"]["rlnAdaptiveOversampleOrder"]) == 2
 
 
 def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):
