@@ -206,6 +206,10 @@ def run_job(name, star, reference, work, args, iterations=None):
         "resolution_angstrom": r.resolution_angstrom, "healpix_order": r.healpix_order,
         "local_searches": r.local_searches, "seconds": dict(r.seconds), "stage_seconds": dict(r.stage_seconds),
         "stage_flops": dict(r.stage_flops)} for r in reports]
+    peaks = list(getattr(backend, "iteration_peak_bytes", []))
+    if iterations and len(peaks) >= len(iterations):  # the arena's peak in use in each iteration (the scopes
+        for it, peak in zip(iterations, peaks[-len(iterations):]):  # before them: the initial noise pass)
+            it["arena_peak_bytes"] = peak
     return {"command": f"cryorefine {command} " + " ".join(map(str, arguments)), "wall_seconds": wall,
             "iterations": iterations, "arena_high_water_bytes": dict(backend.high_water_bytes)}
 
@@ -311,13 +315,15 @@ def format_report(results):
     for name, job in results["jobs"].items():
         s = job["summary"]
         lines += ["", f"### {name}: {job['command']}", "",
-                  "| iteration | size px (coarse) | resolution Å | E-step s | M-step s | write s |",
-                  "|---|---|---|---|---|---|"]
+                  "| iteration | size px (coarse) | resolution Å | E-step s | M-step s | write s | arena peak GB |",
+                  "|---|---|---|---|---|---|---|"]
         for it in job["iterations"]:
             sec = it["seconds"]
+            peak = it.get("arena_peak_bytes")
             lines.append(f"| {it['iteration']} | {it['current_size_px']} ({it['coarse_size_px']}) | "
                          f"{it['resolution_angstrom']:.1f} | {sec.get('expectation', 0):.1f} | "
-                         f"{sec.get('maximization', 0):.1f} | {sec.get('write', 0):.1f} |")
+                         f"{sec.get('maximization', 0):.1f} | {sec.get('write', 0):.1f} | "
+                         f"{'—' if peak is None else f'{peak / 1e9:.2f}'} |")
         lines += ["", "E-step seconds per stage and iteration (columns in the order of the stage table below; "
                   "other: in no named stage):", "",
                   "| it. | order | " + " | ".join(short for short in STAGE_COLUMNS) + " | other | E-step |",

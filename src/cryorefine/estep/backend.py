@@ -63,6 +63,7 @@ class NumpyBackend:
         self.sums_dtype = self.dtype  # the real dtype of the back-projection sums
         self.threads = int(threads)
         self.high_water_bytes = {}
+        self.iteration_peak_bytes = []
 
     def describe(self):
         return f"numpy ({self.dtype}, {self.threads} thread{'s' if self.threads != 1 else ''})"
@@ -116,6 +117,7 @@ class CudaBackend:
         self.use_arena = use_arena
         self.arena = None
         self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
+        self.iteration_peak_bytes = []  # after a run: the arena's peak in use during each iteration (bytes)
 
     def describe(self):
         return f"GPU {self.device_id} (CuPy kernels)"
@@ -152,6 +154,7 @@ class CudaBackend:
             finally:
                 self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}
                 self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
+                self.iteration_peak_bytes = [int(v) for v in self.arena.iteration_peaks]
                 self.arena.close()
                 self.arena = None
 
