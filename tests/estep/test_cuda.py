@@ -308,6 +308,30 @@ def test_batch_results_and_sums_match_the_numpy_engine(cp, kw):
         assert sum(got_w[c].sum() for c in set(got_w) - set(want_w)) < 1e-3
 
 
+def test_the_fine_kernels_of_the_next_oversampling_are_compiled_ahead(cp):
+    """With next_oversampling the engine compiles the fine kernels of that order on a thread at set-up: once it
+    ends, loading them takes no compiler time; a local search or no next order starts none."""
+    import time
+
+    from cryorefine.estep.cuda import CupyEngine
+    from cryorefine.estep.kernels import fine_kernel_names, kernel_module
+
+    _, setup, _ = random_problem(3, 32, 2, next_oversampling=2)
+    engine = CupyEngine()
+    engine.setup(setup)
+    thread = engine.compiled_ahead[2]
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    tic = time.perf_counter()
+    kernel_module(fine_kernel_names(64, 16), engine.device_id)
+    assert time.perf_counter() - tic < 0.5
+    for kw in (dict(), dict(next_oversampling=2, local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0)):
+        _, setup, _ = random_problem(3, 32, 2, **kw)
+        other = CupyEngine()
+        other.setup(setup)
+        assert other.compiled_ahead == {}
+
+
 def test_sub_batches_chunks_and_arena_give_the_same_result(cp):
     """Sub-batches, fine-pass groups and slice chunks change nothing; the arena returns to empty."""
     import dataclasses

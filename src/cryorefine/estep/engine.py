@@ -56,6 +56,9 @@ class IterationSetup:
     padding_factor: float = 2.0
     avg_norm_correction: float = 1.0  # the model's average norm correction (images were scaled by avg/norm)
     maps: list | None = None  # per class: the real-space reference (N, N, N); each engine builds its projectors
+    # an oversampling order a later iteration may switch to (a classification's raise): the GPU engine compiles its
+    # fine-pass kernels for it in the background (None: none expected)
+    next_oversampling: int | None = None
 
 
 @dataclass

@@ -197,11 +197,15 @@ class ClassifyJob:
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
         poses = run.particles
 
+        # the order `_fine_sampling` may raise the fine pass to later: the GPU engine compiles its kernels ahead
+        ahead = (None if config.skip_align or self.local_sigmas() or config.relion_oversampling
+                 or run.extras.get("finer_sampling_from") else config.oversampling + 1)
+
         def unit(name, members, classes, class_prior):
             searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
                         else sampling)
-            return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
-                            self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser))
+            setup = self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser)
+            return WorkUnit(name, members, np.asarray(classes, dtype=np.int64), replace(setup, next_oversampling=ahead))
 
         if do_cc:  # class 1 alone, all particles
             units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
