@@ -206,7 +206,7 @@ def run_job(name, star, reference, work, args, iterations=None):
         "resolution_angstrom": r.resolution_angstrom, "healpix_order": r.healpix_order,
         "local_searches": r.local_searches, "seconds": dict(r.seconds), "stage_seconds": dict(r.stage_seconds),
         "stage_flops": dict(r.stage_flops)} for r in reports]
-    peaks = list(getattr(backend, "iteration_peak_bytes", []))
+    peaks = list(backend.iteration_peak_bytes)
     if iterations and len(peaks) >= len(iterations):  # the arena's peak in use in each iteration (the scopes
         for it, peak in zip(iterations, peaks[-len(iterations):]):  # before them: the initial noise pass)
             it["arena_peak_bytes"] = peak

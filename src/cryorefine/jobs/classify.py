@@ -190,22 +190,23 @@ class ClassifyJob:
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
-        if not (config.skip_align or self.local_sigmas() or do_cc):
+        global_search = not (config.skip_align or self.local_sigmas())
+        if global_search and not do_cc:
             sampling = self._fine_sampling(run, iteration, sampling, likelihood or sizes.current_size_px, model)
+        # the order `_fine_sampling` may raise the fine pass to later: the GPU engine compiles its kernels ahead
+        ahead = (config.oversampling + 1 if global_search and not (config.relion_oversampling
+                                                                   or run.extras.get("finer_sampling_from")) else None)
         run.optimiser = optimiser
         everyone = np.arange(len(run.particles.rot_deg))
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
         poses = run.particles
 
-        # the order `_fine_sampling` may raise the fine pass to later: the GPU engine compiles its kernels ahead
-        ahead = (None if config.skip_align or self.local_sigmas() or config.relion_oversampling
-                 or run.extras.get("finer_sampling_from") else config.oversampling + 1)
-
         def unit(name, members, classes, class_prior):
             searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
                         else sampling)
-            setup = self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser)
-            return WorkUnit(name, members, np.asarray(classes, dtype=np.int64), replace(setup, next_oversampling=ahead))
+            return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
+                            self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser,
+                                        next_oversampling=ahead))
 
         if do_cc:  # class 1 alone, all particles
             units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
@@ -222,8 +223,12 @@ class ClassifyJob:
         coarse for the size the E-step compares."""
         config = self.config
         k = config.oversampling
-        step = schedule.fine_step(sampling.healpix_order, k, self.diameter_angstrom, compared_size_px,
-                                  model.ori_size_px, model.pixel_size_angstrom)
+
+        def step_at(oversampling):
+            return schedule.fine_step(sampling.healpix_order, oversampling, self.diameter_angstrom, compared_size_px,
+                                      model.ori_size_px, model.pixel_size_angstrom)
+
+        step = step_at(k)
         raised = int(run.extras.get("finer_sampling_from", 0))
         if not (raised or config.relion_oversampling) and schedule.classification_sampling_raised(
                 run.extras["class_changes"], model.ave_pmax, step):
@@ -236,8 +241,7 @@ class ClassifyJob:
                      step.step_deg, step.resolves_angstrom, step.compared_angstrom, compared_size_px)
         if raised:
             k += 1
-            step = schedule.fine_step(sampling.healpix_order, k, self.diameter_angstrom, compared_size_px,
-                                      model.ori_size_px, model.pixel_size_angstrom)
+            step = step_at(k)
         if step.too_coarse and (raised or config.relion_oversampling) and not self.fine_step_said:
             self.fine_step_said = True
             log.warning("the fine angular step (%.3g°, --healpix_order %d, oversampling %d) resolves %.1f Å at the "
@@ -249,7 +253,8 @@ class ClassifyJob:
                         sampling.healpix_order + 1)
         return replace(sampling, oversampling=k) if raised else sampling
 
-    def _setup(self, model, sampling, sizes, likelihood_size_px, classes, do_cc, class_prior, optimiser):
+    def _setup(self, model, sampling, sizes, likelihood_size_px, classes, do_cc, class_prior, optimiser,
+               next_oversampling=None):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
         `class_prior`, else flat. RELION's prior in global searches is instead the joint distribution of
         classes and directions of the last M-step (pdf_direction); measured on two-state sets
@@ -271,7 +276,7 @@ class ClassifyJob:
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             local_searches=bool(config.skip_align or optimiser.local_searches),
             sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
-            likelihood_size_px=likelihood_size_px)
+            likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling)
 
     def maximize(self, model, sums, plan, backend):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
