@@ -44,7 +44,8 @@ from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size
 from cryorefine.estep.cuda_plan import plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
-                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, kernel_module, round_up)
+                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, fine_tiles, kernel_module,
+                                      round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,12 @@ class CupyEngine:
         return free_device_bytes(self.arena)
 
     def _compile_ahead(self, setup):
-        """With `setup.next_oversampling`: this iteration's fine kernels now, then those of that order on a
-        background thread (once per engine and order), so that a later switch does not wait for the compiler
-        (tens of seconds for the 64 × 16 children of oversampling 2 on a machine that never compiled them)."""
+        """With `setup.next_oversampling`: compile the fine kernels of that order on a background thread (once per
+        engine and order), so that a later switch does not wait for the compiler (tens of seconds for a new set of
+        fine kernels on a machine that never compiled them); this iteration's kernels load meanwhile."""
         k = setup.next_oversampling
         if k is None or setup.local_searches or k in self.compiled_ahead:
             return
-        kernel_module(device_id=self.device_id)
-        kernel_module(fine_kernel_names(self.n_fo, self.n_ft), self.device_id)
         names = fine_kernel_names(8 ** int(k), 4 ** int(k))
         self.compiled_ahead[k] = threading.Thread(target=kernel_module, args=(names, self.device_id), daemon=True,
                                                   name=f"compile fine kernels, oversampling {k}")
@@ -541,7 +540,7 @@ class CupyEngine:
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
         if n_blocks:
             fn = module.get_function(names[1] if s.do_cc else names[0])
-            fn((n_blocks,), (FINE_THREADS,),
+            fn((n_blocks, fine_tiles(nfo, nft)), (FINE_THREADS,),
                (self.ref_volumes, *self.geometry, self.class_stride, blk["b"], blk["k"], blk["u"], blk["t"],
                 fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
                 pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
@@ -713,7 +712,7 @@ class CupyEngine:
                 row0 = (local * nfo).astype(cp.int32)
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
-                fn((int(in_chunk.size),), (FINE_THREADS,),
+                fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
                    (self.ref_volumes, *self.geometry, self.class_stride, blk["b"][in_chunk], blk["k"][in_chunk],
                     blk["u"][in_chunk], blk["t"][in_chunk], row0, fine_mats_d, self.fine_trans_d, pre["x"],
                     pre["x_nomask"], pre["ctf"], self.minv_store, pre["optics_d"], pre["residual_d"],

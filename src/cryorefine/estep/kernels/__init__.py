@@ -27,6 +27,9 @@ COMPILE_OPTIONS = ("-std=c++17",)
 GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
 GEMM_THREADS = 256  # threads per coarse_diff2 block (its __launch_bounds__)
 FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
+# fine_diff2 / fine_sums take a block's children in tiles of at most FINE_TILE_CHILDREN (at most FINE_TILE_TRANSLATIONS
+# translations), one tile per CUDA block, so a thread's sums stay in registers: 8 × 4 (one tile) at oversampling 1
+FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
 # local_diff2 (local.cu): one block takes LOCAL_RT orientations × LOCAL_TT translations of one particle, slices
 # projected LOCAL_CK coefficients at a time; the moved images' translations are padded to a multiple of LOCAL_TT
@@ -40,7 +43,8 @@ DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THR
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
 _modules = {}  # (device id, name expressions) -> cupy.RawModule
-_lock = threading.Lock()
+_key_locks = {}  # (device id, name expressions) -> the lock its compilation holds
+_lock = threading.Lock()  # guards _key_locks
 
 
 def round_up(value, multiple):
@@ -48,10 +52,27 @@ def round_up(value, multiple):
     return (int(value) + multiple - 1) // multiple * multiple
 
 
+def fine_tile(nfo, nft):
+    """(orientations, translations) of the tile of children one CUDA block of the fine kernels takes, for NFO × NFT
+    children per block (powers of two): all translations up to FINE_TILE_TRANSLATIONS, then as many orientations as
+    keep the tile within FINE_TILE_CHILDREN."""
+    tt = min(int(nft), FINE_TILE_TRANSLATIONS)
+    return max(1, min(int(nfo), FINE_TILE_CHILDREN // tt)), tt
+
+
+def fine_tiles(nfo, nft):
+    """Tiles per block of NFO × NFT children: the fine kernels' grid is (blocks, tiles)."""
+    to, tt = fine_tile(nfo, nft)
+    return (int(nfo) // to) * (int(nft) // tt)
+
+
 def fine_kernel_names(nfo, nft):
-    """The template instances of fine.cu for NFO child orientations × NFT child translations: the fine diff2
-    (likelihood, then cross-correlation) and the fine sums; pass them to `kernel_module` as name expressions."""
-    return (f"fine_diff2<{nfo}, {nft}, false>", f"fine_diff2<{nfo}, {nft}, true>", f"fine_sums<{nfo}, {nft}>")
+    """The template instances of fine.cu for NFO child orientations × NFT child translations (tiled by `fine_tile`):
+    the fine diff2 (likelihood, then cross-correlation) and the fine sums; pass them to `kernel_module` as name
+    expressions."""
+    to, tt = fine_tile(nfo, nft)
+    return (f"fine_diff2<{nfo}, {nft}, {to}, {tt}, false>", f"fine_diff2<{nfo}, {nft}, {to}, {tt}, true>",
+            f"fine_sums<{nfo}, {nft}, {to}, {tt}>")
 
 
 def kernel_source():
@@ -70,7 +91,8 @@ def kernel_module(name_expressions=(), device_id=None):
     of template instances (`name_expressions`, e.g. `fine_kernel_names(8, 4)`).
 
     A loaded module belongs to the CUDA context of the device it was loaded on, so several GPUs in one
-    process each get their own; launch its functions with that device current.
+    process each get their own; launch its functions with that device current. Threads asking for one key wait
+    for its one compilation; those asking for another do not wait behind it.
     """
     import cupy
 
@@ -80,6 +102,8 @@ def kernel_module(name_expressions=(), device_id=None):
     module = _modules.get(key)
     if module is None:
         with _lock:
+            key_lock = _key_locks.setdefault(key, threading.Lock())
+        with key_lock:  # one compilation per key; other keys compile (or load) meanwhile
             module = _modules.get(key)
             if module is None:
                 with cupy.cuda.Device(key[0]), compile_notice(f"the GPU kernels{' ' if key[1] else ''}"

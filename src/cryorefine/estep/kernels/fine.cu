@@ -2,12 +2,15 @@
 //
 // A block of the fine pass is one significant coarse sample (particle b, class k, coarse
 // orientation, coarse translation t) with its NFO × NFT children (8 × 4 at oversampling 1):
-// one base index per block, the children implied (Zhang 2018's compressed weights). A CUDA
-// block handles one such block: it stages the NFO rotation matrices in shared memory, and
-// every thread walks the coefficients with a stride, projecting the NFO slices on the fly
-// from the padded reference (no slice is stored), moving the image by the NFT translations
-// as phase ramps, and accumulating all NFO·NFT sums in registers; a warp-shuffle and shared
-// memory reduction ends it. Child f = io·NFT + it (RELION's oversampled order).
+// one base index per block, the children implied (Zhang 2018's compressed weights). The
+// children are taken in tiles of TO orientations × TT translations (the whole block at
+// oversampling 1; 4 × 16 of the 64 × 16 at oversampling 2), so that a thread's sums stay in
+// registers at every order. A CUDA block handles one tile of one block (blockIdx.x the block,
+// blockIdx.y the tile): it stages the TO rotation matrices in shared memory, and every thread
+// walks the coefficients with a stride, projecting the TO slices on the fly from the padded
+// reference (no slice is stored), moving the image by the TT translations as phase ramps, and
+// accumulating all TO·TT sums in registers; a warp-shuffle and shared memory reduction ends
+// it. Child f = io·NFT + it (RELION's oversampled order).
 
 #ifndef FINE_THREADS
 #define FINE_THREADS 128
@@ -20,27 +23,37 @@ __device__ __forceinline__ float cr_warp_sum(float v)
     return v;
 }
 
-// Stage the rotations of this block's fine orientations and its translations (px).
-template <int NFO, int NFT>
-__device__ __forceinline__ void cr_stage_block(int blk, const int* __restrict__ block_b, const int* __restrict__ block_u,
-                                               const int* __restrict__ block_t, const float* __restrict__ fine_mats,
-                                               const float* __restrict__ fine_shifts, const float* __restrict__ residual,
-                                               float* s_mats, float* s_shift)
+// The first child orientation and translation of this CUDA block's tile (blockIdx.y).
+template <int NFT, int TO, int TT>
+__device__ __forceinline__ int2 cr_tile_origin()
+{
+    constexpr int N_TT = NFT / TT;
+    return make_int2((int)(blockIdx.y / N_TT) * TO, (int)(blockIdx.y % N_TT) * TT);
+}
+
+// Stage the rotations of the tile's fine orientations and its translations (px).
+template <int NFO, int NFT, int TO, int TT>
+__device__ __forceinline__ void cr_stage_block(int blk, int2 tile, const int* __restrict__ block_b,
+                                               const int* __restrict__ block_u, const int* __restrict__ block_t,
+                                               const float* __restrict__ fine_mats, const float* __restrict__ fine_shifts,
+                                               const float* __restrict__ residual, float* s_mats, float* s_shift)
 {
     const int b = block_b[blk];
     const int u = block_u[blk];
     const int t = block_t[blk];
-    for (int i = threadIdx.x; i < NFO * 9; i += blockDim.x) s_mats[i] = fine_mats[(size_t)u * NFO * 9 + i];
-    for (int i = threadIdx.x; i < NFT; i += blockDim.x) {
-        s_shift[2 * i] = residual[2 * b] + fine_shifts[((size_t)t * NFT + i) * 2];
-        s_shift[2 * i + 1] = residual[2 * b + 1] + fine_shifts[((size_t)t * NFT + i) * 2 + 1];
+    for (int i = threadIdx.x; i < TO * 9; i += blockDim.x)
+        s_mats[i] = fine_mats[((size_t)u * NFO + tile.x) * 9 + i];
+    for (int i = threadIdx.x; i < TT; i += blockDim.x) {
+        const size_t at = ((size_t)t * NFT + tile.y + i) * 2;
+        s_shift[2 * i] = residual[2 * b] + fine_shifts[at];
+        s_shift[2 * i + 1] = residual[2 * b + 1] + fine_shifts[at + 1];
     }
     __syncthreads();
 }
 
 // out[blk·NFO·NFT + f]: ½ Σ_c minv·|x·e^{−2πi k·s_it/N} − ctf·P_io|² (likelihood), or
 // −Σ Re(x_s·conj(ctf·P)) / sqrt(Σ|ctf·P|² · |x|²) with CC (x_norm2[b] = Σ|x|²).
-template <int NFO, int NFT, bool CC>
+template <int NFO, int NFT, int TO, int TT, bool CC>
 __global__ void __launch_bounds__(FINE_THREADS)
 fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float g_pf, float g_r_pad_sq,
            long long g_class_stride, const int* __restrict__ block_b,
@@ -52,85 +65,90 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
            double* __restrict__ out)
 {
     constexpr int NF = NFO * NFT;
-    __shared__ float s_mats[NFO * 9];
-    __shared__ float s_shift[2 * NFT];
-    __shared__ float s_red[FINE_THREADS / 32][NF * (CC ? 2 : 1)];
+    constexpr int TF = TO * TT;
+    __shared__ float s_mats[TO * 9];
+    __shared__ float s_shift[2 * TT];
+    __shared__ float s_red[FINE_THREADS / 32][TF * (CC ? 2 : 1)];
     const int blk = blockIdx.x;
-    cr_stage_block<NFO, NFT>(blk, block_b, block_u, block_t, fine_mats, fine_shifts, residual, s_mats, s_shift);
+    const int2 tile = cr_tile_origin<NFT, TO, TT>();
+    cr_stage_block<NFO, NFT, TO, TT>(blk, tile, block_b, block_u, block_t, fine_mats, fine_shifts, residual, s_mats,
+                                     s_shift);
     const int b = block_b[blk];
     const float2* V = vol + (size_t)block_k[blk] * g_class_stride;
     const float2* xb = x + (size_t)b * n_coef;
     const float* cb = ctf + (size_t)b * n_coef;
     const float* mb = minv + (size_t)optics[b] * n_coef;
 
-    float acc[NF];
-    float acc2[CC ? NF : 1];
+    float acc[TF];
+    float acc2[CC ? TF : 1];
 #pragma unroll
-    for (int f = 0; f < NF; ++f) acc[f] = 0.f;
+    for (int f = 0; f < TF; ++f) acc[f] = 0.f;
 #pragma unroll
-    for (int f = 0; f < (CC ? NF : 1); ++f) acc2[f] = 0.f;
+    for (int f = 0; f < (CC ? TF : 1); ++f) acc2[f] = 0.f;
 
     for (int c = threadIdx.x; c < n_coef; c += FINE_THREADS) {
         const float kxc = kx[c], kyc = ky[c];
         const float2 xv = xb[c];
         const float cv = cb[c];
         const float mv = mb[c];
-        float2 sh[NFT];
+        float2 sh[TT];
 #pragma unroll
-        for (int it = 0; it < NFT; ++it) {
+        for (int it = 0; it < TT; ++it) {
             float sn, cs;
             sincospif(-two_over_ori * (kxc * s_shift[2 * it] + kyc * s_shift[2 * it + 1]), &sn, &cs);
             sh[it] = make_float2(xv.x * cs - xv.y * sn, xv.x * sn + xv.y * cs);
         }
 #pragma unroll
-        for (int io = 0; io < NFO; ++io) {
+        for (int io = 0; io < TO; ++io) {
             float2 p = cr_slice_value(V, g_d, g_w, g_origin, g_pf, g_r_pad_sq, s_mats + io * 9, kxc, kyc);
             p.x *= cv;
             p.y *= cv;
 #pragma unroll
-            for (int it = 0; it < NFT; ++it) {
+            for (int it = 0; it < TT; ++it) {
                 if (CC) {
-                    acc[io * NFT + it] += sh[it].x * p.x + sh[it].y * p.y;
-                    acc2[CC ? io * NFT + it : 0] += p.x * p.x + p.y * p.y;
+                    acc[io * TT + it] += sh[it].x * p.x + sh[it].y * p.y;
+                    acc2[CC ? io * TT + it : 0] += p.x * p.x + p.y * p.y;
                 } else {
                     const float dx = sh[it].x - p.x, dy = sh[it].y - p.y;
-                    acc[io * NFT + it] += mv * (dx * dx + dy * dy);
+                    acc[io * TT + it] += mv * (dx * dx + dy * dy);
                 }
             }
         }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int f = 0; f < NF; ++f) {
+    for (int f = 0; f < TF; ++f) {
         const float v = cr_warp_sum(acc[f]);
         if (lane == 0) s_red[warp][f] = v;
         if (CC) {
             const float v2 = cr_warp_sum(acc2[CC ? f : 0]);
-            if (lane == 0) s_red[warp][CC ? NF + f : 0] = v2;
+            if (lane == 0) s_red[warp][CC ? TF + f : 0] = v2;
         }
     }
     __syncthreads();
-    for (int f = threadIdx.x; f < NF; f += FINE_THREADS) {
+    for (int f = threadIdx.x; f < TF; f += FINE_THREADS) {
         double s = 0.0, s2 = 0.0;
         for (int wi = 0; wi < FINE_THREADS / 32; ++wi) {
             s += s_red[wi][f];
-            if (CC) s2 += s_red[wi][CC ? NF + f : 0];
+            if (CC) s2 += s_red[wi][CC ? TF + f : 0];
         }
+        const size_t at = (size_t)blk * NF + (size_t)(tile.x + f / TT) * NFT + tile.y + f % TT;
         if (CC) {
-            out[(size_t)blk * NF + f] = -s / sqrt(fmax(s2, 1e-300) * fmax((double)x_norm2[b], 1e-300));
+            out[at] = -s / sqrt(fmax(s2, 1e-300) * fmax((double)x_norm2[b], 1e-300));
         } else {
-            out[(size_t)blk * NF + f] = 0.5 * s;
+            out[at] = 0.5 * s;
         }
     }
 }
 
-// Weighted sums of one block's kept children (weights normalised per particle, zero if not kept):
+// Weighted sums of one block's kept children (weights normalised per particle, zero if not kept), a
+// tile of TO × TT children per CUDA block as in fine_diff2 (a tile with no kept child returns at once):
 //   noise[row_b[blk], shell]  += Σ_f w_f |x_s − ctf·P|²           (per-particle noise spectra)
 //   scale_xa/aa[row_b[blk]]   += Σ_f w_f use·Re(ctf·P·conj(x_s)), Σ_f w_f use·|ctf·P|²
 //   slice_data[row0 + io, c]  += minv_store·ctf · Σ_it w x_nomask·e^{−2πi k·s_it/N}
 //   slice_weight[row0 + io, c]+= minv_store·ctf² · Σ_it w
 // `scale_use` (per class, per coefficient; read when use_scale) is 1 where the data-vs-prior ratio exceeds 3 (RELION's scale sums).
-template <int NFO, int NFT>
+template <int NFO, int NFT, int TO, int TT>
 __global__ void __launch_bounds__(FINE_THREADS)
 fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float g_pf, float g_r_pad_sq,
            long long g_class_stride, const int* __restrict__ block_b,
@@ -145,24 +163,27 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
           double* __restrict__ scale_aa)
 {
     constexpr int NF = NFO * NFT;
+    constexpr int TF = TO * TT;
     extern __shared__ float s_hist[];  // n_shells floats
-    __shared__ float s_mats[NFO * 9];
-    __shared__ float s_shift[2 * NFT];
-    __shared__ float s_w[NF];
+    __shared__ float s_mats[TO * 9];
+    __shared__ float s_shift[2 * TT];
+    __shared__ float s_w[TF];
     __shared__ float s_red[FINE_THREADS / 32][2];
     __shared__ int s_any;
     const int blk = blockIdx.x;
+    const int2 tile = cr_tile_origin<NFT, TO, TT>();
     if (threadIdx.x == 0) s_any = 0;
     __syncthreads();
-    for (int f = threadIdx.x; f < NF; f += FINE_THREADS) {
-        const float wf = (float)weights[(size_t)blk * NF + f];
+    for (int f = threadIdx.x; f < TF; f += FINE_THREADS) {
+        const float wf = (float)weights[(size_t)blk * NF + (size_t)(tile.x + f / TT) * NFT + tile.y + f % TT];
         s_w[f] = wf;
         if (wf > 0.f) s_any = 1;
     }
     for (int i = threadIdx.x; i < n_shells; i += FINE_THREADS) s_hist[i] = 0.f;
     __syncthreads();
     if (!s_any) return;
-    cr_stage_block<NFO, NFT>(blk, block_b, block_u, block_t, fine_mats, fine_shifts, residual, s_mats, s_shift);
+    cr_stage_block<NFO, NFT, TO, TT>(blk, tile, block_b, block_u, block_t, fine_mats, fine_shifts, residual, s_mats,
+                                     s_shift);
     const int b = block_b[blk];
     const int k = block_k[blk];
     const float2* V = vol + (size_t)k * g_class_stride;
@@ -180,9 +201,9 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
         const float cv = cb[c];
         const float store = mb[c] * cv;
         const float u = use ? use[c] : 0.f;
-        float2 sh[NFT], shn[NFT];
+        float2 sh[TT], shn[TT];
 #pragma unroll
-        for (int it = 0; it < NFT; ++it) {
+        for (int it = 0; it < TT; ++it) {
             float sn, cs;
             sincospif(-two_over_ori * (kxc * s_shift[2 * it] + kyc * s_shift[2 * it + 1]), &sn, &cs);
             sh[it] = make_float2(xv.x * cs - xv.y * sn, xv.x * sn + xv.y * cs);
@@ -190,18 +211,18 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
         }
         float wd2 = 0.f;
 #pragma unroll
-        for (int io = 0; io < NFO; ++io) {
+        for (int io = 0; io < TO; ++io) {
             float wsum = 0.f;
 #pragma unroll
-            for (int it = 0; it < NFT; ++it) wsum += s_w[io * NFT + it];
+            for (int it = 0; it < TT; ++it) wsum += s_w[io * TT + it];
             if (wsum <= 0.f) continue;
             float2 p = cr_slice_value(V, g_d, g_w, g_origin, g_pf, g_r_pad_sq, s_mats + io * 9, kxc, kyc);
             p.x *= cv;
             p.y *= cv;
             float2 dsum = make_float2(0.f, 0.f);
 #pragma unroll
-            for (int it = 0; it < NFT; ++it) {
-                const float wf = s_w[io * NFT + it];
+            for (int it = 0; it < TT; ++it) {
+                const float wf = s_w[io * TT + it];
                 if (wf <= 0.f) continue;
                 const float dx = sh[it].x - p.x, dy = sh[it].y - p.y;
                 wd2 += wf * (dx * dx + dy * dy);
@@ -210,7 +231,7 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
                 dsum.x += wf * shn[it].x;
                 dsum.y += wf * shn[it].y;
             }
-            const size_t at = (size_t)(row0 + io) * n_coef + c;
+            const size_t at = (size_t)(row0 + tile.x + io) * n_coef + c;
             atomic_add_complex(&slice_data[at].x, store * dsum.x, store * dsum.y);
             atomicAdd(&slice_weight[at], store * cv * wsum);
         }

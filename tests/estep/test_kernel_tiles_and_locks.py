@@ -1,0 +1,73 @@
+"""How the fine kernels tile a block's children, and how `kernel_module` serialises compilations (`estep.kernels`);
+no GPU needed: the loader runs against a stand-in for CuPy."""
+
+import sys
+import threading
+import types
+
+import pytest
+
+from cryorefine.estep import kernels
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_the_tiles_cover_every_child_of_a_block_once_and_stay_small(k):
+    nfo, nft = 8 ** k, 4 ** k
+    to, tt = kernels.fine_tile(nfo, nft)
+    assert nfo % to == 0 and nft % tt == 0
+    assert to * tt <= kernels.FINE_TILE_CHILDREN and tt <= kernels.FINE_TILE_TRANSLATIONS
+    assert kernels.fine_tiles(nfo, nft) * to * tt == nfo * nft
+    if k <= 1:  # oversampling 0 and 1: the whole block in one tile, as before tiling
+        assert (to, tt) == (nfo, nft)
+    names = kernels.fine_kernel_names(nfo, nft)
+    assert len(set(names)) == 3 and all(f"<{nfo}, {nft}, {to}, {tt}" in n for n in names)
+
+
+def _fake_cupy(monkeypatch, slow_key, release):
+    """A CuPy whose RawModule blocks on `release` while compiling `slow_key`'s name expressions."""
+    compiled = []
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            if tuple(name_expressions) == slow_key:
+                assert release.wait(10)
+            compiled.append(tuple(name_expressions))
+
+        def get_function(self, name):
+            return name
+
+    class Device:
+        def __init__(self, i):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    cupy = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(Device=Device))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_key_locks", {})
+    return compiled
+
+
+def test_a_long_compilation_does_not_hold_up_other_kernels_and_runs_once(monkeypatch):
+    slow = kernels.fine_kernel_names(64, 16)
+    release = threading.Event()
+    compiled = _fake_cupy(monkeypatch, slow, release)
+    waiting = [threading.Thread(target=kernels.kernel_module, args=(slow, 0)) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    # while the slow module compiles, another set of kernels loads at once
+    assert kernels.kernel_module(kernels.fine_kernel_names(8, 4), 0) == kernels.kernel_module(
+        kernels.fine_kernel_names(8, 4), 0)
+    assert compiled == [kernels.fine_kernel_names(8, 4)]
+    assert all(t.is_alive() for t in waiting)
+    release.set()
+    for t in waiting:
+        t.join(10)
+    assert compiled.count(slow) == 1  # two threads asked, one compiled
+    assert kernels.kernel_module(slow, 0) is kernels.kernel_module(list(slow), 0)
+    assert compiled.count(slow) == 1
