@@ -14,8 +14,9 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    grid is made;
 2. weights and significance with CuPy array operations on the device (priors, row maximum,
    exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
-3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`, slices projected on the
-   fly), per-particle weights with segment reductions (`segment_reduce`);
+3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
+   orientation) pair so that each pair's NFO slices are projected once (`project_slices`) and read by all
+   its blocks; per-particle weights with segment reductions (`segment_reduce`);
 4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
    and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
    GPU build keeps them.
@@ -41,7 +42,7 @@ from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
                                       significant_samples)
-from cryorefine.estep.cuda_plan import plan_batches
+from cryorefine.estep.cuda_plan import SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF, plan_batches
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
                                       LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, fine_tiles, kernel_module,
@@ -78,6 +79,32 @@ def _shift_kernel(cp):
         "out = complex<float>((float)(xr * c - xi * s), (float)(xr * s + xi * c))", "cryorefine_shift_images")
 
 
+class _PairGroups:
+    """The fine pass's blocks grouped by (class, coarse orientation) pair, pair = class·n_unique + u (u indexes the
+    batch's unique coarse orientations): the blocks sorted by pair (`order`), the sorted distinct pairs (device and
+    host), and each block's rank among them."""
+
+    def __init__(self, cp, k_blk, u_blk, n_unique, nfo):
+        self.cp, self.n_unique, self.nfo = cp, int(n_unique), int(nfo)
+        self.pair = k_blk.astype(cp.int64) * self.n_unique + u_blk
+        self.order = cp.argsort(self.pair)
+        self.unique_d, rank = cp.unique(self.pair[self.order], return_inverse=True)
+        self.rank = rank.reshape(-1)  # of the blocks in `order`
+        self.unique = cp.asnumpy(self.unique_d)
+        self.n_pairs = int(self.unique.size)
+
+    def chunk(self, first, count):
+        """Pairs first … first + count − 1: (their blocks sorted by pair, as indices into all blocks; the pairs (host);
+        each of those blocks' first slice row, NFO rows per pair, int32)."""
+        cp = self.cp
+        if first == 0 and count >= self.n_pairs:
+            in_chunk = self.order
+        else:
+            in_chunk = self.order[(self.rank >= first) & (self.rank < first + count)]
+        local = cp.searchsorted(self.unique_d[first:first + count], self.pair[in_chunk])
+        return in_chunk, self.unique[first:first + count], (local * self.nfo).astype(cp.int32)
+
+
 class CupyEngine:
     """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
 
@@ -93,7 +120,8 @@ class CupyEngine:
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
         self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
-                              "weights": 0.0, "fine": 0.0, "sums": 0.0, "backproject": 0.0, "results": 0.0}
+                              "weights": 0.0, "fine": 0.0, "fine_weights": 0.0, "sums": 0.0, "backproject": 0.0,
+                              "results": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
@@ -519,6 +547,8 @@ class CupyEngine:
     def _fine_pass(self, pre, b_blk, k_blk, o_blk, t_blk, olp_blk):
         """Fine samples of the significant blocks (device arrays, sorted by particle; `olp_blk` the log prior
         of each block's orientation), weights, sums, results."""
+        from cryorefine.gpu.allocator import Scope
+
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
@@ -534,16 +564,22 @@ class CupyEngine:
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
         names = fine_kernel_names(nfo, nft)
-        module = kernel_module(names, self.device_id)
+        fn = kernel_module(names, self.device_id).get_function(names[1] if s.do_cc else names[0])
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
-        if n_blocks:
-            fn = module.get_function(names[1] if s.do_cc else names[0])
-            fn((n_blocks, fine_tiles(nfo, nft)), (FINE_THREADS,),
-               (self.ref_volumes, *self.geometry, self.class_stride, blk["b"], blk["k"], blk["u"], blk["t"],
-                fine_mats_d, self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"],
-                pre["residual_d"], x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
+        pairs = _PairGroups(cp, blk["k"], blk["u"], unique_o.size, nfo)
+        per_chunk = self._pairs_per_chunk(SLICE_BYTES_PER_COEF)
+        for first in range(0, pairs.n_pairs, per_chunk):
+            with self._scope(Scope.ORIENTATION):
+                in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
+                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
+                fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
+                   (slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["t"][in_chunk],
+                    self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"], pre["residual_d"],
+                    x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
+                del slices, in_chunk, row0
+        tic = self._tick("fine", tic)
         # priors of every child: class, parent orientation (and direction), child offset
         parent = self.log_pdf_class[k_blk] + olp_blk
         if self.log_pdf_direction is not None:
@@ -580,7 +616,7 @@ class CupyEngine:
         w_norm = cp.where(kept, w / sum_w[b_of], 0.0)
         del w, kept, b_of
         pmax, best = self._segment(w_norm, starts, 1)
-        tic = self._tick("fine", tic)
+        tic = self._tick("fine_weights", tic)
 
         if self.keep_blocks:
             hb, hk, ho, ht = (cp.asnumpy(a) for a in (b_blk, k_blk, o_blk, t_blk))
@@ -592,8 +628,7 @@ class CupyEngine:
             self.last_blocks = []
         del diff2
 
-        new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d,
-                                       unique_o.size, d2_off, tic)
+        new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats, fine_mats_d, d2_off, tic)
         tic = time.perf_counter()
         best = cp.asnumpy(best)
         bb, f = best // nf, best % nf
@@ -671,8 +706,32 @@ class CupyEngine:
         threshold = cp.where(has, wb[cp.minimum(pos, max(wb.size - 1, 0))], 0.0)
         return (w >= threshold[b_of]) & (w > 0)
 
+    # ------------------------------------------------------------------ fine slices, pair by pair
+    def _pairs_per_chunk(self, bytes_per_coef):
+        """(Class, coarse orientation) pairs per chunk of the fine pass when each of a pair's NFO slice rows takes
+        `bytes_per_coef` per coefficient: in at most half of what is free, and no more rows than the plan's (the
+        plan assumed the batch's other buffers kept to their share, which broad posteriors overrun)."""
+        rows_free = int(0.5 * self._free_bytes()) // (bytes_per_coef * self.fine.positions.size)
+        return max(1, min(self.plan.slice_rows_per_chunk, rows_free) // self.n_fo)
+
+    def _project_pairs(self, chunk_pairs, n_unique, fine_mats_d):
+        """(pairs·NFO, Kf) complex64: the NFO fine slices of each (class, coarse orientation) pair of `chunk_pairs`
+        (host, sorted, pair = class·n_unique + unique orientation), pair by pair, projected once for all its blocks."""
+        cp = self.cp
+        nfo, n_coef = self.n_fo, self.fine.positions.size
+        k_of_pair = chunk_pairs // n_unique
+        mats = fine_mats_d.reshape(-1, nfo, 9)[cp.asarray(chunk_pairs % n_unique)].reshape(-1, 9)
+        out = cp.empty((chunk_pairs.size * nfo, n_coef), dtype=cp.complex64)
+        fn = kernel_module(device_id=self.device_id).get_function("project_slices")
+        for k in np.unique(k_of_pair):
+            lo, hi = (int(np.searchsorted(k_of_pair, k, side=side)) * nfo for side in ("left", "right"))
+            fn(((n_coef + 127) // 128, min(hi - lo, MAX_GRID_Y)), (128,),
+               (self.ref_volumes[int(k)], *self.geometry, mats[lo:hi], self.kx_f, self.ky_f, _i32(n_coef),
+                _i32(hi - lo), out[lo:hi]))
+        return out
+
     # ------------------------------------------------------------------ weighted sums
-    def _weighted_sums(self, pre, w_norm, blk, k_blk, u_blk, o_blk, fine_mats, fine_mats_d, n_unique, d2_off, tic):
+    def _weighted_sums(self, pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats, fine_mats_d, d2_off, tic):
         """Noise, scale, slices (then back-projected), offsets, class and direction sums of the kept children."""
         from cryorefine.gpu.allocator import Scope
 
@@ -690,48 +749,33 @@ class CupyEngine:
         names = fine_kernel_names(nfo, nft)
         fn = kernel_module(names, self.device_id).get_function(names[2])
         bp_fn = kernel_module(device_id=self.device_id).get_function("backproject_slices")
-        # group the blocks by (class, coarse orientation) pair, a chunk of pairs at a time
-        pair = k_blk * n_unique + u_blk
-        order = cp.argsort(pair)
-        uniq_pairs_d, pair_rank = cp.unique(pair[order], return_inverse=True)
-        pair_rank = pair_rank.reshape(-1)
-        uniq_pairs = cp.asnumpy(uniq_pairs_d)
-        # the rows' data and weights (12 bytes per coefficient) in at most half of what is free now: the plan's share
-        # for them assumed the batch's other buffers kept to theirs, which broad posteriors overrun
-        rows_free = int(0.5 * self._free_bytes()) // (12 * n_coef)
-        pairs_per_chunk = max(1, min(self.plan.slice_rows_per_chunk, rows_free) // nfo)
-        for first in range(0, uniq_pairs.size, pairs_per_chunk):
+        # a chunk of (class, coarse orientation) pairs at a time: their slices, and the rows' data and weights
+        per_chunk = self._pairs_per_chunk(SLICE_ROW_BYTES_PER_COEF)
+        for first in range(0, pairs.n_pairs, per_chunk):
             with self._scope(Scope.ORIENTATION):
-                if uniq_pairs.size <= pairs_per_chunk:
-                    in_chunk = order
-                else:
-                    in_chunk = order[(pair_rank >= first) & (pair_rank < first + pairs_per_chunk)]
-                chunk_pairs = uniq_pairs[first:first + pairs_per_chunk]
-                local = cp.searchsorted(uniq_pairs_d[first:first + pairs_per_chunk], pair[in_chunk])
+                in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
+                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
                 n_rows = chunk_pairs.size * nfo
-                row0 = (local * nfo).astype(cp.int32)
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
                 fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
-                   (self.ref_volumes, *self.geometry, self.class_stride, blk["b"][in_chunk], blk["k"][in_chunk],
-                    blk["u"][in_chunk], blk["t"][in_chunk], row0, fine_mats_d, self.fine_trans_d, pre["x"],
-                    pre["x_nomask"], pre["ctf"], self.minv_store, pre["optics_d"], pre["residual_d"],
+                   (slices, row0, blk["b"][in_chunk], blk["k"][in_chunk], blk["t"][in_chunk], self.fine_trans_d,
+                    pre["x"], pre["x_nomask"], pre["ctf"], self.minv_store, pre["optics_d"], pre["residual_d"],
                     cp.ascontiguousarray(w_blocks[in_chunk]), self.shell_f, _i32(n_shells),
                     self.scale_use if self.scale_use is not None else noise, _i32(self.scale_use is not None),
                     self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), slice_data, slice_weight, noise,
                     xa, aa),
                    shared_mem=4 * n_shells)
+                del slices
                 tic = self._tick("sums", tic)
-                u_of_pair = chunk_pairs % n_unique
-                k_of_pair = chunk_pairs // n_unique
-                row_mats = fine_mats.reshape(-1, nfo, 9)[u_of_pair].reshape(-1, 9)
-                row_class = np.repeat(k_of_pair, nfo)
+                row_mats = fine_mats.reshape(-1, nfo, 9)[chunk_pairs % pairs.n_unique].reshape(-1, 9)
+                row_class = np.repeat(chunk_pairs // pairs.n_unique, nfo)
                 bp_fn(((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
                       (slice_data, slice_weight, cp.asarray(row_mats, dtype=cp.float32),
                        cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
                        *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float32),
                        self.bp_weight))
-                del slice_data, slice_weight, in_chunk, local, row0
+                del slice_data, slice_weight, in_chunk, row0
                 tic = self._tick("backproject", tic)
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)

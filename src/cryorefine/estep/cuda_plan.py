@@ -12,6 +12,10 @@ from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, LOCAL_TT, round_up
 
 FINE_SAMPLES_PER_GROUP_MAX = 1 << 22  # fine samples (children) per group of particles, at most
 FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
+# a fine slice row of a (class, coarse orientation) pair, bytes per coefficient: its projection (complex64) while the
+# fine diff2 reads it; projection, data (complex64) and weight (float32) while the weighted sums fill the row
+SLICE_BYTES_PER_COEF = 8
+SLICE_ROW_BYTES_PER_COEF = SLICE_BYTES_PER_COEF + 12
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class BatchPlan:
     orientations_per_chunk: int  # coarse orientations projected and compared at once
     cache_coarse_slices: bool  # the coarse slices of all orientations kept for the iteration
     fine_samples_per_group: int  # fine samples (children) per group of particles
-    slice_rows_per_chunk: int  # per-orientation slices accumulated before back-projection
+    slice_rows_per_chunk: int  # fine slice rows (projections, data and weights) of one chunk of the fine pass
 
     def describe(self):
         return (f"{self.particles_per_batch} particles per batch, {self.orientations_per_chunk} orientations "
@@ -55,7 +59,7 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
     the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
     and cumulative sums float64) 4·8·K·R·T; per fine sample about FINE_SAMPLE_BYTES; per slice
-    row 12·Kf (data and weight). A quarter of the space goes to cached slices when they fit.
+    row SLICE_ROW_BYTES_PER_COEF·Kf (projection, data and weight). A quarter of the space goes to cached slices when they fit.
     In a local search (`local`) R is one particle's neighbourhood (its widest in a batch), its slices
     are projected inside the diff2 kernel (`local_per_particle_bytes`) and nothing is cached.
     """
@@ -72,5 +76,5 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
     # FINE_SAMPLE_BYTES per fine sample at peak; at most FINE_SAMPLES_PER_GROUP_MAX (≈ 0.7 GB) per group
     fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // FINE_SAMPLE_BYTES))
-    rows = max(8, min(1 << 16, (budget // 8) // max(12 * kf, 1)))
+    rows = max(8, min(1 << 16, (budget // 8) // max(SLICE_ROW_BYTES_PER_COEF * kf, 1)))
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))

@@ -31,7 +31,8 @@ from cryorefine.em import memory, schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
-from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, local_per_particle_bytes, per_particle_bytes, plan_batches
+from cryorefine.estep.cuda_plan import (FINE_SAMPLE_BYTES, SLICE_ROW_BYTES_PER_COEF, local_per_particle_bytes,
+                                      per_particle_bytes, plan_batches)
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -142,7 +143,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     # the prepared batch, one sub-batch, and at most one group of fine samples (its size depends on how broad the
     # posteriors are)
     particle = prepared + plan.particles_per_batch * per_particle + plan.fine_samples_per_group * FINE_SAMPLE_BYTES
-    orientation = max(chunk, plan.slice_rows_per_chunk * 12.0 * kf if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
+    orientation = max(chunk, plan.slice_rows_per_chunk * SLICE_ROW_BYTES_PER_COEF * kf
+                      if plan.slice_rows_per_chunk < 1 << 16 else 0.0)
     # the M-step: both halves' sums where they fit beside a reconstruction (the final iteration joins them in
     # place), else one at a time (em.mstep.HalfSums); with --sym a copy of one class's sums
     turns = units > 1 and memory.halves_take_turns(arena_bytes - sums_per_half, sums_per_half, reconstruction)
