@@ -466,10 +466,12 @@ def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
     predicted = plan_run(config, GpuSpec.detect(0)).get("moments")[0].peak_bytes
     print(f"plan: first iteration predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB "
           f"(per scope {backend.high_water_bytes})")
-    # the plan reserves a group of fine samples for the broadest posteriors (FINE_SAMPLES_PER_GROUP_MAX, 0.67 GB):
-    # at 64 px that reserve is most of the prediction, and the measured peak here is ~0.37 GB (0.5 GB before the
-    # image preparation was fused), so the upper bound is loose at this size; at 360 px the plan is within 15 %
-    assert measured <= predicted <= 6 * measured + (64 << 20)
+    # the plan reserves a group of fine samples for the broadest posteriors (up to FINE_SAMPLES_PER_GROUP_MAX): at 64 px
+    # that reserve is most of the prediction, and the measured peak here is ~0.37 GB, so the upper bound leaves the
+    # reserve out; at 360 px the plan is compared with the Class3D and auto-refine benchmarks
+    from cryorefine.estep.cuda_plan import FINE_SAMPLE_BYTES, FINE_SAMPLES_PER_GROUP_MAX
+
+    assert measured <= predicted <= 6 * measured + FINE_SAMPLES_PER_GROUP_MAX * FINE_SAMPLE_BYTES + (64 << 20)
 
 
 # ---------------------------------------------------------------------------------------- image preparation

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, LOCAL_TT, round_up
 
-FINE_SAMPLES_PER_GROUP_MAX = 1 << 22  # fine samples (children) per group of particles, at most
+# fine samples (children) per group of particles, at most (≈ 5.4 GB): broad posteriors (Class3D's early iterations) meet
+# most (class, orientation) pairs in every group, so a group's fixed work (projecting and back-projecting the pairs'
+# slices, the per-particle reductions) falls with its size; 1 << 22 made the iteration at pmax 0.22 of the Class3D
+# stand-in 1.8× slower (benchmarks/README.md)
+FINE_SAMPLES_PER_GROUP_MAX = 1 << 25
 FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
 # a fine slice row of a (class, coarse orientation) pair, bytes per coefficient: its projection (complex64) while the
 # fine diff2 reads it; projection, data (complex64) and weight (float32) while the weighted sums fill the row
@@ -74,7 +78,7 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     per_particle = (local_per_particle_bytes if local else per_particle_bytes)(kc, kf, n_orientations, n_translations,
                                                                                n_classes)
     particles = max(1, min(batch_size, (budget // 2) // max(per_particle, 1)))
-    # FINE_SAMPLE_BYTES per fine sample at peak; at most FINE_SAMPLES_PER_GROUP_MAX (≈ 0.7 GB) per group
+    # FINE_SAMPLE_BYTES per fine sample at peak; at most FINE_SAMPLES_PER_GROUP_MAX per group
     fine_samples = max(children_per_block, min(FINE_SAMPLES_PER_GROUP_MAX, (budget // 4) // FINE_SAMPLE_BYTES))
     rows = max(8, min(1 << 16, (budget // 8) // max(SLICE_ROW_BYTES_PER_COEF * kf, 1)))
     return BatchPlan(int(particles), int(chunk), bool(cache), int(fine_samples), int(rows))
