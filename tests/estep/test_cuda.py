@@ -238,8 +238,18 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     np.testing.assert_array_equal(np.argmin(got.reshape(7, -1), axis=1), np.argmin(want.reshape(7, -1), axis=1))
 
 
+@pytest.fixture(params=["slices projected once a pair", "slices projected in every block"])
+def fine_slices(request, monkeypatch):
+    """Both ways of the fine pass to a block's child slices (`estep.cuda._PairGroups.project_once`), whatever the
+    number of blocks a (class, coarse orientation) pair has."""
+    from cryorefine.estep import cuda
+
+    monkeypatch.setattr(cuda, "FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE", 0 if request.param.endswith("a pair") else 1 << 40)
+    return request.param
+
+
 @pytest.mark.parametrize("oversampling", [1, 2])  # 8 × 4 children in one tile; 64 × 16 in 16 tiles of 4 × 16
-def test_fine_diff2_relative_error_below_1e5(cp, oversampling):
+def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     _, setup, batch = random_problem(6, 48, 5, sigma_scale=30.0, sampling_kw=dict(oversampling=oversampling))
     from cryorefine.estep.cuda import CupyEngine
 
@@ -282,7 +292,7 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling):
                                 dict(coarse_size_px=20, likelihood_size_px=20),  # --strict_highres_exp
                                 dict(sampling_kw=dict(oversampling=2))],  # 64 × 16 fine children
                          ids=["global", "cc", "local", "strict_highres_exp", "oversampling_2"])
-def test_batch_results_and_sums_match_the_numpy_engine(cp, kw):
+def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     _, setup, batch = random_problem(7, 32, 12, sigma_scale=5.0, **kw)
     ref, want, gpu, got = run_both(cp, setup, batch)
     for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "class_index"):

@@ -15,8 +15,9 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 2. weights and significance with CuPy array operations on the device (priors, row maximum,
    exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
-   orientation) pair so that each pair's NFO slices are projected once (`project_slices`) and read by all
-   its blocks; per-particle weights with segment reductions (`segment_reduce`);
+   orientation) pair: where a pair has many blocks its NFO slices are projected once (`project_slices`) and
+   read by all of them, else each block projects its own; per-particle weights with segment reductions
+   (`segment_reduce`);
 4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
    and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
    GPU build keeps them.
@@ -42,7 +43,8 @@ from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
                                       significant_samples)
-from cryorefine.estep.cuda_plan import SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF, plan_batches
+from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
+                                       plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
                                       LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, fine_tiles, kernel_module,
@@ -50,6 +52,9 @@ from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, G
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
+
+
+_NULL = np.uint64(0)  # a null pointer argument of a kernel
 
 
 def _i32(v):
@@ -82,7 +87,9 @@ def _shift_kernel(cp):
 class _PairGroups:
     """The fine pass's blocks grouped by (class, coarse orientation) pair, pair = class·n_unique + u (u indexes the
     batch's unique coarse orientations): the blocks sorted by pair (`order`), the sorted distinct pairs (device and
-    host), and each block's rank among them."""
+    host), and each block's rank among them. `project_once`: the pairs have FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE blocks
+    or more on average (broad posteriors of a global search), so each pair's slices are projected once for all its
+    blocks; else (a local search's neighbourhoods share few blocks a pair) every block projects its own."""
 
     def __init__(self, cp, k_blk, u_blk, n_unique, nfo):
         self.cp, self.n_unique, self.nfo = cp, int(n_unique), int(nfo)
@@ -92,6 +99,7 @@ class _PairGroups:
         self.rank = rank.reshape(-1)  # of the blocks in `order`
         self.unique = cp.asnumpy(self.unique_d)
         self.n_pairs = int(self.unique.size)
+        self.project_once = int(k_blk.size) >= FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE * max(self.n_pairs, 1)
 
     def chunk(self, first, count):
         """Pairs first … first + count − 1: (their blocks sorted by pair, as indices into all blocks; the pairs (host);
@@ -569,16 +577,23 @@ class CupyEngine:
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
         pairs = _PairGroups(cp, blk["k"], blk["u"], unique_o.size, nfo)
-        per_chunk = self._pairs_per_chunk(SLICE_BYTES_PER_COEF)
-        for first in range(0, pairs.n_pairs, per_chunk):
-            with self._scope(Scope.ORIENTATION):
-                in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
-                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
-                fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
-                   (slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["t"][in_chunk],
-                    self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"], pre["residual_d"],
-                    x_norm2, self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2))
-                del slices, in_chunk, row0
+        geometry = (self.ref_volumes, *self.geometry, self.class_stride, fine_mats_d)
+        tail = (self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"], pre["residual_d"], x_norm2,
+                self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2)
+        if not pairs.project_once:
+            if n_blocks:
+                fn((n_blocks, fine_tiles(nfo, nft)), (FINE_THREADS,),
+                   (*geometry, _NULL, _NULL, _NULL, blk["b"], blk["k"], blk["u"], blk["t"], *tail))
+        else:
+            per_chunk = self._pairs_per_chunk(SLICE_BYTES_PER_COEF)
+            for first in range(0, pairs.n_pairs, per_chunk):
+                with self._scope(Scope.ORIENTATION):
+                    in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
+                    slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
+                    fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
+                       (*geometry, slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["k"][in_chunk],
+                        blk["u"][in_chunk], blk["t"][in_chunk], *tail))
+                    del slices, in_chunk, row0
         tic = self._tick("fine", tic)
         # priors of every child: class, parent orientation (and direction), child offset
         parent = self.log_pdf_class[k_blk] + olp_blk
@@ -750,16 +765,18 @@ class CupyEngine:
         fn = kernel_module(names, self.device_id).get_function(names[2])
         bp_fn = kernel_module(device_id=self.device_id).get_function("backproject_slices")
         # a chunk of (class, coarse orientation) pairs at a time: their slices, and the rows' data and weights
-        per_chunk = self._pairs_per_chunk(SLICE_ROW_BYTES_PER_COEF)
+        per_chunk = self._pairs_per_chunk(SLICE_ROW_BYTES_PER_COEF if pairs.project_once
+                                          else SLICE_ROW_BYTES_PER_COEF - SLICE_BYTES_PER_COEF)
         for first in range(0, pairs.n_pairs, per_chunk):
             with self._scope(Scope.ORIENTATION):
                 in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
-                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
+                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d) if pairs.project_once else _NULL
                 n_rows = chunk_pairs.size * nfo
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
                 fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
-                   (slices, row0, blk["b"][in_chunk], blk["k"][in_chunk], blk["t"][in_chunk], self.fine_trans_d,
+                   (self.ref_volumes, *self.geometry, self.class_stride, fine_mats_d, slices, row0, blk["b"][in_chunk],
+                    blk["k"][in_chunk], blk["u"][in_chunk], blk["t"][in_chunk], self.fine_trans_d,
                     pre["x"], pre["x_nomask"], pre["ctf"], self.minv_store, pre["optics_d"], pre["residual_d"],
                     cp.ascontiguousarray(w_blocks[in_chunk]), self.shell_f, _i32(n_shells),
                     self.scale_use if self.scale_use is not None else noise, _i32(self.scale_use is not None),

@@ -20,6 +20,9 @@ FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
 # fine diff2 reads it; projection, data (complex64) and weight (float32) while the weighted sums fill the row
 SLICE_BYTES_PER_COEF = 8
 SLICE_ROW_BYTES_PER_COEF = SLICE_BYTES_PER_COEF + 12
+# a (class, coarse orientation) pair's slices are projected once for its blocks when a group of the fine pass has at
+# least this many blocks per pair on average (each block projects its own otherwise)
+FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE = 2
 
 
 @dataclass(frozen=True)

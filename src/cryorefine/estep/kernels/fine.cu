@@ -5,13 +5,14 @@
 // one base index per block, the children implied (Zhang 2018's compressed weights). The
 // children are taken in tiles of TO orientations × TT translations (the whole block at
 // oversampling 1; 4 × 16 of the 64 × 16 at oversampling 2), so that a thread's sums stay in
-// registers at every order. The blocks come grouped by (class, coarse orientation) pair, whose
-// NFO child slices are projected once per pair beforehand (project_slices), rows row0 … row0 +
-// NFO − 1 of `slices`; every block of the pair reads them. A CUDA block handles one tile of one
-// block (blockIdx.x the block, blockIdx.y the tile): every thread walks the coefficients with a
-// stride, reading the TO slices, moving the image by the TT translations as phase ramps, and
-// accumulating all TO·TT sums in registers; a warp-shuffle and shared memory reduction ends it.
-// Child f = io·NFT + it (RELION's oversampled order).
+// registers at every order. Where many blocks share a (class, coarse orientation) pair, its NFO
+// child slices are projected once beforehand (project_slices), rows row0 … row0 + NFO − 1 of
+// `slices`, and every block of the pair reads them; otherwise (slices null) each block projects
+// its slices on the fly from the padded reference, at rotations staged in shared memory. A CUDA
+// block handles one tile of one block (blockIdx.x the block, blockIdx.y the tile): every thread
+// walks the coefficients with a stride, taking the TO slices, moving the image by the TT
+// translations as phase ramps, and accumulating all TO·TT sums in registers; a warp-shuffle and
+// shared memory reduction ends it. Child f = io·NFT + it (RELION's oversampled order).
 
 #ifndef FINE_THREADS
 #define FINE_THREADS 128
@@ -32,6 +33,37 @@ __device__ __forceinline__ int2 cr_tile_origin()
     return make_int2((int)(blockIdx.y / N_TT) * TO, (int)(blockIdx.y % N_TT) * TT);
 }
 
+// Where a tile's TO child slices come from: rows of `slices` projected beforehand (P non-null), or
+// projected here from the class's padded volume V at the rotations staged in `mats` (9 floats each).
+struct CrTileSlices {
+    const float2* P;
+    const float2* V;
+    int d, w, origin;
+    float pf, r_pad_sq;
+    const float* mats;
+    int n_coef;
+
+    __device__ __forceinline__ float2 at(int io, int c, float kx, float ky) const
+    {
+        return P ? P[(size_t)io * n_coef + c] : cr_slice_value(V, d, w, origin, pf, r_pad_sq, mats + io * 9, kx, ky);
+    }
+};
+
+// The tile's slices; without `slices`, the tile's rotations staged into s_mats (made visible by the
+// __syncthreads of cr_stage_shifts, which must follow).
+template <int NFO, int TO>
+__device__ __forceinline__ CrTileSlices cr_tile_slices(const float2* __restrict__ slices, int row0, int2 tile,
+                                                       const float2* __restrict__ vol, int g_d, int g_w, int g_origin,
+                                                       float g_pf, float g_r_pad_sq, long long g_class_stride, int k,
+                                                       int u, const float* __restrict__ fine_mats, float* s_mats,
+                                                       int n_coef)
+{
+    if (!slices)
+        for (int i = threadIdx.x; i < TO * 9; i += blockDim.x) s_mats[i] = fine_mats[((size_t)u * NFO + tile.x) * 9 + i];
+    return CrTileSlices{slices ? slices + (size_t)(row0 + tile.x) * n_coef : nullptr, vol + (size_t)k * g_class_stride,
+                        g_d, g_w, g_origin, g_pf, g_r_pad_sq, s_mats, n_coef};
+}
+
 // Stage the tile's translations (px): the particle's residual offset plus the child translations.
 template <int NFT, int TT>
 __device__ __forceinline__ void cr_stage_shifts(int b, int t, int2 tile, const float* __restrict__ fine_shifts,
@@ -45,27 +77,33 @@ __device__ __forceinline__ void cr_stage_shifts(int b, int t, int2 tile, const f
     __syncthreads();
 }
 
-// out[block_out[blk]·NFO·NFT + f]: ½ Σ_c minv·|x·e^{−2πi k·s_it/N} − ctf·P_io|² (likelihood), or
+// out[row·NFO·NFT + f]: ½ Σ_c minv·|x·e^{−2πi k·s_it/N} − ctf·P_io|² (likelihood), or
 // −Σ Re(x_s·conj(ctf·P)) / sqrt(Σ|ctf·P|² · |x|²) with CC (x_norm2[b] = Σ|x|²); P_io is row
-// block_row0[blk] + io of `slices`.
+// block_row0[blk] + io of `slices` (or projected here when slices is null); row is block_out[blk],
+// or blk when block_out is null.
 template <int NFO, int NFT, int TO, int TT, bool CC>
 __global__ void __launch_bounds__(FINE_THREADS)
-fine_diff2(const float2* __restrict__ slices, const int* __restrict__ block_row0, const int* __restrict__ block_out,
-           const int* __restrict__ block_b, const int* __restrict__ block_t, const float* __restrict__ fine_shifts,
-           const float2* __restrict__ x, const float* __restrict__ ctf, const float* __restrict__ minv,
+fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float g_pf, float g_r_pad_sq,
+           long long g_class_stride, const float* __restrict__ fine_mats, const float2* __restrict__ slices,
+           const int* __restrict__ block_row0, const int* __restrict__ block_out, const int* __restrict__ block_b,
+           const int* __restrict__ block_k, const int* __restrict__ block_u, const int* __restrict__ block_t,
+           const float* __restrict__ fine_shifts, const float2* __restrict__ x, const float* __restrict__ ctf, const float* __restrict__ minv,
            const int* __restrict__ optics, const float* __restrict__ residual, const float* __restrict__ x_norm2,
            const float* __restrict__ kx, const float* __restrict__ ky, int n_coef, float two_over_ori,
            double* __restrict__ out)
 {
     constexpr int NF = NFO * NFT;
     constexpr int TF = TO * TT;
+    __shared__ float s_mats[TO * 9];
     __shared__ float s_shift[2 * TT];
     __shared__ float s_red[FINE_THREADS / 32][TF * (CC ? 2 : 1)];
     const int blk = blockIdx.x;
     const int2 tile = cr_tile_origin<NFT, TO, TT>();
     const int b = block_b[blk];
+    const CrTileSlices P = cr_tile_slices<NFO, TO>(slices, slices ? block_row0[blk] : 0, tile, vol, g_d, g_w, g_origin,
+                                                   g_pf, g_r_pad_sq, g_class_stride, block_k[blk], block_u[blk],
+                                                   fine_mats, s_mats, n_coef);
     cr_stage_shifts<NFT, TT>(b, block_t[blk], tile, fine_shifts, residual, s_shift);
-    const float2* P = slices + (size_t)(block_row0[blk] + tile.x) * n_coef;
     const float2* xb = x + (size_t)b * n_coef;
     const float* cb = ctf + (size_t)b * n_coef;
     const float* mb = minv + (size_t)optics[b] * n_coef;
@@ -91,7 +129,7 @@ fine_diff2(const float2* __restrict__ slices, const int* __restrict__ block_row0
         }
 #pragma unroll
         for (int io = 0; io < TO; ++io) {
-            float2 p = P[(size_t)io * n_coef + c];
+            float2 p = P.at(io, c, kxc, kyc);
             p.x *= cv;
             p.y *= cv;
 #pragma unroll
@@ -123,7 +161,7 @@ fine_diff2(const float2* __restrict__ slices, const int* __restrict__ block_row0
             s += s_red[wi][f];
             if (CC) s2 += s_red[wi][CC ? TF + f : 0];
         }
-        const size_t at = (size_t)block_out[blk] * NF + (size_t)(tile.x + f / TT) * NFT + tile.y + f % TT;
+        const size_t at = (size_t)(block_out ? block_out[blk] : blk) * NF + (size_t)(tile.x + f / TT) * NFT + tile.y + f % TT;
         if (CC) {
             out[at] = -s / sqrt(fmax(s2, 1e-300) * fmax((double)x_norm2[b], 1e-300));
         } else {
@@ -138,12 +176,15 @@ fine_diff2(const float2* __restrict__ slices, const int* __restrict__ block_row0
 //   scale_xa/aa[row_b[blk]]   += Σ_f w_f use·Re(ctf·P·conj(x_s)), Σ_f w_f use·|ctf·P|²
 //   slice_data[row0 + io, c]  += minv_store·ctf · Σ_it w x_nomask·e^{−2πi k·s_it/N}
 //   slice_weight[row0 + io, c]+= minv_store·ctf² · Σ_it w
-// (row0 = block_row0[blk]; the slices P_io the rows of `slices` in the same places)
+// (row0 = block_row0[blk]; the slices P_io the rows of `slices` in the same places, or projected here
+// when slices is null)
 // `scale_use` (per class, per coefficient; read when use_scale) is 1 where the data-vs-prior ratio exceeds 3 (RELION's scale sums).
 template <int NFO, int NFT, int TO, int TT>
 __global__ void __launch_bounds__(FINE_THREADS)
-fine_sums(const float2* __restrict__ slices, const int* __restrict__ block_row0, const int* __restrict__ block_b,
-          const int* __restrict__ block_k, const int* __restrict__ block_t, const float* __restrict__ fine_shifts, const float2* __restrict__ x, const float2* __restrict__ x_nomask,
+fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float g_pf, float g_r_pad_sq,
+          long long g_class_stride, const float* __restrict__ fine_mats, const float2* __restrict__ slices,
+          const int* __restrict__ block_row0, const int* __restrict__ block_b, const int* __restrict__ block_k,
+          const int* __restrict__ block_u, const int* __restrict__ block_t, const float* __restrict__ fine_shifts, const float2* __restrict__ x, const float2* __restrict__ x_nomask,
           const float* __restrict__ ctf, const float* __restrict__ minv_store, const int* __restrict__ optics,
           const float* __restrict__ residual, const double* __restrict__ weights, const int* __restrict__ shell,
           int n_shells, const float* __restrict__ scale_use, int use_scale, const float* __restrict__ kx,
@@ -154,6 +195,7 @@ fine_sums(const float2* __restrict__ slices, const int* __restrict__ block_row0,
     constexpr int NF = NFO * NFT;
     constexpr int TF = TO * TT;
     extern __shared__ float s_hist[];  // n_shells floats
+    __shared__ float s_mats[TO * 9];
     __shared__ float s_shift[2 * TT];
     __shared__ float s_w[TF];
     __shared__ float s_red[FINE_THREADS / 32][2];
@@ -172,14 +214,16 @@ fine_sums(const float2* __restrict__ slices, const int* __restrict__ block_row0,
     if (!s_any) return;
     const int b = block_b[blk];
     const int k = block_k[blk];
+    const int row0 = block_row0[blk] + tile.x;
+    const CrTileSlices P = cr_tile_slices<NFO, TO>(slices, block_row0[blk], tile, vol, g_d, g_w, g_origin, g_pf,
+                                                   g_r_pad_sq, g_class_stride, k, block_u[blk], fine_mats, s_mats,
+                                                   n_coef);
     cr_stage_shifts<NFT, TT>(b, block_t[blk], tile, fine_shifts, residual, s_shift);
     const float2* xb = x + (size_t)b * n_coef;
     const float2* xnb = x_nomask + (size_t)b * n_coef;
     const float* cb = ctf + (size_t)b * n_coef;
     const float* mb = minv_store + (size_t)optics[b] * n_coef;
     const float* use = use_scale ? scale_use + (size_t)k * n_coef : nullptr;
-    const int row0 = block_row0[blk] + tile.x;
-    const float2* P = slices + (size_t)row0 * n_coef;
     float xa = 0.f, aa = 0.f;
 
     for (int c = threadIdx.x; c < n_coef; c += FINE_THREADS) {
@@ -203,7 +247,7 @@ fine_sums(const float2* __restrict__ slices, const int* __restrict__ block_row0,
 #pragma unroll
             for (int it = 0; it < TT; ++it) wsum += s_w[io * TT + it];
             if (wsum <= 0.f) continue;
-            float2 p = P[(size_t)io * n_coef + c];
+            float2 p = P.at(io, c, kxc, kyc);
             p.x *= cv;
             p.y *= cv;
             float2 dsum = make_float2(0.f, 0.f);
