@@ -286,8 +286,10 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
               help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given.")
 @click.option("--relion_oversampling", is_flag=True,
               help="Keep --oversampling throughout, as RELION does; by default the fine pass samples one order finer "
-                   "from the iteration after the share of particles changing class stops falling, where RELION's "
-                   "fine angular step resolves less than the E-step compares (the fine pass then costs up to 32x).")
+                   "once the average pmax reaches 0.5 while the resolution can still grow (RELION's fine angular "
+                   "step too coarse for the box), or else once the share of particles changing class stops "
+                   "falling where that step is too coarse for what the E-step compares (the fine pass then costs "
+                   "up to 32x).")
 def classify(n_classes, continue_from, **options):
     """3D classification into K classes (relion_refine --K, without --auto_refine)."""
     import logging

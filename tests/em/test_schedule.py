@@ -554,20 +554,43 @@ def test_the_fine_step_is_measured_against_the_detail_the_e_step_compares():
 
 
 def test_a_classification_samples_finer_once_its_classes_stall_and_the_step_is_too_coarse():
-    """The first change (against the starting classes) is left out; a stall is a change no smaller than every one
-    after it so far; a step fine enough, or a pmax below 0.5, keeps RELION's sampling."""
-    coarse = sch.fine_step(2, 1, 270.0, 40, 64, 4.57)
-    fine = sch.fine_step(2, 1, 270.0, 38, 64, 4.57)
+    """Where the E-step already compares the whole box: the first change (against the starting classes) is left
+    out; a stall is a change no smaller than every one after it so far; a step fine enough, or a pmax below 0.5,
+    keeps RELION's sampling."""
+    coarse = sch.fine_step(2, 1, 270.0, 40, 40, 4.57)  # 40 px of a 40 px box
+    fine = sch.fine_step(3, 1, 270.0, 40, 40, 4.57)  # 3.75° resolves 7.4 Å
     assert coarse.too_coarse and not fine.too_coarse
+
+    def raised(changes, pmax, step):
+        return sch.classification_sampling_raised(changes, pmax, step, step)  # compares all it may
+
+    assert raised([0.5, 0.2, 0.25], 0.9, coarse) == sch.RAISED_AT_STALL
+    assert raised([0.5, 0.2, 0.2], 0.9, coarse) == sch.RAISED_AT_STALL
+    assert raised([0.5, 0.2, 0.15], 0.9, coarse) is None  # still falling
+    assert raised([0.0, 0.8], 0.9, coarse) is None  # one change after the first: nothing to compare
+    assert raised([0.0, 0.8, 0.7], 0.9, coarse) is None  # the first (0.0) is not a stall's reference
+    assert raised([0.5, 0.2, 0.25], 0.9, fine) is None
+    assert raised([0.5, 0.2, 0.25], 0.4, coarse) is None
+    assert raised([0.5, 0.2, 0.25], sch.RAISED_SAMPLING_MIN_AVE_PMAX, coarse) == sch.RAISED_AT_STALL
+
+
+def test_a_classification_samples_finer_early_while_its_resolution_can_still_grow():
+    """Set B's geometry (64 px of 4.57 Å, 270 Å particle, --healpix_order 2): RELION's 7.5° resolves 14.7 Å at the
+    edge, fine for the 36.6 Å compared at 34 px but not for the box's 9.1 Å; so from the second iteration, once a
+    pmax of 0.5 is known, whatever the class changes; not at a pmax below it, not in the first iteration, not with a
+    step fine enough for the box, and not once the E-step compares all it may (then only at a stall)."""
+    now = sch.fine_step(2, 1, 270.0, 34, 64, 4.57)
+    box = sch.fine_step(2, 1, 270.0, 64, 64, 4.57)
+    assert not now.too_coarse and box.too_coarse
     raised = sch.classification_sampling_raised
-    assert raised([0.5, 0.2, 0.25], 0.9, coarse)
-    assert raised([0.5, 0.2, 0.2], 0.9, coarse)
-    assert not raised([0.5, 0.2, 0.15], 0.9, coarse)  # still falling
-    assert not raised([0.0, 0.8], 0.9, coarse)  # one change after the first: nothing to compare
-    assert not raised([0.0, 0.8, 0.7], 0.9, coarse)  # the first (0.0) is not a stall's reference
-    assert not raised([0.5, 0.2, 0.25], 0.9, fine)
-    assert not raised([0.5, 0.2, 0.25], 0.4, coarse)
-    assert raised([0.5, 0.2, 0.25], sch.RAISED_SAMPLING_MIN_AVE_PMAX, coarse)
+    assert raised([0.49], 0.65, now, box) == sch.RAISED_WHILE_RESOLUTION_GROWS
+    assert raised([0.49, 0.1], 0.65, now, box) == sch.RAISED_WHILE_RESOLUTION_GROWS  # falling changes: no matter
+    assert raised([], 0.65, now, box) is None  # the first iteration: no pmax measured yet
+    assert raised([0.49], 0.45, now, box) is None
+    fine_box = sch.fine_step(4, 1, 270.0, 64, 64, 4.57)  # 1.875° / 2 at order 4: fine enough for 9.1 Å
+    assert not fine_box.too_coarse
+    assert raised([0.49], 0.65, sch.fine_step(4, 1, 270.0, 34, 64, 4.57), fine_box) is None
+    assert raised([0.49], 0.65, box, box) is None  # the whole box compared, classes still changing less
 
 
 def test_the_likelihood_size_of_strict_highres_exp():

@@ -420,23 +420,43 @@ def fine_step(healpix_order: int, oversampling: int, particle_diameter_angstrom:
     return FineStep(step, keep_safe_resolution_angstrom(step, particle_diameter_angstrom), compared)
 
 
-#: classification_sampling_raised: the fewest average pmax at which the fine pass is sampled finer (it costs up to
-#: 32× its children per significant coarse sample; at low pmax there are many)
+#: classification_sampling_raised: the fewest average pmax at which the fine pass is sampled finer
 RAISED_SAMPLING_MIN_AVE_PMAX = 0.5
 
 
-def classification_sampling_raised(changes_classes, ave_pmax: float, step: FineStep) -> bool:
-    """Whether a classification samples one order of oversampling finer from this iteration on: RELION's fine step
-    (`step`, at --oversampling) is too coarse for the size the E-step compares, the share of particles changing
-    class (`changes_classes`, one value per iteration so far; the first, against the starting classes, left out)
-    has stopped falling, the last no smaller than every one before, and the average pmax is at least
-    RAISED_SAMPLING_MIN_AVE_PMAX. Not a RELION rule (RELION keeps --oversampling): on two-state sets at RELION's
-    sampling the share of particles in their true class fell once the resolution passed what the step resolves;
-    one order finer from the stall kept it nearer its best (benchmarks/README.md, classification accuracy). Waiting
-    for the stall keeps the early iterations, where the classes separate fastest at the coarser step, as RELION's."""
+#: classification_sampling_raised's reasons
+RAISED_WHILE_RESOLUTION_GROWS = "resolution can still grow"
+RAISED_AT_STALL = "classes stalled"
+
+
+def classification_sampling_raised(changes_classes, ave_pmax: float, step: FineStep, box_step: FineStep):
+    """Whether a classification samples one order of oversampling finer from this iteration on, and why (None:
+    not). `step` is RELION's fine step (at --oversampling) against the size the E-step compares now, `box_step`
+    the same step against the most it may compare (the whole box, or --strict_highres_exp's size); `changes_classes` holds the share of particles changing class, one value
+    per iteration so far (the first, against the starting classes). Either way the average pmax of the last
+    iteration must be at least RAISED_SAMPLING_MIN_AVE_PMAX (the finer pass costs up to 32× its children per
+    significant coarse sample; at low pmax there are many), and:
+
+    - RAISED_WHILE_RESOLUTION_GROWS: the E-step compares less than it may and the step is too coarse for that
+      most, so finer poses can still raise the resolution; or
+    - RAISED_AT_STALL: the step is too coarse for what the E-step compares, and the share of particles changing
+      class has stopped falling (the last no smaller than every one before it, the first left out).
+
+    Not a RELION rule (RELION keeps --oversampling). On a two-state 64 px set at RELION's sampling the share of
+    particles in their true class fell once the resolution passed what the step resolves; one order finer from
+    iteration 2 kept it near its best, where one order finer from the stall (iteration 4) left 5–7 points more
+    misclassified. Where the E-step already compares the whole box (the CI mixture, 32 px at Nyquist from the
+    first iteration) finer poses cannot raise the resolution, and sampled finer from the start they froze the
+    random starting split (one class's own noise pulls its particles): there the rule waits for the stall
+    (benchmarks/README.md, classification accuracy)."""
+    if ave_pmax < RAISED_SAMPLING_MIN_AVE_PMAX or len(changes_classes) < 1:
+        return None
+    if box_step.too_coarse and step.compared_angstrom > box_step.compared_angstrom * (1.0 + 1e-9):
+        return RAISED_WHILE_RESOLUTION_GROWS
     changes = np.asarray(changes_classes, dtype=np.float64)[1:]
-    return bool(step.too_coarse and ave_pmax >= RAISED_SAMPLING_MIN_AVE_PMAX and changes.size >= 2
-                and changes[-1] >= changes[:-1].min())
+    if step.too_coarse and changes.size >= 2 and changes[-1] >= changes[:-1].min():
+        return RAISED_AT_STALL
+    return None
 
 
 def update_size_flags_from_fsc(optimiser, state: ScheduleState, fsc_halves, current_size_px: int):

@@ -14,9 +14,11 @@ All particles form one set; K references are refined side by side. RELION's rule
   the joint distribution of classes and directions; it is written to the model file, after a
   cross-correlation iteration class 1's for every class, but not used as a prior: on two-state
   sets it put fewer particles in their true class); the sampling stays as given (no auto-sampling), except
-  that the fine pass samples one order finer (orientations and translations) from the iteration after the share
-  of particles changing class stops falling where RELION's fine step resolves less than the E-step compares
-  (`schedule.classification_sampling_raised`; --relion_oversampling keeps RELION's), and every one of --iter
+  that the fine pass samples one order finer (orientations and translations) once the average pmax reaches 0.5,
+  while the E-step compares less than the box and RELION's fine step resolves less than the box's Nyquist, or
+  else from the iteration after the share of particles changing class stops falling where that step resolves
+  less than the E-step compares (`schedule.classification_sampling_raised`; --relion_oversampling keeps
+  RELION's), and every one of --iter
   iterations runs (no convergence test); --iter counts
   from the start of the run (a --continue from iteration N runs N+1 … --iter);
 - --skip_align: the poses and origins of the STAR file are kept, only the class is searched (one
@@ -219,26 +221,39 @@ class ClassifyJob:
 
     def _fine_sampling(self, run, iteration, sampling, compared_size_px, model):
         """`sampling` at one order of oversampling finer from the iteration `schedule.classification_sampling_raised`
-        says on (not with --relion_oversampling); says so once, and warns once where the step used is still too
-        coarse for the size the E-step compares."""
+        says on (not with --relion_oversampling); says so once, with its reason, and warns once where the step used
+        is still too coarse for the size the E-step compares."""
         config = self.config
         k = config.oversampling
 
-        def step_at(oversampling):
-            return schedule.fine_step(sampling.healpix_order, oversampling, self.diameter_angstrom, compared_size_px,
+        def step_at(oversampling, size_px=compared_size_px):
+            return schedule.fine_step(sampling.healpix_order, oversampling, self.diameter_angstrom, size_px,
                                       model.ori_size_px, model.pixel_size_angstrom)
 
         step = step_at(k)
+        # the most the E-step may compare: the box, or --strict_highres_exp's size
+        ceiling_px = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                 model.pixel_size_angstrom, model.ori_size_px) or model.ori_size_px
+        ceiling = step_at(k, ceiling_px)
         raised = int(run.extras.get("finer_sampling_from", 0))
-        if not (raised or config.relion_oversampling) and schedule.classification_sampling_raised(
-                run.extras["class_changes"], model.ave_pmax, step):
+        why = None if raised or config.relion_oversampling else schedule.classification_sampling_raised(
+            run.extras["class_changes"], model.ave_pmax, step, ceiling)
+        if why:
             raised = run.extras["finer_sampling_from"] = iteration
-            log.info("from iteration %d on the fine pass samples one order finer (%.3g°, %.3g px): the share of "
-                     "particles changing class has stopped falling (%.3f, average pmax %.2f), and RELION's %.3g° "
-                     "resolves %.1f Å at the particle's edge, less than the %.1f Å compared (%d px); "
+            if why == schedule.RAISED_AT_STALL:
+                reason = (f"the share of particles changing class has stopped falling "
+                          f"({run.extras['class_changes'][-1]:.3f}, average pmax {model.ave_pmax:.2f}), and "
+                          f"RELION's {step.step_deg:.3g}° resolves {step.resolves_angstrom:.1f} Å at the particle's "
+                          f"edge, less than the {step.compared_angstrom:.1f} Å compared ({compared_size_px} px)")
+            else:
+                reason = (f"the E-step compares {step.compared_angstrom:.1f} Å ({compared_size_px} of {ceiling_px} "
+                          f"px), so the resolution can still grow, and RELION's {step.step_deg:.3g}° resolves "
+                          f"{step.resolves_angstrom:.1f} Å at the particle's edge, less than the "
+                          f"{ceiling.compared_angstrom:.1f} Å that {ceiling_px} px hold (average pmax "
+                          f"{model.ave_pmax:.2f})")
+            log.info("from iteration %d on the fine pass samples one order finer (%.3g°, %.3g px): %s; "
                      "--relion_oversampling keeps RELION's", iteration, sampling.angular_sampling_deg(k + 1),
-                     sampling.offset_sampling_px(k + 1), run.extras["class_changes"][-1], model.ave_pmax,
-                     step.step_deg, step.resolves_angstrom, step.compared_angstrom, compared_size_px)
+                     sampling.offset_sampling_px(k + 1), reason)
         if raised:
             k += 1
             step = step_at(k)
