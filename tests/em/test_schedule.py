@@ -587,6 +587,7 @@ def test_a_classification_samples_finer_early_while_its_resolution_can_still_gro
     assert raised([0.49, 0.1], 0.65, now, box) == sch.RAISED_WHILE_RESOLUTION_GROWS  # falling changes: no matter
     assert raised([], 0.65, now, box) is None  # the first iteration: no pmax measured yet
     assert raised([0.49], 0.45, now, box) is None
+    assert raised([0.49], None, now, box) is None  # after a --firstiter_cc iteration
     fine_box = sch.fine_step(4, 1, 270.0, 64, 64, 4.57)  # 1.875° / 2 at order 4: fine enough for 9.1 Å
     assert not fine_box.too_coarse
     assert raised([0.49], 0.65, sch.fine_step(4, 1, 270.0, 34, 64, 4.57), fine_box) is None

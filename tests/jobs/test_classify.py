@@ -329,6 +329,22 @@ def test_the_fine_pass_is_sampled_finer_once_the_classes_stall(tmp_path, caplog,
     assert int(read_star(tmp_path / "run_it007_optimiser.star")["optimiser_general"]["rlnAdaptiveOversampleOrder"]) == 2
 
 
+def test_the_pmax_of_a_firstiter_cc_iteration_does_not_sample_the_next_finer(tmp_path, caplog):
+    """The mixture at --ini_high 80 compares 30 of its 32 px, so the fine pass may be sampled finer while the
+    resolution can still grow, once the pmax reaches 0.5; --firstiter_cc's iteration 1 reports a pmax of 1, which
+    is not a likelihood's (taken at its word it raised iteration 2, of pmax 0.02, at 7× the E-step time)."""
+    from cryorefine.io.star import read_star
+
+    make_mixture(tmp_path, 20)
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / "run", "--iter", 2, *CLASSIFY_ARGS, "--ini_high", 80, "--firstiter_cc")
+    assert code == 0
+    assert float(read_star(tmp_path / "run_it001_model.star")["model_general"]["rlnAveragePmax"]) >= 0.5
+    assert not [r for r in caplog.records if "samples one order finer" in r.getMessage()]
+    assert int(read_star(tmp_path / "run_it002_optimiser.star")["optimiser_general"]["rlnAdaptiveOversampleOrder"]) == 1
+
+
 def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):
     """RELION's --strict_highres_exp 48 on 32 px of 12 Å: both passes compare 2·round(384/48) = 16 px while the
     current size stays the whole box (ini_high 40 + 10 shells); the optimiser file records the limit as RELION's."""

@@ -429,13 +429,13 @@ RAISED_WHILE_RESOLUTION_GROWS = "resolution can still grow"
 RAISED_AT_STALL = "classes stalled"
 
 
-def classification_sampling_raised(changes_classes, ave_pmax: float, step: FineStep, box_step: FineStep):
+def classification_sampling_raised(changes_classes, ave_pmax: float | None, step: FineStep, box_step: FineStep):
     """Whether a classification samples one order of oversampling finer from this iteration on, and why (None:
     not). `step` is RELION's fine step (at --oversampling) against the size the E-step compares now, `box_step`
     the same step against the most it may compare (the whole box, or --strict_highres_exp's size); `changes_classes` holds the share of particles changing class, one value
     per iteration so far (the first, against the starting classes). Either way the average pmax of the last
-    iteration must be at least RAISED_SAMPLING_MIN_AVE_PMAX (the finer pass costs up to 32× its children per
-    significant coarse sample; at low pmax there are many), and:
+    iteration (None: not a likelihood's, after --firstiter_cc) must be at least RAISED_SAMPLING_MIN_AVE_PMAX (the
+    finer pass costs up to 32× its children per significant coarse sample; at low pmax there are many), and:
 
     - RAISED_WHILE_RESOLUTION_GROWS: the E-step compares less than it may and the step is too coarse for that
       most, so finer poses can still raise the resolution; or
@@ -449,7 +449,7 @@ def classification_sampling_raised(changes_classes, ave_pmax: float, step: FineS
     first iteration) finer poses cannot raise the resolution, and sampled finer from the start they froze the
     random starting split (one class's own noise pulls its particles): there the rule waits for the stall
     (benchmarks/README.md, classification accuracy)."""
-    if ave_pmax < RAISED_SAMPLING_MIN_AVE_PMAX or len(changes_classes) < 1:
+    if ave_pmax is None or ave_pmax < RAISED_SAMPLING_MIN_AVE_PMAX or len(changes_classes) < 1:
         return None
     if box_step.too_coarse and step.compared_angstrom > box_step.compared_angstrom * (1.0 + 1e-9):
         return RAISED_WHILE_RESOLUTION_GROWS

@@ -236,8 +236,10 @@ class ClassifyJob:
                                                  model.pixel_size_angstrom, model.ori_size_px) or model.ori_size_px
         ceiling = step_at(k, ceiling_px)
         raised = int(run.extras.get("finer_sampling_from", 0))
+        # a --firstiter_cc iteration's pmax (1) says nothing of the likelihood's posteriors
+        pmax = None if config.firstiter_cc and iteration == 2 else model.ave_pmax
         why = None if raised or config.relion_oversampling else schedule.classification_sampling_raised(
-            run.extras["class_changes"], model.ave_pmax, step, ceiling)
+            run.extras["class_changes"], pmax, step, ceiling)
         if why:
             raised = run.extras["finer_sampling_from"] = iteration
             if why == schedule.RAISED_AT_STALL:
