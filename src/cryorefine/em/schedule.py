@@ -432,8 +432,9 @@ RAISED_AT_STALL = "classes stalled"
 def classification_sampling_raised(changes_classes, ave_pmax: float | None, step: FineStep, box_step: FineStep):
     """Whether a classification samples one order of oversampling finer from this iteration on, and why (None:
     not). `step` is RELION's fine step (at --oversampling) against the size the E-step compares now, `box_step`
-    the same step against the most it may compare (the whole box, or --strict_highres_exp's size); `changes_classes` holds the share of particles changing class, one value
-    per iteration so far (the first, against the starting classes). Either way the average pmax of the last
+    the same step against the most it may compare (the whole box, or --strict_highres_exp's size);
+    `changes_classes` holds the share of particles changing class, one value per iteration so far (the first,
+    against the starting classes). Either way the average pmax of the last
     iteration (None: not a likelihood's, after --firstiter_cc) must be at least RAISED_SAMPLING_MIN_AVE_PMAX (the
     finer pass costs up to 32× its children per significant coarse sample; at low pmax there are many), and:
 
@@ -444,8 +445,8 @@ def classification_sampling_raised(changes_classes, ave_pmax: float | None, step
 
     Not a RELION rule (RELION keeps --oversampling). On a two-state 64 px set at RELION's sampling the share of
     particles in their true class fell once the resolution passed what the step resolves; one order finer from
-    iteration 2 kept it near its best, where one order finer from the stall (iteration 4) left 5–7 points more
-    misclassified. Where the E-step already compares the whole box (the CI mixture, 32 px at Nyquist from the
+    iteration 2 kept it near its best, where one order finer from the stall (iteration 4) ended 4–8 points lower in
+    two seeds of three. Where the E-step already compares the whole box (the CI mixture, 32 px at Nyquist from the
     first iteration) finer poses cannot raise the resolution, and sampled finer from the start they froze the
     random starting split (one class's own noise pulls its particles): there the rule waits for the stall
     (benchmarks/README.md, classification accuracy)."""
