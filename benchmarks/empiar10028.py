@@ -80,7 +80,7 @@ STAGES = (  # (label, stage names summed) in the order of an iteration
     ("upload + shifted images", ("upload", "coarse_images")),
     ("coarse diff2 (local searches: with their slices, local_diff2)", ("coarse",)),
     ("weights", ("weights",)),
-    ("fine diff2 (each pair's slices projected once)", ("fine",)),
+    ("fine diff2 (slices projected once a pair where pairs have many blocks)", ("fine",)),
     ("fine weights (priors, per-particle sums, significance)", ("fine_weights",)),
     ("weighted sums + back-projection", ("sums", "backproject")),
     ("per-particle results (to the host, stored)", ("results",)),
