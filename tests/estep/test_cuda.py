@@ -603,6 +603,38 @@ def test_significance_on_the_device_matches_the_numpy_engine(cp):
         np.testing.assert_array_equal(cp.asnumpy(mask), want_mask)
 
 
+@pytest.mark.parametrize("per_particle_priors", [False, True])
+def test_fused_coarse_weights_select_what_the_weights_array_does(cp, per_particle_priors):
+    """`coarse_significant` (weights.cu: weights recomputed from diff2 and the priors, candidates packed on the
+    device) against `significant_samples` of the float64 weights spelt out in numpy in the numpy engine's order of
+    operations: the same samples in the same order, the same counts. Rows longer than one pass of a CUDA block
+    (S = 2 · 150 · 7 = 2,100), from nearly flat to one sample, orientations barred by a −inf prior, the class and
+    orientation priors shared or per particle (a local search's)."""
+    from cryorefine.estep.common import significant_samples
+    from cryorefine.estep.cuda import coarse_significant
+
+    rng = np.random.default_rng(5)
+    b, k, r, t = 24, 2, 150, 7
+    breadth = np.geomspace(0.02, 50.0, b)[:, None, None, None]
+    d2 = (1000.0 + rng.exponential(1.0, (b, k, r, t)) * 30.0 / breadth).astype(np.float32)
+    prior_ko = np.log(rng.uniform(0.1, 1.0, (b if per_particle_priors else 1, k, r, 1)))
+    prior_ko[:, :, rng.choice(r, 5, replace=False), :] = -np.inf
+    prior_t = -rng.uniform(0.0, 3.0, (b, 1, 1, t))
+    log_w = (prior_ko + prior_t) - d2.astype(np.float64)
+    weights = np.exp(log_w - log_w.max(axis=(1, 2, 3), keepdims=True)).reshape(b, -1)
+    for fraction, max_sig in ((0.999, 0), (0.9, 0), (0.999, 50), (1.0, 0)):
+        mask, want_n = significant_samples(weights, fraction, max_sig, np)
+        want_b, want_s = np.nonzero(mask)
+        b_idx, s_idx, per_particle, n_sig = coarse_significant(cp, cp.asarray(d2), cp.asarray(prior_ko),
+                                                               cp.asarray(prior_t), fraction, max_sig, 0)
+        if (fraction, max_sig) == (0.999, 0):  # sharp and broad rows both met
+            assert want_n.min() < 20 and want_n.max() > 1000
+        np.testing.assert_array_equal(cp.asnumpy(n_sig), want_n)
+        np.testing.assert_array_equal(per_particle, mask.sum(axis=1))
+        np.testing.assert_array_equal(cp.asnumpy(b_idx), want_b)
+        np.testing.assert_array_equal(cp.asnumpy(s_idx), want_s)
+
+
 def test_image_transforms_keep_one_plan_outside_the_arena_across_scopes(cp):
     """The cuFFT plan of a batch shape is made once and kept with its work area outside the arena: the
     transforms stay exact after the scopes it was made in have ended and their bytes were reused."""

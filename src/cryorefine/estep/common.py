@@ -198,8 +198,9 @@ def groups_by_size(sizes, limit):
 def significant_samples(weights, adaptive_fraction, max_significants, xp):
     """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
 
-    Here rather than in `estep.cuda` because it is array-module generic: the CuPy engine's coarse pass
-    runs it on the device, the tests check it with numpy against `NumpyEngine._significant` without a GPU.
+    Here rather than in `estep.cuda` because it is array-module generic: the tests check it with numpy
+    against `NumpyEngine._significant` without a GPU, and on the device against the GPU engine's fused
+    coarse weights (which pack the candidates themselves and share `significance_cut`).
 
     The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
     at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
@@ -220,8 +221,19 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     packed = xp.zeros((b_count, width), dtype=weights.dtype)
     packed[rows, xp.arange(rows.size) - starts[rows]] = weights[rows, cols]
     del rows, cols
-    sorted_w = -xp.sort(-packed, axis=1)
+    threshold, n_sig = significance_cut(packed, counts, total, adaptive_fraction, max_significants, xp)
     del packed
+    mask = (weights >= threshold[:, None]) & (weights > 0)
+    return mask, n_sig
+
+
+def significance_cut(packed, counts, total, adaptive_fraction, max_significants, xp):
+    """The cut of `significant_samples` from each row's candidates alone: `packed` (B, width) holds a row's
+    `counts` candidates (weights above ε) in any order, zeros after them; `total` is the row's whole mass.
+    Returns the smallest weight kept per row (a sample is significant when its weight is at least that and
+    positive) and the count kept (B,)."""
+    b_count = packed.shape[0]
+    sorted_w = -xp.sort(-packed, axis=1)
     if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)
         n_sig = xp.maximum(counts, 1)
     else:
@@ -231,6 +243,4 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
         n_sig = xp.minimum(n_sig, xp.maximum(counts, 1))
     if max_significants > 0:
         n_sig = xp.minimum(n_sig, max_significants)
-    threshold = sorted_w[xp.arange(b_count), n_sig - 1]
-    mask = (weights >= threshold[:, None]) & (weights > 0)
-    return mask, n_sig
+    return sorted_w[xp.arange(b_count), n_sig - 1], n_sig

@@ -12,8 +12,11 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    the sub-batch: `local_diff2` projects their slices inside the kernel and meets them with the
    particle's moved images there (no slice reaches device memory); nothing the size of the whole
    grid is made;
-2. weights and significance with CuPy array operations on the device (priors, row maximum,
-   exp, a per-row sort and cumulative sum): only the per-particle counts come to the host;
+2. weights and significance on the device without a weights array: one CUDA block per particle
+   recomputes its row's weights from diff2 and the priors in each pass (row maximum, total,
+   candidate count, then the candidates packed: `coarse_weight_stats`, `coarse_candidates`; numpy
+   twin `common.significant_samples`), and the cut sorts the candidates alone; only the
+   per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
    orientation) pair: where a pair has many blocks its NFO slices are projected once (`project_slices`) and
    read by all of them, else each block projects its own; per-particle weights with segment reductions
@@ -42,13 +45,13 @@ from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
-                                      significant_samples)
+                                      significance_cut, significant_samples)
 from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
-                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, fine_kernel_names, fine_tiles, kernel_module,
-                                      round_up)
+                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, fine_kernel_names, fine_tiles,
+                                      kernel_module, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -65,13 +68,43 @@ def _f32(v):
     return np.float32(v)
 
 
-@functools.lru_cache(maxsize=None)
-def _log_weight_kernel(cp):
-    """(prior_a + prior_b) − diff2 in float64, broadcasting its inputs (the numpy engine's order of operations).
-
-    An ElementwiseKernel: CuPy compiles it for each device it is launched on, so one object serves all."""
-    return cp.ElementwiseKernel("float64 prior_a, float64 prior_b, float32 diff2", "float64 out",
-                                "out = (prior_a + prior_b) - (double)diff2", "cryorefine_coarse_log_weight")
+def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_significants, device_id):
+    """The significant samples of coarse diff2 (B, K, R, T) under log priors broadcasting as (B or 1, K, R, 1) and
+    (B, 1, 1, T), without a (B, K·R·T) float64 weights array: weights.cu recomputes a row's weights in each of its
+    passes (max, total and candidate count; then the candidates packed), and the cut (`common.significance_cut`)
+    sorts the candidates alone. Returns (particle, sample index in its row) of each significant sample, by
+    particle then sample as `cp.nonzero` orders them, the count per particle (host) and the cut's count (device):
+    what `common.significant_samples` gives for the weights exp(lw − max lw), lw = priors − diff2."""
+    b_count, n_cls, n_sel, n_t = d2.shape
+    n_samples = n_cls * n_sel * n_t
+    if n_samples >= 1 << 31:
+        raise ValueError(f"{n_samples} coarse samples per particle: more than the GPU engine indexes (2^31)")
+    if b_count == 0:
+        empty = cp.zeros(0, dtype=cp.int64)
+        return empty, empty, np.zeros(0, dtype=np.int64), empty
+    d2 = cp.ascontiguousarray(d2, dtype=cp.float32)
+    rows_ko = prior_ko.shape[0]
+    ko = cp.ascontiguousarray(cp.broadcast_to(prior_ko, (rows_ko, n_cls, n_sel, 1)), dtype=cp.float64)
+    pt = cp.ascontiguousarray(cp.broadcast_to(prior_t, (b_count, 1, 1, n_t)), dtype=cp.float64)
+    row_max = cp.empty(b_count, dtype=cp.float64)
+    total = cp.empty(b_count, dtype=cp.float64)
+    counts = cp.empty(b_count, dtype=cp.int64)
+    module = kernel_module(device_id=device_id)
+    args = (d2, ko, np.int64(0 if rows_ko == 1 else n_cls * n_sel), pt, np.int64(n_samples), _i32(n_t),
+            np.float64(adaptive_fraction))
+    module.get_function("coarse_weight_stats")((b_count,), (WEIGHT_THREADS,), (*args, row_max, total, counts))
+    width = max(1, int(counts.max()))
+    packed_w = cp.zeros((b_count, width), dtype=cp.float64)
+    packed_s = cp.zeros((b_count, width), dtype=cp.int32)
+    module.get_function("coarse_candidates")((b_count,), (WEIGHT_THREADS,),
+                                             (*args, row_max, total, np.int64(width), packed_w, packed_s))
+    del d2, ko, pt, row_max
+    threshold, n_sig = significance_cut(packed_w, counts, total, adaptive_fraction, max_significants, cp)
+    keep = (packed_w >= threshold[:, None]) & (packed_w > 0)
+    del packed_w, threshold
+    per_particle = cp.asnumpy(keep.sum(axis=1)).astype(np.int64)
+    b_idx, at = cp.nonzero(keep)
+    return b_idx, packed_s[b_idx, at].astype(cp.int64), per_particle, n_sig
 
 
 @functools.lru_cache(maxsize=None)
@@ -467,17 +500,16 @@ class CupyEngine:
             score = cp.where(allowed, d2, cp.inf).reshape(b_count, -1)
             weights = cp.zeros(score.shape, dtype=cp.float64)
             weights[cp.arange(b_count), cp.argmin(score, axis=1)] = 1.0
-            del score, allowed
+            del score, allowed, d2, prior_ko, prior_t
+            mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
+            del weights
+            per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
+            b_idx, flat_idx = cp.nonzero(mask)
+            del mask
         else:
-            weights = _log_weight_kernel(cp)(prior_ko, prior_t, d2).reshape(b_count, -1)
-            weights -= cp.max(weights, axis=1, keepdims=True)
-            cp.exp(weights, out=weights)
-        del d2, prior_ko, prior_t
-        mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
-        del weights
-        per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
-        b_idx, flat_idx = cp.nonzero(mask)
-        del mask
+            b_idx, flat_idx, per_particle, n_sig = coarse_significant(cp, d2, prior_ko, prior_t, s.adaptive_fraction,
+                                                                      s.max_significants, self.device_id)
+            del d2, prior_ko, prior_t
         t_idx = flat_idx % n_t
         rest = flat_idx // n_t
         col = rest % n_sel
@@ -589,7 +621,8 @@ class CupyEngine:
             for first in range(0, pairs.n_pairs, per_chunk):
                 with self._scope(Scope.ORIENTATION):
                     in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
-                    slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d)
+                    slices = self._project_pairs(chunk_pairs, pairs.n_unique,
+                                                 self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d))
                     fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
                        (*geometry, slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["k"][in_chunk],
                         blk["u"][in_chunk], blk["t"][in_chunk], *tail))
@@ -643,7 +676,7 @@ class CupyEngine:
             self.last_blocks = []
         del diff2
 
-        new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats, fine_mats_d, d2_off, tic)
+        new_norm = self._weighted_sums(pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats_d, d2_off, tic)
         tic = time.perf_counter()
         best = cp.asnumpy(best)
         bb, f = best // nf, best % nf
@@ -729,13 +762,18 @@ class CupyEngine:
         rows_free = int(0.5 * self._free_bytes()) // (bytes_per_coef * self.fine.positions.size)
         return max(1, min(self.plan.slice_rows_per_chunk, rows_free) // self.n_fo)
 
-    def _project_pairs(self, chunk_pairs, n_unique, fine_mats_d):
+    def _pair_matrices(self, chunk_pairs, n_unique, fine_mats_d):
+        """(pairs·NFO, 9) float32 on the device: the child matrices of each (class, coarse orientation) pair of
+        `chunk_pairs` (host, pair = class·n_unique + unique orientation), in the pairs' slice rows."""
+        return fine_mats_d.reshape(-1, self.n_fo, 9)[self.cp.asarray(chunk_pairs % n_unique)].reshape(-1, 9)
+
+    def _project_pairs(self, chunk_pairs, n_unique, mats):
         """(pairs·NFO, Kf) complex64: the NFO fine slices of each (class, coarse orientation) pair of `chunk_pairs`
-        (host, sorted, pair = class·n_unique + unique orientation), pair by pair, projected once for all its blocks."""
+        (host, sorted, pair = class·n_unique + unique orientation), pair by pair, projected once for all its blocks;
+        `mats` their rows' matrices (`_pair_matrices`)."""
         cp = self.cp
         nfo, n_coef = self.n_fo, self.fine.positions.size
         k_of_pair = chunk_pairs // n_unique
-        mats = fine_mats_d.reshape(-1, nfo, 9)[cp.asarray(chunk_pairs % n_unique)].reshape(-1, 9)
         out = cp.empty((chunk_pairs.size * nfo, n_coef), dtype=cp.complex64)
         fn = kernel_module(device_id=self.device_id).get_function("project_slices")
         for k in np.unique(k_of_pair):
@@ -746,7 +784,7 @@ class CupyEngine:
         return out
 
     # ------------------------------------------------------------------ weighted sums
-    def _weighted_sums(self, pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats, fine_mats_d, d2_off, tic):
+    def _weighted_sums(self, pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats_d, d2_off, tic):
         """Noise, scale, slices (then back-projected), offsets, class and direction sums of the kept children."""
         from cryorefine.gpu.allocator import Scope
 
@@ -770,7 +808,8 @@ class CupyEngine:
         for first in range(0, pairs.n_pairs, per_chunk):
             with self._scope(Scope.ORIENTATION):
                 in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
-                slices = self._project_pairs(chunk_pairs, pairs.n_unique, fine_mats_d) if pairs.project_once else _NULL
+                row_mats = self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d)
+                slices = self._project_pairs(chunk_pairs, pairs.n_unique, row_mats) if pairs.project_once else _NULL
                 n_rows = chunk_pairs.size * nfo
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
@@ -785,14 +824,13 @@ class CupyEngine:
                    shared_mem=4 * n_shells)
                 del slices
                 tic = self._tick("sums", tic)
-                row_mats = fine_mats.reshape(-1, nfo, 9)[chunk_pairs % pairs.n_unique].reshape(-1, 9)
                 row_class = np.repeat(chunk_pairs // pairs.n_unique, nfo)
                 bp_fn(((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
-                      (slice_data, slice_weight, cp.asarray(row_mats, dtype=cp.float32),
+                      (slice_data, slice_weight, row_mats,
                        cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
                        *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float32),
                        self.bp_weight))
-                del slice_data, slice_weight, in_chunk, row0
+                del slice_data, slice_weight, row_mats, in_chunk, row0
                 tic = self._tick("backproject", tic)
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)

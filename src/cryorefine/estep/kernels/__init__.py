@@ -19,7 +19,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-KERNEL_FILES = ("atomics.cu", "project.cu", "coarse.cu", "local.cu", "fine.cu", "backproject.cu", "segments.cu")
+KERNEL_FILES = ("atomics.cu", "project.cu", "coarse.cu", "local.cu", "fine.cu", "backproject.cu", "segments.cu",
+                "weights.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
@@ -31,13 +32,14 @@ FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 # translations), one tile per CUDA block, so a thread's sums stay in registers: 8 × 4 (one tile) at oversampling 1
 FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
+WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_candidates (weights.cu)
 # local_diff2 (local.cu): one block takes LOCAL_RT orientations × LOCAL_TT translations of one particle, slices
 # projected LOCAL_CK coefficients at a time; the moved images' translations are padded to a multiple of LOCAL_TT
 LOCAL_RT, LOCAL_TT, LOCAL_CK, LOCAL_THREADS = 32, 32, 32, 256
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
-           "SEG_THREADS": SEG_THREADS, "LOCAL_RT": LOCAL_RT, "LOCAL_TT": LOCAL_TT, "LOCAL_CK": LOCAL_CK,
+           "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_RT": LOCAL_RT, "LOCAL_TT": LOCAL_TT, "LOCAL_CK": LOCAL_CK,
            "LOCAL_THREADS": LOCAL_THREADS}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)

@@ -1,0 +1,127 @@
+// Coarse weights of a global or local search without the (B, S) float64 weights array: one CUDA block per
+// particle reads its row of S = K·R·T float32 diff2 and recomputes each weight where it needs it,
+//   w(s) = exp(lw(s) − max lw),  lw(s) = (prior_ko[row·ko_stride + s / T] + prior_t[b·T + s % T]) − diff2[b·S + s]
+// (the numpy engine's order of operations; ko_stride 0 when the class and orientation priors are the
+// same for every particle). coarse_weight_stats gives each row its max lw, total weight and the count of
+// candidates, the weights above ε = (1 − fraction)·total / (2·S) (`common.significant_samples`);
+// coarse_candidates then packs each row's candidates (weight and sample index) in the order of s, so that
+// the significance cut sorts only them.
+
+#ifndef WEIGHT_THREADS
+#define WEIGHT_THREADS 1024
+#endif
+
+// lw of sample s of particle b, `row` its diff2 row
+__device__ __forceinline__ double cr_coarse_log_weight(const float* __restrict__ row, const double* __restrict__ prior_ko,
+                                                       const double* __restrict__ prior_t, int b, long long ko_stride,
+                                                       long long s, int n_t)
+{
+    const long long kr = s / n_t;
+    const int t = (int)(s - kr * n_t);
+    return (prior_ko[b * ko_stride + kr] + prior_t[(long long)b * n_t + t]) - (double)row[s];
+}
+
+// Block-wide sum (op 0) or max (op 1) of v; every thread gets the result. `s_red` holds 32 doubles.
+__device__ __forceinline__ double cr_block_reduce(double v, int op, double* s_red)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const double u = __shfl_down_sync(0xffffffffu, v, o);
+        v = op ? fmax(v, u) : v + u;
+    }
+    __syncthreads();  // s_red may still be read from a previous call
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int n_warps = (blockDim.x + 31) >> 5;
+        const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
+        v = lane < n_warps ? s_red[lane] : (op ? ninf : 0.0);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const double u = __shfl_down_sync(0xffffffffu, v, o);
+            v = op ? fmax(v, u) : v + u;
+        }
+        if (lane == 0) s_red[0] = v;
+    }
+    __syncthreads();
+    return s_red[0];
+}
+
+extern "C" __global__ void __launch_bounds__(WEIGHT_THREADS)
+coarse_weight_stats(const float* __restrict__ d2, const double* __restrict__ prior_ko, long long ko_stride,
+                    const double* __restrict__ prior_t, long long n_samples, int n_t, double adaptive_fraction,
+                    double* __restrict__ row_max, double* __restrict__ row_total, long long* __restrict__ counts)
+{
+    __shared__ double s_red[32];
+    const int b = blockIdx.x;
+    const float* row = d2 + (long long)b * n_samples;
+    const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
+    double m = ninf;
+    for (long long s = threadIdx.x; s < n_samples; s += blockDim.x)
+        m = fmax(m, cr_coarse_log_weight(row, prior_ko, prior_t, b, ko_stride, s, n_t));
+    m = cr_block_reduce(m, 1, s_red);
+    double total = 0.0;
+    if (m > ninf)
+        for (long long s = threadIdx.x; s < n_samples; s += blockDim.x)
+            total += exp(cr_coarse_log_weight(row, prior_ko, prior_t, b, ko_stride, s, n_t) - m);
+    total = cr_block_reduce(total, 0, s_red);
+    const double epsilon = (1.0 - adaptive_fraction) * total / (2.0 * (double)n_samples);
+    double count = 0.0;
+    if (m > ninf)
+        for (long long s = threadIdx.x; s < n_samples; s += blockDim.x)
+            count += exp(cr_coarse_log_weight(row, prior_ko, prior_t, b, ko_stride, s, n_t) - m) > epsilon ? 1.0 : 0.0;
+    count = cr_block_reduce(count, 0, s_red);
+    if (threadIdx.x == 0) {
+        row_max[b] = m;
+        row_total[b] = total;
+        counts[b] = (long long)count;
+    }
+}
+
+// Row b's candidates at packed_w / packed_s[b·width …], in the order of s (the rest of the row untouched).
+extern "C" __global__ void __launch_bounds__(WEIGHT_THREADS)
+coarse_candidates(const float* __restrict__ d2, const double* __restrict__ prior_ko, long long ko_stride,
+                  const double* __restrict__ prior_t, long long n_samples, int n_t, double adaptive_fraction,
+                  const double* __restrict__ row_max, const double* __restrict__ row_total, long long width,
+                  double* __restrict__ packed_w, int* __restrict__ packed_s)
+{
+    __shared__ int s_warp[32];
+    __shared__ int s_chunk;
+    const int b = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    const float* row = d2 + (long long)b * n_samples;
+    const double m = row_max[b];
+    const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
+    if (!(m > ninf)) return;  // no sample allowed: no candidate (uniform over the block)
+    const double epsilon = (1.0 - adaptive_fraction) * row_total[b] / (2.0 * (double)n_samples);
+    long long base = 0;
+    for (long long c0 = 0; c0 < n_samples; c0 += blockDim.x) {
+        const long long s = c0 + threadIdx.x;
+        double w = 0.0;
+        if (s < n_samples) w = exp(cr_coarse_log_weight(row, prior_ko, prior_t, b, ko_stride, s, n_t) - m);
+        const bool keep = s < n_samples && w > epsilon;
+        const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+        if (lane == 0) s_warp[warp] = __popc(ballot);
+        __syncthreads();
+        if (warp == 0) {  // exclusive scan of the warps' counts
+            const int v = lane < n_warps ? s_warp[lane] : 0;
+            int inclusive = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, inclusive, o);
+                if (lane >= o) inclusive += u;
+            }
+            if (lane < n_warps) s_warp[lane] = inclusive - v;
+            if (lane == 31) s_chunk = inclusive;
+        }
+        __syncthreads();
+        if (keep) {
+            const long long at = (long long)b * width + base + s_warp[warp] + __popc(ballot & ((1u << lane) - 1u));
+            packed_w[at] = w;
+            packed_s[at] = (int)s;
+        }
+        base += s_chunk;
+        __syncthreads();  // s_warp and s_chunk are rewritten by the next chunk
+    }
+}
