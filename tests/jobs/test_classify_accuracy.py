@@ -17,8 +17,8 @@ CPU, set B: 1,000 particles, 10 iterations, seeds 1–3, at least 94 % in every 
 RELION's sampling throughout and on the code that sampled finer only once the classes stalled.
 
 GPU, set B, 15 iterations, seeds 1–3: the issue's bound, at least 94 % at the last iteration in every seed and
-never more than 2 points below that run's best iteration. The CPU meets it with the finer pass from iteration 2
-(99.1 / 96.0 / 97.9 % final, best 99.4 / 97.1 / 98.2); the GPU has not run that rule yet, so it stays xfail.
+never more than 2 points below that run's best iteration. With the finer pass from iteration 2 the GPU (an H200)
+gives the CPU's figures to the tenth: 99.1 / 96.0 / 97.9 % final, best 99.4 / 97.1 / 98.2, about 110 s for the three.
 """
 
 from __future__ import annotations
@@ -84,12 +84,11 @@ def test_cpu_classification_of_set_b_holds_its_classes_to_the_tenth_iteration(tm
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="not yet run on a GPU with the finer pass from iteration 2 (the CPU: 99.1 / 96.0 / 97.9 % at "
-                          "iteration 15, 0.3 / 1.1 / 0.3 points below the best); with it from the stall the GPU "
-                          "ended at 98.8 / 91.5 / 89.7 %", strict=False)
 def test_gpu_full_set_stays_accurate_to_the_last_iteration(tmp_path):
     """Set B: with RELION's sampling throughout the three seeds ended at 93.4 / 62.8 / 57.3 %, 5–30 points below
-    their best (benchmarks/README.md, classification accuracy)."""
+    their best (benchmarks/README.md, classification accuracy); with the finer pass from the stall, 98.8 / 91.5 /
+    89.7 %; with it from iteration 2 (while the resolution can grow) 99.1 / 96.0 / 97.9 %, 0.3 / 1.1 / 0.3 points
+    below the best, on an H200 as on the CPU."""
     cupy_or_skip()
     report = classify_accuracy(tmp_path, "--gpu", "--map", SET_B_MAP, "--snr", 0.2)
     for seed, r in per_seed(report).items():
