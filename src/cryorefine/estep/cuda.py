@@ -847,11 +847,9 @@ class CupyEngine:
         w_per_block = w3.sum(axis=(1, 2))
         # class and direction sums stay on the device until the half ends (`sums`): the direction table has the
         # grid's directions (786,432 at order 8), too many to copy for every batch
-        import cupyx
-
-        cupyx.scatter_add(self.pdf_class_d, k_blk, w_per_block)
+        cp.add.at(self.pdf_class_d, k_blk, w_per_block)
         n_dir = self.pdf_direction_d.shape[1]
-        cupyx.scatter_add(self.pdf_direction_d.reshape(-1), k_blk * n_dir + o_blk // self.n_psi, w_per_block)
+        cp.add.at(self.pdf_direction_d.reshape(-1), k_blk * n_dir + o_blk // self.n_psi, w_per_block)
         new_norm = pre["norm"] / s.avg_norm_correction * np.sqrt(2.0 * wdiff_total)
         sums.norm_correction += float(new_norm.sum())
         self._tick("sums", tic)
