@@ -127,10 +127,11 @@ __device__ __forceinline__ unsigned long long cr_splitmix64(unsigned long long z
 
 @functools.lru_cache(maxsize=None)
 def _shifted_kernel(cp):
-    """out[b, i, j] = float64(raw[b, (y − ry[b]) mod N, (x − rx[b]) mod N])·factor[b], (y, x) = (i, j) + N//2 mod N:
-    norm correction, integer re-centring (roll_each) and the transform's ifftshift in one pass."""
+    """out[b, i, j] = float32(raw[b, (y − ry[b]) mod N, (x − rx[b]) mod N]·factor[b]) (the product in float64),
+    (y, x) = (i, j) + N//2 mod N: norm correction, integer re-centring (roll_each) and the transform's ifftshift
+    in one pass."""
     return cp.ElementwiseKernel(
-        "raw T raw_images, raw int64 ry, raw int64 rx, raw float64 factor, int32 n", "float64 out",
+        "raw T raw_images, raw int64 ry, raw int64 rx, raw float64 factor, int32 n", "float32 out",
         """
         const long long nn = (long long)n * n;
         const long long b = i / nn;
@@ -140,16 +141,16 @@ def _shifted_kernel(cp):
         int sy = (int)((y - ry[b]) % n), sx = (int)((x - rx[b]) % n);
         if (sy < 0) sy += n;
         if (sx < 0) sx += n;
-        out = (double)raw_images[b * nn + (long long)sy * n + sx] * factor[b];
+        out = (float)((double)raw_images[b * nn + (long long)sy * n + sx] * factor[b]);
         """, "cryorefine_shifted_images")
 
 
 @functools.lru_cache(maxsize=None)
 def _masked_noise_kernel(cp):
-    """masked_images on ifftshifted images: v·mask + (1 − mask)·noise·std[b], the noise drawn in place
-    (background_noise's SplitMix64 counters and Box–Muller) at the unshifted pixel."""
+    """masked_images on ifftshifted images: v·mask + (1 − mask)·noise·std[b] in float64, stored as float32, the
+    noise drawn in place (background_noise's SplitMix64 counters and Box–Muller) at the unshifted pixel."""
     return cp.ElementwiseKernel(
-        "float64 v, float64 m, raw float64 std, raw uint64 key, int32 n", "float64 out",
+        "float32 v, float64 m, raw float64 std, raw uint64 key, int32 n", "float32 out",
         """
         const long long nn = (long long)n * n;
         const long long b = i / nn;
@@ -162,25 +163,26 @@ def _masked_noise_kernel(cp):
         const double u_a = 1.0 - (double)(bits_a >> 11) * 1.1102230246251565e-16;  // 2^-53
         const double u_b = (double)(bits_b >> 11) * 1.1102230246251565e-16;
         const double normal = sqrt(-2.0 * log(u_a)) * cos(6.283185307179586 * u_b);  // 2π
-        out = v * m + (1.0 - m) * normal * std[b];
+        out = (float)((double)v * m + (1.0 - m) * normal * std[b]);
         """, "cryorefine_masked_noise", preamble=_SPLITMIX64)
 
 
 def device_shifted_images(raw_images, factor, rx, ry, settings, particle_indices, iteration, xp):
     """The device's version of prepare_batch's real-space steps: the norm-corrected, re-centred images and
     their masked copies (`masked_images`), both already moved by ifftshift for the transform (B, N, N)
-    float64, each made in one pass over the batch; the background's standard deviation from two
-    matrix-vector products over the pixels outside the mask."""
+    float32 (the engine's precision; each value computed in float64), each made in one pass over the batch;
+    the background's standard deviation from two matrix-vector products over the pixels outside the mask,
+    in float64."""
     n = settings.ori_size_px
     b = int(raw_images.shape[0])
-    shifted = xp.empty((b, n, n), dtype=xp.float64)
+    shifted = xp.empty((b, n, n), dtype=xp.float32)
     _shifted_kernel(xp)(raw_images, xp.asarray(ry, dtype=xp.int64), xp.asarray(rx, dtype=xp.int64),
                         xp.asarray(factor, dtype=xp.float64), np.int32(n), shifted)
     mask = xp.fft.ifftshift(fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px, xp))
     if settings.zero_mask:
-        return shifted, shifted * mask
+        return shifted, shifted * mask.astype(xp.float32)
     outside = (mask < 1e-6).reshape(-1).astype(xp.float64)
-    flat = shifted.reshape(b, -1)
+    flat = shifted.reshape(b, -1).astype(xp.float64)
     count = float(outside.sum())
     mean = flat @ outside / count
     mean_square = (flat * flat) @ outside / count
@@ -197,7 +199,9 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
 
     The images are read on the host (or given, as `ParticleSet.read_ahead` yields them) and checked for
     NaN/Inf where they are prepared; masks, transforms and CTFs are computed with `xp` (cupy for the GPU
-    engine: the batch's image arrays then live on the device), in float64.
+    engine: the batch's image arrays then live on the device). The host prepares in float64 (the numpy
+    engine's oracle); the device transforms float32 images (complex64 transforms, the precision its engine
+    compares at; each pixel value computed in float64, the CTFs in float64).
     """
     indices = np.asarray(indices)
     n = settings.ori_size_px

@@ -33,7 +33,8 @@ MAPS_PER_RECONSTRUCTION = 3
 #: room kept for the E-step's batches when deciding whether both halves' sums stay on the device
 BATCH_RESERVE_BYTES = 2.0e9
 #: device bytes a batch's image preparation takes on the arena's stack per pixel of each image (`images.prepare_batch`
-#: works on the whole box in float64; measured on the H100: 5.1 GB for 128 images of 512² px)
+#: works on the whole box; measured on the H100 when it worked in float64: 5.1 GB for 128 images of 512² px; its
+#: float32 images now take less, and the figure is kept as a bound)
 PREPARATION_BYTES_PER_PIXEL = 160.0
 #: the share of the free device memory one part of a batch's preparation may take for its temporaries (they are gone
 #: before the engine runs)
