@@ -39,8 +39,8 @@ LOCAL_RT, LOCAL_TT, LOCAL_CK, LOCAL_THREADS = 32, 32, 32, 256
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
-           "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_RT": LOCAL_RT, "LOCAL_TT": LOCAL_TT, "LOCAL_CK": LOCAL_CK,
-           "LOCAL_THREADS": LOCAL_THREADS}
+           "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_RT": LOCAL_RT, "LOCAL_TT": LOCAL_TT,
+           "LOCAL_CK": LOCAL_CK, "LOCAL_THREADS": LOCAL_THREADS}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
