@@ -44,8 +44,9 @@ class BatchPlan:
 
 def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
     """Device bytes one particle of a sub-batch takes: shifted images 2·Kc·T·4, coarse weights
-    (diff2 float32; weights, sorted copy, cumulative sums float64) 36·K·R·T, its images, CTF
-    and their uploaded half transforms about 120·Kf, fine-pass tables about 24·Kf."""
+    36·K·R·T (diff2 float32, and where every sample is a candidate its packed candidates, weight float64
+    and index int32, their sorted copy and cumulative sums float64: `estep.cuda.coarse_significant`), its
+    images, CTF and their uploaded half transforms about 120·Kf, fine-pass tables about 24·Kf."""
     return (2 * n_coarse_coef * n_translations * 4 + 36 * n_classes * n_orientations * n_translations
             + 144 * n_fine_coef)
 
@@ -64,9 +65,9 @@ def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_trans
     """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
 
     The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle
-    the shifted images 2·Kc·T·4 and the coarse weights (diff2 float32, weights, sorted copy
-    and cumulative sums float64) 4·8·K·R·T; per fine sample about FINE_SAMPLE_BYTES; per slice
-    row SLICE_ROW_BYTES_PER_COEF·Kf (projection, data and weight). A quarter of the space goes to cached slices when they fit.
+    the shifted images 2·Kc·T·4 and the coarse weights 36·K·R·T (`per_particle_bytes`); per fine
+    sample about FINE_SAMPLE_BYTES; per slice row SLICE_ROW_BYTES_PER_COEF·Kf (projection, data and
+    weight). A quarter of the space goes to cached slices when they fit.
     In a local search (`local`) R is one particle's neighbourhood (its widest in a batch), its slices
     are projected inside the diff2 kernel (`local_per_particle_bytes`) and nothing is cached.
     """

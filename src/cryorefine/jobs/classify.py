@@ -18,9 +18,8 @@ All particles form one set; K references are refined side by side. RELION's rule
   while the E-step compares less than the box and RELION's fine step resolves less than the box's Nyquist, or
   else from the iteration after the share of particles changing class stops falling where that step resolves
   less than the E-step compares (`schedule.classification_sampling_raised`; --relion_oversampling keeps
-  RELION's), and every one of --iter
-  iterations runs (no convergence test); --iter counts
-  from the start of the run (a --continue from iteration N runs N+1 … --iter);
+  RELION's), and every one of --iter iterations runs (no convergence test); --iter counts from the start of
+  the run (a --continue from iteration N runs N+1 … --iter);
 - --skip_align: the poses and origins of the STAR file are kept, only the class is searched (one
   orientation and one translation per particle, `em.given_poses`; a single pass at the current
   image size, no oversampling, no perturbation);
