@@ -194,16 +194,19 @@ def test_coarse_diff2_relative_error_below_1e5(cp, seed, n):
     np.testing.assert_array_equal(np.argmin(got, axis=1), np.argmin(want, axis=1))
 
 
-@pytest.mark.parametrize("do_cc,offset_range,sigma_deg", [(False, 4, 9.0), (True, 4, 9.0), (False, 1.5, 9.0)])
+@pytest.mark.parametrize("do_cc,offset_range,sigma_deg", [(False, 4, 9.0), (True, 4, 9.0), (False, 1.5, 13.0),
+                                                           (True, 1.5, 11.0), (True, 3, 9.0), (False, 5, 9.0)])
 def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range, sigma_deg):
-    """The local search's coarse diff2 (local_diff2: slices projected inside the kernel) against the numpy
+    """The local search's coarse diff2 (local_diff2_t*: slices projected inside the kernel) against the numpy
     engine's float64 arithmetic on each particle's own orientations: two classes, neighbourhoods wider than
-    one block's orientations, more translations than one block's (49) and fewer (9)."""
+    one block's orientations (two blocks of 64 for the tile of 16; 60–126 orientations a particle, padded to
+    80 or 126), and every translation tile: 9 translations in a tile of 16, 29 in one of 32, 49 in one of 64,
+    and 81 in two layers of 64."""
     import dataclasses
 
     from cryorefine.estep.common import local_orientations
     from cryorefine.estep.cuda import CupyEngine
-    from cryorefine.estep.kernels import LOCAL_RT, LOCAL_TT
+    from cryorefine.estep.kernels import local_tile
 
     n = 48
     volume, setup, batch = random_problem(11, n, 7, healpix_order=2, offset_range=offset_range, offset_step=1,
@@ -219,7 +222,9 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     ref.setup(setup)
     orientation, _ = local_orientations(setup, batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg).padded()
     width, n_t = orientation.shape[1], ref.translations.shape[0]
-    assert got.shape == (7, 2, width, n_t) and width > LOCAL_RT and (n_t > LOCAL_TT) == (offset_range > 3), got.shape
+    tile_r, tile_t, _ = local_tile(n_t)
+    assert got.shape == (7, 2, width, n_t) and width > tile_r, (got.shape, tile_r)
+    assert (n_t, tile_t) == {1.5: (9, 16), 3: (29, 32), 4: (49, 64), 5: (81, 64)}[offset_range]
     sel = ref._fine_to_coarse_selection()
     x = ref.fine.gather(batch.images_ft)[:, sel]
     c = ref.fine.gather(batch.ctf)[:, sel]

@@ -9,7 +9,7 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    translation) × orientation pairs as one tiled matrix product per orientation chunk
    (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle
    its own orientations (`core.sampling.LocalOrientations`), padded to the widest neighbourhood of
-   the sub-batch: `local_diff2` projects their slices inside the kernel and meets them with the
+   the sub-batch: `local_diff2_t*` projects their slices inside the kernel and meets them with the
    particle's moved images there (no slice reaches device memory); nothing the size of the whole
    grid is made;
 2. weights and significance on the device without a weights array: one CUDA block per particle
@@ -49,9 +49,9 @@ from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size
 from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
-from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_RT, LOCAL_THREADS,
-                                      LOCAL_TT, MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, fine_kernel_names, fine_tiles,
-                                      kernel_module, round_up)
+from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
+                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, fine_kernel_names, fine_tiles,
+                                      kernel_module, local_tile, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class CupyEngine:
 
     def _local_batch_size(self, local):
         """Particles per sub-batch of a local search: the set-up's plan, and what the widest neighbourhood
-        leaves room for; at most MAX_GRID_Y (local_diff2 runs one grid layer per particle)."""
+        leaves room for; at most MAX_GRID_Y (local_diff2_t* runs one grid layer per particle)."""
         plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
                             int(local.counts().max(initial=1)), self.n_trans, self.n_classes, 1 << 30, self.children,
                             local=True)
@@ -535,7 +535,7 @@ class CupyEngine:
         """A local search: each particle against its own orientations (`local`, padded to the widest; the
         padding has log prior −inf), as `_coarse_pass` returns them. diff2 as the numpy engine's
         `_diff2_dense`: a + ½Σ minv·CTF²|P|² − Re Σ (minv·CTF·X_t)·conj(P), with X_t the image moved
-        by translation t, in one `local_diff2` launch per class that projects the slices P itself."""
+        by translation t, in one launch per class of the `local_tile` kernel, which projects the slices P itself."""
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
@@ -556,7 +556,8 @@ class CupyEngine:
         x_s = (x_c * scale_a).astype(cp.complex64)
         shifts = cp.asarray(pre["residual"])[:, None, :] + cp.asarray(self.translations)[None, :, :]  # (B, T, 2)
         # the moved images coefficient-major, translations padded to the kernel's tile: (B, Kc, ldt)
-        ldt = round_up(n_t, LOCAL_TT)
+        tile_r, tile_t, name = local_tile(n_t)
+        ldt = round_up(n_t, tile_t)
         moved = cp.zeros((b_count, kc, ldt), dtype=cp.complex64)
         _shift_kernel(cp)(x_s.real[:, :, None], x_s.imag[:, :, None], shifts[:, None, :, 0], shifts[:, None, :, 1],
                           self.kx_c[None, :, None], self.ky_c[None, :, None], -2.0 * np.pi / s.ori_size_px,
@@ -567,8 +568,8 @@ class CupyEngine:
         mats = self.tables.orientation_matrices(orientation.reshape(-1), xp=cp).reshape(-1, 9).astype(cp.float32)
         tic = self._tick("coarse_images", tic)
         diff2 = cp.empty((b_count, self.n_classes, width, n_t), dtype=cp.float32)
-        kernel = kernel_module(device_id=self.device_id).get_function("local_diff2")
-        grid = ((width + LOCAL_RT - 1) // LOCAL_RT, ldt // LOCAL_TT, b_count)
+        kernel = kernel_module(device_id=self.device_id).get_function(name)
+        grid = ((width + tile_r - 1) // tile_r, ldt // tile_t, b_count)
         for k in range(self.n_classes):
             kernel(grid, (LOCAL_THREADS,),
                    (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), moved, _i32(ldt),

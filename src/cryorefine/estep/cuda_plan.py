@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, LOCAL_TT, round_up
+from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, local_tile, round_up
 
 # fine samples (children) per group of particles, at most (≈ 5.4 GB): broad posteriors (Class3D's early iterations) meet
 # most (class, orientation) pairs in every group, so a group's fixed work (projecting and back-projecting the pairs'
@@ -53,10 +53,10 @@ def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translation
 
 def local_per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
     """Device bytes one particle of a local search's sub-batch takes: its images moved by every
-    translation 8·Kc·T (complex, T padded to local_diff2's tile), their coarse gathers about 32·Kc,
+    translation 8·Kc·T (complex, T padded to local_diff2's tile, `local_tile`), their coarse gathers about 32·Kc,
     the coarse weights 36·K·R·T as in a global search, and its images about 144·Kf. Its slices are
     projected inside the kernel and take no device memory."""
-    return (8 * n_coarse_coef * round_up(n_translations, LOCAL_TT) + 32 * n_coarse_coef
+    return (8 * n_coarse_coef * round_up(n_translations, local_tile(n_translations)[1]) + 32 * n_coarse_coef
             + 36 * n_classes * n_orientations * n_translations + 144 * n_fine_coef)
 
 

@@ -33,14 +33,15 @@ FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
 WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_candidates (weights.cu)
-# local_diff2 (local.cu): one block takes LOCAL_RT orientations × LOCAL_TT translations of one particle, slices
-# projected LOCAL_CK coefficients at a time; the moved images' translations are padded to a multiple of LOCAL_TT
-LOCAL_RT, LOCAL_TT, LOCAL_CK, LOCAL_THREADS = 32, 32, 32, 256
+# local_diff2_t* (local.cu): one block takes orientations × translations of one particle in a tile (`local_tile`), slices
+# projected LOCAL_CK coefficients at a time; the moved images' translations are padded to a multiple of the tile's
+LOCAL_CK, LOCAL_THREADS = 32, 256
+LOCAL_TRANSLATION_TILES = (16, 32, 64)  # the instances of local.cu's kernel, local_diff2_t16 ...
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
-           "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_RT": LOCAL_RT, "LOCAL_TT": LOCAL_TT,
-           "LOCAL_CK": LOCAL_CK, "LOCAL_THREADS": LOCAL_THREADS}
+           "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
+           "LOCAL_THREADS": LOCAL_THREADS}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
@@ -66,6 +67,15 @@ def fine_tiles(nfo, nft):
     """Tiles per block of NFO × NFT children: the fine kernels' grid is (blocks, tiles)."""
     to, tt = fine_tile(nfo, nft)
     return (int(nfo) // to) * (int(nft) // tt)
+
+
+def local_tile(n_translations):
+    """(orientations, translations) one block of a local search's coarse kernel takes, and the kernel's name: the
+    smallest translation tile of LOCAL_TRANSLATION_TILES that holds `n_translations` (the largest, in several grid
+    layers, beyond it), and as many orientations as fill LOCAL_THREADS threads with 2 × 2 outputs each. A late local
+    search has 9 or 13 translations: a tile of 16 computes 16 of them, one of 32 computed 32."""
+    tt = next((t for t in LOCAL_TRANSLATION_TILES if t >= int(n_translations)), LOCAL_TRANSLATION_TILES[-1])
+    return 4 * LOCAL_THREADS // tt, tt, f"local_diff2_t{tt}"
 
 
 def fine_kernel_names(nfo, nft):

@@ -2,16 +2,23 @@
 //
 // Each particle b has its own `width` orientations (rotation matrices mats[(b·width + r)·9 ..], the
 // padding of narrower neighbourhoods included) and its own images moved by T translations. A block
-// takes LOCAL_RT orientations × LOCAL_TT translations of one particle; per chunk of LOCAL_CK
-// coefficients it projects its orientations' slices into shared memory (cr_slice_value, the values
-// of project_slices) and stages the moved images beside them, then every thread adds a 2 × 2 tile
-// of cross terms Σ_c Re(moved_t(c)·conj(P_r(c))). The slices never reach device memory: the
+// takes RT orientations × TT translations of one particle; per chunk of LOCAL_CK coefficients it
+// projects its orientations' slices into shared memory (cr_slice_value, the values of
+// project_slices) and stages the moved images beside them, then every thread adds a 2 × 2 tile of
+// cross terms Σ_c Re(moved_t(c)·conj(P_r(c))). The slices never reach device memory: the
 // neighbourhood of one particle is seen by no other, so there is nothing to share, and writing the
 // slices out and reading them back twice (|P|², then the product) cost more than projecting them.
 // Sums run in float32 over a chunk and in float64 across chunks.
 //
+// The translation tile TT is the smallest of 16, 32, 64 that holds the search's translations (64
+// in several grid layers beyond), so that the few translations of a late local search (9 or 13)
+// are not padded to 32; the block's LOCAL_THREADS threads then take RT = 4·LOCAL_THREADS / TT
+// orientations. Each layer projects its orientations again: the largest tile keeps that rare.
+// Instances local_diff2_t16, _t32, _t64 (`estep.kernels.local_tile` picks one).
+//
 // moved: (B, n_coef, ldt) complex, the image moved by translation t and multiplied by
-//        minv·CTF (mode 0) or CTF (mode 1); translations n_t..ldt-1 are padding (any finite value)
+//        minv·CTF (mode 0) or CTF (mode 1); translations n_t..ldt-1 are padding (any finite value),
+//        ldt a multiple of TT
 // pair:  (B, n_coef), ½·minv·CTF² (mode 0) or CTF² (mode 1)
 // row_term: (B,) float64, ½·Σ minv·|X|² (mode 0) or ‖X‖ (mode 1)
 // out:   out[((b·n_class + k)·width + r)·n_t + t] for r < width, t < n_t:
@@ -19,12 +26,6 @@
 //   mode 1 (correlation):  −cross / (row_term[b] · sqrt(Σ_c pair·|P_r|²))
 // Numpy twin: NumpyEngine._diff2_dense on each particle's own projections.
 
-#ifndef LOCAL_RT
-#define LOCAL_RT 32
-#endif
-#ifndef LOCAL_TT
-#define LOCAL_TT 32
-#endif
 #ifndef LOCAL_CK
 #define LOCAL_CK 32
 #endif
@@ -32,38 +33,38 @@
 #define LOCAL_THREADS 256
 #endif
 
-#define LOCAL_PS_STRIDE (LOCAL_RT + 2)  // float2 per staged coefficient: 16-byte rows, fewer bank conflicts
-
-extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
-local_diff2(const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,
-            const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
-            const float2* __restrict__ moved, int ldt, const float* __restrict__ pair,
-            const double* __restrict__ row_term, int width, int n_t, int mode, int n_class, int k,
-            float* __restrict__ out)
+template <int TT>
+__device__ __forceinline__ void local_diff2_tile(
+    const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,
+    const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
+    const float2* __restrict__ moved, int ldt, const float* __restrict__ pair, const double* __restrict__ row_term,
+    int width, int n_t, int mode, int n_class, int k, float* __restrict__ out)
 {
-    static_assert(LOCAL_THREADS == 16 * (LOCAL_RT / 2) && LOCAL_TT == 32, "2 × 2 outputs per thread");
+    constexpr int RT = 4 * LOCAL_THREADS / TT;  // (RT / 2) × (TT / 2) threads, 2 × 2 outputs each
+    constexpr int PS_STRIDE = RT + 2;  // float2 per staged coefficient: 16-byte rows, fewer bank conflicts
     static_assert(LOCAL_THREADS % LOCAL_CK == 0 && LOCAL_CK == 32, "one warp per orientation while projecting");
-    __shared__ __align__(16) float2 ps[LOCAL_CK * LOCAL_PS_STRIDE];
-    __shared__ __align__(16) float4 ms[LOCAL_CK][LOCAL_TT / 2];
-    __shared__ float am[LOCAL_RT][6];
-    __shared__ double power_s[LOCAL_RT];
+    static_assert((RT / 2) * (TT / 2) == LOCAL_THREADS && RT % (LOCAL_THREADS / LOCAL_CK) == 0, "tile shape");
+    __shared__ __align__(16) float2 ps[LOCAL_CK * PS_STRIDE];
+    __shared__ __align__(16) float4 ms[LOCAL_CK][TT / 2];
+    __shared__ float am[RT][6];
+    __shared__ double power_s[RT];
 
     const int tid = threadIdx.x;
     const long long b = blockIdx.z;
-    const int r0 = blockIdx.x * LOCAL_RT, t0 = blockIdx.y * LOCAL_TT;
-    for (int i = tid; i < LOCAL_RT * 6; i += LOCAL_THREADS) {
+    const int r0 = blockIdx.x * RT, t0 = blockIdx.y * TT;
+    for (int i = tid; i < RT * 6; i += LOCAL_THREADS) {
         const int r = i / 6, j = i % 6;
         am[r][j] = (r0 + r < width) ? mats[(b * width + r0 + r) * 9 + j] : 0.f;
     }
-    // projecting: lane = coefficient in the chunk, warp = orientations warp, warp + 8, ...
+    // projecting: lane = coefficient in the chunk, warp = orientations warp, warp + WARPS, ...
     const int lane = tid % LOCAL_CK, warp = tid / LOCAL_CK;
     constexpr int WARPS = LOCAL_THREADS / LOCAL_CK;
-    constexpr int R_PER_WARP = LOCAL_RT / WARPS;
+    constexpr int R_PER_WARP = RT / WARPS;
     double power[R_PER_WARP];
 #pragma unroll
     for (int j = 0; j < R_PER_WARP; ++j) power[j] = 0.0;
     // accumulating: orientations 2·tr, 2·tr + 1 and translations 2·tt, 2·tt + 1 of the tile
-    const int tr = tid / 16, tt = tid % 16;
+    const int tr = tid / (TT / 2), tt = tid % (TT / 2);
     double cross[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
     const float2* moved_b = moved + b * n_coef * ldt + t0;
     const float* pair_b = pair + b * n_coef;
@@ -81,13 +82,13 @@ local_diff2(const float2* __restrict__ vol, int d, int w, int origin, float pf, 
             for (int i = 0; i < 6; ++i) a[i] = am[r][i];
             const float2 v = inside ? cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kxc, kyc)
                                     : make_float2(0.f, 0.f);
-            ps[lane * LOCAL_PS_STRIDE + r] = v;
+            ps[lane * PS_STRIDE + r] = v;
             power[j] += (double)(pc * (v.x * v.x + v.y * v.y));
         }
-        for (int i = tid; i < LOCAL_CK * (LOCAL_TT / 2); i += LOCAL_THREADS) {
-            const int cc = i / (LOCAL_TT / 2), pairt = i % (LOCAL_TT / 2);
+        for (int i = tid; i < LOCAL_CK * (TT / 2); i += LOCAL_THREADS) {
+            const int cc = i / (TT / 2), pairt = i % (TT / 2);
             float4 m = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c0 + cc < n_coef && t0 + 2 * pairt < ldt)
+            if (c0 + cc < n_coef)
                 m = *reinterpret_cast<const float4*>(moved_b + (size_t)(c0 + cc) * ldt + 2 * pairt);
             ms[cc][pairt] = m;
         }
@@ -95,7 +96,7 @@ local_diff2(const float2* __restrict__ vol, int d, int w, int origin, float pf, 
         float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll 8
         for (int cc = 0; cc < LOCAL_CK; ++cc) {
-            const float4 p = *reinterpret_cast<const float4*>(&ps[cc * LOCAL_PS_STRIDE + 2 * tr]);
+            const float4 p = *reinterpret_cast<const float4*>(&ps[cc * PS_STRIDE + 2 * tr]);
             const float4 m = ms[cc][tt];
             acc[0][0] += p.x * m.x + p.y * m.y;
             acc[0][1] += p.x * m.z + p.y * m.w;
@@ -133,3 +134,19 @@ local_diff2(const float2* __restrict__ vol, int d, int w, int origin, float pf, 
         }
     }
 }
+
+#define LOCAL_DIFF2_INSTANCE(TT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(LOCAL_THREADS) local_diff2_t##TT(                                 \
+        const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,                         \
+        const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,    \
+        const float2* __restrict__ moved, int ldt, const float* __restrict__ pair,                                 \
+        const double* __restrict__ row_term, int width, int n_t, int mode, int n_class, int k,                     \
+        float* __restrict__ out)                                                                                   \
+    {                                                                                                              \
+        local_diff2_tile<TT>(vol, d, w, origin, pf, r_pad_sq, mats, kx, ky, n_coef, moved, ldt, pair, row_term,    \
+                             width, n_t, mode, n_class, k, out);                                                   \
+    }
+
+LOCAL_DIFF2_INSTANCE(16)
+LOCAL_DIFF2_INSTANCE(32)
+LOCAL_DIFF2_INSTANCE(64)
