@@ -164,6 +164,33 @@ def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
         np.testing.assert_array_equal(read, images[indices])
 
 
+def test_read_ahead_uploads_on_its_thread_into_slots_the_caller_has_let_go(tmp_path):
+    """With room for the device slots, batches after the first come on the device, each with its own images,
+    although the caller overwrites every batch's images on the device (queued GPU work) before asking for the
+    next: an upload into a slot waits for the caller's work on it. A batch larger than the first comes on the
+    host; without room, every batch does."""
+    from conftest import cupy_or_skip, make_particle_set
+    from cryorefine.data import load_particles
+    from cryorefine.io import mrc
+
+    cp = cupy_or_skip()
+    star, images = make_particle_set(tmp_path, n=11, box=64)
+    particles = load_particles(star)
+    batches = [np.arange(0, 4), np.arange(4, 8), np.arange(8, 11), np.arange(0, 5), np.arange(7, 11),
+               np.arange(3, 7), np.arange(1, 5)]
+    for room, on_device in ((1 << 30, [False, True, True, False, True, True, True]), (0, [False] * 7)):
+        seen = []
+        with mrc.StackReader() as reader:
+            for indices, read in particles.read_ahead(iter(batches), reader, cp, device_bytes=room):
+                seen.append(isinstance(read, cp.ndarray))
+                np.testing.assert_array_equal(cp.asnumpy(cp.asarray(read)), images[indices])
+                if seen[-1]:
+                    for _ in range(20):  # queued work that writes the slot well after the reading thread moved on
+                        read *= 1.0001
+                    read[...] = -1.0
+        assert seen == on_device, (room, seen)
+
+
 def test_scratch_copy_reads_the_same_images_from_copies_and_removes_them(tmp_path):
     import logging
 

@@ -163,7 +163,7 @@ class ParticleSet:
         return reader.read(self.stack_paths[indices], self.stack_indices[indices], out=out, check_finite=check_finite,
                            dtype=dtype)
 
-    def read_ahead(self, batches, reader, xp=np):
+    def read_ahead(self, batches, reader, xp=np, device_bytes=0):
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a
         thread while the caller works on the current one (reading overlaps the GPU's work).
 
@@ -173,6 +173,11 @@ class ParticleSet:
         asks for the next batch. They are not checked for NaN/Inf here: `images.prepare_batch` checks
         them where they are prepared. For the GPU, float16 stacks (MRC mode 12) come as float16, made
         float32 on the device: half the bytes on the bus and no conversion on the host.
+
+        With CuPy and `device_bytes` room for two device buffers of the first batch's images
+        (`gpu.staging.UploadSlots`), the thread uploads them too, while the caller's GPU work goes on: from
+        the second batch on, images come as device arrays that the caller's stream waits for on the GPU.
+        The first batch, and any batch larger than the first, come on the host as before.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -180,30 +185,50 @@ class ParticleSet:
 
         buffers = [None, None]
         dtype = np.float32 if xp is np else reader.wire_dtype(self.stack_paths)
+        slots = None
 
         def read(i, indices):
-            buffer = buffers[i % 2]
+            slot = i % 2
+            buffer = buffers[slot]
             if buffer is None or buffer.shape[0] < indices.size:
-                return self.read_images(indices, reader, check_finite=False, dtype=dtype)
-            return self.read_images(indices, reader, out=buffer, check_finite=False)
+                return self.read_images(indices, reader, check_finite=False, dtype=dtype), False
+            if slots is not None:
+                slots.wait_uploaded(slot)  # the copy out of this host buffer two batches ago has ended
+            images = self.read_images(indices, reader, out=buffer, check_finite=False)
+            if slots is None or not slots.holds(slot, indices.size):
+                return images, False
+            return slots.upload(slot, images), True
 
         source = iter(batches)
         current = next(source, None)
         if current is None:
             return
+        if xp is not np and device_bytes:
+            from cryorefine.gpu.staging import UploadSlots
+
+            box = self.geometry()[0]
+            if UploadSlots.nbytes(current.size, (box, box), np.dtype(dtype).itemsize) <= device_bytes:
+                slots = UploadSlots(current.size, (box, box), dtype)
         with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
             pending = pool.submit(read, 0, current)
             i = 0
             while current is not None:
-                images = pending.result()
+                images, on_device = pending.result()
+                if on_device:
+                    slots.take(i % 2)
                 following = next(source, None)
                 if following is not None:
                     slot = (i + 1) % 2
                     if buffers[slot] is None or buffers[slot].shape[0] < following.size:
+                        if slots is not None:
+                            slots.wait_uploaded(slot)  # the host buffer let go here is no copy's source any more
                         size = max(following.size, current.size)
                         buffers[slot] = host_buffer((size,) + images.shape[1:], dtype, xp)
                     pending = pool.submit(read, i + 1, following)
                 yield current, images
+                del images
+                if slots is not None:
+                    slots.release(i % 2)  # the caller has queued its work on this batch's images
                 current = following
                 i += 1
 

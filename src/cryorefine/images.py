@@ -197,11 +197,12 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
                   images=None):
     """A `Batch` for the engine. Origins/norms/poses default to those in the particle set.
 
-    The images are read on the host (or given, as `ParticleSet.read_ahead` yields them) and checked for
-    NaN/Inf where they are prepared; masks, transforms and CTFs are computed with `xp` (cupy for the GPU
-    engine: the batch's image arrays then live on the device). The host prepares in float64 (the numpy
-    engine's oracle); the device transforms float32 images (complex64 transforms, the precision its engine
-    compares at; each pixel value computed in float64, the CTFs in float64).
+    The images are read on the host (or given, as `ParticleSet.read_ahead` yields them: on the host, or
+    already on the device) and checked for NaN/Inf where they are prepared; masks, transforms and CTFs
+    are computed with `xp` (cupy for the GPU engine: the batch's image arrays then live on the device).
+    The host prepares in float64 (the numpy engine's oracle); the device transforms float32 images
+    (complex64 transforms, the precision its engine compares at; each pixel value computed in float64, the
+    CTFs in float64).
     """
     indices = np.asarray(indices)
     n = settings.ori_size_px

@@ -45,9 +45,12 @@ def to_host_pinned(array):
 
 
 def to_device(array, xp=np):
-    """`array` (host) on `xp`'s device; the copy is finished on return, so the host buffer may be reused."""
+    """`array` (host) on `xp`'s device; the copy is finished on return, so the host buffer may be reused. An array
+    already on the device is returned as it is."""
     if xp is np:
         return np.asarray(array)
+    if isinstance(array, xp.ndarray):
+        return array
     out = xp.empty(array.shape, array.dtype)
     out.set(np.ascontiguousarray(array))
     xp.cuda.get_current_stream().synchronize()

@@ -103,7 +103,8 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
         _make_lazy_tables(units, poses)
         tic_wait = add_seconds(stages, "orientations", tic)
         following = None
-        for indices, images in particles.read_ahead(batches(), reader, xp):
+        uploads = memory.upload_slots_room(backend.free_device_bytes())
+        for indices, images in particles.read_ahead(batches(), reader, xp, device_bytes=uploads):
             u, _ = queued.popleft()
             tic = add_seconds(stages, "read_wait", tic_wait)
             # this batch's neighbourhoods were started while the last batch ran (the first batch's start now);

@@ -45,6 +45,10 @@ PREPARED_BYTES_PER_PIXEL = 20.0
 #: the share of the free device memory the prepared images handed to the engine at once may take; the rest is the
 #: engine's
 PREPARED_SHARE = 0.25
+#: the share of the free device memory the two device buffers of the images' overlapped uploads may take
+#: (`gpu.staging.UploadSlots`; 0.53 GB for batches of 512 float32 images of 360 px); past it, images are
+#: uploaded where they are prepared, as the preparation's part of the wait
+UPLOAD_SLOTS_SHARE = 0.05
 
 
 def slab_bytes(grid_shape):
@@ -75,6 +79,11 @@ def reconstruction_bytes(grid_shape, box_px, padded_size_px):
 def images_per_preparation(free_bytes, box_px):
     """The most images of `box_px` prepared at once (one part of a batch) in `free_bytes`."""
     return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
+
+
+def upload_slots_room(free_bytes):
+    """Device bytes the images' overlapped uploads may take (0 on the host, where `free_bytes` is None)."""
+    return 0 if free_bytes is None else int(UPLOAD_SLOTS_SHARE * free_bytes)
 
 
 def images_per_engine_run(free_bytes, current_size_px):

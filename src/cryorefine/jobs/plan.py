@@ -7,7 +7,7 @@ joined) — or two of a classification (--K: the first iteration, and a late one
 global searches at --healpix_order; K classes in one work unit, no halves, no final iteration) — the plan
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
-sums, references, cached coarse slices; PARTICLE: the prepared batch and one sub-batch; ORIENTATION: one chunk; the
+sums, references, the images' upload buffers, cached coarse slices; PARTICLE: the prepared batch and one sub-batch; ORIENTATION: one chunk; the
 M-step's reconstruction and, with --sym, its symmetrisation of the sums; where both halves' sums do not
 fit, the idle half waits on the host and one half is counted, `em.memory`), and an estimated E-step
 time per iteration: for a global search from the coarse pass's arithmetic at the throughput measured on
@@ -33,6 +33,7 @@ from cryorefine.core.sampling import Sampling
 from cryorefine.errors import InputError
 from cryorefine.estep.cuda_plan import (FINE_SAMPLE_BYTES, SLICE_ROW_BYTES_PER_COEF, local_per_particle_bytes,
                                       per_particle_bytes, plan_batches)
+from cryorefine.gpu.staging import UploadSlots
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -94,7 +95,7 @@ class Moment:
     n_translations: int
     particles_per_batch: int
     cache_coarse_slices: bool
-    iteration_bytes: float  # ITERATION scope at the E-step's peak (sums on the device, references, slices)
+    iteration_bytes: float  # ITERATION scope at the E-step's peak (sums on the device, references, uploads, slices)
     particle_bytes: float  # one sub-batch
     orientation_bytes: float  # one chunk
     maximization_bytes: float  # the M-step's peak
@@ -129,10 +130,13 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     kc, kf = _coefficients(coarse), _coefficients(current)
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
-    fixed = estep_sums + references
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
     # a GPU run's, wherever it is planned; no more than a unit's particles (a half set, or all of them)
     batch = min(config.batch_size_for(box, on_gpu=True), max(1, math.ceil(n_particles / units)))
+    # the images' overlapped uploads (gpu.staging, float32 images: float16 stacks take half) where they have room
+    uploads = UploadSlots.nbytes(batch, (box, box), 4)
+    uploads = uploads if uploads <= memory.upload_slots_room(arena_bytes) else 0.0
+    fixed = estep_sums + references + uploads
     prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
                 * memory.PREPARED_BYTES_PER_PIXEL * float(current) ** 2)
     plan = plan_batches(max(arena_bytes - fixed - prepared, 1), kc, kf, n_orientations, n_t, n_classes,
@@ -162,7 +166,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
         estep = max(n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP,
                     n_particles * MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
-                  estep_sums + references + slices, particle, orientation, maximization, estep, waits)
+                  estep_sums + references + uploads + slices, particle, orientation, maximization, estep, waits)
 
 
 def plan_run(config, gpu, late_resolution_angstrom=None):
