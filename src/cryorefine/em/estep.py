@@ -4,13 +4,14 @@ An iteration's E-step is a list of work units (`WorkUnit`: the particles of a ha
 set of classes, with the engine set-up they are compared under). Whoever runs the E-step (one
 process, or an MPI worker fed by the master) hands `run_batches` a stream of (unit, particle
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
-one is worked on), prepares them, runs the unit's engine and passes the per-particle results on; in a
-local search the next batch's neighbourhoods are computed on another thread while the engine runs this
-one. An engine is set up when its unit's first batch arrives and its weighted sums are collected when
-the unit's batches end; a batch of large images is prepared in parts that fit the device's free
-memory and handed to the engine joined (in runs, where even the prepared images are too many);
-where the device cannot hold every unit's sums (`sums_wait_on_host`), a finished unit's sums
-wait on the host while the next unit is worked on. Every second is added to a named stage:
+one is worked on, which also uploads them where the device has room: `gpu.staging`), prepares them,
+runs the unit's engine and passes the per-particle results on; in a local search the next batch's
+neighbourhoods are computed on another thread while the engine runs this one. An engine is set up
+when its unit's first batch arrives and its weighted sums are collected when the unit's batches end;
+a batch of large images is prepared in parts that fit the device's free memory and handed to the
+engine joined (in runs, where even the prepared images are too many); where the device cannot hold
+every unit's sums (`sums_wait_on_host`), a finished unit's sums wait on the host while the next unit
+is worked on. Every second is added to a named stage:
 `setup` (engines), `read_wait` (waiting for the read-ahead thread), `orientations` (waiting for the
 neighbourhoods' thread), `images` (preparation), `results` (each batch's per-particle results stored,
 progress), `park` (sums moved to the host), then the engine's own stages. The initial noise spectra are
