@@ -164,6 +164,7 @@ def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
         np.testing.assert_array_equal(read, images[indices])
 
 
+@pytest.mark.gpu
 def test_read_ahead_uploads_on_its_thread_into_slots_the_caller_has_let_go(tmp_path):
     """With room for the device slots, batches after the first come on the device, each with its own images,
     although the caller overwrites every batch's images on the device (queued GPU work) before asking for the
