@@ -176,6 +176,9 @@ def _refine_options(command):
         click.option("--strict_highres_exp", default=-1.0, show_default=True, type=float,
                      help="The E-step compares images up to this resolution (Å) in both passes, as RELION's; the "
                           "sums (reconstruction, noise) keep the current size (-1: no limit)."),
+        click.option("--coarse_size", default=-1, show_default=True, type=int,
+                     help="At most this image size (px) in the coarse pass of the adaptive sampling, as RELION's "
+                          "(-1: RELION's own rule alone, the size the coarse angular step resolves)."),
         click.option("--norm", is_flag=True, help="Refine per-particle norm corrections."),
         click.option("--scale", is_flag=True, help="Refine per-group intensity scales."),
         click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
@@ -221,9 +224,10 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
            solvent_mask, solvent_mask2, solvent_correct_fsc, ctf_intact_first_peak, skip_gridding, auto_ignore_angles,
            auto_resol_angles, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
-           max_iterations, adaptive_fraction, maxsig, strict_highres_exp, norm, scale, low_resol_join_halves,
-           random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc, batch, pool, threads,
-           dont_check_norm, pipeline_control, precision, preread_images, scratch_dir, gpu, force_cpu, free_gpu_memory):
+           max_iterations, adaptive_fraction, maxsig, strict_highres_exp, coarse_size, norm, scale,
+           low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc, batch,
+           pool, threads, dont_check_norm, pipeline_control, precision, preread_images, scratch_dir, gpu, force_cpu,
+           free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
     import logging
 
@@ -471,7 +475,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
                    precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, scratch_dir=None,
-                   strict_highres_exp=-1.0,
+                   strict_highres_exp=-1.0, coarse_size=-1,
                    solvent_mask=None, solvent_mask2=None, solvent_correct_fsc=False, ctf_intact_first_peak=False,
                    auto_ignore_angles=False, auto_resol_angles=False, threads=None, **_ignored):
     """RefineConfig from the options of `refine` (and `plan`)."""
@@ -487,7 +491,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, strict_highres_exp_angstrom=strict_highres_exp,
-        do_norm=norm, do_scale=scale, low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else pool,
+        max_coarse_size_px=coarse_size, do_norm=norm, do_scale=scale, low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed, batch_size=batch if batch is not None else pool,
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,

@@ -60,6 +60,7 @@ class RefineConfig:
     adaptive_fraction: float = 0.999
     max_significants: int = -1  # --maxsig; -1: no limit
     strict_highres_exp_angstrom: float = -1.0  # --strict_highres_exp: the E-step's likelihood up to this resolution; ≤ 0: none
+    max_coarse_size_px: int = -1  # --coarse_size: RELION's largest image size of the coarse (first) pass; ≤ 0: none
     do_norm: bool = False
     do_scale: bool = False
     auto_refine: bool = True  # gold-standard halves with RELION's auto-sampling
@@ -114,6 +115,8 @@ class RefineConfig:
              "more than 0 degrees (the σ of local searches, ±3σ around the poses)"),
             ("--sigma_psi", self.sigma_psi_deg, self.sigma_psi_deg is None or self.sigma_psi_deg > 0,
              "more than 0 degrees"),
+            ("--coarse_size", self.max_coarse_size_px, self.max_coarse_size_px <= 0 or self.max_coarse_size_px % 2 == 0,
+             "an even number of pixels, or -1 for none (RELION's default)"),
         ]
         for option, value, ok, wanted in rules:
             if not ok:

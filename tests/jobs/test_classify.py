@@ -345,6 +345,32 @@ def test_the_pmax_of_a_firstiter_cc_iteration_does_not_sample_the_next_finer(tmp
     assert int(read_star(tmp_path / "run_it002_optimiser.star")["optimiser_general"]["rlnAdaptiveOversampleOrder"]) == 1
 
 
+def test_coarse_size_caps_the_coarse_pass_and_is_recorded(tmp_path, capsys):
+    """RELION's --coarse_size: the coarse pass compares at most that many pixels (here fewer than RELION's own rule
+    gives at HEALPix order 3 on this box), the current size is untouched, and the optimiser file records the cap as
+    RELION's (rlnMaximumCoarseImageSize). An odd size is refused on one line, exit 2, before anything is written."""
+    from cryorefine.io.star import read_star
+
+    make_mixture(tmp_path, 10)
+    sizes = {}
+    for name, extra in (("free", ()), ("capped", ("--coarse_size", 12))):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / name / "run", "--iter", 1, *CLASSIFY_ARGS, "--healpix_order", 3, *extra)
+        assert code == 0
+        general = read_star(tmp_path / name / "run_it001_optimiser.star")["optimiser_general"]
+        model = read_star(tmp_path / name / "run_it001_model.star")["model_general"]
+        sizes[name] = (int(general["rlnCoarseImageSize"]), int(general["rlnMaximumCoarseImageSize"]),
+                       int(model["rlnCurrentImageSize"]))
+    assert sizes["free"][0] > 12 and sizes["free"][1] == -1
+    assert sizes["capped"] == (12, 12, sizes["free"][2])
+    capsys.readouterr()
+    code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                   tmp_path / "odd" / "run", "--iter", 1, *CLASSIFY_ARGS, "--coarse_size", 13)
+    err = capsys.readouterr().err
+    assert code == 2 and "--coarse_size 13: out of range" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "odd").exists()
+
+
 def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):
     """RELION's --strict_highres_exp 48 on 32 px of 12 Å: both passes compare 2·round(384/48) = 16 px while the
     current size stays the whole box (ini_high 40 + 10 shells); the optimiser file records the limit as RELION's."""

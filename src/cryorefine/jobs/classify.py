@@ -180,7 +180,8 @@ class ClassifyJob:
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      model.ori_size_px, model.pixel_size_angstrom, config.incr_size_px, False, False,
                                      ave_pmax=model.ave_pmax, oversampling=config.oversampling,
-                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom,
+                                     max_coarse_size_px=config.max_coarse_size_px)
         if config.skip_align:  # RELION: no oversampling, so one pass at the current size
             sizes = schedule.ImageSizes(sizes.current_size_px, sizes.current_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px

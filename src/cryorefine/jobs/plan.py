@@ -197,7 +197,8 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
             (f"late ({late:.1f} Å)", late, config.healpix_order, False, False)):
         sizes = schedule.image_sizes(resolution, order, diameter, box, pixel, config.incr_size_px, False, final,
                                      ave_pmax=0.0, oversampling=config.oversampling,
-                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom,
+                                     max_coarse_size_px=config.max_coarse_size_px)
         sampling = Sampling(healpix_order=order, offset_range_px=config.offset_range_px,
                             offset_step_px=config.offset_step_px, symmetry=config.symmetry)
         n_orient = sampling.n_orientations

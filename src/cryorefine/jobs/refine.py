@@ -120,7 +120,8 @@ class RefineJob:
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order, self.diameter_angstrom,
                                      box, pixel, run.schedule.incr_size_px, optimiser.has_high_fsc_at_resol_limit,
                                      final, ave_pmax=model.ave_pmax, oversampling=config.oversampling,
-                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom)
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom,
+                                     max_coarse_size_px=config.max_coarse_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         # --strict_highres_exp: the size both E-step passes compare (None: the current size)
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, sizes.current_size_px)
