@@ -38,18 +38,19 @@ from cryorefine.gpu.staging import UploadSlots
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
 COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
-# a local search's E-step (local_diff2 projects its slices itself, so its cost follows the trilinear interpolations,
-# classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration, one per particle,
+# a local search's E-step (the local coarse kernel projects its slices itself, so its cost follows the trilinear
+# interpolations, classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration,
 # one per interpolation and one per coefficient at the current size (the fine pass, the sums, the back-projection,
 # the images). Fitted on the H100 to the local iterations (orders 4–8 and the final one) of the converged
-# 10,000-particle auto-refine of the 360 px stand-in with the GPU's default batches of 512
-# (results/empiar10028_refine_10k_h100_converged_batch512.json: estimated / measured 0.78–1.23, order 8 the
-# lowest), the fixed cost kept from the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py
-# (1.1–1.6 s); the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
-LOCAL_ESTEP_FIXED_SECONDS = 1.0
-LOCAL_ESTEP_SECONDS_PER_PARTICLE = 0.38e-4
-LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 5.2e-11
-LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 6.3e-9
+# 10,000-particle auto-refine of the 360 px stand-in with the GPU's default batches of 512, after the translation
+# tiles and the overlapped uploads (results/refine_10k_h100_uploads_tiles.json: estimated / measured 0.79–1.19;
+# the estimate is high at orders 6–7 and low at order 8, where more samples are significant), the fixed cost
+# from the set-up and neighbourhood stages there (0.13–0.27 s) and the 2,000-particle, 64 px local iterations of
+# benchmarks/refine_accuracy.py (0.4–0.9 s); the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
+# (a term per particle came out smaller than the fixed cost's uncertainty and was left out)
+LOCAL_ESTEP_FIXED_SECONDS = 0.3
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 3.14e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 6.08e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
 # a global search's fixed cost per particle, however small the images (1.65–1.8 s per 10,000 particles in iterations
 # 6–10 of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100 with batches of 512, the GPU's default,
@@ -159,7 +160,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     if local:
         scaled = (LOCAL_ESTEP_SECONDS_PER_INTERPOLATION * n_classes * n_orientations * kc
                   + LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT * kf) * REFERENCE_TFLOPS / gpu.fp32_tflops
-        estep = LOCAL_ESTEP_FIXED_SECONDS + n_particles * (LOCAL_ESTEP_SECONDS_PER_PARTICLE + scaled)
+        estep = LOCAL_ESTEP_FIXED_SECONDS + n_particles * scaled
     else:
         coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
         seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
