@@ -137,6 +137,19 @@ def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_
     assert not (tmp_path / "run_it002_data.star").exists()  # it went on from iteration 3
 
 
+def test_the_iteration_line_names_the_translations_searched(refined, tmp_path, caplog):
+    """The log's line per iteration says the offsets searched, as RELION's says its offset range and step: here
+    the command line's 3 px by 1 px of 12 Å, a disc of 29 translations."""
+    folder, _ = refined
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc", "--o",
+                       tmp_path / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--offset_range", 3,
+                       "--offset_step", 1, "--iter", 1)
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iteration 1:")]
+    assert len(lines) == 1 and "offsets 36.00 Å by 12.00 Å (29 translations)" in lines[0], lines
+
+
 def test_continue_needs_its_files(tmp_path):
     (tmp_path / "run_it002_optimiser.star").write_text("data_optimiser_general\n_rlnCurrentIteration 2\n")
     assert run_cli("refine", "--continue", tmp_path / "run_it002_optimiser.star") == 2

@@ -265,11 +265,13 @@ class RefineJob:
         return plan.final
 
     def summary(self, run, plan, changes):
-        optimiser = run.optimiser
+        optimiser, sampling, pixel = run.optimiser, plan.sampling, run.model.pixel_size_angstrom
         return (f"resolution {run.model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
                 f"{plan.sizes.coarse_size_px} px, healpix {optimiser.healpix_order}"
-                f"{' (local)' if optimiser.local_searches else ''}, Δangle {changes.orientations_deg:.2f}°, "
-                f"Δoffset {changes.offsets_angstrom:.2f} Å, pmax {run.model.ave_pmax:.3f}")
+                f"{' (local)' if optimiser.local_searches else ''}, offsets {sampling.offset_range_px * pixel:.2f} Å "
+                f"by {sampling.offset_step_px * pixel:.2f} Å ({sampling.n_translations} translations), "
+                f"Δangle {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
+                f"pmax {run.model.ave_pmax:.3f}")
 
     # ------------------------------------------------------------------ outputs
     def outputs(self, run, plan, snapshot, timings, stages, argv):
