@@ -36,6 +36,7 @@ class UploadSlots:
         return 2 * n
 
     def holds(self, slot, n_images):
+        """Whether `slot` has room for a batch of `n_images`."""
         return self.slots[slot].shape[0] >= n_images
 
     def wait_uploaded(self, slot):
