@@ -7,9 +7,10 @@ joined) — or two of a classification (--K: the first iteration, and a late one
 global searches at --healpix_order; K classes in one work unit, no halves, no final iteration) — the plan
 gives the image sizes, the sampling, the GPU engine's batch and chunk sizes (`estep.cuda_plan.plan_batches`
 on the arena the run would have), the peak device memory per scope (ITERATION: back-projection
-sums, references, the images' upload buffers, cached coarse slices; PARTICLE: the prepared batch and one sub-batch; ORIENTATION: one chunk; the
-M-step's reconstruction and, with --sym, its symmetrisation of the sums; where both halves' sums do not
-fit, the idle half waits on the host and one half is counted, `em.memory`), and an estimated E-step
+sums, references, the images' upload buffers, cached coarse slices; PARTICLE: the prepared batch and
+one sub-batch; ORIENTATION: one chunk; the M-step's reconstruction and, with --sym, its
+symmetrisation of the sums; where both halves' sums do not fit, the idle half waits on the host and
+one half is counted, `em.memory`), and an estimated E-step
 time per iteration: for a global search from the coarse pass's arithmetic at the throughput measured on
 an H100 (about 65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
 benchmarks/estep_throughput.py), for a local search from its trilinear interpolations and image sizes

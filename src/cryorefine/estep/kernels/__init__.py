@@ -33,8 +33,8 @@ FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
 WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_candidates (weights.cu)
-# local_diff2_t* (local.cu): one block takes orientations × translations of one particle in a tile (`local_tile`), slices
-# projected LOCAL_CK coefficients at a time; the moved images' translations are padded to a multiple of the tile's
+# local_diff2_t* (local.cu): one block takes a tile of orientations × translations of one particle (`local_tile`),
+# slices projected LOCAL_CK coefficients at a time; the moved images' translations are padded to the tile's multiple
 LOCAL_CK, LOCAL_THREADS = 32, 256
 LOCAL_TRANSLATION_TILES = (16, 32, 64)  # the instances of local.cu's kernel, local_diff2_t16 ...
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
