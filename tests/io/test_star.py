@@ -114,12 +114,19 @@ def test_write_is_atomic(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.star"]
 
 
-def test_loop_blocks_are_written_as_starfile_writes_them():
+@pytest.mark.parametrize("chunk", [None, 64, 7])
+def test_loop_blocks_are_written_as_starfile_writes_them(monkeypatch, chunk):
     """Loops are formatted column by column (fast); the text must be starfile's, cell for cell: floats as %.12g,
-    NaN as <NA>, ±inf, float32 and unsigned columns, names with a space or empty in quotes, an empty loop."""
+    NaN as <NA>, ±inf, float32 and unsigned columns, names with a space or empty in quotes, an empty loop; and
+    the same when values and rows are formatted in chunks smaller than the table (64, 7: NaNs, infinities and the
+    last rows fall in different chunks)."""
     import starfile
 
+    from cryorefine.io import star
     from cryorefine.io.star import FLOAT_FORMAT, star_to_string
+
+    if chunk is not None:
+        monkeypatch.setattr(star, "FORMAT_CHUNK", chunk)
 
     rng = np.random.default_rng(3)
     n = 500

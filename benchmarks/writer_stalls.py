@@ -1,0 +1,57 @@
+"""How long the E-step's thread waits for the interpreter while the iteration writer formats a STAR table.
+
+An iteration's files are written on a thread beside the next E-step. At HEALPix order 8 a refinement's
+files hold tables of 786,432 directions (the sampling's directions, each half's orientation distribution).
+While that thread formats them, the E-step's thread, which launches the GPU's work between short waits,
+needs the interpreter back every few milliseconds. This script formats such a table (--rows rows of two
+float columns) --repeat times on a thread, while the main thread sleeps 1 ms at a time, and reports the
+longest time the main thread took to come back and the time lost in returns slower than 20 ms.
+
+    python benchmarks/writer_stalls.py --rows 786432 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+
+from cryorefine.io.star import star_to_string
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=786432, help="rows of the table (786,432: HEALPix order 8)")
+    parser.add_argument("--repeat", type=int, default=3, help="times the table is formatted")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame({"rlnAngleRot": rng.random(args.rows) * 360, "rlnAngleTilt": rng.random(args.rows) * 180})
+    done = threading.Event()
+
+    def writer():
+        for _ in range(args.repeat):
+            star_to_string({"sampling_directions": table})
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    tic = time.perf_counter()
+    thread.start()
+    waits, last = [], time.perf_counter()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        waits.append(now - last)
+        last = now
+    thread.join()
+    waits = np.array(waits)
+    print(json.dumps({"rows": args.rows, "repeat": args.repeat, "writer_seconds": round(time.perf_counter() - tic, 3),
+                      "main_thread_steps": int(waits.size), "longest_wait_ms": round(1e3 * float(waits.max()), 1),
+                      "seconds_in_waits_over_20ms": round(float(waits[waits > 0.02].sum()), 3)}))
+
+
+if __name__ == "__main__":
+    main()
