@@ -73,7 +73,7 @@ def local_tile(n_translations):
     """(orientations, translations) one block of a local search's coarse kernel takes, and the kernel's name: the
     smallest translation tile of LOCAL_TRANSLATION_TILES that holds `n_translations` (the largest, in several grid
     layers, beyond it), and as many orientations as fill LOCAL_THREADS threads with 2 × 2 outputs each. A late local
-    search has 9 or 13 translations: a tile of 16 computes 16 of them, one of 32 computed 32."""
+    search has 9 or 13 translations: a tile of 16 computes 16 products for them where a tile of 32 computes 32."""
     tt = next((t for t in LOCAL_TRANSLATION_TILES if t >= int(n_translations)), LOCAL_TRANSLATION_TILES[-1])
     return 4 * LOCAL_THREADS // tt, tt, f"local_diff2_t{tt}"
 
