@@ -94,20 +94,23 @@ def _loop_text(name, table):
 def _column_text(column):
     values = column.to_numpy()
     if values.dtype.kind == "f":
-        text = []
-        for start in range(0, values.size, FORMAT_CHUNK):
-            text.extend(map(FLOAT_FORMAT.__mod__, values[start:start + FORMAT_CHUNK].tolist()))
+        text = _in_chunks(FLOAT_FORMAT.__mod__, values)
         for i in np.flatnonzero(np.isnan(values)).tolist():
             text[i] = "<NA>"
         return text
     if values.dtype.kind in "iu":
-        text = []
-        for start in range(0, values.size, FORMAT_CHUNK):
-            text.extend(map(str, values[start:start + FORMAT_CHUNK].tolist()))
-        return text
+        return _in_chunks(str, values)
     if values.dtype.kind == "O" and all(type(v) is str for v in values):
         return [f'"{v}"' if (not v or " " in v) else v for v in values]
     return None
+
+
+def _in_chunks(format_one, values):
+    """`format_one` of every value of a numeric array, FORMAT_CHUNK values a step (`_loop_text` says why)."""
+    text = []
+    for start in range(0, values.size, FORMAT_CHUNK):
+        text.extend(map(format_one, values[start:start + FORMAT_CHUNK].tolist()))
+    return text
 
 
 def write_star(blocks, path):
