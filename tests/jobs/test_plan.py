@@ -149,3 +149,23 @@ def test_a_batch_holds_no_more_than_a_unit_of_particles(capsys, particles):
     classify = plan_json(capsys, particles, "--ini_high", 40, "--K", 2)["moments"][0]
     assert refine["particles_per_batch"] == 5
     assert classify["particles_per_batch"] == 10
+
+
+def test_the_upload_buffers_are_planned_in_the_stack_s_own_precision(capsys, particles, tmp_path):
+    """The overlapped uploads' two device buffers hold the images as they travel: a float16 stack's take half the
+    bytes of a float32 one's, and `plan`'s ITERATION scope is smaller by that half (the rest of the plan is the
+    same)."""
+    from cryorefine.gpu.staging import UploadSlots
+
+    try:
+        main(["simulate", "--ref", str(EXAMPLE_MAP), "--n", "10", "--float16", "--o", str(tmp_path / "sim")])
+    except SystemExit as exc:
+        assert exc.code == 0
+    capsys.readouterr()  # the simulation's own output
+    half = plan_json(capsys, tmp_path / "sim" / "particles.star", "--ini_high", 40)["moments"][0]
+    full = plan_json(capsys, particles, "--ini_high", 40)["moments"][0]
+    batch = full["particles_per_batch"]
+    saved = UploadSlots.nbytes(batch, (64, 64), 4) - UploadSlots.nbytes(batch, (64, 64), 2)
+    assert saved > 0
+    assert full["iteration_bytes"] - half["iteration_bytes"] == pytest.approx(saved)
+    assert full["particle_bytes"] == pytest.approx(half["particle_bytes"])

@@ -115,11 +115,23 @@ def _coefficients(size_px):
     return Coefficients.create(size_px).positions.size
 
 
+def image_itemsize(particles):
+    """Bytes per pixel of the images as a GPU run uploads them (`StackReader.wire_dtype`): 2 where every stack
+    holds float16, else 4, also where the stacks cannot be opened here (the larger figure)."""
+    from cryorefine.io.mrc import StackReader
+
+    try:
+        with StackReader() as reader:
+            return reader.wire_dtype(particles.stacks).itemsize
+    except InputError:
+        return 4
+
+
 def predict_moment(label, config, n_particles, box, pixel, current, coarse, sampling, n_orientations, n_classes,
-                   arena_bytes, gpu, local=False, units=2):
+                   arena_bytes, gpu, local=False, units=2, image_itemsize=4):
     """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations); in a local
     search (`local`) `n_orientations` is one particle's neighbourhood. `units`: 2 half sets (refine), each of
-    `n_classes`, or 1 (classify)."""
+    `n_classes`, or 1 (classify); `image_itemsize` the bytes per pixel of the images uploaded."""
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
@@ -135,8 +147,8 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
     # a GPU run's, wherever it is planned; no more than a unit's particles (a half set, or all of them)
     batch = min(config.batch_size_for(box, on_gpu=True), max(1, math.ceil(n_particles / units)))
-    # the images' overlapped uploads (gpu.staging, float32 images: float16 stacks take half) where they have room
-    uploads = UploadSlots.nbytes(batch, (box, box), 4)
+    # the images' overlapped uploads (gpu.staging) where they have room
+    uploads = UploadSlots.nbytes(batch, (box, box), image_itemsize)
     uploads = uploads if uploads <= memory.upload_slots_room(arena_bytes) else 0.0
     fixed = estep_sums + references + uploads
     prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
@@ -181,6 +193,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
     particles = load_particles(config.input_star)
     box, pixel = particles.geometry()
     n = len(particles)
+    itemsize = image_itemsize(particles)
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
     arena = gpu.memory_bytes - config.free_gpu_memory_mb * 2 ** 20
     res0 = schedule.current_resolution(box, pixel, iteration=0,
@@ -210,7 +223,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
                                                        sigma).counts()[0])
         moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
                                       sampling, n_orient, config.n_classes, arena, gpu, local=local,
-                                      units=2 if refine else 1))
+                                      units=2 if refine else 1, image_itemsize=itemsize))
     worst = max(moments, key=lambda m: m.peak_bytes)
     if worst.peak_bytes > arena:
         need_gb = (worst.peak_bytes + config.free_gpu_memory_mb * 2 ** 20) / GB
