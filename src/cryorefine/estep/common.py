@@ -223,15 +223,19 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     del rows, cols
     threshold, n_sig = significance_cut(packed, counts, total, adaptive_fraction, max_significants, xp)
     del packed
-    mask = (weights >= threshold[:, None]) & (weights > 0)
-    return mask, n_sig
+    return significant_mask(weights, threshold[:, None]), n_sig
+
+
+def significant_mask(weights, threshold):
+    """The significance rule every cut ends with: a sample is kept when its weight is at least its row's
+    `threshold` (broadcasting to `weights`) and positive."""
+    return (weights >= threshold) & (weights > 0)
 
 
 def significance_cut(packed, counts, total, adaptive_fraction, max_significants, xp):
     """The cut of `significant_samples` from each row's candidates alone: `packed` (B, width) holds a row's
     `counts` candidates (weights above ε) in any order, zeros after them; `total` is the row's whole mass.
-    Returns the smallest weight kept per row (a sample is significant when its weight is at least that and
-    positive) and the count kept (B,)."""
+    Returns the smallest weight kept per row (`significant_mask` applies it) and the count kept (B,)."""
     b_count = packed.shape[0]
     sorted_w = -xp.sort(-packed, axis=1)
     if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)

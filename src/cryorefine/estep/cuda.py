@@ -45,7 +45,7 @@ from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
-                                      significance_cut, significant_samples)
+                                      significance_cut, significant_mask)
 from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
@@ -100,7 +100,7 @@ def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_signifi
                                              (*args, row_max, total, np.int64(width), packed_w, packed_s))
     del d2, ko, pt, row_max
     threshold, n_sig = significance_cut(packed_w, counts, total, adaptive_fraction, max_significants, cp)
-    keep = (packed_w >= threshold[:, None]) & (packed_w > 0)
+    keep = significant_mask(packed_w, threshold[:, None])
     del packed_w, threshold
     per_particle = cp.asnumpy(keep.sum(axis=1)).astype(np.int64)
     b_idx, at = cp.nonzero(keep)
@@ -496,16 +496,14 @@ class CupyEngine:
         s = self.setup_
         b_count, _, n_sel, n_t = d2.shape
         if s.do_cc:
+            # one sample per particle, the best allowed one (the first, or sample 0 where none is allowed): what
+            # `significant_samples` keeps of one-hot weights whatever the fraction
             allowed = cp.isfinite(prior_ko) & cp.isfinite(prior_t)
-            score = cp.where(allowed, d2, cp.inf).reshape(b_count, -1)
-            weights = cp.zeros(score.shape, dtype=cp.float64)
-            weights[cp.arange(b_count), cp.argmin(score, axis=1)] = 1.0
-            del score, allowed, d2, prior_ko, prior_t
-            mask, n_sig = significant_samples(weights, s.adaptive_fraction, s.max_significants, cp)
-            del weights
-            per_particle = cp.asnumpy(mask.sum(axis=1)).astype(np.int64)
-            b_idx, flat_idx = cp.nonzero(mask)
-            del mask
+            flat_idx = cp.argmin(cp.where(allowed, d2, cp.inf).reshape(b_count, -1), axis=1)
+            del allowed, d2, prior_ko, prior_t
+            b_idx = cp.arange(b_count, dtype=cp.int64)
+            per_particle = np.ones(b_count, dtype=np.int64)
+            n_sig = cp.ones(b_count, dtype=cp.int64)
         else:
             b_idx, flat_idx, per_particle, n_sig = coarse_significant(cp, d2, prior_ko, prior_t, s.adaptive_fraction,
                                                                       s.max_significants, self.device_id)
@@ -753,7 +751,7 @@ class CupyEngine:
         pos = starts[:-1] + count.astype(cp.int64)
         has = pos < starts[1:]
         threshold = cp.where(has, wb[cp.minimum(pos, max(wb.size - 1, 0))], 0.0)
-        return (w >= threshold[b_of]) & (w > 0)
+        return significant_mask(w, threshold[b_of])
 
     # ------------------------------------------------------------------ fine slices, pair by pair
     def _pairs_per_chunk(self, bytes_per_coef):

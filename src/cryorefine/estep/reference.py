@@ -29,7 +29,7 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables, local_orientations, significant_samples
+from cryorefine.estep.common import FineBlocks, IterationTables, local_orientations, significant_mask, significant_samples
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
@@ -454,7 +454,7 @@ class NumpyEngine:
         cum = np.cumsum(positive)
         cut = int(np.searchsorted(cum, s.adaptive_fraction * sum_w, side="left"))
         threshold = positive[cut] if cut < positive.size else 0.0
-        w_norm = np.where((w >= threshold) & (w > 0), w / sum_w, 0.0)
+        w_norm = np.where(significant_mask(w, threshold), w / sum_w, 0.0)
         best_row, best_col = canonical_index(w_norm, np.argmax)
         blocks = w_norm.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3)[ko_pos, t_pos].reshape(
             ko_pos.size, n_fo * n_ft)
