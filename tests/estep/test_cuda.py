@@ -149,23 +149,30 @@ def test_backprojection_kernel_matches_backprojector(cp):
 
 
 def test_segment_reductions_match_numpy(cp):
+    """Minimum, maximum (with the first index of the extreme, as numpy's argmin / argmax) and sum per segment,
+    with ties for both extremes, a segment of −inf only, one of a single value and an empty one."""
     from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(3)
     sizes = rng.integers(1, 3000, 20)
+    sizes[3], sizes[4], sizes[6] = 0, 1, 700
     values = rng.normal(size=sizes.sum())
-    values[5] = values[7] = values[:sizes[0]].max() + 1  # a tie: the first index wins
     starts = np.r_[0, np.cumsum(sizes)]
+    values[5] = values[7] = values[:sizes[0]].max() + 1  # a tie for the maximum: the first index wins
+    values[starts[1] + 9] = values[starts[1] + 600] = values[starts[1]:starts[2]].min() - 1  # and for the minimum
+    values[starts[6]:starts[7]] = -np.inf
+    n_seg = sizes.size
     fn = kernel_module().get_function("segment_reduce")
-    for op, reduce, arg in ((0, np.min, np.argmin), (1, np.max, np.argmax), (2, np.sum, None)):
-        out = cp.empty(20)
-        idx = cp.empty(20, dtype=cp.int64)
-        fn((20,), (256,), (cp.asarray(values), cp.asarray(starts), np.int32(op), out, idx))
-        want = np.array([reduce(values[a:b]) for a, b in zip(starts[:-1], starts[1:])])
+    for op, reduce, arg, empty in ((0, np.min, np.argmin, np.inf), (1, np.max, np.argmax, -np.inf),
+                                   (2, np.sum, None, 0.0)):
+        out = cp.empty(n_seg)
+        idx = cp.empty(n_seg, dtype=cp.int64)
+        fn((n_seg,), (256,), (cp.asarray(values), cp.asarray(starts), np.int32(op), out, idx))
+        want = np.array([reduce(values[a:b]) if b > a else empty for a, b in zip(starts[:-1], starts[1:])])
         np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-12)
-        if arg is not None:
-            want_idx = np.array([a + arg(values[a:b]) for a, b in zip(starts[:-1], starts[1:])])
-            np.testing.assert_array_equal(cp.asnumpy(idx), want_idx)
+        want_idx = np.array([a + arg(values[a:b]) if arg is not None and b > a else b
+                             for a, b in zip(starts[:-1], starts[1:])])
+        np.testing.assert_array_equal(cp.asnumpy(idx), want_idx)
 
 
 @pytest.mark.parametrize("seed,n", [(4, 32), (5, 64)])

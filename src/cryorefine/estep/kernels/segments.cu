@@ -1,48 +1,42 @@
 // Reductions over contiguous segments (one particle's samples): one CUDA block per segment.
 // op 0: minimum, op 1: maximum, op 2: sum; `arg` (if not null) receives the index of the
-// first extreme element (lowest index among ties), as numpy's stable sorts would pick it.
+// first extreme element (lowest index among ties), as numpy's stable sorts would pick it, or the
+// segment's end where it is empty (and for sums). A minimum is the maximum of the negated values.
 
 #ifndef SEG_THREADS
 #define SEG_THREADS 256
 #endif
 
-extern "C" __global__ void segment_reduce(const double* __restrict__ v, const long long* __restrict__ starts,
-                                          int op, double* __restrict__ out, long long* __restrict__ arg)
+extern "C" __global__ void __launch_bounds__(SEG_THREADS)
+segment_reduce(const double* __restrict__ v, const long long* __restrict__ starts, int op, double* __restrict__ out,
+               long long* __restrict__ arg)
 {
-    __shared__ double s_val[SEG_THREADS];
-    __shared__ long long s_idx[SEG_THREADS];
+    __shared__ double s_val[32];
+    __shared__ long long s_idx[32];
     const long long lo = starts[blockIdx.x], hi = starts[blockIdx.x + 1];
-    const double inf = __longlong_as_double(0x7ff0000000000000LL);
-    const double init = op == 0 ? inf : (op == 1 ? -inf : 0.0);
-    double best = init;
+    if (op == 2) {
+        double sum = 0.0;
+        for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) sum += v[i];
+        sum = cr_block_reduce(sum, 0, s_val);
+        if (threadIdx.x == 0) {
+            out[blockIdx.x] = sum;
+            if (arg) arg[blockIdx.x] = hi;
+        }
+        return;
+    }
+    const double sign = op == 0 ? -1.0 : 1.0;
+    double best = cr_negative_infinity();
     long long idx = hi;  // "none"
-    for (long long i = lo + threadIdx.x; i < hi; i += SEG_THREADS) {
-        const double x = v[i];
-        if (op == 2) {
-            best += x;
-        } else if (idx == hi || (op == 0 ? x < best : x > best)) {  // i grows: ties keep the first
+    for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const double x = sign * v[i];
+        if (idx == hi || x > best) {  // i grows: ties keep the first
             best = x;
             idx = i;
         }
     }
-    s_val[threadIdx.x] = best;
-    s_idx[threadIdx.x] = idx;
-    __syncthreads();
-    for (int s = SEG_THREADS / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const double a = s_val[threadIdx.x], b = s_val[threadIdx.x + s];
-            const long long ia = s_idx[threadIdx.x], ib = s_idx[threadIdx.x + s];
-            if (op == 2) {
-                s_val[threadIdx.x] = a + b;
-            } else {
-                const bool take_b = ib != hi && (ia == hi || (op == 0 ? b < a : b > a) || (b == a && ib < ia));
-                if (take_b) { s_val[threadIdx.x] = b; s_idx[threadIdx.x] = ib; }
-            }
-        }
-        __syncthreads();
-    }
+    cr_block_argmax(best, idx, hi, s_val, s_idx);
     if (threadIdx.x == 0) {
-        out[blockIdx.x] = s_val[0];
-        if (arg) arg[blockIdx.x] = s_idx[0];
+        out[blockIdx.x] = sign * best;
+        if (arg) arg[blockIdx.x] = idx;
     }
 }

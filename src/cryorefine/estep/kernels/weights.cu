@@ -21,33 +21,6 @@ __device__ __forceinline__ double cr_coarse_log_weight(const float* __restrict__
     return (prior_ko[b * ko_stride + kr] + prior_t[(long long)b * n_t + t]) - (double)row[s];
 }
 
-// Block-wide sum (op 0) or max (op 1) of v; every thread gets the result. `s_red` holds 32 doubles.
-__device__ __forceinline__ double cr_block_reduce(double v, int op, double* s_red)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double u = __shfl_down_sync(0xffffffffu, v, o);
-        v = op ? fmax(v, u) : v + u;
-    }
-    __syncthreads();  // s_red may still be read from a previous call
-    if (lane == 0) s_red[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        const int n_warps = (blockDim.x + 31) >> 5;
-        const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
-        v = lane < n_warps ? s_red[lane] : (op ? ninf : 0.0);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const double u = __shfl_down_sync(0xffffffffu, v, o);
-            v = op ? fmax(v, u) : v + u;
-        }
-        if (lane == 0) s_red[0] = v;
-    }
-    __syncthreads();
-    return s_red[0];
-}
-
 extern "C" __global__ void __launch_bounds__(WEIGHT_THREADS)
 coarse_weight_stats(const float* __restrict__ d2, const double* __restrict__ prior_ko, long long ko_stride,
                     const double* __restrict__ prior_t, long long n_samples, int n_t, double adaptive_fraction,
@@ -56,7 +29,7 @@ coarse_weight_stats(const float* __restrict__ d2, const double* __restrict__ pri
     __shared__ double s_red[32];
     const int b = blockIdx.x;
     const float* row = d2 + (long long)b * n_samples;
-    const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
+    const double ninf = cr_negative_infinity();
     double m = ninf;
     for (long long s = threadIdx.x; s < n_samples; s += blockDim.x)
         m = fmax(m, cr_coarse_log_weight(row, prior_ko, prior_t, b, ko_stride, s, n_t));
@@ -92,7 +65,7 @@ coarse_candidates(const float* __restrict__ d2, const double* __restrict__ prior
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
     const float* row = d2 + (long long)b * n_samples;
     const double m = row_max[b];
-    const double ninf = -__longlong_as_double(0x7ff0000000000000LL);
+    const double ninf = cr_negative_infinity();
     if (!(m > ninf)) return;  // no sample allowed: no candidate (uniform over the block)
     const double epsilon = (1.0 - adaptive_fraction) * row_total[b] / (2.0 * (double)n_samples);
     long long base = 0;
