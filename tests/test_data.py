@@ -52,6 +52,11 @@ def test_batches_cover_each_particle_once(tmp_path):
     batches = list(parts.batches(5))
     assert [b.size for b in batches] == [5, 5, 5, 5, 3]
     assert np.array_equal(np.concatenate(batches), np.arange(23))
+    # given indices: consecutive runs of them, each batch in stack order
+    order = np.random.default_rng(2).permutation(23)
+    batches = list(parts.batches(5, order))
+    for start, batch in zip(range(0, 23, 5), batches, strict=True):
+        np.testing.assert_array_equal(batch, np.sort(order[start:start + 5]))
 
 
 def test_batch_reads_only_its_images(tmp_path, monkeypatch):

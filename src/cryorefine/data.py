@@ -137,10 +137,11 @@ class ParticleSet:
         return halves
 
     def batches(self, batch_size, indices=None):
-        """Index arrays of at most `batch_size` particles, in order, over `indices` (default all)."""
+        """Index arrays of at most `batch_size` particles, consecutive runs of `indices` (default all) in their
+        order, each batch's indices ascending (the order of the stacks, which reads them as blocks)."""
         idx = np.arange(len(self)) if indices is None else np.asarray(indices)
         for start in range(0, idx.size, batch_size):
-            yield idx[start:start + batch_size]
+            yield np.sort(idx[start:start + batch_size])
 
     def image_reader(self, preread_indices=None):
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`

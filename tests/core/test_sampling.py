@@ -412,3 +412,15 @@ def test_local_directions_of_random_priors_are_those_of_the_whole_grid(name, ord
         segment = slice(local.offsets[b], local.offsets[b + 1])
         got_dirs = np.unique(local.orientation[segment] // s.n_psi)
         assert np.array_equal(got_dirs, np.flatnonzero(keep)), b
+
+
+def test_healpix_pixels_find_the_pixels_of_their_centres():
+    """`healpix_pixels` inverts `healpix_angles_deg` at pixel centres, also for tilts and rots given outside
+    [0, 180] and [−180, 180] (the same directions)."""
+    from cryorefine.core.sampling import healpix_angles_deg, healpix_pixels
+
+    pix = np.arange(12 * 4 ** 3)
+    rot, tilt = healpix_angles_deg(3, pix)
+    np.testing.assert_array_equal(healpix_pixels(3, rot, tilt), pix)
+    np.testing.assert_array_equal(healpix_pixels(3, rot + 720.0, tilt), pix)
+    np.testing.assert_array_equal(healpix_pixels(3, rot + 180.0, -tilt), pix)  # (rot + 180, −tilt): the same axis

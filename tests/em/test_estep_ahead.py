@@ -174,3 +174,24 @@ def test_neighbourhoods_are_computed_on_a_thread_and_only_waiting_for_them_is_co
     assert all(local is not None for _, _, local in backend.log)
     assert stages["orientations"] >= 0.4  # the two first uses at least
     assert sum(stages.values()) <= seconds + 1e-3
+
+
+def test_a_local_search_takes_its_particles_along_the_directions_curve(problem):
+    """`in_direction_order`: a local search's members sorted by the NEST pixel of their previous directions at the
+    curve's order (consecutive batches from one region of the sphere), the same particles; a global search's
+    members as they were; the batches still read each one's images in stack order."""
+    from cryorefine.core.sampling import healpix_pixels
+
+    particles, _, units, inputs = problem
+    rng = np.random.default_rng(8)
+    rot, tilt = rng.uniform(-180, 180, N_PARTICLES), np.degrees(np.arccos(rng.uniform(-1, 1, N_PARTICLES)))
+    global_unit = dataclasses.replace(units[1], setup=dataclasses.replace(units[1].setup, local_searches=False))
+    ordered = estep.in_direction_order([units[0], global_unit], rot, tilt)
+    members = ordered[0].members
+    assert sorted(members.tolist()) == units[0].members.tolist()
+    cells = healpix_pixels(estep.DIRECTION_CURVE_ORDER, rot[members], tilt[members])
+    assert np.all(np.diff(cells) >= 0)
+    assert not np.array_equal(members, units[0].members)  # 7 random directions are not in index order
+    np.testing.assert_array_equal(ordered[1].members, units[1].members)
+    for batch in particles.batches(BATCH, members):
+        assert np.all(np.diff(batch) > 0)

@@ -73,6 +73,15 @@ def healpix_angles_deg(order: int, ipix) -> tuple:
     return rot, np.rad2deg(theta)
 
 
+def healpix_pixels(order: int, rot_deg, tilt_deg) -> np.ndarray:
+    """HEALPix NEST pixels of order `order` holding the directions (rot, tilt) in degrees, of any range (the
+    inverse of `healpix_angles_deg` at the pixels' centres)."""
+    import healpy
+
+    x, y, z = np.moveaxis(directions_to_xyz(rot_deg, tilt_deg), -1, 0)
+    return np.asarray(healpy.vec2pix(healpix_nside(order), x, y, z, nest=True), dtype=np.int64)
+
+
 def directions_to_xyz(rot_deg, tilt_deg, xp=np):
     """Unit projection directions (…, 3) of (rot, tilt): RELION's Euler_angles2direction."""
     r = xp.deg2rad(xp.asarray(rot_deg, dtype=xp.float64))

@@ -20,6 +20,7 @@ added up one batch at a time (`noise_batch_sums`), so that MPI workers can share
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cryorefine.core.grid import PaddedGrid
+from cryorefine.core.sampling import healpix_pixels
 from cryorefine.em import memory
 from cryorefine.estep.common import local_orientations
 from cryorefine.estep.engine import IterationSetup, WeightedSums
@@ -56,6 +58,30 @@ class BatchInputs:
     avg_norm_correction: float
     previous: object  # em.state.ParticleState at the start of the iteration (origins, norms, poses, classes)
     use_norms: bool  # --norm: images are scaled by their norm corrections
+
+
+#: HEALPix order of the NEST curve that a local search's particles are put in order along (`in_direction_order`):
+#: 12,582,912 cells, finer than any neighbourhood, so that the order follows the curve
+DIRECTION_CURVE_ORDER = 10
+
+
+def in_direction_order(units, rot_deg, tilt_deg):
+    """`units`, each local search's members put in order along HEALPix's NEST curve through their previous
+    directions (rot_deg, tilt_deg: every particle's); the other units as they are.
+
+    A local search projects each particle's own neighbourhood of the reference, the voxels near one central
+    plane. Consecutive batches of particles from one region of the sphere touch nearby planes, which the GPU's
+    cache then holds for the particles worked on at once; in the order of the STAR file, each batch's particles
+    come from all over the sphere. Each batch still reads its images in the stacks' order (`ParticleSet.batches`).
+    """
+    out = []
+    for unit in units:
+        members = np.asarray(unit.members)
+        if unit.setup.local_searches and members.size > 1:
+            curve = healpix_pixels(DIRECTION_CURVE_ORDER, np.asarray(rot_deg)[members], np.asarray(tilt_deg)[members])
+            unit = dataclasses.replace(unit, members=members[np.argsort(curve, kind="stable")])
+        out.append(unit)
+    return out
 
 
 def add_seconds(stages, name, tic):

@@ -29,7 +29,7 @@ import numpy as np
 
 from cryorefine.data import load_particles
 from cryorefine.em import schedule
-from cryorefine.em.estep import keep_norms_unless_refined
+from cryorefine.em.estep import in_direction_order, keep_norms_unless_refined
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.images import ImageSettings
@@ -159,6 +159,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                     log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
                     break
                 plan = job.plan(state, iteration)
+                plan = dataclasses.replace(plan, units=in_direction_order(plan.units, state.particles.rot_deg,
+                                                                          state.particles.tilt_deg))
                 previous = state.particles.copy()
                 outcome = runner.expectation_maximization(job, plan, state.model, previous, particles, settings,
                                                           state.particles.store, progress)
