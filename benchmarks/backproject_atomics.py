@@ -1,12 +1,15 @@
-"""Back-projection with one float2 atomic per complex sum (Hopper) against two scalar ones, side by side on one GPU.
+"""Back-projection with its atomic adds three ways, side by side on one GPU (Hopper).
 
     python benchmarks/backproject_atomics.py [--size 214] [--particles 500] [--rows 40]
 
-The kernels of the package (`backproject_slices`) are compiled twice, once with -DSCALAR_ATOMICS; both
-back-project the same slices: --particles clusters of --rows orientations within about a degree of each other
-(as a late local search's significant orientations are), every coefficient of a --size px image (the E-step's
-disc) with a positive weight, into one class's padded (×2) volume. Prints each variant's kernel time (median of
-5) and the largest difference of their sums relative to the largest sum.
+The kernels of the package (`backproject_slices`) are compiled three times: as they are (one float4 atomic for the
+data and one float2 for the weights of an x edge's two voxels where they are aligned, `atomic_add_x_pair`), with
+-DUNPAIRED_ATOMICS (one float2 atomic per voxel's complex sum and a scalar one for its weight) and with
+-DSCALAR_ATOMICS (scalar atomics only). Each back-projects the same slices: --particles clusters of --rows
+orientations within about a degree of each other (as a late local search's significant orientations are), every
+coefficient of a --size px image (the E-step's disc) with a positive weight, into one class's padded (×2) volume.
+Prints each variant's kernel time (median of 5) and the largest difference of its sums from the first's, relative
+to the largest sum.
 """
 
 import argparse
@@ -45,7 +48,8 @@ def main():
     w = int(r_pad) + 2
     origin = d // 2
     results = {}
-    for name, extra in (("float2 atomics", ()), ("scalar atomics", ("-DSCALAR_ATOMICS",))):
+    for name, extra in (("x-edge float4 atomics", ()), ("float2 atomics", ("-DUNPAIRED_ATOMICS",)),
+                        ("scalar atomics", ("-DSCALAR_ATOMICS",))):
         fn = cp.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + extra).get_function("backproject_slices")
         times = []
         for _ in range(6):
@@ -62,9 +66,10 @@ def main():
         results[name] = (float(np.median(times[1:])), vol, vol_w)
         print(f"{name}: {results[name][0] * 1e3:.1f} ms for {n_rows} slices of {n_coef} coefficients "
               f"({n_rows * n_coef / results[name][0] / 1e9:.2f} G coefficients/s)")
-    (_, a, aw), (_, b, bw) = results.values()
-    print(f"largest difference of the data sums: {float(cp.abs(a - b).max() / cp.abs(b).max()):.2e} of the largest, "
-          f"weights {float(cp.abs(aw - bw).max() / cp.abs(bw).max()):.2e}")
+    first, (_, a, aw) = next(iter(results.items()))
+    for name, (_, b, bw) in list(results.items())[1:]:
+        print(f"{name} against {first}: the data sums differ by {float(cp.abs(a - b).max() / cp.abs(a).max()):.2e} "
+              f"of the largest, the weights by {float(cp.abs(aw - bw).max() / cp.abs(aw).max()):.2e}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 // q = pf·Aᵀ(kx, ky, 0) with trilinear weights (conjugated at the mirrored point where x < 0);
 // coefficients with weight ≤ 0 or |q|² beyond r_pad_sq are skipped. The sums are float32 (data
 // interleaved re, im), as RELION's GPU back-projector keeps them through an iteration: half the
-// memory of float64 and cheaper atomics; the M-step sums them per shell in float64.
+// memory of float64 and cheaper atomics; the M-step sums them per shell in float64. Each of the cube's
+// x edges is one `atomic_add_x_pair`.
 
 extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_data,
                                               const float* __restrict__ slice_weight, const float* __restrict__ mats,
@@ -36,12 +37,10 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
         const size_t sy = (size_t)w, sz = (size_t)d * w;
         const size_t base = (size_t)row_class[r] * class_stride + (size_t)iz * sz + (size_t)iy * sy + ix;
 #pragma unroll
-        for (int corner = 0; corner < 8; ++corner) {
-            const int dz = corner >> 2, dy = (corner >> 1) & 1, dx = corner & 1;
-            const float cw = (dz ? fz : 1.f - fz) * (dy ? fy : 1.f - fy) * (dx ? fx : 1.f - fx);
-            const size_t i = base + dz * sz + dy * sy + dx;
-            atomic_add_complex(&data[2 * i], cw * v.x, cw * v.y);
-            atomicAdd(&weight[i], cw * wv);
+        for (int edge = 0; edge < 4; ++edge) {  // the cube's four x edges, each a pair of neighbour voxels
+            const int dz = edge >> 1, dy = edge & 1;
+            const float cyz = (dz ? fz : 1.f - fz) * (dy ? fy : 1.f - fy);
+            atomic_add_x_pair(data, weight, base + dz * sz + dy * sy, cyz * (1.f - fx), cyz * fx, v, wv);
         }
     }
 }
