@@ -5,15 +5,19 @@ files hold tables of 786,432 directions (the sampling's directions, each half's 
 While that thread formats them, the E-step's thread, which launches the GPU's work between short waits,
 needs the interpreter back every few milliseconds. This script formats such a table (--rows rows of two
 float columns) --repeat times on a thread, while the main thread sleeps 1 ms at a time, and reports the
-longest time the main thread took to come back and the time lost in returns slower than 20 ms.
+longest time the main thread took to come back, the time lost in returns slower than 20 ms, and the number of
+its 1 ms steps (each is one wait of the E-step's thread for the GPU, after which it needs the interpreter back).
+--switch_interval sets the interpreter's thread switch interval (Python's default is 5 ms; a run sets
+`em.loop.THREAD_SWITCH_INTERVAL_SECONDS`).
 
-    python benchmarks/writer_stalls.py --rows 786432 --repeat 3
+    python benchmarks/writer_stalls.py --rows 786432 --repeat 3 [--switch_interval 0.0005]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 
@@ -27,7 +31,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=786432, help="rows of the table (786,432: HEALPix order 8)")
     parser.add_argument("--repeat", type=int, default=3, help="times the table is formatted")
+    parser.add_argument("--switch_interval", type=float, default=None,
+                        help="the interpreter's thread switch interval in seconds (default: Python's)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     rng = np.random.default_rng(0)
     table = pd.DataFrame({"rlnAngleRot": rng.random(args.rows) * 360, "rlnAngleTilt": rng.random(args.rows) * 180})
     done = threading.Event()
@@ -48,7 +56,8 @@ def main():
         last = now
     thread.join()
     waits = np.array(waits)
-    print(json.dumps({"rows": args.rows, "repeat": args.repeat, "writer_seconds": round(time.perf_counter() - tic, 3),
+    print(json.dumps({"rows": args.rows, "repeat": args.repeat, "switch_interval_s": sys.getswitchinterval(),
+                      "writer_seconds": round(time.perf_counter() - tic, 3),
                       "main_thread_steps": int(waits.size), "longest_wait_ms": round(1e3 * float(waits.max()), 1),
                       "seconds_in_waits_over_20ms": round(float(waits[waits > 0.02].sum()), 3)}))
 
