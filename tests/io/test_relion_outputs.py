@@ -126,8 +126,7 @@ def write_iteration(folder, model, optimiser, config, sampling=None, halves=True
     else:
         write_star(ro.model_star_blocks(model, optimiser, config, None, names, groups, counts),
                    f"{root}_it{it:03d}_model.star")
-    write_star(ro.sampling_star_blocks(sampling, optimiser, config, model.pixel_size_angstrom),
-               f"{root}_it{it:03d}_sampling.star")
+    ro.write_sampling_star(f"{root}_it{it:03d}_sampling.star", sampling, optimiser, config, model.pixel_size_angstrom)
     path = Path(f"{root}_it{it:03d}_optimiser.star")
     ro.write_optimiser_star(path, ro.optimiser_star_blocks(optimiser, model, config, root, it),
                             ["--o", root, "--i", "particles.star", "--healpix_order", "2"])

@@ -9,7 +9,8 @@ MlOptimiser::write, src/healpix_sampling.cpp HealpixSampling::write):
   when given, model_pdf_orient_class_N.
 - `optimiser_star_blocks` + `write_optimiser_star`: run_itNNN_optimiser.star, with the command
   line as a comment at the top as RELION writes it.
-- `sampling_star_blocks`: run_itNNN_sampling.star (sampling_general, sampling_directions).
+- `sampling_star_blocks` (+ `write_sampling_star`, which makes them where it writes): run_itNNN_sampling.star
+  (sampling_general, sampling_directions).
 
 - `particle_table`: the particle table of run_itNNN_data.star with the run's poses.
 
@@ -54,7 +55,7 @@ import pandas as pd
 from cryorefine import __version__
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
-from cryorefine.io.star import read_star, star_to_string
+from cryorefine.io.star import read_star, star_to_string, write_star
 
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
@@ -404,6 +405,13 @@ def sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom: float
         "rlnOffsetStepOriginal": _f(config.offset_step_px * pixel),
     }
     return {"sampling_general": general, "sampling_directions": _direction_table(sampling)}
+
+
+def write_sampling_star(path, sampling, optimiser, config, pixel_size_angstrom: float) -> None:
+    """run_itNNN_sampling.star (`sampling_star_blocks`), its blocks made here: a job hands this to the iteration
+    writer's thread, so that the direction table of a new HEALPix order (786,432 rows at order 8, 1.4 s to make on
+    a 2-core CPU) is made beside the next E-step rather than before it."""
+    write_star(sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom), path)
 
 
 _DIRECTION_TABLES = {}

@@ -62,7 +62,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
-                                          sampling_star_blocks, write_optimiser_star)
+                                          write_optimiser_star, write_sampling_star)
 from cryorefine.io.star import read_star, write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
@@ -409,7 +409,7 @@ class ClassifyJob:
         writes += [
             partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
                                                   pdf_direction=model.pdf_direction), f"{root}_model.star"),
-            partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel), f"{root}_sampling.star"),
+            partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
             partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
                     class_distributions=np.array(run.extras["class_distributions"]), ssnr=model.ssnr[0].copy(),
                     class_changes=np.array(run.extras["class_changes"]),

@@ -41,7 +41,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
-                                          sampling_star_blocks, write_optimiser_star)
+                                          write_optimiser_star, write_sampling_star)
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.report import write_iteration_report
 
@@ -291,8 +291,7 @@ class RefineJob:
                        partial(write_star, model_star_blocks(model, optimiser, config, h,
                                                              [f"{root}_half{h}_class001.mrc"], names, counts),
                                f"{root}_half{h}_model.star")]
-        writes += [partial(write_star, sampling_star_blocks(plan.sampling, optimiser, config, pixel),
-                           f"{root}_sampling.star"),
+        writes += [partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
                    partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
                            iteration=plan.iteration,
                            fsc=np.array(model.fsc_halves[0]), ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
