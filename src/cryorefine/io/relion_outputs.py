@@ -465,7 +465,8 @@ def _f(value) -> str:
 
 
 def _fcol(values) -> list:
-    return [_f(v) for v in np.asarray(values, dtype=np.float64).ravel()]
+    """`_f` of every value (repr of a Python float is its shortest round-trip text, "nan" for NaN), in one pass."""
+    return list(map(repr, np.asarray(values, dtype=np.float64).ravel().tolist()))
 
 
 def _array_or_zeros(array, shape, name):
