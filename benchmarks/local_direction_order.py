@@ -28,6 +28,8 @@ import sys
 
 import numpy as np
 
+from bench_common import half_plane_coefficients, launch_ms
+
 BOX_PX, BATCH, N_T = 360, 512, 9
 SHAPES = ((5, 210, 198), (8, 214, 214))  # (HEALPix order, current size, coarse size)
 DATA_SETS = (5_000, 50_000, 500_000)
@@ -71,10 +73,7 @@ def time_launch(cp, order, current, coarse, batch_poses):
     vol = cp.random.standard_normal((d, d, 2 * w), dtype=cp.float32).view(cp.complex64)
     geometry = (np.int32(d), np.int32(w), np.int32(grid.origin), np.float32(grid.padding_factor),
                 np.float32((coarse // 2 * grid.padding_factor) ** 2 * 1.00001))
-    r = coarse // 2
-    xs, ys = np.meshgrid(np.arange(0, r + 1), np.arange(-r, r + 1), indexing="ij")
-    keep = (xs * xs + ys * ys <= r * r) & ~((xs == 0) & (ys < 0))
-    kx, ky = cp.asarray(xs[keep], cp.float32), cp.asarray(ys[keep], cp.float32)
+    kx, ky = half_plane_coefficients(coarse, cp)
     kc = kx.size
     mats, width = neighbourhood_matrices(order, batch_poses)
     mats = cp.asarray(mats, cp.float32)
@@ -88,14 +87,7 @@ def time_launch(cp, order, current, coarse, batch_poses):
     launch = (((width + rt - 1) // rt, ldt // tt, BATCH), (kernels.LOCAL_THREADS,),
               (vol, *geometry, mats, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row, np.int32(width),
                np.int32(N_T), np.int32(0), np.int32(1), np.int32(0), out))
-    fn(*launch)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(5):
-        fn(*launch)
-    stop.record()
-    stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / 5, width
+    return launch_ms(cp, fn, launch, 5), width
 
 
 def main(argv=None):

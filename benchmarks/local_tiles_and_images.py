@@ -23,15 +23,9 @@ import time
 
 import numpy as np
 
+from bench_common import half_plane_coefficients, launch_ms
+
 BOX_PX, PIXEL_ANGSTROM, N_PARTICLES, BATCH, WIDTH = 360, 1.34, 2048, 512, 177
-
-
-def coefficients(size_px, cp):
-    """(kx, ky) of a half plane's coefficients within radius size/2, float32 on the device."""
-    r = size_px // 2
-    xs, ys = np.meshgrid(np.arange(0, r + 1), np.arange(-r, r + 1), indexing="ij")
-    keep = (xs * xs + ys * ys <= r * r) & ~((xs == 0) & (ys < 0))
-    return cp.asarray(xs[keep], cp.float32), cp.asarray(ys[keep], cp.float32)
 
 
 def rotations_near_random_poses(n_poses, per_pose, spread_deg, rng):
@@ -66,7 +60,7 @@ def tiles(cp):
         vol = cp.random.standard_normal((d, d, 2 * w), dtype=cp.float32).view(cp.complex64)
         geometry = (np.int32(d), np.int32(w), np.int32(grid.origin), np.float32(grid.padding_factor),
                     np.float32(grid.r_max_padded ** 2 * 1.00001))
-        kx, ky = coefficients(size, cp)
+        kx, ky = half_plane_coefficients(size, cp)
         kc = kx.size
         mats = cp.asarray(rotations_near_random_poses(BATCH, WIDTH, 6.0, rng), cp.float32)
         pair = cp.random.random((BATCH, kc), dtype=cp.float32)
@@ -81,14 +75,7 @@ def tiles(cp):
                 launch = (((WIDTH + rt - 1) // rt, -(-n_t // tt), BATCH), (kernels.LOCAL_THREADS,),
                           (vol, *geometry, mats, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row,
                            np.int32(WIDTH), np.int32(n_t), np.int32(0), np.int32(1), np.int32(0), out))
-                fn(*launch)
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                for _ in range(3):
-                    fn(*launch)
-                stop.record()
-                stop.synchronize()
-                result[f"t{tt}"] = cp.cuda.get_elapsed_time(start, stop) / 3
+                result[f"t{tt}"] = launch_ms(cp, fn, launch, 3)
                 outputs[tt] = out
             for tt, out in outputs.items():
                 result[f"t{tt}_maxrel_vs_t32"] = float(cp.max(cp.abs(out - outputs[32]) / cp.abs(outputs[32])))
