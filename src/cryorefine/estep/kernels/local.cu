@@ -42,48 +42,44 @@ __device__ __forceinline__ void local_diff2_tile(
 {
     constexpr int RT = 4 * LOCAL_THREADS / TT;  // (RT / 2) × (TT / 2) threads, 2 × 2 outputs each
     constexpr int PS_STRIDE = RT + 2;  // float2 per staged coefficient: 16-byte rows, fewer bank conflicts
-    static_assert(LOCAL_THREADS % LOCAL_CK == 0 && LOCAL_CK == 32, "one warp per orientation while projecting");
-    static_assert((RT / 2) * (TT / 2) == LOCAL_THREADS && RT % (LOCAL_THREADS / LOCAL_CK) == 0, "tile shape");
+    // projecting: OL neighbouring lanes take OL orientations at one coefficient. The orientations of a
+    // neighbourhood are a fraction of a degree to a few degrees apart, so the lanes read the same or adjacent
+    // voxels; lanes along the coefficients (a padding factor of voxels apart) would each read their own.
+    constexpr int OL = RT < 32 ? RT : 32;
+    constexpr int CS = LOCAL_THREADS / RT;  // threads per orientation: the chunk's coefficients in turns
+    static_assert(LOCAL_THREADS % LOCAL_CK == 0 && LOCAL_CK % CS == 0 && RT % OL == 0, "projection shape");
+    static_assert((RT / 2) * (TT / 2) == LOCAL_THREADS, "tile shape");
     __shared__ __align__(16) float2 ps[LOCAL_CK * PS_STRIDE];
     __shared__ __align__(16) float4 ms[LOCAL_CK][TT / 2];
-    __shared__ float am[RT][6];
+    __shared__ double power_part[CS][RT];
     __shared__ double power_s[RT];
 
     const int tid = threadIdx.x;
     const long long b = blockIdx.z;
     const int r0 = blockIdx.x * RT, t0 = blockIdx.y * TT;
-    for (int i = tid; i < RT * 6; i += LOCAL_THREADS) {
-        const int r = i / 6, j = i % 6;
-        am[r][j] = (r0 + r < width) ? mats[(b * width + r0 + r) * 9 + j] : 0.f;
-    }
-    // projecting: lane = coefficient in the chunk, warp = orientations warp, warp + WARPS, ...
-    const int lane = tid % LOCAL_CK, warp = tid / LOCAL_CK;
-    constexpr int WARPS = LOCAL_THREADS / LOCAL_CK;
-    constexpr int R_PER_WARP = RT / WARPS;
-    double power[R_PER_WARP];
+    const int lane = tid % 32, warp = tid / 32;
+    const int pr = (warp % (RT / OL)) * OL + lane % OL;        // this thread's orientation in the tile
+    const int slot = (warp / (RT / OL)) * (32 / OL) + lane / OL;  // its first coefficient of each chunk
+    float a[6];
 #pragma unroll
-    for (int j = 0; j < R_PER_WARP; ++j) power[j] = 0.0;
+    for (int i = 0; i < 6; ++i) a[i] = (r0 + pr < width) ? mats[(b * width + r0 + pr) * 9 + i] : 0.f;
+    double power = 0.0;
     // accumulating: orientations 2·tr, 2·tr + 1 and translations 2·tt, 2·tt + 1 of the tile
     const int tr = tid / (TT / 2), tt = tid % (TT / 2);
     double cross[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
     const float2* moved_b = moved + b * n_coef * ldt + t0;
     const float* pair_b = pair + b * n_coef;
-    __syncthreads();
 
     for (int c0 = 0; c0 < n_coef; c0 += LOCAL_CK) {
-        const int c = c0 + lane;
-        const bool inside = c < n_coef;
-        const float kxc = inside ? kx[c] : 0.f, kyc = inside ? ky[c] : 0.f, pc = inside ? pair_b[c] : 0.f;
 #pragma unroll
-        for (int j = 0; j < R_PER_WARP; ++j) {
-            const int r = warp + j * WARPS;
-            float a[6];
-#pragma unroll
-            for (int i = 0; i < 6; ++i) a[i] = am[r][i];
-            const float2 v = inside ? cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kxc, kyc)
-                                    : make_float2(0.f, 0.f);
-            ps[lane * PS_STRIDE + r] = v;
-            power[j] += (double)(pc * (v.x * v.x + v.y * v.y));
+        for (int j = 0; j < LOCAL_CK / CS; ++j) {
+            const int cc = slot + j * CS, c = c0 + cc;
+            float2 v = make_float2(0.f, 0.f);
+            if (c < n_coef) {
+                v = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
+                power += (double)(pair_b[c] * (v.x * v.x + v.y * v.y));
+            }
+            ps[cc * PS_STRIDE + pr] = v;
         }
         for (int i = tid; i < LOCAL_CK * (TT / 2); i += LOCAL_THREADS) {
             const int cc = i / (TT / 2), pairt = i % (TT / 2);
@@ -109,13 +105,14 @@ __device__ __forceinline__ void local_diff2_tile(
             for (int j = 0; j < 2; ++j) cross[i][j] += (double)acc[i][j];
         __syncthreads();
     }
-    // Σ_c pair·|P_r|²: the lanes of each warp hold one coefficient each
+    // Σ_c pair·|P_r|²: the CS threads of each orientation hold a share each, added in a fixed order
+    power_part[slot][pr] = power;
+    __syncthreads();
+    if (tid < RT) {
+        double v = 0.0;
 #pragma unroll
-    for (int j = 0; j < R_PER_WARP; ++j) {
-        double v = power[j];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-        if (lane == 0) power_s[warp + j * WARPS] = v;
+        for (int s = 0; s < CS; ++s) v += power_part[s][tid];
+        power_s[tid] = v;
     }
     __syncthreads();
     const double row = row_term[b];
