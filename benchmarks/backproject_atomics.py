@@ -1,21 +1,26 @@
-"""Back-projection with its atomic adds three ways, side by side on one GPU (Hopper).
+"""Back-projection with its atomic adds four ways, side by side on one GPU (Hopper).
 
     python benchmarks/backproject_atomics.py [--size 214] [--particles 500] [--rows 40]
 
 The kernels of the package (`backproject_slices`) are compiled three times: as they are (one float4 atomic for the
 data and one float2 for the weights of an x edge's two voxels where they are aligned, `atomic_add_x_pair`), with
 -DUNPAIRED_ATOMICS (one float2 atomic per voxel's complex sum and a scalar one for its weight) and with
--DSCALAR_ATOMICS (scalar atomics only). Each back-projects the same slices: --particles clusters of --rows
-orientations within about a degree of each other (as a late local search's significant orientations are), every
-coefficient of a --size px image (the E-step's disc) with a positive weight, into one class's padded (×2) volume.
-Prints each variant's kernel time (median of 5) and the largest difference of its sums from the first's, relative
-to the largest sum.
+-DSCALAR_ATOMICS (scalar atomics only); the first is run twice: with the rows in groups of 8 (the engine's groups, a
+coarse orientation's children: a coefficient that stays in one voxel cube from row to row is summed in registers
+and goes to memory once) and a row at a time, as the other two. Each back-projects the same slices: --particles
+clusters of --rows orientations within about a degree of each other (as a late local search's significant
+orientations are), in groups of 8 children within about 0.1° (HEALPix order 9's step is 0.11°), every coefficient of
+a --size px image (the E-step's disc) with a positive weight, into one class's padded (×2) volume. Prints each
+variant's kernel time (median of 5) and the largest difference of its sums from the first's, relative to the largest
+sum.
 """
 
 import argparse
 import time
 
 import numpy as np
+
+GROUP = 8  # rows per group: the children of a coarse orientation at oversampling 1
 
 
 def main():
@@ -28,13 +33,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--size", type=int, default=214, help="Current image size (px).")
     parser.add_argument("--particles", type=int, default=500)
-    parser.add_argument("--rows", type=int, default=40, help="Orientations per particle.")
+    parser.add_argument("--rows", type=int, default=40, help="Orientations per particle (a multiple of 8).")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     coef = Coefficients.create(args.size)
     n_coef = coef.positions.size
     poses = rng.uniform([-180, 0, -180], [180, 180, 180], (args.particles, 3))
-    angles = (poses[:, None, :] + rng.normal(0, 0.5, (args.particles, args.rows, 3))).reshape(-1, 3)
+    parents = poses[:, None, :] + rng.normal(0, 0.5, (args.particles, args.rows // GROUP, 3))
+    angles = (parents[:, :, None, :] + rng.normal(0, 0.05, parents.shape[:2] + (GROUP, 3))).reshape(-1, 3)
     mats = cp.asarray(euler.euler_to_matrix(angles[:, 0], angles[:, 1], angles[:, 2]).reshape(-1, 9), cp.float32)
     n_rows = angles.shape[0]
     data = (cp.random.standard_normal((n_rows, n_coef), dtype=cp.float32)
@@ -48,8 +54,10 @@ def main():
     w = int(r_pad) + 2
     origin = d // 2
     results = {}
-    for name, extra in (("x-edge float4 atomics", ()), ("float2 atomics", ("-DUNPAIRED_ATOMICS",)),
-                        ("scalar atomics", ("-DSCALAR_ATOMICS",))):
+    for name, extra, group in (("x-edge float4 atomics, groups of 8", (), GROUP),
+                               ("x-edge float4 atomics, a row at a time", (), 1),
+                               ("float2 atomics", ("-DUNPAIRED_ATOMICS",), 1),
+                               ("scalar atomics", ("-DSCALAR_ATOMICS",), 1)):
         fn = cp.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + extra).get_function("backproject_slices")
         times = []
         for _ in range(6):
@@ -57,8 +65,8 @@ def main():
             vol_w = cp.zeros(d * d * w, dtype=cp.float32)
             cp.cuda.Device().synchronize()
             tic = time.perf_counter()
-            fn(((n_coef + 127) // 128, min(n_rows, 65535)), (128,),
-               (data, weight, mats, row_class, np.int32(n_rows), kx, ky, np.int32(n_coef), np.int32(d), np.int32(w),
+            fn(((n_coef + 127) // 128, min(n_rows // group, 65535)), (128,),
+               (data, weight, mats, row_class, np.int32(n_rows), np.int32(group), kx, ky, np.int32(n_coef), np.int32(d), np.int32(w),
                 np.int32(origin), np.float32(pf), np.float32(r_pad * r_pad * (1 + 1e-5)), np.int64(d * d * w), vol,
                 vol_w))
             cp.cuda.Device().synchronize()

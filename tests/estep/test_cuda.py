@@ -120,15 +120,22 @@ def test_projection_kernel_matches_projector(cp):
     assert np.max(np.abs(got - want)) / scale < 1e-5
 
 
-def test_backprojection_kernel_matches_backprojector(cp):
+@pytest.mark.parametrize("group", [1, 8])
+def test_backprojection_kernel_matches_backprojector(cp, group):
+    """Random orientations and clusters of 8 within 0.05° (a coarse orientation's children, whose coefficients
+    often stay in one voxel cube from row to row): with groups of 8 those shares are summed before they go to
+    memory, and the sums are the back-projector's either way."""
     from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(2)
     n, rows = 32, 40
     coef = Coefficients.create(n)
-    mats = euler.euler_to_matrix(rng.uniform(-180, 180, rows), rng.uniform(0, 180, rows), rng.uniform(-180, 180, rows))
+    angles = rng.uniform([-180, 0, -180], [180, 180, 180], (rows, 3))
+    angles[16:] = np.repeat(angles[16:40:8], 8, axis=0) + rng.normal(0, 0.05, (24, 3))
+    mats = euler.euler_to_matrix(angles[:, 0], angles[:, 1], angles[:, 2])
     data = (rng.normal(size=(rows, coef.positions.size)) + 1j * rng.normal(size=(rows, coef.positions.size)))
     weight = rng.uniform(-0.2, 1.0, (rows, coef.positions.size))  # some ≤ 0: skipped by both
+    weight[19] = 0.0  # a child without weight inside a group
     data, weight = data.astype(np.complex64), weight.astype(np.float32)
     want = BackProjector(n, 2.0, n // 2, dtype=np.float32)
     want.backproject(coef.scatter(data), coef.scatter(weight), mats)
@@ -137,9 +144,9 @@ def test_backprojection_kernel_matches_backprojector(cp):
     vol = cp.zeros((1,) + grid.shape, dtype=cp.complex64)  # float32 sums, as the engine keeps them
     wvol = cp.zeros((1,) + grid.shape, dtype=cp.float32)
     kernel_module().get_function("backproject_slices")(
-        ((coef.positions.size + 127) // 128, 9), (128,),  # fewer y blocks than rows: each takes several
+        ((coef.positions.size + 127) // 128, 2), (128,),  # fewer y blocks than groups: each takes several
         (cp.asarray(data), cp.asarray(weight), cp.asarray(mats.reshape(-1, 9), dtype=cp.float32),
-         cp.zeros(rows, dtype=cp.int32), np.int32(rows), cp.asarray(coef.kx, dtype=cp.float32),
+         cp.zeros(rows, dtype=cp.int32), np.int32(rows), np.int32(group), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(coef.positions.size), np.int32(d), np.int32(w),
          np.int32(grid.origin), np.float32(grid.padding_factor), np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)),
          np.int64(vol[0].size), vol.view(cp.float32), wvol))

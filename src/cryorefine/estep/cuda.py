@@ -824,9 +824,11 @@ class CupyEngine:
                 del slices
                 tic = self._tick("sums", tic)
                 row_class = np.repeat(chunk_pairs // pairs.n_unique, nfo)
-                bp_fn(((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
-                      (slice_data, slice_weight, row_mats,
-                       cp.asarray(row_class, dtype=cp.int32), _i32(n_rows), self.kx_f, self.ky_f, _i32(n_coef),
+                # a pair's NFO rows are one group: a coefficient that stays in one voxel cube from child to child
+                # goes to memory once
+                bp_fn(((n_coef + 127) // 128, min(n_rows // nfo, MAX_GRID_Y)), (128,),
+                      (slice_data, slice_weight, row_mats, cp.asarray(row_class, dtype=cp.int32), _i32(n_rows),
+                       _i32(nfo), self.kx_f, self.ky_f, _i32(n_coef),
                        *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float32),
                        self.bp_weight))
                 del slice_data, slice_weight, row_mats, in_chunk, row0

@@ -16,21 +16,21 @@ __device__ __forceinline__ void atomic_add_complex(float* at, float re, float im
 #endif
 }
 
-// Weighted value v and weight wv added to the x-neighbour voxels i (factor c0) and i + 1 (c1) of a data volume
-// (interleaved re, im) and its weight volume. Where i is even, both voxels' data lie in one aligned 16 bytes
-// and their weights in one aligned 8: one float4 and one float2 atomic on Hopper instead of two of each.
-__device__ __forceinline__ void atomic_add_x_pair(float* data, float* weight, size_t i, float c0, float c1, float2 v,
-                                                  float wv)
+// Sums added to the x-neighbour voxels i and i + 1 of a data volume (interleaved re, im) and its weight volume:
+// d = (re_i, im_i, re_i+1, im_i+1), wsum = (weight_i, weight_i+1). Where i is even, both voxels' data lie in one
+// aligned 16 bytes and their weights in one aligned 8: one float4 and one float2 atomic on Hopper instead of two of
+// each.
+__device__ __forceinline__ void atomic_add_x_pair(float* data, float* weight, size_t i, float4 d, float2 wsum)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(SCALAR_ATOMICS) && !defined(UNPAIRED_ATOMICS)
     if ((i & 1) == 0) {
-        atomicAdd(reinterpret_cast<float4*>(data + 2 * i), make_float4(c0 * v.x, c0 * v.y, c1 * v.x, c1 * v.y));
-        atomicAdd(reinterpret_cast<float2*>(weight + i), make_float2(c0 * wv, c1 * wv));
+        atomicAdd(reinterpret_cast<float4*>(data + 2 * i), d);
+        atomicAdd(reinterpret_cast<float2*>(weight + i), wsum);
         return;
     }
 #endif
-    atomic_add_complex(data + 2 * i, c0 * v.x, c0 * v.y);
-    atomicAdd(weight + i, c0 * wv);
-    atomic_add_complex(data + 2 * (i + 1), c1 * v.x, c1 * v.y);
-    atomicAdd(weight + i + 1, c1 * wv);
+    atomic_add_complex(data + 2 * i, d.x, d.y);
+    atomicAdd(weight + i, wsum.x);
+    atomic_add_complex(data + 2 * (i + 1), d.z, d.w);
+    atomicAdd(weight + i + 1, wsum.y);
 }

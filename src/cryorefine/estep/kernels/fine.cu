@@ -8,7 +8,9 @@
 // registers at every order. Where many blocks share a (class, coarse orientation) pair, its NFO
 // child slices are projected once beforehand (project_slices), rows row0 … row0 + NFO − 1 of
 // `slices`, and every block of the pair reads them; otherwise (slices null) each block projects
-// its slices on the fly from the padded reference, at rotations staged in shared memory. A CUDA
+// its slices on the fly from the padded reference, at rotations staged in shared memory, FINE_THREADS
+// coefficients at a time into shared memory with neighbouring lanes on neighbouring child orientations
+// (a fraction of a degree apart, they read the same or adjacent voxels; as local.cu). A CUDA
 // block handles one tile of one block (blockIdx.x the block, blockIdx.y the tile): every thread
 // walks the coefficients with a stride, taking the TO slices, moving the image by the TT
 // translations as phase ramps, and accumulating all TO·TT sums in registers; a warp-shuffle and
@@ -34,7 +36,8 @@ __device__ __forceinline__ int2 cr_tile_origin()
 }
 
 // Where a tile's TO child slices come from: rows of `slices` projected beforehand (P non-null), or
-// projected here from the class's padded volume V at the rotations staged in `mats` (9 floats each).
+// projected here from the class's padded volume V at the rotations staged in `mats` (9 floats each),
+// a chunk of FINE_THREADS coefficients at a time into shared memory (`project_chunk`).
 struct CrTileSlices {
     const float2* P;
     const float2* V;
@@ -43,9 +46,27 @@ struct CrTileSlices {
     const float* mats;
     int n_coef;
 
-    __device__ __forceinline__ float2 at(int io, int c, float kx, float ky) const
+    // The TO slices at coefficients c0 … c0 + FINE_THREADS − 1 into s_p[io][c − c0], projected by the whole
+    // block, lane i of TO consecutive ones on orientation i; orientations with need[io] ≤ 0 (need may be null)
+    // are left alone. A __syncthreads must follow before `at` reads them. Nothing to do when P is non-null.
+    template <int TO>
+    __device__ __forceinline__ void project_chunk(int c0, const float* __restrict__ kx, const float* __restrict__ ky,
+                                                  float2 (*s_p)[FINE_THREADS + 1], const float* need) const
     {
-        return P ? P[(size_t)io * n_coef + c] : cr_slice_value(V, d, w, origin, pf, r_pad_sq, mats + io * 9, kx, ky);
+        if (P) return;
+#pragma unroll
+        for (int j = 0; j < TO; ++j) {
+            const int i = threadIdx.x + j * FINE_THREADS;
+            const int io = i % TO, cc = i / TO, c = c0 + cc;
+            if (c < n_coef && (!need || need[io] > 0.f))
+                s_p[io][cc] = cr_slice_value(V, d, w, origin, pf, r_pad_sq, mats + io * 9, kx[c], ky[c]);
+        }
+    }
+
+    // Slice io at coefficient c of the chunk starting at c0 (after project_chunk and a __syncthreads).
+    __device__ __forceinline__ float2 at(int io, int c, int c0, float2 (*s_p)[FINE_THREADS + 1]) const
+    {
+        return P ? P[(size_t)io * n_coef + c] : s_p[io][c - c0];
     }
 };
 
@@ -97,6 +118,7 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
     __shared__ float s_mats[TO * 9];
     __shared__ float s_shift[2 * TT];
     __shared__ float s_red[FINE_THREADS / 32][TF * (CC ? 2 : 1)];
+    __shared__ float2 s_p[TO][FINE_THREADS + 1];
     const int blk = blockIdx.x;
     const int2 tile = cr_tile_origin<NFT, TO, TT>();
     const int b = block_b[blk];
@@ -115,7 +137,12 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
 #pragma unroll
     for (int f = 0; f < (CC ? TF : 1); ++f) acc2[f] = 0.f;
 
-    for (int c = threadIdx.x; c < n_coef; c += FINE_THREADS) {
+    for (int c0 = 0; c0 < n_coef; c0 += FINE_THREADS) {
+        if (!P.P && c0 > 0) __syncthreads();  // the previous chunk's slices read by all
+        P.project_chunk<TO>(c0, kx, ky, s_p, nullptr);
+        if (!P.P) __syncthreads();
+        const int c = c0 + threadIdx.x;
+        if (c >= n_coef) continue;  // in the last chunk only
         const float kxc = kx[c], kyc = ky[c];
         const float2 xv = xb[c];
         const float cv = cb[c];
@@ -129,7 +156,7 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
         }
 #pragma unroll
         for (int io = 0; io < TO; ++io) {
-            float2 p = P.at(io, c, kxc, kyc);
+            float2 p = P.at(io, c, c0, s_p);
             p.x *= cv;
             p.y *= cv;
 #pragma unroll
@@ -198,7 +225,9 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
     __shared__ float s_mats[TO * 9];
     __shared__ float s_shift[2 * TT];
     __shared__ float s_w[TF];
+    __shared__ float s_wsum[TO];  // Σ_it of each child orientation's weights
     __shared__ float s_red[FINE_THREADS / 32][2];
+    __shared__ float2 s_p[TO][FINE_THREADS + 1];
     __shared__ int s_any;
     const int blk = blockIdx.x;
     const int2 tile = cr_tile_origin<NFT, TO, TT>();
@@ -212,6 +241,11 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
     for (int i = threadIdx.x; i < n_shells; i += FINE_THREADS) s_hist[i] = 0.f;
     __syncthreads();
     if (!s_any) return;
+    for (int io = threadIdx.x; io < TO; io += FINE_THREADS) {
+        float wsum = 0.f;
+        for (int it = 0; it < TT; ++it) wsum += s_w[io * TT + it];
+        s_wsum[io] = wsum;
+    }
     const int b = block_b[blk];
     const int k = block_k[blk];
     const int row0 = block_row0[blk] + tile.x;
@@ -226,7 +260,12 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
     const float* use = use_scale ? scale_use + (size_t)k * n_coef : nullptr;
     float xa = 0.f, aa = 0.f;
 
-    for (int c = threadIdx.x; c < n_coef; c += FINE_THREADS) {
+    for (int c0 = 0; c0 < n_coef; c0 += FINE_THREADS) {
+        if (!P.P && c0 > 0) __syncthreads();  // the previous chunk's slices read by all
+        P.project_chunk<TO>(c0, kx, ky, s_p, s_wsum);
+        if (!P.P) __syncthreads();
+        const int c = c0 + threadIdx.x;
+        if (c >= n_coef) continue;  // in the last chunk only
         const float kxc = kx[c], kyc = ky[c];
         const float2 xv = xb[c], xn = xnb[c];
         const float cv = cb[c];
@@ -243,11 +282,9 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
         float wd2 = 0.f;
 #pragma unroll
         for (int io = 0; io < TO; ++io) {
-            float wsum = 0.f;
-#pragma unroll
-            for (int it = 0; it < TT; ++it) wsum += s_w[io * TT + it];
+            const float wsum = s_wsum[io];
             if (wsum <= 0.f) continue;
-            float2 p = P.at(io, c, kxc, kyc);
+            float2 p = P.at(io, c, c0, s_p);
             p.x *= cv;
             p.y *= cv;
             float2 dsum = make_float2(0.f, 0.f);
