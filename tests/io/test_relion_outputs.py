@@ -1,6 +1,7 @@
 """model.star, optimiser.star and sampling.star as RELION writes them, and the --continue round trip."""
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +340,27 @@ def test_written_files_read_back_with_starfile_and_read_star(tmp_path):
     assert sampling["sampling_general"]["rlnOffsetRange"] == pytest.approx(
         optimiser.offset_range_px * model.pixel_size_angstrom, rel=1e-15)
     assert len(sampling["sampling_directions"]) == 12 * 4 ** optimiser.healpix_order
+
+
+def test_sampling_star_written_again_holds_each_orders_directions(tmp_path):
+    """write_sampling_star keeps the direction table's text for the next iterations: every file holds the blocks of
+    `sampling_star_blocks` for its own order and symmetry, whichever was written before."""
+    model, optimiser = make_states()
+    config = make_config()
+    for i, (order, symmetry) in enumerate(((1, "C1"), (2, "C1"), (2, "D2"), (1, "C1"), (2, "C1"))):
+        opt = replace(optimiser, healpix_order=order)
+        sampling = Sampling(order, opt.offset_range_px, opt.offset_step_px, perturbation=opt.perturbation,
+                            symmetry=symmetry)
+        path = tmp_path / f"run_it{i:03d}_sampling.star"
+        ro.write_sampling_star(path, sampling, opt, config, model.pixel_size_angstrom)
+        want = ro.sampling_star_blocks(sampling, opt, config, model.pixel_size_angstrom)
+        got = read_star(path)
+        assert list(got) == ["sampling_general", "sampling_directions"]
+        assert {k: str(v) for k, v in got["sampling_general"].items()} == \
+            {k: str(v) for k, v in want["sampling_general"].items()}
+        np.testing.assert_array_equal(got["sampling_directions"].to_numpy(dtype=float),
+                                      want["sampling_directions"].to_numpy(dtype=float))
+        assert len(got["sampling_directions"]) == sampling.n_directions
 
 
 # ------------------------------------------------------------------------------- atomic writes
