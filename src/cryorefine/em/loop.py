@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         session.announce(particles, settings)
         reports = []
         out_root = config.output_root
-        with BackgroundWriter() as writer:
+        with BackgroundWriter() as writer, long_lived_objects_frozen():
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
                     log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
@@ -195,6 +196,20 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 if job.finished(state, plan):
                     break
     return reports
+
+
+@contextlib.contextmanager
+def long_lived_objects_frozen():
+    """The objects alive when the iterations start (the particle table, the sampling's and the engine's caches,
+    the modules) are left out of the garbage collector's full passes until they end. A full pass goes over every
+    tracked object while it holds the interpreter; the iteration writer's garbage set them off on its thread
+    beside the E-step, whose thread waited 0.11-0.14 s each time (11 times in the 10k auto-refine)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def particles_and_settings(config):
