@@ -146,3 +146,25 @@ def test_loop_blocks_are_written_as_starfile_writes_them(monkeypatch, chunk):
         text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
         expected.append(f"\n# version 30001\n\n{text[text.index('data_'):].rstrip()}\n")
     assert star_to_string(blocks) == "".join(expected) + "\n"
+
+
+def test_fixed_point_rows_are_the_columns_rounded():
+    """Signs, zeros, carries into a new integer digit and values that round to zero, against Python's "%.*f" (away
+    from ties, where value·10^10 is not within 1 % of a half), read back within half a last digit."""
+    from cryorefine.io.star import fixed_point_rows
+
+    rng = np.random.default_rng(5)
+    a = np.r_[0.0, -0.0, 1.5, -1.5, 179.99999999999, -179.999999999996, -4e-11, -6e-11, 9.5, 100.0, -123.456,
+              rng.uniform(-360, 360, 2000)]
+    b = np.r_[rng.uniform(-1, 1, 11) * 10.0 ** rng.integers(-3, 4, 11), rng.uniform(0, 180, 2000)]
+    text = fixed_point_rows([a, b], 10)
+    lines = text.split("\n")
+    assert len(lines) == a.size
+    for x, y, line in zip(a, b, lines):
+        for field, v in zip(line.split("\t"), (x, y)):
+            if abs(abs(v) * 1e10 % 1.0 - 0.5) > 0.01:
+                assert field.strip() == ("%.10f" % v).replace("-0.0000000000", "0.0000000000")
+            assert abs(float(field) - v) <= 0.5e-10 + 1e-12
+    assert len({len(f) for line in lines for f in line.split("\t")[:1]}) == 1  # right-aligned, one width
+    with pytest.raises(ValueError):
+        fixed_point_rows([np.array([np.nan])], 3)

@@ -21,7 +21,8 @@ Units, as RELION 3.1+ writes them: rlnCurrentResolution, rlnAngstromResolution,
 rlnEstimatedResolution in Å; rlnResolution and rlnBestResolutionThusFar in 1/Å;
 rlnSigmaOffsetsAngst, rlnAccuracyTranslationsAngst, rlnOverallAccuracyTranslationsAngst and the
 sampling's rlnOffsetRange/rlnOffsetStep in Å; angles in degrees. Floats are written with the
-shortest text that reads back to the same float64 (Python's repr), so values round-trip exactly.
+shortest text that reads back to the same float64 (Python's repr), so values round-trip exactly; the
+sampling's direction table, which a run reads back from nowhere, with DIRECTION_DECIMALS decimals.
 
 Deliberate differences from RELION's own files:
 - model_classes has no rlnClassPriorOffsetX/Y (RELION writes them for 2D references only).
@@ -56,7 +57,7 @@ import pandas as pd
 from cryorefine import __version__
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
-from cryorefine.io.star import FORMAT_CHUNK, read_star, star_to_string, write_star
+from cryorefine.io.star import FORMAT_CHUNK, fixed_point_rows, read_star, star_to_string, write_star
 
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
@@ -416,22 +417,27 @@ def _sampling_general(sampling, optimiser, config, pixel_size_angstrom: float) -
 def write_sampling_star(path, sampling, optimiser, config, pixel_size_angstrom: float) -> None:
     """run_itNNN_sampling.star (`sampling_star_blocks`), made here: a job hands this to the iteration writer's
     thread. The text of the direction table (786,432 rows at order 8) is made once for each HEALPix order and
-    symmetry, in steps that let the E-step's thread run between them, and written again as it is in the
-    iterations that follow."""
+    symmetry (`_direction_text`) and written again as it is in the iterations that follow."""
     general = {"sampling_general": _sampling_general(sampling, optimiser, config, pixel_size_angstrom)}
     with atomic_path(path) as tmp:
         Path(tmp).write_text(star_to_string(general) + _direction_text(sampling))
 
 
 _DIRECTION_TEXTS = {}
+DIRECTION_DECIMALS = 10  # the direction table's decimals in run_itNNN_sampling.star (RELION writes 6)
+DIRECTION_LABELS = ("rlnAngleRot", "rlnAngleTilt")
 
 
 def _direction_text(sampling) -> str:
     """The sampling_directions block's text of `sampling`, the same in every iteration at one HEALPix order and
-    symmetry (27 MB at order 8); the newest two are kept."""
+    symmetry (25 MB at order 8), with DIRECTION_DECIMALS decimals made in whole-array steps (`fixed_point_rows`):
+    value by value, its 786,432 rows at order 8 took 1.3 s of the interpreter on the writer's thread, and the
+    E-step's thread beside it lost 1-1.7 s in the next iteration. The newest two are kept."""
     key = (int(sampling.healpix_order), str(sampling.symmetry))
     if key not in _DIRECTION_TEXTS:
-        text = star_to_string({"sampling_directions": _direction_table(sampling)})
+        directions = np.asarray(sampling.directions_deg(), dtype=np.float64)
+        header = star_to_string({"sampling_directions": pd.DataFrame(columns=DIRECTION_LABELS)}).rstrip("\n")
+        text = f"{header}\n{fixed_point_rows(directions.T, DIRECTION_DECIMALS)}\n\n"
         while len(_DIRECTION_TEXTS) >= 2:
             del _DIRECTION_TEXTS[next(iter(_DIRECTION_TEXTS))]
         _DIRECTION_TEXTS[key] = text
@@ -441,7 +447,7 @@ def _direction_text(sampling) -> str:
 def _direction_table(sampling):
     """sampling_directions of `sampling`: its coarse directions (rot, tilt), unperturbed, in RELION's order."""
     directions = np.asarray(sampling.directions_deg(), dtype=np.float64)
-    return pd.DataFrame({"rlnAngleRot": _fcol(directions[:, 0]), "rlnAngleTilt": _fcol(directions[:, 1])})
+    return pd.DataFrame(dict(zip(DIRECTION_LABELS, (_fcol(directions[:, 0]), _fcol(directions[:, 1])))))
 
 
 # ------------------------------------------------------------------------------- data.star

@@ -113,6 +113,51 @@ def _in_chunks(format_one, values):
     return text
 
 
+def fixed_point_rows(columns, decimals: int) -> str:
+    """Rows of float `columns` (equal lengths, finite, |value|·10^decimals below 2^53) as fixed-point text with
+    `decimals` decimals, the columns tab-separated, a line a row (no newline after the last), right-aligned.
+
+    Made with whole-array numpy steps, a few milliseconds per 100,000 values, where formatting value by value
+    takes seconds for the tables of hundreds of thousands of rows that a run rewrites (the sampling's directions)
+    and keeps the interpreter from the E-step's thread for all of it. Values are rounded to the nearest
+    10^−decimals (a last digit may differ from "%.*f"'s by one where value·10^decimals is a hair from a half)."""
+    cols = [np.asarray(c, dtype=np.float64).ravel() for c in columns]
+    n = cols[0].size if cols else 0
+    if not n:
+        return ""
+    fields = []
+    for col in cols:
+        if col.size != n or not np.isfinite(col).all():
+            raise ValueError("fixed_point_rows needs finite columns of one length")
+        scaled = np.rint(np.abs(col) * 10.0 ** decimals)
+        if scaled.max() >= 2.0 ** 53:
+            raise ValueError(f"fixed_point_rows: {np.abs(col).max()!r} is too large for {decimals} decimals")
+        scaled = scaled.astype(np.int64)
+        int_part = scaled // 10 ** decimals
+        n_int = len(str(int(int_part.max())))
+        width = 1 + n_int + 1 + decimals  # sign, integer digits, point, decimals
+        text = np.full((n, width), ord(" "), dtype=np.uint8)
+        digits = scaled
+        for pos in range(width - 1, width - 1 - decimals, -1):
+            text[:, pos] = ord("0") + digits % 10
+            digits = digits // 10
+        text[:, width - 1 - decimals] = ord(".")
+        shown = np.ones(n, dtype=np.int64)  # integer digits written: 1 for 0
+        for k in range(n_int):
+            pos = width - 2 - decimals - k
+            keep = (digits > 0) | (k == 0)
+            text[:, pos] = np.where(keep, ord("0") + digits % 10, ord(" "))
+            shown = np.where(keep, k + 1, shown)
+            digits = digits // 10
+        negative = np.flatnonzero((col < 0) & (scaled > 0))
+        text[negative, width - 2 - decimals - shown[negative]] = ord("-")
+        fields.append(text)
+    separators = [np.full((n, 1), ord("\t"), dtype=np.uint8)] * (len(fields) - 1) + \
+        [np.full((n, 1), ord("\n"), dtype=np.uint8)]
+    rows = np.concatenate([part for pair in zip(fields, separators) for part in pair], axis=1)
+    return rows.tobytes()[:-1].decode("ascii")
+
+
 def write_star(blocks, path):
     """Write {name: DataFrame or dict} as a STAR file, atomically."""
     with atomic_path(path) as tmp:
