@@ -75,7 +75,7 @@ FULL_PARTICLES, FULL_ITERATIONS = 105_247, 25
 PARTICLE_DIAMETER_ANGSTROM = 360.0
 WARMUP_PARTICLES, WARMUP_ITERATIONS = 200, 3  # Class3D: the cross-correlation, seeded and all-class iterations
 # the auto-refine's second warm-up: local searches from the first iteration (without it, the first measured local
-# iteration compiled their kernels: 3.3 s against 2.2 s in the same tree's second run, H200)
+# iteration compiled their kernels: 3.3 s against 2.2 s in the next run on the same H200 machine)
 WARMUP_LOCAL_ITERATIONS, WARMUP_LOCAL_OPTIONS = 2, ("--healpix_order", "4")
 STAGES = (  # (label, stage names summed) in the order of an iteration
     ("engine set-up (references, cached coarse slices)", ("setup",)),
