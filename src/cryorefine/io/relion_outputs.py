@@ -57,7 +57,7 @@ import pandas as pd
 from cryorefine import __version__
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
-from cryorefine.io.star import FORMAT_CHUNK, fixed_point_rows, read_star, star_to_string, write_star
+from cryorefine.io.star import FORMAT_CHUNK, fixed_point_rows, read_star, star_to_string
 
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
