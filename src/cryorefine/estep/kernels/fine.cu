@@ -48,12 +48,15 @@ struct CrTileSlices {
 
     // The TO slices at coefficients c0 … c0 + FINE_THREADS − 1 into s_p[io][c − c0], projected by the whole
     // block, lane i of TO consecutive ones on orientation i; orientations with need[io] ≤ 0 (need may be null)
-    // are left alone. A __syncthreads must follow before `at` reads them. Nothing to do when P is non-null.
+    // are left alone. Called by every thread of the block for every chunk in turn: it waits until the previous
+    // chunk's slices are read by all before it overwrites them, and until the new ones are all written before it
+    // returns, so `at` may read them. Nothing to do when P is non-null (the same for the whole block).
     template <int TO>
     __device__ __forceinline__ void project_chunk(int c0, const float* __restrict__ kx, const float* __restrict__ ky,
                                                   float2 (*s_p)[FINE_THREADS + 1], const float* need) const
     {
         if (P) return;
+        if (c0 > 0) __syncthreads();
 #pragma unroll
         for (int j = 0; j < TO; ++j) {
             const int i = threadIdx.x + j * FINE_THREADS;
@@ -61,9 +64,10 @@ struct CrTileSlices {
             if (c < n_coef && (!need || need[io] > 0.f))
                 s_p[io][cc] = cr_slice_value(V, d, w, origin, pf, r_pad_sq, mats + io * 9, kx[c], ky[c]);
         }
+        __syncthreads();
     }
 
-    // Slice io at coefficient c of the chunk starting at c0 (after project_chunk and a __syncthreads).
+    // Slice io at coefficient c of the chunk starting at c0 (after project_chunk).
     __device__ __forceinline__ float2 at(int io, int c, int c0, float2 (*s_p)[FINE_THREADS + 1]) const
     {
         return P ? P[(size_t)io * n_coef + c] : s_p[io][c - c0];
@@ -138,9 +142,7 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
     for (int f = 0; f < (CC ? TF : 1); ++f) acc2[f] = 0.f;
 
     for (int c0 = 0; c0 < n_coef; c0 += FINE_THREADS) {
-        if (!P.P && c0 > 0) __syncthreads();  // the previous chunk's slices read by all
         P.project_chunk<TO>(c0, kx, ky, s_p, nullptr);
-        if (!P.P) __syncthreads();
         const int c = c0 + threadIdx.x;
         if (c >= n_coef) continue;  // in the last chunk only
         const float kxc = kx[c], kyc = ky[c];
@@ -261,9 +263,7 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
     float xa = 0.f, aa = 0.f;
 
     for (int c0 = 0; c0 < n_coef; c0 += FINE_THREADS) {
-        if (!P.P && c0 > 0) __syncthreads();  // the previous chunk's slices read by all
         P.project_chunk<TO>(c0, kx, ky, s_p, s_wsum);
-        if (!P.P) __syncthreads();
         const int c = c0 + threadIdx.x;
         if (c >= n_coef) continue;  // in the last chunk only
         const float kxc = kx[c], kyc = ky[c];
