@@ -415,7 +415,7 @@ def _report_classes(reports, out):
 @click.option("--gpu_memory", type=float, default=None,
               help="GPU memory (GB) to plan for [default: the free memory of the GPU, else 80].")
 @click.option("--gpu_tflops", type=float, default=None,
-              help="FP32 peak (TFLOP/s) to plan for [default: the GPU's, else an H100's 51.6].")
+              help="FP32 peak (TFLOP/s) to plan for [default: the GPU's, else an H100 SXM's 66.9].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--K", "n_classes", type=int, default=None,
               help="Plan a classify run of this many classes [default: a refine run].")

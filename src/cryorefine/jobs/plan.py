@@ -13,8 +13,8 @@ symmetrisation of the sums; where both halves' sums do not fit, the idle half wa
 one half is counted, `em.memory`), and an estimated E-step
 time per iteration: for a global search from the coarse pass's arithmetic at the throughput measured on
 an H100 (about 65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
-benchmarks/estep_throughput.py), for a local search from its trilinear interpolations and image sizes
-(fitted to a converged auto-refine of the 360 px stand-in on an H100). With --sym the orientations are
+benchmarks/estep_throughput.py), for a local search from its particles, trilinear interpolations and image
+sizes (fitted to converged auto-refines of the 360 px stand-in on an H100, `benchmarks/plan_local_fit.py`). With --sym the orientations are
 those of the group's asymmetric unit (`core.sampling.Sampling`), so the E-step shrinks with the group's
 order.
 
@@ -40,18 +40,17 @@ GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
 COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–360 px (benchmarks/estep_throughput.py)
 # a local search's E-step (the local coarse kernel projects its slices itself, so its cost follows the trilinear
-# interpolations, classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration,
-# one per interpolation and one per coefficient at the current size (the fine pass, the sums, the back-projection,
-# the images). Fitted on the H100 to the local iterations (orders 4–8 and the final one) of the converged
-# 10,000-particle auto-refine of the 360 px stand-in with the GPU's default batches of 512, after the translation
-# tiles and the overlapped uploads (results/refine_10k_h100_uploads_tiles.json: estimated / measured 0.79–1.19;
-# the estimate is high at orders 6–7 and low at order 8, where more samples are significant), the fixed cost
-# from the set-up and neighbourhood stages there (0.13–0.27 s) and the 2,000-particle, 64 px local iterations of
-# benchmarks/refine_accuracy.py (0.4–0.9 s); the last two terms scale with the FP32 peak against REFERENCE_TFLOPS
-# (a term per particle came out smaller than the fixed cost's uncertainty and was left out)
+# interpolations, classes × orientations × coarse coefficients, not the translations): a fixed cost per iteration
+# (from the set-up stages and the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py, 0.4–0.9
+# s in all), one per particle (its image read and prepared at the whole box), one per interpolation and one per
+# coefficient at the current size (the fine pass, the sums, the back-projection); the last two scale with the FP32
+# peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_local_fit.py` (its docstring names
+# the runs) to the local iterations (orders 4–8 and the final one) of two converged 10,000-particle auto-refines of
+# the 360 px stand-in with the GPU's default batches of 512, on the H100: estimate / measured 0.90–1.14
 LOCAL_ESTEP_FIXED_SECONDS = 0.3
-LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 3.14e-11
-LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 6.08e-9
+LOCAL_ESTEP_SECONDS_PER_PARTICLE = 6.53e-5
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 2.01e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 5.39e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
 # a global search's fixed cost per particle, however small the images (1.65–1.8 s per 10,000 particles in iterations
 # 6–10 of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100 with batches of 512, the GPU's default,
@@ -69,8 +68,9 @@ class GpuSpec:
     @classmethod
     def detect(cls, device_id=0, memory_gb=None, tflops=None):
         """The device's name, free memory and FP32 peak (SMs × 128 lanes × 2 × clock) when CuPy sees it;
-        else an H100 80 GB (51.6 TFLOP/s measured FP32) unless --gpu_memory/--gpu_tflops say otherwise."""
-        name, memory, peak = "NVIDIA H100 80GB (assumed: no GPU visible)", 80 * GB, 51.6
+        else an H100 SXM 80 GB (REFERENCE_TFLOPS, the same reckoning) unless --gpu_memory/--gpu_tflops say
+        otherwise."""
+        name, memory, peak = "NVIDIA H100 80GB (assumed: no GPU visible)", 80 * GB, REFERENCE_TFLOPS
         try:
             import cupy
 
@@ -109,10 +109,37 @@ class Moment:
         return max(self.iteration_bytes + self.particle_bytes + self.orientation_bytes, self.maximization_bytes)
 
 
-def _coefficients(size_px):
+def coefficients(size_px):
+    """The Fourier coefficients an E-step compares at an image size of `size_px`."""
     from cryorefine.estep.common import Coefficients
 
     return Coefficients.create(size_px).positions.size
+
+
+def local_estep_terms(n_particles, n_classes, n_orientations, coarse_coefficients, current_coefficients,
+                      fp32_tflops):
+    """What a local search's E-step time is made of, one figure per LOCAL_ESTEP_ constant: (1,
+    particles, interpolations, coefficients at the current size), the last two scaled from `fp32_tflops` to
+    REFERENCE_TFLOPS."""
+    scale = REFERENCE_TFLOPS / fp32_tflops
+    return (1.0, float(n_particles), n_particles * n_classes * n_orientations * coarse_coefficients * scale,
+            n_particles * current_coefficients * scale)
+
+
+def local_estep_seconds(n_particles, n_classes, n_orientations, coarse_coefficients, current_coefficients,
+                        fp32_tflops):
+    """The estimated E-step seconds of one local-search iteration (the fit above)."""
+    constants = (LOCAL_ESTEP_FIXED_SECONDS, LOCAL_ESTEP_SECONDS_PER_PARTICLE, LOCAL_ESTEP_SECONDS_PER_INTERPOLATION,
+                 LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT)
+    terms = local_estep_terms(n_particles, n_classes, n_orientations, coarse_coefficients, current_coefficients,
+                              fp32_tflops)
+    return float(sum(c * t for c, t in zip(constants, terms)))
+
+
+def local_neighbourhood_orientations(sampling, oversampling):
+    """The orientations within 3σ of one pose at the sampling's order, σ as RELION sets it for local searches."""
+    sigma = schedule.local_search_sigma_deg(sampling.healpix_order, oversampling)
+    return int(sampling.local_orientations(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma, sigma).counts()[0])
 
 
 def image_itemsize(particles):
@@ -141,7 +168,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     waits = memory.halves_wait_on_host(arena_bytes, [sums_per_half] * units, references, reconstruction)
     # the E-step: both halves' sums, or the one worked on while the other waits on the host
     estep_sums = sums_per_half * (1 if waits else units)
-    kc, kf = _coefficients(coarse), _coefficients(current)
+    kc, kf = coefficients(coarse), coefficients(current)
     n_t = sampling.n_translations
     children = sampling.n_fine_orientations() * sampling.n_fine_translations()
     # the batch of prepared images the engine is handed (em.estep: joined from the parts it was prepared in)
@@ -171,9 +198,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     if sampling.group.order > 1:
         maximization = max(maximization, mstep_sums + volume * (8 + 4) + SYMMETRISE_SLAB_BYTES)
     if local:
-        scaled = (LOCAL_ESTEP_SECONDS_PER_INTERPOLATION * n_classes * n_orientations * kc
-                  + LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT * kf) * REFERENCE_TFLOPS / gpu.fp32_tflops
-        estep = LOCAL_ESTEP_FIXED_SECONDS + n_particles * scaled
+        estep = local_estep_seconds(n_particles, n_classes, n_orientations, kc, kf, gpu.fp32_tflops)
     else:
         coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
         seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
@@ -217,10 +242,8 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         sampling = Sampling(healpix_order=order, offset_range_px=config.offset_range_px,
                             offset_step_px=config.offset_step_px, symmetry=config.symmetry)
         n_orient = sampling.n_orientations
-        if local:  # the orientations within 3σ of one pose, σ as RELION sets it for local searches
-            sigma = schedule.local_search_sigma_deg(order, config.oversampling)
-            n_orient = int(sampling.local_orientations(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma,
-                                                       sigma).counts()[0])
+        if local:
+            n_orient = local_neighbourhood_orientations(sampling, config.oversampling)
         moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
                                       sampling, n_orient, config.n_classes, arena, gpu, local=local,
                                       units=2 if refine else 1, image_itemsize=itemsize))
