@@ -16,7 +16,7 @@ import numpy as np
 
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, complex_dtype_for
 
-__all__ = ["window_indices", "compact_rows", "padded_forward", "padded_inverse_window"]
+__all__ = ["window_indices", "compact_rows", "slab_elements", "padded_forward", "padded_inverse_window"]
 
 
 def window_indices(size_px, padded_size_px):
@@ -41,12 +41,21 @@ def compact_rows(grid: PaddedGrid, unique=True):
     return rows, k[rows] % npad
 
 
+def slab_elements(real_dtype, elements=None):
+    """Elements per slab of these transforms: `elements` when given; else SLAB_ELEMENTS scaled to the transforms'
+    precision. The slab's bytes are budgeted for float64 temporaries (`em.memory.SLAB_BYTES_PER_ELEMENT`), and in
+    float32 the same bytes hold twice the elements (half the slabs, half the calls)."""
+    if elements is not None:
+        return int(elements)
+    return SLAB_ELEMENTS * 8 // np.dtype(real_dtype).itemsize
+
+
 def _blocks(n, per_block):
     step = max(1, int(per_block))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def padded_forward(volume, grid: PaddedGrid, xp=np, elements=SLAB_ELEMENTS, out=None):
+def padded_forward(volume, grid: PaddedGrid, xp=np, elements=None, out=None):
     """The compact padded transform (grid.shape) of a real (N, N, N) map: DFT3 of the map zero-padded to Np,
     divided by N² (the projector's normalisation, `core.projector`), zero beyond |k| = R; the dtype is the
     complex of the map's. (y, x) planes first, one slab of map planes at a time, then z, a slab of compact
@@ -57,6 +66,7 @@ def padded_forward(volume, grid: PaddedGrid, xp=np, elements=SLAB_ELEMENTS, out=
     npad = grid.padded_size_px
     real = volume.dtype.type
     cdtype = complex_dtype_for(real)
+    elements = slab_elements(real, elements)
     d, _, w = grid.shape
     u = xp.asarray(window_indices(n, npad))
     rows, rows_fft = compact_rows(grid, unique=False)
@@ -86,7 +96,7 @@ def padded_forward(volume, grid: PaddedGrid, xp=np, elements=SLAB_ELEMENTS, out=
     return out
 
 
-def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=SLAB_ELEMENTS):
+def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=None):
     """The real (N, N, N) map in the middle of the Np box whose uncentred half transform is `ft`
     (Np, Np, Np/2+1), unnormalised (a plain sum over frequencies), as `fourier.irfft3_centered` windowed to N
     without the normalisation. `ft` is overwritten (its z transform is done in place, a slab of y rows at a
@@ -94,6 +104,7 @@ def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=SLAB_E
     npad = ft.shape[0]
     n = int(size_px)
     wf = ft.shape[2]
+    elements = slab_elements(np.empty(0, dtype=ft.dtype).real.dtype, elements)
     r = npad // 2 if r_max_padded is None else min(int(r_max_padded), npad // 2)
     wx = min(wf, r + 1)
     y_ranges = [(0, r + 1), (max(npad - r, r + 1), npad)]  # ky = 0 … R, then −R … −1
