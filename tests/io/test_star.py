@@ -118,15 +118,15 @@ def test_write_is_atomic(tmp_path):
 def test_loop_blocks_are_written_as_starfile_writes_them(monkeypatch, chunk):
     """Loops are formatted column by column (fast); the text must be starfile's, cell for cell: floats as %.12g,
     NaN as <NA>, ±inf, float32 and unsigned columns, names with a space or empty in quotes, an empty loop; and
-    the same when values and rows are formatted in chunks smaller than the table (64, 7: NaNs, infinities and the
-    last rows fall in different chunks)."""
+    the same when rows are formatted in chunks smaller than the table (64, 7: NaNs, infinities and the last rows
+    fall in different chunks)."""
     import starfile
 
     from cryorefine.io import star
     from cryorefine.io.star import FLOAT_FORMAT, star_to_string
 
     if chunk is not None:
-        monkeypatch.setattr(star, "FORMAT_CHUNK", chunk)
+        monkeypatch.setattr(star, "FORMAT_CHUNK_ROWS", chunk)
 
     rng = np.random.default_rng(3)
     n = 500
@@ -146,6 +146,31 @@ def test_loop_blocks_are_written_as_starfile_writes_them(monkeypatch, chunk):
         text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
         expected.append(f"\n# version 30001\n\n{text[text.index('data_'):].rstrip()}\n")
     assert star_to_string(blocks) == "".join(expected) + "\n"
+
+
+def test_float_cells_are_python_s_format_at_every_magnitude():
+    """The loop writer's whole-array "%.12g" gives Python's text for every value: random values from 1e-8 to 1e15,
+    powers of ten and their neighbours (where log10 is one off), values that round up to the next power, halves
+    at the 13th digit, integers, zeros of both signs, NaN (<NA>), ±inf, subnormals, and the largest int64s and
+    unsigned values in integer columns."""
+    from cryorefine.io.star import FLOAT_FORMAT, star_to_string
+
+    rng = np.random.default_rng(11)
+    powers = 10.0 ** np.arange(-8, 16)
+    values = np.concatenate([
+        rng.standard_normal(40_000) * 10.0 ** rng.integers(-8, 16, 40_000), powers, -powers,
+        np.nextafter(powers, 0), np.nextafter(powers, np.inf), np.round(rng.standard_normal(5_000) * 1e3, 3),
+        rng.integers(-10 ** 6, 10 ** 6, 5_000).astype(float),
+        [0.0, -0.0, np.nan, np.inf, -np.inf, 999999999999.5, 999999999999.4, 99999999999.95, 0.000099999999999995,
+         1e-4, 0.125, 2.5, 1099511627775.0, 123456789012.0, 1e-300, 1.23456789012e-308, 5e-324]])
+    ints = np.concatenate([rng.integers(-10 ** 18, 10 ** 18, values.size - 4), [0, -1, np.iinfo(np.int64).max,
+                                                                                np.iinfo(np.int64).min]])
+    unsigned = np.r_[np.iinfo(np.uint64).max, np.zeros(values.size - 1, dtype=np.uint64)].astype(np.uint64)
+    text = star_to_string({"t": pd.DataFrame({"rlnA": values, "rlnB": ints, "rlnC": unsigned})})
+    rows = text.split("loop_\n")[1].strip().split("\n")[3:]
+    assert len(rows) == values.size
+    for row, v, i, u in zip(rows, values.tolist(), ints.tolist(), unsigned.tolist()):
+        assert row == "\t".join(["<NA>" if v != v else FLOAT_FORMAT % v, str(i), str(u)]), (v, row)
 
 
 def test_fixed_point_rows_are_the_columns_rounded():

@@ -8,7 +8,6 @@ to Å), and every other column, known to us or not, is kept as it was.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from cryorefine.io.atomic import atomic_path
 
 STAR_VERSION = 30001
 FLOAT_FORMAT = "%.12g"
-FORMAT_CHUNK = 8192  # values or rows formatted in one step of a loop block (`_loop_text`)
+FORMAT_CHUNK = 8192  # values formatted in one step of a loop (`io.relion_outputs`)
+FORMAT_CHUNK_ROWS = 16384  # rows of a loop block made in one step (`_loop_text`)
 
 # Columns that a RELION 3.0 particle table repeats per particle and 3.1+ keeps per optics group.
 OPTICS_COLUMNS_30 = ("rlnVoltage", "rlnSphericalAberration", "rlnAmplitudeContrast",
@@ -70,47 +70,126 @@ def star_to_string(blocks):
 
 def _loop_text(name, table):
     """A loop block as starfile writes it (labels numbered, rows tab-separated, floats as FLOAT_FORMAT, NaN as
-    <NA>, strings that are empty or hold a space in double quotes), made column by column: a 100,000-row data.star
-    or a 786,432-row direction table is written in a fraction of starfile's time, which goes cell by cell while
-    holding the interpreter (these files are written on a thread beside the E-step). None for a table with a column
-    of another kind (starfile writes it). Values and rows are formatted FORMAT_CHUNK at a time: one C call over a
-    whole column keeps the interpreter for its duration (0.3 s for a direction table of order 8), and the E-step's
-    thread, which launches the GPU's work, would wait for it."""
-    columns = []
-    for label in table.columns:
-        column = _column_text(table[label])
-        if column is None:
-            return None
-        columns.append(column)
+    <NA>, strings that are empty or hold a space in double quotes), made column by column in whole-array numpy
+    steps (`_float_cells`, `_int_cells`): a 100,000-row data.star or a 786,432-row table is written in a fraction
+    of starfile's time, which goes cell by cell while holding the interpreter. These files are written on a thread
+    beside the E-step, whose thread launches the GPU's work and needs the interpreter back after every wait: numpy
+    lets go of it while it computes, and a block is made FORMAT_CHUNK_ROWS rows at a time, so no one step keeps it
+    long. None for a table with a column of another kind (starfile writes it)."""
     lines = [f"data_{name}", "", "loop_", *(f"_{label} #{i}" for i, label in enumerate(table.columns, 1))]
-    parts = ["\n".join(lines)]
-    if len(table):
-        rows = zip(*columns) if columns else iter([()] * len(table))
-        for _ in range(0, len(table), FORMAT_CHUNK):
-            parts.append("\n".join(map("\t".join, itertools.islice(rows, FORMAT_CHUNK))))
-    return "\n".join(parts) + "\n"
+    columns = [table[label].to_numpy() for label in table.columns]
+    if not all(_cell_kind(values) for values in columns):
+        return None
+    parts = ["\n".join(lines) + "\n"]
+    for start in range(0, len(table), FORMAT_CHUNK_ROWS):
+        rows = slice(start, start + FORMAT_CHUNK_ROWS)
+        cells = [_cells(values[rows]) for values in columns]
+        n = min(len(table) - start, FORMAT_CHUNK_ROWS)
+        tab, newline = np.full((n, 1), ord("\t"), dtype=np.uint8), np.full((n, 1), ord("\n"), dtype=np.uint8)
+        pieces = [piece for column in cells for piece in (column, tab)][:-1] + [newline] if cells else \
+            [newline]
+        matrix = np.concatenate(pieces, axis=1).ravel()
+        parts.append(matrix[matrix != 0].tobytes().decode("utf-8"))
+    return "".join(parts)
 
 
-def _column_text(column):
-    values = column.to_numpy()
-    if values.dtype.kind == "f":
-        text = _in_chunks(FLOAT_FORMAT.__mod__, values)
-        for i in np.flatnonzero(np.isnan(values)).tolist():
-            text[i] = "<NA>"
-        return text
-    if values.dtype.kind in "iu":
-        return _in_chunks(str, values)
+def _cell_kind(values):
+    """"f", "i" or "s" for a column `_cells` writes; None for one of another kind."""
+    if values.dtype.kind in "fiu":
+        return "i" if values.dtype.kind in "iu" else "f"
     if values.dtype.kind == "O" and all(type(v) is str for v in values):
-        return [f'"{v}"' if (not v or " " in v) else v for v in values]
+        return "s"
     return None
 
 
-def _in_chunks(format_one, values):
-    """`format_one` of every value of a numeric array, FORMAT_CHUNK values a step (`_loop_text` says why)."""
-    text = []
-    for start in range(0, values.size, FORMAT_CHUNK):
-        text.extend(map(format_one, values[start:start + FORMAT_CHUNK].tolist()))
-    return text
+def _cells(values):
+    """A column's cells as a (rows, width) byte matrix, NUL after each cell's text (UTF-8)."""
+    kind = _cell_kind(values)
+    if kind == "f":
+        return _float_cells(values)
+    if kind == "i":
+        return _int_cells(values)
+    quoted = [f'"{v}"' if (not v or " " in v) else v for v in values]
+    return _text_cells([v.encode("utf-8") for v in quoted])
+
+
+def _text_cells(encoded):
+    """Byte strings as a (rows, longest) byte matrix, NUL after each."""
+    width = max((len(b) for b in encoded), default=0)
+    return np.array(encoded, dtype=f"S{max(width, 1)}").view(np.uint8).reshape(len(encoded), max(width, 1))
+
+
+#: cells of `_float_cells`: a sign, up to 12 digits before the point (a leading 0 below 1), the point, and up to 15
+#: decimals (a value of 1e-4 has three zeros before its 12 significant digits): 18; "%.12g" with an exponent
+#: ("-1.23456789012e-308") takes 19
+_FLOAT_CELL = 20
+_POWERS = 10 ** np.arange(11, -1, -1, dtype=np.int64)
+
+
+def _float_cells(values):
+    """FLOAT_FORMAT ("%.12g") of a float column, text for text, as `_cells` gives it. Values from 1e-4 to below
+    1e12, which "%.12g" writes without an exponent, are made in numpy steps: their 12 significant digits m from
+    v·10^(11−e), e the decimal exponent, then the digits around the point with trailing zeros dropped. A value
+    whose 13th digit is too close to a half for float64 to tell which way it rounds (about 1 in 500), and every
+    other value but zero (NaN as <NA>, ±inf, those written with an exponent), is formatted by Python's own
+    "%.12g", one by one."""
+    v = np.asarray(values, dtype=np.float64)
+    n = v.size
+    a = np.abs(v)
+    fast = np.isfinite(v) & (a >= 1e-4) & (a < 1e12)
+    a = np.where(fast, a, 1.0)
+    e = np.floor(np.log10(a)).astype(np.int64)
+    for _ in range(2):  # log10 can be one off next to a power of ten
+        scaled = a * 10.0 ** (11 - e)  # exact powers: 11 − e is 0 … 15
+        e += scaled >= 1e12
+        e -= scaled < 1e11
+    scaled = a * 10.0 ** (11 - e)
+    fast &= (scaled >= 1e11) & (scaled < 1e12) & (np.abs(scaled - np.floor(scaled) - 0.5) > 1e-3)
+    m = np.rint(scaled).astype(np.int64)
+    carried = m == 10 ** 12  # 999…9.5 rounds up to the next power of ten
+    m[carried] = 10 ** 11
+    x = e + carried  # the exponent of the value rounded to 12 digits: "%.12g" writes it without one below 12
+    fast &= x < 12
+    digits = np.zeros((n, 16), dtype=np.uint8)  # four zeros, then the 12 digits of m
+    digits[:, 4:] = (m[:, None] // _POWERS) % 10
+    start = 4 + np.minimum(x, 0)  # the text's digits are digits[start:]: one 0 and −x − 1 zeros before m below 1
+    point = start + np.maximum(x, 0) + 1  # the digit the point goes before
+    last = np.maximum(15 - np.argmax(digits[:, ::-1] != 0, axis=1), point - 1)  # the last digit written
+    cells = np.zeros((n, _FLOAT_CELL), dtype=np.uint8)
+    cells[:, 0] = np.where(v < 0, ord("-"), 0)
+    flat = cells.reshape(-1)
+    row = np.arange(n, dtype=np.int64) * _FLOAT_CELL
+    shift = 1 - start  # digit j goes to column j + shift, one further from the point on
+    for j in range(16):
+        write = (j >= start) & (j <= last)
+        flat[(row + j + shift + (j >= point))[write]] = ord("0") + digits[write, j]
+    has_point = last >= point
+    flat[(row + point + shift)[has_point]] = ord(".")
+    zero = v == 0
+    cells[zero, 0] = np.where(np.signbit(v[zero]), ord("-"), 0)  # "0" or "-0"
+    cells[zero, 1] = ord("0")
+    for i in np.flatnonzero(~fast & ~zero).tolist():
+        text = "<NA>" if np.isnan(v[i]) else FLOAT_FORMAT % float(v[i])
+        cells[i] = 0
+        cells[i, :len(text)] = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    return cells
+
+
+def _int_cells(values):
+    """str() of an integer column as `_cells` gives it, in numpy steps (values beyond int64 one by one)."""
+    if values.dtype.kind == "u" and values.size and values.max() > np.iinfo(np.int64).max:
+        return _text_cells([str(int(i)).encode("ascii") for i in values.tolist()])
+    v = values.astype(np.int64)
+    if v.size and v.min() == np.iinfo(np.int64).min:
+        return _text_cells([str(int(i)).encode("ascii") for i in v.tolist()])
+    a = np.abs(v)
+    powers = 10 ** np.arange(18, -1, -1, dtype=np.int64)
+    digits = (a[:, None] // powers) % 10
+    shown = (a[:, None] >= powers) | (powers == 1)  # no leading zeros; 0 is "0"
+    cells = np.zeros((v.size, 20), dtype=np.uint8)
+    cells[:, 1:] = np.where(shown, ord("0") + digits, 0)
+    cells[:, 0] = np.where(v < 0, ord("-"), 0)
+    return cells
 
 
 def fixed_point_rows(columns, decimals: int) -> str:
