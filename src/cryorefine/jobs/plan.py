@@ -12,11 +12,11 @@ one sub-batch; ORIENTATION: one chunk; the M-step's reconstruction and, with --s
 symmetrisation of the sums; where both halves' sums do not fit, the idle half waits on the host and
 one half is counted, `em.memory`), and an estimated E-step
 time per iteration: for a global search from the coarse pass's arithmetic at the throughput measured on
-an H100 (about 65 % of the FP32 peak for the coarse kernel, the coarse pass about half of the E-step;
-benchmarks/estep_throughput.py), for a local search from its particles, trilinear interpolations and image
-sizes (fitted to converged auto-refines of the 360 px stand-in on an H100, `benchmarks/plan_local_fit.py`). With --sym the orientations are
-those of the group's asymmetric unit (`core.sampling.Sampling`), so the E-step shrinks with the group's
-order.
+an H100 (about 65 % of the FP32 peak for the coarse kernel, the coarse pass about a third of the E-step;
+benchmarks/estep_throughput.py) or a floor per particle, plus a fixed cost, for a local search from its
+particles, trilinear interpolations and image sizes; both fitted to whole jobs of the 360 px stand-in on an
+H100 (`benchmarks/plan_estep_fit.py`). With --sym the orientations are those of the group's asymmetric unit
+(`core.sampling.Sampling`), so the E-step shrinks with the group's order.
 
 A run that cannot fit is refused with the option that would make it fit.
 """
@@ -44,7 +44,7 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # (from the set-up stages and the 2,000-particle, 64 px local iterations of benchmarks/refine_accuracy.py, 0.4–0.9
 # s in all), one per particle (its image read and prepared at the whole box), one per interpolation and one per
 # coefficient at the current size (the fine pass, the sums, the back-projection); the last two scale with the FP32
-# peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_local_fit.py` (its docstring names
+# peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_estep_fit.py` (its docstring names
 # the runs) to the local iterations (orders 4–8 and the final one) of two converged 10,000-particle auto-refines of
 # the 360 px stand-in with the GPU's default batches of 512, on the H100: estimate / measured 0.90–1.14
 LOCAL_ESTEP_FIXED_SECONDS = 0.3
@@ -52,10 +52,14 @@ LOCAL_ESTEP_SECONDS_PER_PARTICLE = 6.53e-5
 LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 2.01e-11
 LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 5.39e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
-# a global search's fixed cost per particle, however small the images (1.65–1.8 s per 10,000 particles in iterations
-# 6–10 of the Class3D K=6 job at 360 px, coarse size 26 px, on the H100 with batches of 512, the GPU's default,
-# benchmarks/results/empiar10028_class3d_10k_10it_float16_batch512_h100.json)
-MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 1.7e-4
+# a global search's E-step: a fixed cost per iteration, plus per particle the coarse pass's arithmetic / its share,
+# or a floor however small the images. The fixed cost and the floor are fitted by `benchmarks/plan_estep_fit.py`
+# to iterations 6–25 of the Class3D K=6 job at 360 px (coarse size 26 px, where the floor holds) on 10,000 and
+# 105,247 particles on the H100 with batches of 512, the GPU's default
+# (results/{class3d_10k_h100_weights_fused,empiar10028_class3d_105k_h100_fused_weights}.json): estimate / measured
+# 0.78–1.11 (the floor alone was 1.7e-4 s a particle: 0.66–0.93 on 10,000 particles, 1.16–1.52 on 105,247)
+GLOBAL_ESTEP_FIXED_SECONDS = 0.88
+MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE = 1.14e-4
 SYMMETRISE_SLAB_BYTES = 400e6  # symmetry.symmetrise_padded_sums: ~2^20 elements per slab × ~400 B of temporaries
 
 
@@ -136,6 +140,21 @@ def local_estep_seconds(n_particles, n_classes, n_orientations, coarse_coefficie
     return float(sum(c * t for c, t in zip(constants, terms)))
 
 
+def global_coarse_seconds_per_particle(n_classes, n_orientations, n_translations, coarse_coefficients, fp32_tflops):
+    """A global search's E-step per particle from its coarse pass's arithmetic (the pass its share of the E-step)."""
+    coarse_flops = 2.0 * n_classes * n_orientations * n_translations * 2 * coarse_coefficients
+    return coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * fp32_tflops * 1e12) / COARSE_SHARE_OF_ESTEP
+
+
+def global_estep_seconds(n_particles, n_classes, n_orientations, n_translations, coarse_coefficients, fp32_tflops):
+    """The estimated E-step seconds of one global-search iteration: the fixed cost, and per particle the coarse
+    pass's share or the floor, whichever is larger."""
+    per_particle = max(global_coarse_seconds_per_particle(n_classes, n_orientations, n_translations,
+                                                          coarse_coefficients, fp32_tflops),
+                       MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE)
+    return GLOBAL_ESTEP_FIXED_SECONDS + n_particles * per_particle
+
+
 def local_neighbourhood_orientations(sampling, oversampling):
     """The orientations within 3σ of one pose at the sampling's order, σ as RELION sets it for local searches."""
     sigma = schedule.local_search_sigma_deg(sampling.healpix_order, oversampling)
@@ -200,10 +219,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     if local:
         estep = local_estep_seconds(n_particles, n_classes, n_orientations, kc, kf, gpu.fp32_tflops)
     else:
-        coarse_flops = 2.0 * n_classes * n_orientations * n_t * 2 * kc
-        seconds_per_particle = coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * gpu.fp32_tflops * 1e12)
-        estep = max(n_particles * seconds_per_particle / COARSE_SHARE_OF_ESTEP,
-                    n_particles * MIN_GLOBAL_ESTEP_SECONDS_PER_PARTICLE)
+        estep = global_estep_seconds(n_particles, n_classes, n_orientations, n_t, kc, gpu.fp32_tflops)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
                   estep_sums + references + uploads + slices, particle, orientation, maximization, estep, waits)
 
