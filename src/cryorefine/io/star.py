@@ -78,19 +78,25 @@ def _loop_text(name, table):
     long. None for a table with a column of another kind (starfile writes it)."""
     lines = [f"data_{name}", "", "loop_", *(f"_{label} #{i}" for i, label in enumerate(table.columns, 1))]
     columns = [table[label].to_numpy() for label in table.columns]
-    if not all(_cell_kind(values) for values in columns):
+    kinds = [_cell_kind(values) for values in columns]
+    if not all(kinds):
         return None
     parts = ["\n".join(lines) + "\n"]
     for start in range(0, len(table), FORMAT_CHUNK_ROWS):
         rows = slice(start, start + FORMAT_CHUNK_ROWS)
-        cells = [_cells(values[rows]) for values in columns]
-        n = min(len(table) - start, FORMAT_CHUNK_ROWS)
-        tab, newline = np.full((n, 1), ord("\t"), dtype=np.uint8), np.full((n, 1), ord("\n"), dtype=np.uint8)
-        pieces = [piece for column in cells for piece in (column, tab)][:-1] + [newline] if cells else \
-            [newline]
-        matrix = np.concatenate(pieces, axis=1).ravel()
+        cells = [_cells(values[rows], kind) for values, kind in zip(columns, kinds)]
+        matrix = _rows_matrix(cells, min(len(table) - start, FORMAT_CHUNK_ROWS)).ravel()
         parts.append(matrix[matrix != 0].tobytes().decode("utf-8"))
     return "".join(parts)
+
+
+def _rows_matrix(fields, n_rows):
+    """Byte matrices of a table's fields (n_rows, width each) joined into its lines: a tab between fields, a
+    newline after each row."""
+    tab = np.full((n_rows, 1), ord("\t"), dtype=np.uint8)
+    newline = np.full((n_rows, 1), ord("\n"), dtype=np.uint8)
+    pieces = [piece for field in fields for piece in (tab, field)][1:]
+    return np.concatenate(pieces + [newline], axis=1)
 
 
 def _cell_kind(values):
@@ -102,9 +108,9 @@ def _cell_kind(values):
     return None
 
 
-def _cells(values):
-    """A column's cells as a (rows, width) byte matrix, NUL after each cell's text (UTF-8)."""
-    kind = _cell_kind(values)
+def _cells(values, kind):
+    """A column's cells (of `_cell_kind` `kind`) as a (rows, width) byte matrix, NUL after each cell's text
+    (UTF-8)."""
     if kind == "f":
         return _float_cells(values)
     if kind == "i":
@@ -177,11 +183,10 @@ def _float_cells(values):
 
 def _int_cells(values):
     """str() of an integer column as `_cells` gives it, in numpy steps (values beyond int64 one by one)."""
-    if values.dtype.kind == "u" and values.size and values.max() > np.iinfo(np.int64).max:
-        return _text_cells([str(int(i)).encode("ascii") for i in values.tolist()])
+    int64 = np.iinfo(np.int64)
+    if values.size and (values.max() > int64.max if values.dtype.kind == "u" else values.min() == int64.min):
+        return _text_cells([str(i).encode("ascii") for i in values.tolist()])
     v = values.astype(np.int64)
-    if v.size and v.min() == np.iinfo(np.int64).min:
-        return _text_cells([str(int(i)).encode("ascii") for i in v.tolist()])
     a = np.abs(v)
     powers = 10 ** np.arange(18, -1, -1, dtype=np.int64)
     digits = (a[:, None] // powers) % 10
@@ -231,10 +236,7 @@ def fixed_point_rows(columns, decimals: int) -> str:
         negative = np.flatnonzero((col < 0) & (scaled > 0))
         text[negative, width - 2 - decimals - shown[negative]] = ord("-")
         fields.append(text)
-    separators = [np.full((n, 1), ord("\t"), dtype=np.uint8)] * (len(fields) - 1) + \
-        [np.full((n, 1), ord("\n"), dtype=np.uint8)]
-    rows = np.concatenate([part for pair in zip(fields, separators) for part in pair], axis=1)
-    return rows.tobytes()[:-1].decode("ascii")
+    return _rows_matrix(fields, n).tobytes()[:-1].decode("ascii")
 
 
 def write_star(blocks, path):
