@@ -160,7 +160,10 @@ def test_halves_taking_turns_on_the_gpu_give_the_same_model():
             backend.arena.reset_peaks()
             models.append(_maximize(backend, True, False, device_halves=(1,)))
             peaks.append(backend.arena.high_water_bytes)
-    assert peaks[0] < peaks[1] - 0.9 * _half_bytes()
+    # Were the idle half kept on the device, both arenas would run the same M-step and reach the same top. The tops
+    # need not differ by a whole half, as the temporaries above the halves at each top differ: on the H100 they were
+    # 1.06 halves apart with the shell sums of masks and bincount, 0.66 with those of gpu.shell_sums
+    assert peaks[0] < peaks[1] - 0.5 * _half_bytes()
     for name in ("tau2", "fsc_halves", "reference_sigma2"):
         np.testing.assert_array_equal(getattr(models[0], name), getattr(models[1], name), err_msg=name)
     np.testing.assert_array_equal(models[0].maps[1][0], models[1].maps[1][0])

@@ -96,8 +96,14 @@ def shell_sum(values, shells, n_shells, xp=np):
 
     Coefficients in shells ≥ n_shells are dropped. Half transforms hold the x = 0 (and x = N/2)
     column once and every other column for itself and its Friedel mate: weight by
-    `hermitian_weights_2d` for sums over the full transform.
+    `hermitian_weights_2d` for sums over the full transform. CuPy arrays are summed by one kernel
+    (`gpu.shell_sums`) that leaves the host free, where its histogram fits the device's shared memory.
     """
+    if xp is not np:
+        from cryorefine.gpu import shell_sums
+
+        if shell_sums.fits(n_shells, xp.iscomplexobj(values)):
+            return shell_sums.shell_sum(values, shells, n_shells)
     lead = values.shape[: values.ndim - shells.ndim]
     rows = int(np.prod(lead)) if lead else 1
     flat_shells = shells.reshape(-1)
