@@ -123,6 +123,20 @@ def _downsampling_blocks(grid: PaddedGrid, elements):
     return blocks
 
 
+def _bin_sums(idx, values, weights, size, xp):
+    """(Σ Re values, Σ Im values, Σ weights) per bin `idx` < size, float64 (`weights` an array or a scalar)."""
+    if xp is not np:
+        from cryorefine.gpu.bin_sums import bin_sums
+
+        return bin_sums(idx, values, weights, size)
+    if np.ndim(weights) == 0:
+        den = np.bincount(idx, minlength=size) * float(weights)
+    else:
+        den = np.bincount(idx, weights=weights.astype(np.float64), minlength=size)
+    return (np.bincount(idx, weights=values.real.astype(np.float64), minlength=size),
+            np.bincount(idx, weights=values.imag.astype(np.float64), minlength=size), den)
+
+
 def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=np, elements=None):
     """`downsampled_average` one run of planes at a time: yields (frequencies kz (m,), planes (m, N, N//2+1)) of
     the downsampled half transform, each kz at most once, zero planes left out."""
@@ -141,13 +155,8 @@ def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=n
         zd = xp.clip(_round_half_up(kz / pf, xp) + r_max + 1, 0, dd - 1) - z0
         idx = ((zd * dd + yd) * wd + xd).reshape(-1)
         size = m * dd * wd
-        flat = data[planes].reshape(-1)
-        re = xp.bincount(idx, weights=flat.real.astype(xp.float64), minlength=size)
-        im = xp.bincount(idx, weights=flat.imag.astype(xp.float64), minlength=size)
-        if divide:
-            den = xp.bincount(idx, weights=weight[planes].reshape(-1).astype(xp.float64), minlength=size)
-        else:
-            den = xp.bincount(idx, minlength=size).astype(xp.float64)
+        re, im, den = _bin_sums(idx, data[planes].reshape(-1), weight[planes].reshape(-1) if divide else 1.0,
+                                size, xp)
         avg = xp.where(den > 0, (re + 1j * im) / xp.where(den > 0, den, 1.0), 0).reshape(m, dd, wd)
         rz = k[z0:z0 + m][:, None, None]
         keep = (rz * rz + ry * ry + rx * rx) <= r_max * r_max
@@ -158,11 +167,14 @@ def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=n
         rows = np.flatnonzero((np.abs(kz_run) <= r_max) & ((n % 2 == 1) | (kz_run != -(n // 2))))
         if rows.size == 0:
             continue
-        sel = keep[xp.asarray(rows)]  # (rows, dd, wd)
+        # the kept points to their places, the others to one spare element past the end: indices, not a mask
+        # (a mask's count would make the host wait for the device)
+        take = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == rows.size else xp.asarray(rows)
+        plane_size = n * (n // 2 + 1)
         target = (xp.arange(rows.size)[:, None, None] * n + ry % n) * (n // 2 + 1) + rx
-        out = xp.zeros((rows.size, n, n // 2 + 1), dtype=data.dtype)
-        out.reshape(-1)[xp.broadcast_to(target, sel.shape)[sel]] = avg[xp.asarray(rows)][sel].astype(data.dtype)
-        yield kz_run[rows], out
+        out = xp.zeros(rows.size * plane_size + 1, dtype=data.dtype)
+        out[xp.where(keep[take], target, out.size - 1).reshape(-1)] = avg[take].astype(data.dtype).reshape(-1)
+        yield kz_run[rows], out[:-1].reshape(rows.size, n, n // 2 + 1)
 
 
 def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
