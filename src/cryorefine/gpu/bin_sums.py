@@ -32,6 +32,8 @@ def bin_sums(idx, values, weights, size):
     count the values)."""
     import cupy
 
+    if not isinstance(weights, cupy.ndarray):  # a 0-d device array (filled there: no copy from the host)
+        weights = cupy.full((), weights, dtype=cupy.float64)
     re, im, den = (cupy.zeros(size, dtype=cupy.float64) for _ in range(3))
     _kernel(cupy)(idx, values, weights, re, im, den)
     return re, im, den
