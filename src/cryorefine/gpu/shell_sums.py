@@ -10,7 +10,7 @@ skipped, then adds its histogram to the result with one atomic add per shell.
 
 The numpy twin is the numpy path of `core.fourier.shell_sum` (tests/gpu/test_shell_sums.py compares them).
 Sums are float64 whatever the values' precision; the order of the additions depends on the scheduling of
-the blocks, so results agree with the host's to rounding (about 1e-15 relative), not bit for bit.
+the blocks, so results agree with the host's to rounding (within about 1e-14 relative), not bit for bit.
 """
 
 from __future__ import annotations
