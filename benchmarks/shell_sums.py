@@ -1,5 +1,6 @@
 """Per-call time of `core.fourier.shell_sum` on the GPU: the one-launch kernel of `gpu.shell_sums` against the
-array path it replaced (a boolean mask for the coefficients beyond the last shell, then `bincount`).
+array path it replaced (`fourier.shell_sum_by_bincount`: a boolean mask for the coefficients beyond the last shell,
+then `bincount`).
 
     python benchmarks/shell_sums.py            # needs CuPy and a CUDA device
 
@@ -15,18 +16,6 @@ import time
 import numpy as np
 
 
-def array_path(values, shells, n_shells, xp):
-    """The sums as `core.fourier.shell_sum` made them on CuPy arrays before `gpu.shell_sums`."""
-    lead = values.shape[: values.ndim - shells.ndim]
-    rows = int(np.prod(lead)) if lead else 1
-    flat_shells = shells.reshape(-1)
-    keep = flat_shells < n_shells
-    idx = flat_shells[keep]
-    flat = values.reshape(rows, -1)[:, keep]
-    full_idx = (xp.arange(rows)[:, None] * n_shells + idx[None, :]).reshape(-1)
-    return xp.bincount(full_idx, weights=flat.reshape(-1), minlength=rows * n_shells).reshape(lead + (n_shells,))
-
-
 def main():
     import cupy as cp
 
@@ -38,9 +27,10 @@ def main():
         r = np.sqrt(sum((idx[i] - shape[i] // 2) ** 2 for i in range(len(shape)))) / 2.0
         shells = cp.asarray(np.where(r < n_shells - 0.5, np.rint(r), n_shells).astype(np.int64))
         values = cp.random.random(lead + shape)
-        old, new = array_path(values, shells, n_shells, cp), fourier.shell_sum(values, shells, n_shells, cp)
+        old = fourier.shell_sum_by_bincount(values, shells, n_shells, cp)
+        new = fourier.shell_sum(values, shells, n_shells, cp)
         print(label, "largest relative difference", float(cp.max(cp.abs(old - new) / cp.maximum(cp.abs(old), 1e-300))))
-        paths = (("array path", lambda: array_path(values, shells, n_shells, cp)),
+        paths = (("array path", lambda: fourier.shell_sum_by_bincount(values, shells, n_shells, cp)),
                  ("kernel", lambda: fourier.shell_sum(values, shells, n_shells, cp)))
         for name, call in paths:
             cp.cuda.Device().synchronize()

@@ -104,6 +104,13 @@ def shell_sum(values, shells, n_shells, xp=np):
 
         if shell_sums.fits(n_shells, xp.iscomplexobj(values)):
             return shell_sums.shell_sum(values, shells, n_shells)
+    return shell_sum_by_bincount(values, shells, n_shells, xp)
+
+
+def shell_sum_by_bincount(values, shells, n_shells, xp=np):
+    """`shell_sum` in array operations of any array module: a mask drops the shells ≥ n_shells, `bincount` sums.
+    The numpy path, and CuPy's where a shell histogram does not fit the device's shared memory (on a device the
+    mask and `bincount`'s checks make the host wait for it)."""
     lead = values.shape[: values.ndim - shells.ndim]
     rows = int(np.prod(lead)) if lead else 1
     flat_shells = shells.reshape(-1)
