@@ -183,12 +183,13 @@ def test_optimiser_star_labels_match_relion(real_data, tmp_path):
     assert set(split) - set(ours) == {"rlnModelStarFile2"}
 
 
-def test_sampling_star_matches_relion_31(real_data):
+def test_sampling_star_matches_relion_31(real_data, tmp_path):
     relion = read_star(_outputs(real_data) / "run_it025_sampling_3D.star")
     config = make_config(offset_range_px=5.0, offset_step_px=2.0)
     optimiser = OptimiserState(healpix_order=2, offset_range_px=5.0, offset_step_px=2.0, perturbation=-0.36408)
     sampling = Sampling(2, 5.0, 2.0, perturbation=-0.36408)
-    ours = ro.sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom=0.885)
+    ro.write_sampling_star(tmp_path / "run_it025_sampling.star", sampling, optimiser, config, pixel_size_angstrom=0.885)
+    ours = read_star(tmp_path / "run_it025_sampling.star")
     assert _labels(ours["sampling_general"]) == _labels(relion["sampling_general"])
     assert _labels(ours["sampling_directions"]) == _labels(relion["sampling_directions"])
     general = ours["sampling_general"]
@@ -297,7 +298,7 @@ def test_classes_table_with_completeness():
     np.testing.assert_allclose(classes["rlnOverallFourierCompleteness"].astype(float), 0.75, rtol=1e-12)
 
 
-def test_bad_shapes_and_disagreeing_sampling_are_refused():
+def test_bad_shapes_and_disagreeing_sampling_are_refused(tmp_path):
     model, optimiser = make_states(n_classes=2, n_groups=1)
     with pytest.raises(ValueError, match="reference image names"):
         ro.model_star_blocks(model, optimiser, make_config(), 1, ["a"], ["g"], [1])
@@ -308,7 +309,8 @@ def test_bad_shapes_and_disagreeing_sampling_are_refused():
     sampling = Sampling(optimiser.healpix_order + 1, optimiser.offset_range_px, optimiser.offset_step_px,
                         perturbation=optimiser.perturbation)
     with pytest.raises(ValueError, match="healpix_order"):
-        ro.sampling_star_blocks(sampling, optimiser, make_config(), 1.0)
+        ro.write_sampling_star(tmp_path / "run_sampling.star", sampling, optimiser, make_config(), 1.0)
+    assert not list(tmp_path.iterdir())  # nothing written
     with pytest.raises(ValueError, match="iteration"):
         ro.optimiser_star_blocks(optimiser, model, make_config(), "out/run", optimiser.iteration + 1)
 
@@ -343,8 +345,8 @@ def test_written_files_read_back_with_starfile_and_read_star(tmp_path):
 
 
 def test_sampling_star_written_again_holds_each_orders_directions(tmp_path):
-    """write_sampling_star keeps the direction table's text for the next iterations: every file holds the blocks of
-    `sampling_star_blocks` for its own order and symmetry, whichever was written before."""
+    """write_sampling_star keeps the direction table's text for the next iterations: every file holds its own order's
+    and symmetry's general block and directions (the sampling's, unperturbed), whichever was written before."""
     model, optimiser = make_states()
     config = make_config()
     for i, (order, symmetry) in enumerate(((1, "C1"), (2, "C1"), (2, "D2"), (1, "C1"), (2, "C1"))):
@@ -353,14 +355,13 @@ def test_sampling_star_written_again_holds_each_orders_directions(tmp_path):
                             symmetry=symmetry)
         path = tmp_path / f"run_it{i:03d}_sampling.star"
         ro.write_sampling_star(path, sampling, opt, config, model.pixel_size_angstrom)
-        want = ro.sampling_star_blocks(sampling, opt, config, model.pixel_size_angstrom)
         got = read_star(path)
         assert list(got) == ["sampling_general", "sampling_directions"]
-        assert {k: str(v) for k, v in got["sampling_general"].items()} == \
-            {k: str(v) for k, v in want["sampling_general"].items()}
-        np.testing.assert_allclose(got["sampling_directions"].to_numpy(dtype=float),
-                                   want["sampling_directions"].to_numpy(dtype=float),
-                                   rtol=0, atol=0.6 * 10.0 ** -ro.DIRECTION_DECIMALS)
+        general = got["sampling_general"]
+        assert int(general["rlnHealpixOrder"]) == order and general["rlnSymmetryGroup"] == symmetry
+        assert float(general["rlnPsiStep"]) == pytest.approx(sampling.psi_step_deg, abs=1e-6)
+        np.testing.assert_allclose(got["sampling_directions"][["rlnAngleRot", "rlnAngleTilt"]].to_numpy(dtype=float),
+                                   sampling.directions_deg(), rtol=0, atol=0.6 * 10.0 ** -ro.DIRECTION_DECIMALS)
         assert len(got["sampling_directions"]) == sampling.n_directions
 
 

@@ -9,8 +9,8 @@ MlOptimiser::write, src/healpix_sampling.cpp HealpixSampling::write):
   when given, model_pdf_orient_class_N.
 - `optimiser_star_blocks` + `write_optimiser_star`: run_itNNN_optimiser.star, with the command
   line as a comment at the top as RELION writes it.
-- `sampling_star_blocks` (+ `write_sampling_star`, which makes them where it writes, the direction table's text
-  once for each HEALPix order): run_itNNN_sampling.star (sampling_general, sampling_directions).
+- `write_sampling_star`: run_itNNN_sampling.star (sampling_general, sampling_directions), the direction table's
+  text made once for each HEALPix order and symmetry.
 
 - `particle_table`: the particle table of run_itNNN_data.star with the run's poses.
 
@@ -374,19 +374,10 @@ def read_optimiser_star(path) -> tuple[int, dict]:
 
 # ------------------------------------------------------------------------------- sampling.star
 
-def sampling_star_blocks(sampling, optimiser, config, pixel_size_angstrom: float) -> dict:
-    """Blocks of RELION's run_itNNN_sampling.star (offsets in Å, as RELION 3.1+ writes them).
-
-    sampling_directions holds the coarse directions (rot, tilt) of `sampling`, unperturbed, in
-    RELION's order. The sampling's HEALPix order, offsets and perturbation must be the
-    optimiser's (the --continue reader takes them from this file).
-    """
-    return {"sampling_general": _sampling_general(sampling, optimiser, config, pixel_size_angstrom),
-            "sampling_directions": _direction_table(sampling)}
-
-
 def _sampling_general(sampling, optimiser, config, pixel_size_angstrom: float) -> dict:
-    """The sampling_general block (`sampling_star_blocks`)."""
+    """The sampling_general block of run_itNNN_sampling.star (offsets in Å, as RELION 3.1+ writes them). The
+    sampling's HEALPix order, offsets and perturbation must be the optimiser's (the --continue reader takes them
+    from this file)."""
     for name, a, b in (("healpix_order", sampling.healpix_order, optimiser.healpix_order),
                        ("offset_range_px", sampling.offset_range_px, optimiser.offset_range_px),
                        ("offset_step_px", sampling.offset_step_px, optimiser.offset_step_px),
@@ -415,9 +406,10 @@ def _sampling_general(sampling, optimiser, config, pixel_size_angstrom: float) -
 
 
 def write_sampling_star(path, sampling, optimiser, config, pixel_size_angstrom: float) -> None:
-    """run_itNNN_sampling.star (`sampling_star_blocks`), made here: a job hands this to the iteration writer's
-    thread. The text of the direction table (786,432 rows at order 8) is made once for each HEALPix order and
-    symmetry (`_direction_text`) and written again as it is in the iterations that follow."""
+    """run_itNNN_sampling.star: sampling_general (`_sampling_general`) and sampling_directions, the coarse
+    directions (rot, tilt) of `sampling`, unperturbed, in RELION's order. Made here: a job hands this to the
+    iteration writer's thread. The text of the direction table (786,432 rows at order 8) is made once for each
+    HEALPix order and symmetry (`_direction_text`) and written again as it is in the iterations that follow."""
     general = {"sampling_general": _sampling_general(sampling, optimiser, config, pixel_size_angstrom)}
     with atomic_path(path) as tmp:
         Path(tmp).write_text(star_to_string(general) + _direction_text(sampling))
@@ -442,12 +434,6 @@ def _direction_text(sampling) -> str:
             del _DIRECTION_TEXTS[next(iter(_DIRECTION_TEXTS))]
         _DIRECTION_TEXTS[key] = text
     return _DIRECTION_TEXTS[key]
-
-
-def _direction_table(sampling):
-    """sampling_directions of `sampling`: its coarse directions (rot, tilt), unperturbed, in RELION's order."""
-    directions = np.asarray(sampling.directions_deg(), dtype=np.float64)
-    return pd.DataFrame(dict(zip(DIRECTION_LABELS, (_fcol(directions[:, 0]), _fcol(directions[:, 1])))))
 
 
 # ------------------------------------------------------------------------------- data.star
