@@ -43,6 +43,23 @@ def test_pack_and_unpack_give_back_every_field_exactly():
     assert isinstance(back.n_particles, int)
 
 
+def test_float32_volumes_travel_as_they_are():
+    """Sums with the GPU engine's float32 volumes packed with volume_real_dtype float32 (how a worker sends its
+    unit's sums to rank 1): the volumes cross as float32 pairs, half the bytes of float64, and come back bit for
+    bit in their own dtypes; the other fields stay float64."""
+    sums = random_sums(np.random.default_rng(3))
+    sums.data = [d.astype(np.complex64) for d in sums.data]
+    sums.weight = [w.astype(np.float32) for w in sums.weight]
+    arrays = sums.pack(volume_real_dtype=np.float32)
+    n_volumes = len(sums.data) + len(sums.weight)
+    assert all(a.dtype == np.float32 for a in arrays[:n_volumes])
+    assert all(a.dtype == np.float64 for a in arrays[n_volumes:])
+    assert sum(a.nbytes for a in arrays[:n_volumes]) * 2 == sum(a.nbytes for a in sums.pack()[:n_volumes])
+    template = WeightedSums.zeros((5, 5, 3), 2, 2, 4, 6, real_dtype=np.float32)
+    back = template.unpack([a.copy() for a in arrays])
+    assert_same(back, sums)
+
+
 def test_a_new_field_travels_without_more_code():
     @dataclass
     class WithMore(WeightedSums):

@@ -154,43 +154,49 @@ class WeightedSums:
                 volumes[k] = move(array)
         return self
 
-    def pack(self):
-        """The sums as a list of flat float64 host arrays (complex volumes viewed as float64 pairs), every
-        array field in field order and, last, one vector of the number fields."""
+    def pack(self, volume_real_dtype=np.float64):
+        """The sums as a list of flat host arrays (complex volumes viewed as pairs of reals), every array field in
+        field order and, last, one vector of the number fields. The class volumes are of `volume_real_dtype`
+        (float64 by default, what a reduction adds in; the engine's own float32 to send sums as they are), every
+        other array float64."""
         from cryorefine.core.arrays import to_host
 
-        def flat(a):
+        def flat(a, real):
             a = to_host(a)
             if np.iscomplexobj(a):
-                a = np.ascontiguousarray(a, dtype=np.complex128).view(np.float64)
-            return np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+                a = np.ascontiguousarray(a, dtype=complex_dtype_for(real)).view(real)
+            return np.ascontiguousarray(a, dtype=real).reshape(-1)
 
+        volume_real = np.dtype(volume_real_dtype)
         arrays, scalars = [], []
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list):
-                arrays.extend(flat(v) for v in value)
+                arrays.extend(flat(v, volume_real) for v in value)
             elif value is None:
                 arrays.append(np.zeros(0))
             elif np.ndim(value) == 0:
                 scalars.append(float(value))
             else:
-                arrays.append(flat(value))
+                arrays.append(flat(value, np.dtype(np.float64)))
         return arrays + [np.asarray(scalars, dtype=np.float64)]
 
     def unpack(self, arrays):
         """New host sums shaped like these (the template) and of their dtypes (the volumes: float32 sums stay
-        float32 once reduced in float64) from `pack`'s list of arrays."""
+        float32 once reduced in float64) from `pack`'s list of arrays (of float64, or float32 volumes)."""
         arrays = list(arrays)
         scalars = iter(arrays.pop().tolist())
         arrays = iter(arrays)
 
         def shaped(template, flat):
             dtype = getattr(template, "dtype", np.float64)
+            flat = np.asarray(flat)
+            real = flat.dtype if flat.dtype in (np.float32, np.float64) else np.dtype(np.float64)
+            flat = flat.astype(real, copy=False)
             if np.iscomplexobj(template):
-                out = np.asarray(flat, dtype=np.float64).view(np.complex128).reshape(template.shape)
+                out = flat.view(complex_dtype_for(real)).reshape(template.shape)
             else:
-                out = np.asarray(flat, dtype=np.float64).reshape(np.shape(template))
+                out = flat.reshape(np.shape(template))
             return out if out.dtype == dtype else out.astype(dtype)
 
         values = {}

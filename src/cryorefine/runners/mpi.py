@@ -378,7 +378,7 @@ class MpiRunner:
                                            - received}), dest=0, tag=TAG_MODEL)
         else:
             for u, s in host.items():
-                self._send_sums(s, dest=1)
+                self._send_sums(s, dest=1, real_dtype=backend.sums_dtype)
         self.held_maps = self.worker_objects.bcast(new_model.maps if worker == 0 else None, root=0)
 
     # ------------------------------------------------------------------ maps
@@ -455,8 +455,10 @@ class MpiRunner:
             totals.append(out)
         return {u: s.unpack(totals)} if root else {}
 
-    def _send_sums(self, sums, dest):
-        for flat in sums.pack():
+    def _send_sums(self, sums, dest, real_dtype):
+        """A unit's sums to `dest`, the class volumes in the engine's precision (`real_dtype`): as they are, where
+        float64 would double what crosses and take two conversions."""
+        for flat in sums.pack(volume_real_dtype=real_dtype):
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest, tag=TAG_SUMS)
 
@@ -465,8 +467,8 @@ class MpiRunner:
         precision (`real_dtype`)."""
         template = empty_sums(unit, real_dtype=real_dtype)
         totals = []
-        for like in template.pack():
-            flat = np.empty(like.size)
+        for like in template.pack(volume_real_dtype=real_dtype):
+            flat = np.empty(like.size, dtype=like.dtype)
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=holder + 1, tag=TAG_SUMS)
             totals.append(flat)
