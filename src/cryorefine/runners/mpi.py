@@ -18,8 +18,9 @@ communicator of the unit's workers (in chunks of host buffers) onto the unit's f
 job's M-step (on its GPU when it has one), sends the new model to the master and shares its maps
 out among the workers, so that the master's next broadcast names those maps (`HeldMap`) instead
 of sending them again: each map crosses the job once per iteration. Plans and models go as
-pickle-5 buffers (`mpi4py.util.pkl5`), in messages of any size. The M-step is the job's own
-code, so results do not depend on the number of ranks beyond the order of floating-point sums.
+pickle protocol 5 with their arrays as raw bytes (`runners.objects.ObjectChannel`), of any size. The
+M-step is the job's own code, so results do not depend on the number of ranks beyond the order of
+floating-point sums.
 Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), and the M-step's
 parts (sums to rank 1, the M-step itself, the model's way to the master).
 
@@ -54,6 +55,7 @@ from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.images import NoiseEstimate
+from cryorefine.runners.objects import ObjectChannel
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
@@ -169,13 +171,12 @@ class MpiRunner:
 
     def __init__(self, config, min_ranks, on_abort=None):
         from mpi4py import MPI
-        from mpi4py.util import pkl5
 
         self.config = config
         self.on_abort = on_abort
         self.comm = MPI.COMM_WORLD
-        # the same communicator for Python objects of any size (plans, models): pickle protocol 5, arrays as buffers
-        self.objects = pkl5.Intracomm(self.comm)
+        # the same communicator for Python objects of any size (plans, models): pickle protocol 5, arrays as raw bytes
+        self.objects = ObjectChannel(self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if self.size < min_ranks:
             if self.rank == 0:
@@ -191,7 +192,7 @@ class MpiRunner:
         self._unit_comms = {}
         # the maps of the last M-step (made on rank 1): the master's to know them, every worker's to use them
         self.held_maps = []
-        self.worker_objects = None if self.rank == 0 else pkl5.Intracomm(self.workers)
+        self.worker_objects = None if self.rank == 0 else ObjectChannel(self.workers)
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
