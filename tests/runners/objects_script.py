@@ -54,10 +54,17 @@ def main():
         for source in (2, 1, 2):
             if not same(payload(source), channel.recv(source=source, tag=5)):
                 problems.append(f"recv from {source}")
+        # from any source: the buffers follow their own header's sender
+        seen = sorted(channel.recv(source=MPI.ANY_SOURCE, tag=6)["model"].count for _ in range(2))
+        if seen != [1, 2]:
+            problems.append(f"recv from any source: {seen}")
     else:
         channel.send(payload(rank), dest=0, tag=5)
         if rank == 2:
             channel.send(payload(rank), dest=0, tag=5)
+        mine = payload(rank)
+        mine["model"].count = rank
+        channel.send(mine, dest=0, tag=6)
     workers = comm.Split(MPI.UNDEFINED if rank == 0 else 0, rank)
     if rank != 0:
         got = ObjectChannel(workers, chunk_bytes=1000).bcast(payload(9) if rank == 1 else None, root=0)

@@ -32,7 +32,11 @@ class ObjectChannel:
                 self.comm.Send(piece, dest=dest, tag=tag)
 
     def recv(self, source, tag):
-        header, sizes = self.comm.recv(source=source, tag=tag)
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        header, sizes = self.comm.recv(source=source, tag=tag, status=status)
+        source = status.Get_source()  # the buffers come from the header's sender, whatever `source` allowed
         buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
         for buffer in buffers:
             for piece in self._pieces(buffer):
