@@ -21,10 +21,12 @@ class Model:
 def payload(seed):
     rng = np.random.default_rng(seed)
     big = rng.normal(size=(37, 41, 29)).astype(np.float32)  # 175,973 bytes: several chunks of 4,096
+    frozen = rng.normal(size=3000)
+    frozen.setflags(write=False)  # as the sampling's cached tables are: sent from a read-only buffer
     return {"model": Model([big, (big[::2] * 1j).astype(np.complex64), np.zeros(0)], "run", 7),
             "strided": big[:, ::3, 1],  # not contiguous: pickled in band
             "fortran": np.asfortranarray(rng.integers(0, 9, (5, 6))),
-            "tuple": (1.5, "x", None), "bytes": bytes(range(256))}
+            "tuple": (1.5, "x", None), "bytes": bytes(range(256)), "frozen": frozen}
 
 
 def same(a, b):
