@@ -186,7 +186,7 @@ def test_relion_gpu_strings_give_one_device_per_worker():
 
     from cryorefine.cli import parse_gpu_ids
 
-    assert parse_gpu_ids("") == (0,)
+    assert parse_gpu_ids("") == ()  # RELION's automatic assignment (runners.mpi.device_of_worker)
     assert parse_gpu_ids("1") == (1,)
     assert parse_gpu_ids("0:1:2:3") == (0, 1, 2, 3)
     assert parse_gpu_ids("0,1:2,3") == (0, 2)  # RELION: ':' between MPI workers, ',' between a worker's threads

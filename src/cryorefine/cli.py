@@ -94,7 +94,7 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
     if engine["engine"] == "cuda":
         import cupy
 
-        with cupy.cuda.Device(engine["gpu_ids"][0]):
+        with cupy.cuda.Device((engine["gpu_ids"] or (0,))[0]):
             result = run_simulation(ref, out_dir, options, log=log, xp=cupy)
     else:
         result = run_simulation(ref, out_dir, options, log=log)
@@ -209,7 +209,8 @@ def _refine_options(command):
         click.option("--preread_images", is_flag=True,
                      help="Read the images once into memory (each MPI worker its half set)."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
-                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0) [default: when CuPy sees a GPU].'),
+                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per worker '
+                         'of a node in turn) [default: when CuPy sees a GPU].'),
         click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
         click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
                     help="GPU memory (MB) left outside the engine's arena."),
@@ -436,7 +437,7 @@ def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options)
                           ("--resolution", late_resolution)):
         if value is not None and not value > 0:
             raise InputError(f"{option} {value:g}: out of range; give more than 0")
-    device = parse_gpu_ids(options.get("gpu") or "")[0]
+    device = (parse_gpu_ids(options.get("gpu") or "") or (0,))[0]
     options.update(gpu=None, force_cpu=True)
     config = _refine_config(**options) if n_classes is None else _classify_config(n_classes, options)
     result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops), late_resolution)
@@ -502,9 +503,10 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
 
 
 def parse_gpu_ids(text):
-    """RELION's --gpu syntax: "" (device 0), "0", "0:1", "0,1:2,3": one group per MPI worker, split by ':', and
-    in a group the devices of that worker's threads, split by ','. A worker here drives one GPU: the first of
-    its group (the others are named in one INFO line)."""
+    """RELION's --gpu syntax: "0", "0:1", "0,1:2,3": one group per MPI worker, split by ':', and in a group the
+    devices of that worker's threads, split by ','. A worker here drives one GPU: the first of its group (the
+    others are named in one INFO line). "" (--gpu alone, or not given) is RELION's automatic assignment: () here,
+    device 0 for one process, and under mpirun each worker its own (`runners.mpi.device_of_worker`)."""
     import logging
 
     ids, unused = [], []
@@ -520,7 +522,7 @@ def parse_gpu_ids(text):
         logging.getLogger("cryorefine").info(
             "--gpu %s: each process drives one GPU here (the first of its group); not used: %s; run more MPI "
             "workers to use them", text, ", ".join(unused))
-    return tuple(ids) or (0,)
+    return tuple(ids)
 
 
 def engine_options(gpu, force_cpu, free_gpu_memory):

@@ -73,7 +73,7 @@ class RefineConfig:
     preread_images: bool = False  # --preread_images: read the images once into memory
     scratch_dir: str | None = None  # --scratch_dir: the stacks copied to this (local) disk for the run
     engine: str = "numpy"  # "numpy" or "cuda"
-    gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0)
+    gpu_ids: tuple = ()  # --gpu "0:1": the devices, one per worker (empty: device 0; under MPI, `device_of_worker`)
     free_gpu_memory_mb: float = 2048.0  # --free_gpu_memory: device memory left outside the arena
     dtype: str = "float32"  # numpy engine precision: float32 (as the GPU), or float64 (the oracle's)
     threads: int | None = None  # --j: the CPU engine's threads (None: this machine's cores, shared among its ranks)

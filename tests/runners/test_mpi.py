@@ -179,6 +179,24 @@ def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture)
     assert not (mixture / "fail" / "run_it002_optimiser.star").exists()
 
 
+def test_workers_take_the_gpus_of_gpu_or_of_their_node_in_turn(monkeypatch):
+    """--gpu 0:1 in rank order; --gpu alone or not given (RELION's automatic assignment): the local rank modulo the
+    node's GPUs, so that 4 workers on a 4-GPU node take one each (before, all took device 0)."""
+    from cryorefine.runners.mpi import LOCAL_RANK_VARIABLES, device_of_worker
+
+    def never():
+        raise AssertionError("the visible GPUs are only asked for without --gpu's devices")
+
+    assert [device_of_worker(r, (0, 1), never) for r in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    assert [device_of_worker(r, (3,), never) for r in (1, 2)] == [3, 3]
+    for name in LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert [device_of_worker(r, (), lambda: 4) for r in (1, 2, 3, 4)] == [1, 2, 3, 0]  # rank 0 is the master
+    assert [device_of_worker(r, (), lambda: 2) for r in (1, 2)] == [1, 0]
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "6")  # the 7th rank of its node, of 8 GPUs
+    assert device_of_worker(14, (), lambda: 8) == 6
+
+
 def test_work_units_are_shared_out_over_the_workers():
     from cryorefine.runners.mpi import holder_of_unit, units_of_worker
 

@@ -115,6 +115,16 @@ def holder_of_unit(unit, n_workers):
     return unit % n_workers
 
 
+def device_of_worker(rank, gpu_ids, visible_devices):
+    """The GPU of the worker of MPI rank `rank` (rank 1 is the first worker): --gpu's devices in rank order,
+    worker w the (w mod n)th; with none given (--gpu alone or not at all, RELION's automatic assignment) its local
+    rank on its node modulo the node's visible GPUs (`visible_devices()`, asked only then), so that the workers of
+    a node spread over its GPUs rather than all taking device 0."""
+    if gpu_ids:
+        return gpu_ids[(rank - 1) % len(gpu_ids)]
+    return _local_rank(rank) % max(1, int(visible_devices()))
+
+
 def _local_rank(rank):
     for name in LOCAL_RANK_VARIABLES:
         value = os.environ.get(name)
@@ -418,18 +428,17 @@ class MpiRunner:
             yield item
 
     def _worker_config(self):
-        """This worker's engine: its GPU (from --gpu, else local rank modulo the visible GPUs)."""
+        """This worker's engine: its GPU (`device_of_worker`)."""
         config = self.config
         if config.engine != "cuda":
             return config
-        worker = self.rank - 1
-        if config.gpu_ids:
-            device = config.gpu_ids[worker % len(config.gpu_ids)]
-        else:
+
+        def visible():
             import cupy
 
-            device = _local_rank(self.rank) % max(1, cupy.cuda.runtime.getDeviceCount())
-        return replace(config, gpu_ids=(device,))
+            return cupy.cuda.runtime.getDeviceCount()
+
+        return replace(config, gpu_ids=(device_of_worker(self.rank, config.gpu_ids, visible),))
 
     # ------------------------------------------------------------------ sums
     def _reduce(self, sums, plan, n_units):
