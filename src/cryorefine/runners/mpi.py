@@ -373,7 +373,7 @@ class MpiRunner:
                 for u in mine}
         del sums
         tic = time.perf_counter()
-        host = self._reduce(host, plan, n_units)
+        host = self._reduce(host, plan, n_units, backend.sums_dtype)
         stages["reduction"] = time.perf_counter() - tic
         comm.gather((stages, flops), root=0)
         if worker == 0:
@@ -441,14 +441,15 @@ class MpiRunner:
         return replace(config, gpu_ids=(device_of_worker(self.rank, config.gpu_ids, visible),))
 
     # ------------------------------------------------------------------ sums
-    def _reduce(self, sums, plan, n_units):
+    def _reduce(self, sums, plan, n_units, real_dtype):
         """{unit: host WeightedSums} of this worker after the reduction over each unit's workers: the sums of the
-        units this worker holds (`holder_of_unit`), nothing for the others."""
+        units this worker holds (`holder_of_unit`), nothing for the others. A unit's only worker copies its sums to
+        the host in the engine's precision (`real_dtype`); reductions add in float64."""
         from mpi4py import MPI
 
         worker = self.rank - 1
         if self.n_workers < n_units:  # each unit has one worker, which holds it
-            return {u: s.unpack(s.pack()) for u, s in sums.items()}
+            return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
         (u, s), = sums.items()
         if n_units not in self._unit_comms:
             self._unit_comms[n_units] = self.workers.Split(worker % n_units, worker)
