@@ -13,7 +13,8 @@ compiles the kernels and caches them on disk for every later process (--no-warmu
 Reported per run: the job's wall time (the process's, start to exit), the speed-up over one GPU, per
 iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
 worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
-the sums by the workers, sums to rank 1, M-step on rank 1, the new model to the master), the set-up
+the sums by the workers, sums to their makers, the M-step on the workers (as rank 1 saw it), the new model to
+the master; results of older code name the M-step's parts "sums to rank 1" and "M-step on rank 1"), the set-up
 before iteration 1 (reading, the initial noise pass, the references), and the GPU arena's high water
 of each worker. Parity with one GPU, from the last iteration's files: the class distribution, each
 class map's correlation with the one-GPU map, and the particles in the same class.
@@ -45,7 +46,8 @@ log = logging.getLogger("mpi_scaling")
 ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
 STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
 MEMORY = re.compile(r"^GPU (\d+) memory: GPU arena [\d.]+ MB: in use [\d.]+ MB, high water ([\d.]+) MB")
-MPI_STAGES = ("broadcast", "reduction", "sums to rank 1", "M-step on rank 1", "model to the master")
+MPI_STAGES = ("broadcast", "reduction", "sums to their makers", "M-step on the workers", "model to the master",
+              "sums to rank 1", "M-step on rank 1")
 
 
 def stage_values(text):
@@ -153,10 +155,11 @@ def format_report(results):
              f"{results['gpus']} × {results['device']}; {results['date']}"]
     for job, runs in results["jobs"].items():
         one = runs[0]
+        shown = [name for name in MPI_STAGES if any(name in run["stage_totals"] for run in runs)]
         lines += ["", f"### {job}: {one['command']}", "",
                   "| GPUs | job s | speed-up | E-step s | M-step s | outside iterations s | "
-                  + " | ".join(f"{name} s" for name in MPI_STAGES) + " | arena high water GB |",
-                  "|---|---|---|---|---|---|" + "---|" * len(MPI_STAGES) + "---|"]
+                  + " | ".join(f"{name} s" for name in shown) + " | arena high water GB |",
+                  "|---|---|---|---|---|---|" + "---|" * len(shown) + "---|"]
         for run in runs:
             totals = run["stage_totals"]
             memory = ", ".join(f"{v:.1f}" for _, v in sorted(run["gpu_high_water_gb"].items()))
@@ -164,7 +167,7 @@ def format_report(results):
             lines.append(f"| {run['label']} | {run['wall_seconds']:.0f} | {speed_up:.2f}× | "
                          f"{run['e_step_seconds']:.1f} | {run['m_step_seconds']:.1f} | "
                          f"{run['outside_iterations_seconds']:.1f} | "
-                         + " | ".join(f"{totals.get(name, 0.0):.1f}" for name in MPI_STAGES) + f" | {memory} |")
+                         + " | ".join(f"{totals.get(name, 0.0):.1f}" for name in shown) + f" | {memory} |")
         lines += ["", "E-step stages summed over the workers (s):", "",
                   "| stage | " + " | ".join(run["label"] for run in runs) + " |",
                   "|---|" + "---|" * len(runs)]

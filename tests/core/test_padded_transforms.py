@@ -104,6 +104,9 @@ def test_half_sets_fsc_is_the_fsc_of_the_downsampled_averages(n, pf, r_max):
     # a half that has left the device gives its average made whole before: the same FSC
     np.testing.assert_array_equal(reconstruct.half_sets_fsc(whole[0], (data2, weight), grid),
                                   reconstruct.half_sets_fsc((data, weight), (data2, weight), grid))
+    # and so does the second half's average, made by another process
+    np.testing.assert_array_equal(reconstruct.half_sets_fsc((data, weight), whole[1], grid),
+                                  reconstruct.half_sets_fsc((data, weight), (data2, weight), grid))
     # the same planes, in small runs
     planes = np.zeros_like(whole[0])
     for kz, block in reconstruct.downsampled_average_planes(data, weight, grid, elements=100):

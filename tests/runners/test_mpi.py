@@ -74,6 +74,48 @@ def test_maps_do_not_depend_on_the_number_of_ranks(data):
         np.testing.assert_array_equal(other["rlnRandomSubset"], poses[0]["rlnRandomSubset"])
 
 
+def test_the_final_iteration_joins_the_halves_as_one_process_does(data):
+    """Convergence forced after iteration 1: in the final iteration the second half's sums cross to the worker
+    that makes the joined map (each half's map is made by its own worker before): with 3 and 4 ranks the final
+    maps are those of one process."""
+    script = Path(__file__).with_name("final_iteration_script.py")
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)  # a test run under mpiexec itself must not pass it on
+    for ranks in (1, 3, 4):
+        command = [sys.executable, str(script), "--i", str(data / "sim" / "particles.star"), "--ref",
+                   str(data / "truth.mrc"), "--o", str(data / f"final_n{ranks}" / "run"), *REFINE_ARGS, "--iter", "5"]
+        done = subprocess.run([mpiexec(), "-n", str(ranks), *command] if ranks > 1 else command,
+                              capture_output=True, text=True, timeout=600, env=environment)
+        assert done.returncode == 0, (ranks, done.stderr[-2000:])
+        assert not (data / f"final_n{ranks}" / "run_it003_data.star").exists()  # iteration 2 was the final one
+    single = {name: read_volume(data / "final_n1" / name)[0]
+              for name in ("run_class001.mrc", "run_half1_class001_unfil.mrc", "run_half2_class001_unfil.mrc")}
+    for ranks in (3, 4):
+        for name, want in single.items():
+            got, _ = read_volume(data / f"final_n{ranks}" / name)
+            fsc = np.asarray(fsc_volumes(want, got))
+            assert fsc[1:12].min() >= 0.99, (ranks, name, fsc)
+        assert not np.array_equal(read_volume(data / f"final_n{ranks}" / "run_half1_class001_unfil.mrc")[0],
+                                  read_volume(data / f"final_n{ranks}" / "run_half2_class001_unfil.mrc")[0])
+
+
+def test_the_m_steps_maps_are_shared_out_over_the_workers():
+    """Each half's map is made by a worker of its half, a classification's classes by its unit's workers in turn,
+    and the final iteration's maps all by the worker of half 1, which then receives half 2's sums."""
+    from cryorefine.runners.mpi import makers_of_parts
+
+    halves, final = [[(0, 0)], [(1, 0)]], [[(0, 0), (1, 0)]]
+    assert makers_of_parts(halves, 2, 2) == {(0, 0): 0, (1, 0): 1}
+    assert makers_of_parts(halves, 4, 2) == {(0, 0): 0, (1, 0): 1}
+    assert makers_of_parts(halves, 1, 2) == {(0, 0): 0, (1, 0): 0}
+    assert makers_of_parts(final, 4, 2) == {(0, 0): 0, (1, 0): 0}
+    classes = [[(0, k)] for k in range(5)]
+    assert makers_of_parts(classes, 2, 1) == {(0, 0): 0, (0, 1): 1, (0, 2): 0, (0, 3): 1, (0, 4): 0}
+    assert makers_of_parts(classes, 8, 1) == {(0, k): k for k in range(5)}
+    seeds = [[(u, 0)] for u in range(5)]  # one unit per class, fewer workers than units
+    assert makers_of_parts(seeds, 2, 5) == {(u, 0): u % 2 for u in range(5)}
+
+
 def test_a_failing_worker_ends_the_job_within_seconds_with_one_message(data):
     mpiexec()
     tic = time.perf_counter()

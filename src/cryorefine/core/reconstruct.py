@@ -196,16 +196,25 @@ def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
 def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
     """The FSC per shell (N//2+1,) between the downsampled averages of two half sets' sums, each (data, weight):
     `fsc.fourier_shell_correlation` of their `downsampled_average`s with shell 0 set to 1, summed one run of
-    planes at a time so that neither average is ever whole. `sums1` may instead be its `downsampled_average`
-    already made (of a half that has left the device since)."""
+    planes at a time so that neither average is ever whole. One of the two may instead be its
+    `downsampled_average` already made (of a half that has left the device since, or was made elsewhere); the
+    sums are the same whichever it is."""
     n = grid.size_px
     n_shells = n // 2 + 1
     num, den1, den2 = xp.zeros(n_shells), xp.zeros(n_shells), xp.zeros(n_shells)
     ky = fourier.signed_frequencies(n, xp)[None, :, None]
     kx = xp.arange(n // 2 + 1, dtype=xp.float64)[None, None, :]
-    first = downsampled_average_planes(*sums1, grid, xp=xp) if isinstance(sums1, tuple) else None
-    for kz, b in downsampled_average_planes(*sums2, grid, xp=xp):
-        a = next(first)[1] if first is not None else xp.asarray(sums1[kz % n])
+
+    def planes(sums):
+        return downsampled_average_planes(*sums, grid, xp=xp)
+
+    if isinstance(sums1, tuple) and isinstance(sums2, tuple):
+        pairs = ((kz, a, b) for (kz, a), (_, b) in zip(planes(sums1), planes(sums2)))
+    elif isinstance(sums2, tuple):  # the first half's average is made already
+        pairs = ((kz, xp.asarray(sums1[kz % n]), b) for kz, b in planes(sums2))
+    else:  # the second half's
+        pairs = ((kz, a, xp.asarray(sums2[kz % n])) for kz, a in planes(sums1))
+    for kz, a, b in pairs:
         kzf = xp.asarray(kz, dtype=xp.float64)[:, None, None]
         shells = xp.rint(xp.sqrt(kzf * kzf + ky * ky + kx * kx)).astype(xp.int64)
         sums = shell_correlation_sums(a, b, shells, n_shells, xp)

@@ -86,9 +86,16 @@ class Job(Protocol):
     def plan(self, run: RunState, iteration: int) -> IterationPlan:
         """The schedule of `iteration` (updates run.optimiser); its work units."""
 
-    def maximize(self, model, sums: list, plan: IterationPlan, backend):
+    def maximization_groups(self, plan: IterationPlan) -> list:
+        """The maps of the M-step in groups, each a list of (unit, class index in the unit) whose sums must be in
+        one process to be made (an MPI runner shares the groups out over the workers; one process makes all)."""
+
+    def maximize(self, model, sums: list, plan: IterationPlan, backend, peers):
         """The M-step on `backend` (estep.backend): a new ModelState from `model` and the reduced WeightedSums of
-        each unit (their volumes on the host or the device; the job moves them as it needs and may let them go)."""
+        each unit (their volumes on the host or the device; the job moves them as it needs and may let them go).
+        Under MPI every worker runs it on the volumes of the groups it makes (None for the others; every unit's
+        other sums are whole everywhere) and shares what the others need through `peers.gather_all` (one
+        process: `em.mstep.ALONE`); every worker's model then has every map."""
 
     def update(self, run: RunState, plan: IterationPlan, changes) -> None:
         """After the M-step (run.model is the new model): resolution, convergence, the job's extras."""

@@ -103,36 +103,65 @@ def join_at_low_resolution(bp, joined, resolution_angstrom, model):
     bp.weight[box] = xp.where(low, xp.asarray(joined[1]), bp.weight[box])
 
 
+class Alone:
+    """The peers of a process that makes every map of the M-step itself (one process, or an MPI worker that holds
+    every unit's sums): `gather_all` gives back what it is given. An MPI runner's peers
+    (`runners.mpi.WorkerPeers`) share out what each gives among all of them."""
+
+    @staticmethod
+    def gather_all(mine):
+        """Every peer's `mine`, in peer order: here, only this one's."""
+        return [mine]
+
+
+ALONE = Alone()
+
+
+def gathered(peers, mine):
+    """The union of the dicts the peers give (`mine` this one's), in peer order."""
+    merged = {}
+    for part in peers.gather_all(mine):
+        merged.update(part)
+    return merged
+
+
+def volumes_here(sums, index):
+    """Whether a unit's WeightedSums hold class `index`'s volumes here (MPI: made by this worker, else None)."""
+    return index < len(sums.data) and sums.data[index] is not None
+
+
 class HalfSums:
-    """The two half sets' sums (`WeightedSums` of one class each) through a refinement's M-step, each half on the
-    device while it is worked on (`backprojector`). Where the device cannot hold a half that waits on the host
-    beside the other and a reconstruction (`em.memory`), they take turns: the half not worked on waits on the
-    host (`parking`), so that one half's sums at most are on the device, as on each of RELION's MPI ranks.
-    The sums' volumes are moved and let go in place: after the M-step they are not there any more."""
+    """The half sets' sums (`WeightedSums` of one class each) through a refinement's M-step, each half here on the
+    device while it is worked on (`backprojector`); under MPI a worker may hold one half only (`here`), the other
+    half's volumes are None. Where the device cannot hold a half that waits on the host beside the other and a
+    reconstruction (`em.memory`), they take turns: the half not worked on waits on the host (`parking`), so that
+    one half's sums at most are on the device, as on each of RELION's MPI ranks. The sums' volumes are moved and
+    let go in place: after the M-step they are not there any more."""
 
     def __init__(self, sums, backend, model, config, current_size_px):
         self.sums, self.backend = sums, backend
         self.model, self.config, self.current_size_px = model, config, current_size_px
         self.grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, current_size_px // 2)
-        self.resident = [backend.on_device(s.data[0]) for s in sums]
+        self.here = [h for h, s in enumerate(sums) if volumes_here(s, 0)]
+        self.resident = [h in self.here and backend.on_device(s.data[0]) for h, s in enumerate(sums)]
         self.hermitian = [None] * len(sums)  # per half: None until symmetrised, then its Hermitian flag
-        away = sum(memory.sums_bytes(self.grid.shape, 1) for here in self.resident if not here)
+        away = sum(memory.sums_bytes(self.grid.shape, 1) for h in self.here if not self.resident[h])
         free = backend.free_device_bytes()
-        self.parking = free is not None and memory.halves_take_turns(
+        self.parking = len(self.here) > 1 and free is not None and memory.halves_take_turns(
             free, away, memory.reconstruction_bytes(self.grid.shape, model.ori_size_px, self.grid.padded_size_px))
         if not self.parking:
-            for h in range(len(sums)):
+            for h in self.here:
                 self._move(h, True)
 
     def order(self):
-        """The halves, those on the device first (the fewest bytes moved)."""
-        return sorted(range(len(self.sums)), key=lambda h: not self.resident[h])
+        """The halves here, those on the device first (the fewest bytes moved)."""
+        return sorted(self.here, key=lambda h: not self.resident[h])
 
     def backprojector(self, h):
         """Half h's BackProjector on the device, symmetrised with --sym the first time (`backprojector`); when
         parking, the other half is moved to the host first. Drop it before asking for the other half."""
         if self.parking:
-            for other in range(len(self.sums)):
+            for other in self.here:
                 if other != h and self.resident[other]:
                     self._move(other, False)
             self.backend.release_cached()
@@ -150,10 +179,12 @@ class HalfSums:
         """Half h's sums are not needed any more: their memory goes."""
         self.sums[h].data[0] = self.sums[h].weight[0] = None
         self.resident[h] = False
+        self.here.remove(h)
 
     def joined(self):
-        """A BackProjector of both halves' sums (the final iteration's map): the other half's added into those of
-        the half on the device (half 1 when both are), from the host one slab at a time if it waits there."""
+        """A BackProjector of both halves' sums (the final iteration's map; both must be here): the other half's
+        added into those of the half on the device (half 1 when both are), from the host one slab at a time if it
+        waits there."""
         h = self.resident.index(True) if any(self.resident) else 0
         bp = self.backprojector(h)
         return joined_backprojector(bp, [(s.data[0], s.weight[0]) for g, s in enumerate(self.sums) if g != h])

@@ -20,7 +20,7 @@ and without k = 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -154,6 +154,11 @@ class WeightedSums:
                 volumes[k] = move(array)
         return self
 
+    def without_volumes(self):
+        """These sums without the class volumes (data and weight empty lists): all the M-step needs beside the
+        maps, small enough to share."""
+        return replace(self, data=[], weight=[])
+
     def pack(self, volume_real_dtype=np.float64):
         """The sums as a list of flat host arrays (complex volumes viewed as pairs of reals), every array field in
         field order and, last, one vector of the number fields. The class volumes are of `volume_real_dtype`
@@ -223,6 +228,8 @@ class WeightedSums:
             value = getattr(self, f.name)
             if not f.metadata.get("per_class") or value is None:
                 values[f.name] = value
+            elif isinstance(value, list) and not value:  # no volumes
+                values[f.name] = []
             elif isinstance(value, list):
                 xp = array_module(value[0])
                 given = {int(k): v for k, v in zip(classes, value)}

@@ -295,38 +295,56 @@ class ClassifyJob:
             sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
             likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling)
 
-    def maximize(self, model, sums, plan, backend):
+    def maximization_groups(self, plan):
+        """Every class's map is made apart (under MPI by one of its unit's workers, the classes shared out)."""
+        return [[(u, i)] for u, unit in enumerate(plan.units) for i in range(len(unit.classes))]
+
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
-        distributions and the rest. On `backend`'s device (the sums are moved there)."""
+        distributions and the rest. On `backend`'s device (each class's sums are moved there in turn).
+
+        Under MPI each worker makes the maps of the classes whose volumes it holds (`sums`: None for the others)
+        and they are shared among the workers (`peers`), so that every worker holds every map."""
         config = self.config
         model = dataclasses.replace(model)
         k_classes = model.n_classes
         xp = backend.array_module
-        for s in sums:
-            s.move_volumes(backend.to_device)
-        sums = WeightedSums.total([s.spread_to_classes(unit.classes, k_classes) for s, unit in zip(sums, plan.units)])
+        small = WeightedSums.total([s.without_volumes().spread_to_classes(unit.classes, k_classes)
+                                    for s, unit in zip(sums, plan.units)])
         box, n_shells = model.ori_size_px, model.n_shells
         r_max = plan.sizes.current_size_px // 2
         tau2 = np.zeros((1, k_classes, n_shells))
         ssnr = np.zeros((1, k_classes, n_shells))
         ref_sigma2 = np.zeros((1, k_classes, n_shells))
-        total_weight = float(np.sum(sums.pdf_class))
-        pdf_class = np.asarray(sums.pdf_class, dtype=np.float64) / max(total_weight, 1e-300)
-        new_maps = []
-        for k in range(k_classes):
+        total_weight = float(np.sum(small.pdf_class))
+        pdf_class = np.asarray(small.pdf_class, dtype=np.float64) / max(total_weight, 1e-300)
+        here = {int(k): (s, i) for s, unit in zip(sums, plan.units) for i, k in enumerate(unit.classes)
+                if mstep.volumes_here(s, i)}
+        made = {}
+        for k, (s, i) in sorted(here.items()):
+            data, weight = backend.to_device(s.data[i]), backend.to_device(s.weight[i])
+            s.data[i] = s.weight[i] = None  # let go as each class is made
             previous = model.maps[0][k]
             # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
-            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=sums.weight[k].dtype,
+            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=weight.dtype,
                                    xp=xp).power_spectrum)
             t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
             t2[r_max + 1:] = 0.0
-            bp = mstep.backprojector(sums.data[k], sums.weight[k], model, config, plan.sizes.current_size_px, xp)
+            bp = mstep.backprojector(data, weight, model, config, plan.sizes.current_size_px, xp)
+            del data, weight
             if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
-                new_maps.append(np.zeros_like(previous, dtype=np.float32))
-                continue
+                continue  # an empty class: a map of zeros
             sigma2 = to_host(bp.noise_sigma2())[:n_shells]
-            new_maps.append(mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)))
+            made[k] = (mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)), t2, sigma2)
             del bp
+        made = mstep.gathered(peers, made)  # every worker holds every map
+        new_maps = []
+        for k in range(k_classes):
+            if k not in made:
+                new_maps.append(np.zeros_like(model.maps[0][k], dtype=np.float32))
+                continue
+            volume, t2, sigma2 = made[k]
+            new_maps.append(volume)
             tau2[0, k, : t2.size] = t2
             ref_sigma2[0, k, : sigma2.size] = sigma2
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -343,12 +361,12 @@ class ClassifyJob:
         model.tau2, model.ssnr, model.reference_sigma2 = tau2, ssnr, ref_sigma2
         model.pdf_class = pdf_class
         model.class_distribution = pdf_class
-        pdf = np.asarray(sums.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
+        pdf = np.asarray(small.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
         if plan.do_cc:  # class 1's directions for every class
             pdf = np.repeat(pdf[:1], k_classes, axis=0)
         total = pdf.sum()
         model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
-        mstep.maximize_other_parameters(model, config, [sums], plan.do_cc)
+        mstep.maximize_other_parameters(model, config, [small], plan.do_cc)
         return model
 
     def _masks(self, model):

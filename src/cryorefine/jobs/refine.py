@@ -156,13 +156,23 @@ class RefineJob:
             data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
             avg_norm_correction=model.avg_norm_correction, likelihood_size_px=likelihood_size_px)
 
-    def maximize(self, model, sums, plan, backend):
+    def maximization_groups(self, plan):
+        """Each half's map is made where its sums are; the final iteration's joined map needs both halves'."""
+        return [[(0, 0), (1, 0)]] if plan.final else [[(0, 0)], [(1, 0)]]
+
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
         """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
 
         Runs on `backend` (estep.backend): on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU
         engine, with numpy otherwise; the maps come back to the host. Each half is on the device while it is
         worked on; where both do not fit, they take turns and the other waits on the host (`mstep.HalfSums`):
         first each half's part of the FSC and of the low-resolution join, then each half's map.
+
+        Under MPI each half's map is made by the worker that holds its sums, as on RELION's ranks (`sums` holds the
+        volumes of the halves made here, None for the other; `peers` are the other workers): the half without
+        half 1 here gives its part of the FSC (the downsampled average, or the unregularised map with
+        --solvent_correct_fsc) and of the low-resolution join to half 1's maker, which computes the FSC and the
+        join for both; the maps are then shared, so that every worker holds both.
         """
         config = self.config
         model = dataclasses.replace(model)
@@ -173,66 +183,78 @@ class RefineJob:
         halves = mstep.HalfSums(sums, backend, model, config, current)
         masks = self._masks(model)
         join_low = config.low_resol_join_halves_angstrom > 0 and not joined  # RELION: 0 or less joins nothing
-        fsc_inputs, low = [None, None], [None, None]
-        order = halves.order()
-        for i, h in enumerate(order):
+        first_here = 0 in halves.here  # this process computes the FSC and the join
+        fsc_inputs, low = {}, {}
+        for i, h in enumerate(halves.order()):
             bp = halves.backprojector(h)
             if masks.correct_fsc:  # the unregularised half maps (host)
-                fsc_inputs[i] = to_host(mstep.unregularised_map(bp, xp))
-            elif halves.parking and i == 0:  # this half leaves the device before the other comes
-                fsc_inputs[i] = mstep.downsampled_average(bp)
+                fsc_inputs[h] = to_host(mstep.unregularised_map(bp, xp))
+            elif (halves.parking and i == 0) or not first_here:  # leaves the device, or goes to half 1's maker
+                fsc_inputs[h] = mstep.downsampled_average(bp)
             else:
-                fsc_inputs[i] = (bp.data, bp.weight)
+                fsc_inputs[h] = (bp.data, bp.weight)
             if join_low:
                 low[h] = mstep.low_resolution_sums(bp, config.low_resol_join_halves_angstrom, model)
             del bp
-        fsc = np.zeros(n_shells)
-        if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
-            rng = np.random.default_rng([config.random_seed, plan.iteration])
-            unfiltered = [xp.asarray(fsc_inputs[order.index(h)]) for h in range(2)]
-            curves = solvent_corrected_fsc(unfiltered[0], unfiltered[1], xp.asarray(masks.mask), rng, xp)
-            del unfiltered
-            fsc[:] = curves.corrected[:n_shells]
-            fsc[current // 2 + 1:] = 0.0  # RELION: nothing beyond the current size
+        given = mstep.gathered(peers, {} if first_here else {h: (fsc_inputs[h], low.get(h)) for h in fsc_inputs})
+        for h, (fsc_input, low_sums) in given.items():
+            fsc_inputs[h], low[h] = fsc_input, low_sums
+        shared = None
+        if first_here:
+            shared = {"fsc": np.zeros(n_shells), "curves": None, "low": None}
+            if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
+                rng = np.random.default_rng([config.random_seed, plan.iteration])
+                unfiltered = [xp.asarray(fsc_inputs[h]) for h in range(2)]
+                curves = solvent_corrected_fsc(unfiltered[0], unfiltered[1], xp.asarray(masks.mask), rng, xp)
+                del unfiltered
+                shared["fsc"][:] = curves.corrected[:n_shells]
+                shared["fsc"][current // 2 + 1:] = 0.0  # RELION: nothing beyond the current size
+                shared["curves"] = curves
+            else:
+                fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], halves.grid, xp)
+                shared["fsc"][: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
+            if join_low:
+                shared["low"] = (low[0][0] + low[1][0], low[0][1] + low[1][1])
+        del fsc_inputs, low
+        shared = mstep.gathered(peers, {"shared": shared} if first_here else {})["shared"]
+        fsc, curves, low_joined = shared["fsc"], shared["curves"], shared["low"]
+        if curves is not None:
             model.fsc_unmasked, model.fsc_masked = curves.unmasked[None, :], curves.masked[None, :]
             model.fsc_random_masked = curves.random_masked[None, :]
             model.randomise_from_shell = curves.randomise_from_shell
-            if curves.randomise_from_shell < 0:
+            if curves.randomise_from_shell < 0 and first_here:
                 log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
                             "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
-        else:
-            fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], halves.grid, xp)
-            fsc[: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
-        del fsc_inputs
-        if join_low:
-            low_joined = (low[0][0] + low[1][0], low[0][1] + low[1][1])
-        tau2 = np.zeros((2, 1, n_shells))
-        ssnr = np.zeros((2, 1, n_shells))
-        ref_sigma2 = np.zeros((2, 1, n_shells))
 
         def reconstruct(bp, whole):
             sigma2 = to_host(bp.noise_sigma2())[:n_shells]
             t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
             return mstep.reconstruct_map(bp, t2, model, config, xp, masks), sigma2, t2
 
-        maps = [None, None]
+        made = {}
         for h in halves.order():
             bp = halves.backprojector(h)
             if join_low:
                 mstep.join_at_low_resolution(bp, low_joined, config.low_resol_join_halves_angstrom, model)
-            volume, sigma2, t2 = reconstruct(bp, False)
+            made[h] = reconstruct(bp, False)
             del bp
             if not joined:
                 halves.release(h)
+        # the final iteration's map of both halves: one half's sums added into the other's (their maps are made)
+        model.joined_map = reconstruct(halves.joined(), True)[0] if joined and len(halves.here) == 2 else None
+        del halves
+        made = mstep.gathered(peers, made)  # every worker holds both maps
+        tau2 = np.zeros((2, 1, n_shells))
+        ssnr = np.zeros((2, 1, n_shells))
+        ref_sigma2 = np.zeros((2, 1, n_shells))
+        maps = [None, None]
+        for h, (volume, sigma2, t2) in made.items():
             tau2[h, 0, : t2.size] = t2
             ref_sigma2[h, 0, : sigma2.size] = sigma2
             s = np.asarray(ssnr_from_fsc(fsc, config.tau2_fudge, whole_instead_of_half=joined))
             ssnr[h, 0, : s.size] = s[:n_shells]
             maps[h] = [volume]
         model.maps = maps
-        # the final iteration's map of both halves: one half's sums added into the other's (their maps are made)
-        model.joined_map = reconstruct(halves.joined(), True)[0] if joined else None
-        del halves
         model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
         mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
         model.class_distribution = np.ones(1)

@@ -12,17 +12,23 @@ next batch's while the GPU works on the current one), runs its own engine (the G
 device each when CuPy sees one, else numpy; `--preread_images` keeps its units' images in memory)
 and asks for the next batch before it starts on the current one.
 
-At the end of the E-step the sums of each unit are added up by MPI reductions inside the
-communicator of the unit's workers (in chunks of host buffers) onto the unit's first worker
-(a unit's only worker keeps them where they are), which passes them to rank 1; rank 1 runs the
-job's M-step (on its GPU when it has one), sends the new model to the master and shares its maps
-out among the workers, so that the master's next broadcast names those maps (`HeldMap`) instead
-of sending them again: each map crosses the job once per iteration. Plans and models go as
-pickle protocol 5 with their arrays as raw bytes (`runners.objects.ObjectChannel`), of any size. The
-M-step is the job's own code, so results do not depend on the number of ranks beyond the order of
-floating-point sums.
-Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), and the M-step's
-parts (sums to rank 1, the M-step itself, the model's way to the master).
+At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
+reconstructions: the job names its maps in groups whose sums must be in one process
+(`Job.maximization_groups`: a refinement's two halves, or its final iteration's joined pair; a
+classification's classes), and each group is made by one of its unit's workers, a unit's groups taken by its
+workers in turn (`makers_of_parts`). The sums of each unit are added up by MPI reductions inside the
+communicator of the unit's workers (in chunks of host buffers, in float64): each class volume onto the worker
+that makes its map, the other sums onto the unit's first worker (a unit's only worker keeps them where they
+are); a volume whose maker does not serve its unit (the final iteration's second half) crosses to it, and the
+units' other sums (noise spectra, distributions, norms: small) are shared by all. Every worker then runs the
+job's M-step on the volumes it holds, exchanging what the others need (the FSC's part of a half, the maps it
+made) through `WorkerPeers.gather_all`, so that every worker ends with every map; rank 1 sends the new model to
+the master, whose next broadcast names the maps the workers hold (`HeldMap`) instead of sending them again.
+Plans, models and maps go as pickle protocol 5 with their arrays as raw bytes
+(`runners.objects.ObjectChannel`), of any size. The M-step is the job's own code, so results do not depend on
+the number of ranks beyond the order of floating-point sums.
+Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), and the M-step's parts (sums to
+their makers, the M-step on the workers as rank 1 saw it, the model's way to the master).
 
 Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
 aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A failing worker tells the
@@ -49,6 +55,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cryorefine.core.arrays import to_host
+from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
@@ -59,7 +67,7 @@ from cryorefine.runners.objects import ObjectChannel
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
-TAG_SUMS = 13  # a unit's first worker -> rank 1: the unit's reduced sums
+TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds of its parts
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums) of the initial noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
@@ -113,6 +121,26 @@ def units_of_worker(worker, n_workers, n_units):
 def holder_of_unit(unit, n_workers):
     """The worker that holds a unit's reduced sums (its first worker)."""
     return unit % n_workers
+
+
+def workers_of_unit(unit, n_workers, n_units):
+    """The workers that serve a unit, its holder first."""
+    return [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+
+
+def makers_of_parts(groups, n_workers, n_units):
+    """{(unit, class index in the unit): worker} for the M-step's groups of maps (`Job.maximization_groups`): each
+    group is made by one of the workers of its first unit, the groups of a unit taken by its workers in turn, so
+    that a unit's classes are shared out over its workers and the two halves of a refinement go to their own."""
+    makers, taken = {}, {}
+    for group in groups:
+        unit = group[0][0]
+        candidates = workers_of_unit(unit, n_workers, n_units)
+        worker = candidates[taken.get(unit, 0) % len(candidates)]
+        taken[unit] = taken.get(unit, 0) + 1
+        for part in group:
+            makers[tuple(part)] = worker
+    return makers
 
 
 def device_of_worker(rank, gpu_ids, visible_devices):
@@ -200,7 +228,7 @@ class MpiRunner:
         self.workers = self.comm.Split(MPI.UNDEFINED if self.rank == 0 else 0, self.rank)
         self.announced = False
         self._unit_comms = {}
-        # the maps of the last M-step (made on rank 1): the master's to know them, every worker's to use them
+        # the maps of the last M-step (made by the workers): the master's to know them, every worker's to use them
         self.held_maps = []
         self.worker_objects = None if self.rank == 0 else ObjectChannel(self.workers)
 
@@ -295,15 +323,15 @@ class MpiRunner:
             add_counts(flops, worker_flops)
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
-        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)  # the M-step runs on rank 1
+        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)  # the workers' M-step, rank 1's
         maximization = time.perf_counter() - tic
         maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
-        self.held_maps = new_model.maps  # rank 1 shares them out to the workers meanwhile
+        self.held_maps = new_model.maps  # every worker holds them too
         return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages)
 
     # ------------------------------------------------------------------ workers
     def serve(self, job):
-        """A worker's run: E-steps of its units and, on rank 1, the M-steps, until the master stops."""
+        """A worker's run: E-steps of its units and its part of the M-steps, until the master stops."""
         try:
             self._serve(job)
         except SystemExit:
@@ -339,7 +367,7 @@ class MpiRunner:
                 self.comm.send((number, sums), dest=0, tag=TAG_NOISE)
 
     def _iterations(self, job, backend, particles, settings):
-        """The E-steps (and on rank 1 the M-steps) of the run, from the stack copies under --scratch_dir if asked."""
+        """The E- and M-steps of the run, from the stack copies under --scratch_dir if asked."""
         from mpi4py import MPI
 
         node = self.workers.Split_type(MPI.COMM_TYPE_SHARED) if self.config.scratch_dir else None
@@ -373,29 +401,27 @@ class MpiRunner:
                 for u in mine}
         del sums
         tic = time.perf_counter()
-        host = self._reduce(host, plan, n_units, backend.sums_dtype)
+        makers = makers_of_parts(job.maximization_groups(plan), self.n_workers, n_units)
+        held = self._reduce(host, plan, makers, backend.sums_dtype)
+        del host
         stages["reduction"] = time.perf_counter() - tic
         comm.gather((stages, flops), root=0)
+        tic = time.perf_counter()
+        all_sums = self._sums_of_makers(held, plan, makers, backend.sums_dtype)
+        del held
+        received = time.perf_counter() - tic
+        with backend.maximization_scope():  # the job moves the sums to the device as they fit
+            new_model = job.maximize(model, all_sums, plan, backend, WorkerPeers(self.worker_objects))
+            del all_sums
         if worker == 0:
-            tic = time.perf_counter()
-            all_sums = [host[u] if u in host else self._receive_sums(plan.units[u], holder_of_unit(u, self.n_workers),
-                                                                     backend.sums_dtype)
-                        for u in range(n_units)]
-            received = time.perf_counter() - tic
-            with backend.maximization_scope():  # the job moves the sums to the device as they fit
-                new_model = job.maximize(model, all_sums, plan, backend)
-                del all_sums
-            self.objects.send((new_model, {"sums to rank 1": received, "M-step on rank 1": time.perf_counter() - tic
-                                           - received}), dest=0, tag=TAG_MODEL)
-        else:
-            for u, s in host.items():
-                self._send_sums(s, dest=1, real_dtype=backend.sums_dtype)
-        self.held_maps = self.worker_objects.bcast(new_model.maps if worker == 0 else None, root=0)
+            self.objects.send((new_model, {"sums to their makers": received, "M-step on the workers":
+                                           time.perf_counter() - tic - received}), dest=0, tag=TAG_MODEL)
+        self.held_maps = new_model.maps  # every worker's M-step shared the maps out
 
     # ------------------------------------------------------------------ maps
     def _without_held_maps(self, plan, model):
-        """(plan, model) with every map the workers hold already (`held_maps`, the last M-step's, which rank 1
-        shared out among them) replaced by its place (`HeldMap`): each map crosses the job once per iteration.
+        """(plan, model) with every map the workers hold already (`held_maps`, the last M-step's, which the workers
+        shared among them) replaced by its place (`HeldMap`): each map crosses to the master once per iteration.
         Maps are only ever replaced, never changed in place, so a held map is recognised by its identity."""
         held = {id(m): HeldMap(h, k) for h, row in enumerate(self.held_maps) for k, m in enumerate(row)}
 
@@ -441,13 +467,17 @@ class MpiRunner:
         return replace(config, gpu_ids=(device_of_worker(self.rank, config.gpu_ids, visible),))
 
     # ------------------------------------------------------------------ sums
-    def _reduce(self, sums, plan, n_units, real_dtype):
-        """{unit: host WeightedSums} of this worker after the reduction over each unit's workers: the sums of the
-        units this worker holds (`holder_of_unit`), nothing for the others. A unit's only worker copies its sums to
-        the host in the engine's precision (`real_dtype`); reductions add in float64."""
+    def _reduce(self, sums, plan, makers, real_dtype):
+        """{unit: host or device WeightedSums} of this worker after the reduction over each unit's workers: each class
+        volume reduced onto the worker that makes its map (`makers`; onto the unit's holder where that worker is not
+        one of the unit's, `_sums_of_makers` sends it on), the other sums onto the unit's holder (`holder_of_unit`).
+        A class volume not held here is None; the other sums are whole only on the holder. Reductions add in float64
+        and give the volumes back in the engine's precision (`real_dtype`); a unit's only worker keeps them where
+        they are, or copies them to the host in that precision when it serves several units."""
         from mpi4py import MPI
 
         worker = self.rank - 1
+        n_units = len(plan.units)
         if self.n_workers < n_units:  # each unit has one worker, which holds it
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
         (u, s), = sums.items()
@@ -456,31 +486,92 @@ class MpiRunner:
         unit_comm = self._unit_comms[n_units]
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
-        root = unit_comm.Get_rank() == 0
-        totals = []
-        for flat in s.pack():
-            out = np.zeros_like(flat) if root else None
+        unit_workers = workers_of_unit(u, self.n_workers, n_units)
+
+        def reduced(array, root, real):
+            """`array` added over the unit's workers onto `root` (its rank in the unit) in float64, in chunks; there
+            of `real` precision (None elsewhere)."""
+            host = to_host(array)
+            is_complex = np.iscomplexobj(host)
+            flat = np.ascontiguousarray(host, dtype=np.complex128 if is_complex else np.float64).reshape(-1)
+            flat = flat.view(np.float64)
+            out = np.zeros_like(flat) if unit_comm.Get_rank() == root else None
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 stop = min(flat.size, start + REDUCE_CHUNK_ELEMENTS)
-                unit_comm.Reduce(flat[start:stop], out[start:stop] if root else None, op=MPI.SUM, root=0)
-            totals.append(out)
-        return {u: s.unpack(totals)} if root else {}
+                unit_comm.Reduce(flat[start:stop], out[start:stop] if out is not None else None, op=MPI.SUM,
+                                 root=root)
+            if out is None:
+                return None
+            out = out.view(np.complex128) if is_complex else out
+            return out.astype(complex_dtype_for(real) if is_complex else real, copy=False).reshape(host.shape)
 
-    def _send_sums(self, sums, dest, real_dtype):
-        """A unit's sums to `dest`, the class volumes in the engine's precision (`real_dtype`): as they are, where
-        float64 would double what crosses and take two conversions."""
-        for flat in sums.pack(volume_real_dtype=real_dtype):
-            for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
-                self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest, tag=TAG_SUMS)
+        data, weight = [], []
+        for c in range(len(s.data)):
+            maker = makers[(u, c)]
+            root = unit_workers.index(maker) if maker in unit_workers else 0
+            data.append(reduced(s.data[c], root, np.dtype(real_dtype)))
+            s.data[c] = None
+            weight.append(reduced(s.weight[c], root, np.dtype(real_dtype)))
+            s.weight[c] = None
+        small = s.without_volumes()
+        flats = [reduced(flat, 0, np.dtype(np.float64)) for flat in small.pack()]
+        small = small.unpack(flats) if unit_comm.Get_rank() == 0 else small
+        return {u: replace(small, data=data, weight=weight)}
 
-    def _receive_sums(self, unit, holder, real_dtype):
-        """A unit's sums sent by its holder (`_send_sums`), received into the unit's shapes and the engine's
-        precision (`real_dtype`)."""
-        template = empty_sums(unit, real_dtype=real_dtype)
-        totals = []
-        for like in template.pack(volume_real_dtype=real_dtype):
-            flat = np.empty(like.size, dtype=like.dtype)
-            for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
-                self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=holder + 1, tag=TAG_SUMS)
-            totals.append(flat)
-        return template.unpack(totals)
+    def _sums_of_makers(self, held, plan, makers, real_dtype):
+        """Every unit's WeightedSums for this worker's M-step: the class volumes of the maps it makes (those reduced
+        onto a unit's holder for a worker that does not serve the unit cross to it here; None for the maps others
+        make) and every unit's other sums, whole (shared out by the holders)."""
+        worker = self.rank - 1
+        n_units = len(plan.units)
+        for (u, c), maker in sorted(makers.items()):  # in one order on every worker: sends meet their receives
+            holder = holder_of_unit(u, self.n_workers)
+            if maker == holder or maker in workers_of_unit(u, self.n_workers, n_units):
+                continue
+            if worker == holder:
+                for array in (held[u].data[c], held[u].weight[c]):
+                    self._send_array(array, maker, real_dtype)
+                held[u].data[c] = held[u].weight[c] = None
+            elif worker == maker:
+                template = empty_sums(plan.units[u], real_dtype=real_dtype)
+                held.setdefault(u, template).data[c] = self._receive_array(template.data[c], holder)
+                held[u].weight[c] = self._receive_array(template.weight[c], holder)
+        smalls = {}
+        for part in WorkerPeers(self.worker_objects).gather_all(
+                {u: held[u].without_volumes() for u in held if holder_of_unit(u, self.n_workers) == worker}):
+            smalls.update(part)
+        out = []
+        for u, unit in enumerate(plan.units):
+            volumes = [held[u] if u in held and makers[(u, c)] == worker else None for c in range(len(unit.classes))]
+            out.append(replace(smalls[u], data=[v.data[c] if v is not None else None for c, v in enumerate(volumes)],
+                               weight=[v.weight[c] if v is not None else None for c, v in enumerate(volumes)]))
+        return out
+
+    def _send_array(self, array, dest, real_dtype):
+        """A class volume to worker `dest` in the engine's precision (`real_dtype`), in chunks."""
+        flat = np.ascontiguousarray(to_host(array))
+        real = np.dtype(real_dtype)
+        flat = (flat.astype(complex_dtype_for(real), copy=False).view(real) if np.iscomplexobj(flat)
+                else flat.astype(real, copy=False)).reshape(-1)
+        for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+            self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest + 1, tag=TAG_SUMS)
+
+    def _receive_array(self, like, source):
+        """A class volume shaped and typed as `like`, sent by worker `source` (`_send_array`)."""
+        out = np.empty(like.shape, dtype=like.dtype)
+        flat = out.view(np.float32 if out.dtype in (np.complex64, np.float32) else np.float64).reshape(-1)
+        for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+            self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source + 1, tag=TAG_SUMS)
+        return out
+
+
+class WorkerPeers:
+    """The MPI workers as each other's peers in the M-step (`em.mstep.Alone` for one process): `gather_all` gives
+    every worker's object to every worker, one broadcast from each in worker order (`runners.objects`)."""
+
+    def __init__(self, channel):
+        self.channel = channel  # an ObjectChannel over the workers' communicator
+
+    def gather_all(self, mine):
+        return [self.channel.bcast(mine if self.channel.comm.Get_rank() == w else None, root=w)
+                for w in range(self.channel.comm.Get_size())]

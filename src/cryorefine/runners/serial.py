@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from cryorefine.data import scratch_copy
+from cryorefine.em import mstep
 from cryorefine.em.estep import BatchInputs, empty_sums, initial_noise_spectra, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 
@@ -69,6 +70,6 @@ class SerialRunner:
             expectation = time.perf_counter() - tic
             tic = time.perf_counter()
             with self.backend.maximization_scope():
-                new_model = job.maximize(model, sums, plan, self.backend)
+                new_model = job.maximize(model, sums, plan, self.backend, mstep.ALONE)
             del sums
         return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)
