@@ -1,6 +1,6 @@
-"""Run under mpiexec -n 3 by tests/runners/test_objects.py: objects with arrays of several kinds sent, received and
-broadcast by `ObjectChannel` in small chunks; every rank checks what it got against what it would have sent, and
-rank 0 prints one line for all: "all ranks ok", or each rank's differences."""
+"""Run under mpiexec -n 3 by tests/runners/test_mpi.py: objects with arrays of several kinds sent, received,
+broadcast and gathered by all by `ObjectChannel` in small chunks; every rank checks what it got against what it
+would have sent, and rank 0 prints one line for all: "all ranks ok", or each rank's differences."""
 
 import sys
 from dataclasses import dataclass
@@ -72,6 +72,10 @@ def main():
         got = ObjectChannel(workers, chunk_bytes=1000).bcast(payload(9) if rank == 1 else None, root=0)
         if not same(payload(9), got):
             problems.append("bcast among the workers")
+    # every rank's object to every rank, arrays crossing all at once
+    everyone = ObjectChannel(comm, chunk_bytes=4096).allgather(payload(20 + rank) if rank != 1 else {})
+    if not (len(everyone) == 3 and everyone[1] == {} and all(same(payload(20 + r), everyone[r]) for r in (0, 2))):
+        problems.append("allgather")
     every = comm.gather(problems, root=0)
     if rank == 0:
         failed = [f"rank {r}: {', '.join(p)}" for r, p in enumerate(every) if p]

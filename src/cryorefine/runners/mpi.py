@@ -567,11 +567,10 @@ class MpiRunner:
 
 class WorkerPeers:
     """The MPI workers as each other's peers in the M-step (`em.mstep.Alone` for one process): `gather_all` gives
-    every worker's object to every worker, one broadcast from each in worker order (`runners.objects`)."""
+    every worker's object to every worker, in worker order (`runners.objects.ObjectChannel.allgather`)."""
 
     def __init__(self, channel):
         self.channel = channel  # an ObjectChannel over the workers' communicator
 
     def gather_all(self, mine):
-        return [self.channel.bcast(mine if self.channel.comm.Get_rank() == w else None, root=w)
-                for w in range(self.channel.comm.Get_size())]
+        return self.channel.allgather(mine)
