@@ -6,7 +6,9 @@
 rank 1 by `send`/`recv` and by `bcast`, through `mpi4py.util.pkl5.Intracomm` (how plans and models crossed
 before) and `cryorefine.runners.objects.ObjectChannel` (the same pickle protocol 5, the arrays' bytes as plain
 byte messages), and through plain `Send`/`Recv` of the arrays into arrays made for them (the floor). Each is timed
-twice between barriers; rank 1 prints the second's GB/s.
+twice between barriers; rank 1 prints the second's GB/s. Then the M-step's exchange between workers: every rank
+gives --maps maps and gets every other rank's, by one ObjectChannel broadcast from each rank in turn and by
+`ObjectChannel.allgather` (all transfers at once); the GB/s count the bytes each rank receives.
 """
 
 import argparse
@@ -63,6 +65,20 @@ def main():
                 comm.Barrier()
                 if rank == 1 and repeat == 1:
                     print(f"{name:32s} {op:5s} {size / (time.perf_counter() - tic) / 1e9:6.2f} GB/s", flush=True)
+    channel = ObjectChannel(comm)
+    exchanges = (("a broadcast from each rank in turn",
+                  lambda: [channel.bcast(maps if r == rank else None, root=r) for r in range(comm.Get_size())]),
+                 ("ObjectChannel.allgather", lambda: channel.allgather(maps)))
+    received = size * (comm.Get_size() - 1)
+    for name, run in exchanges:
+        for repeat in range(2):
+            comm.Barrier()
+            tic = time.perf_counter()
+            run()
+            comm.Barrier()
+            if rank == 1 and repeat == 1:
+                print(f"every rank's maps to all, {name:34s} {received / (time.perf_counter() - tic) / 1e9:6.2f} GB/s",
+                      flush=True)
 
 
 if __name__ == "__main__":
