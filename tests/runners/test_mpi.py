@@ -99,6 +99,29 @@ def test_the_final_iteration_joins_the_halves_as_one_process_does(data):
                                   read_volume(data / f"final_n{ranks}" / "run_half2_class001_unfil.mrc")[0])
 
 
+def test_the_solvent_corrected_fsc_under_mpi_is_one_process_s(data):
+    """--solvent_correct_fsc: half 2's worker gives its unregularised map to half 1's, which computes the corrected
+    FSC for both: with 3 ranks the half maps and the model's FSC curves are those of one process."""
+    import starfile
+
+    from cryorefine.core.masks import mask_from_map
+
+    truth, _ = read_volume(data / "truth.mrc")
+    write_volume(data / "mask.mrc", mask_from_map(truth, 0.05 * truth.max(), 1.0, 3.0), 12.0)
+    masked = ("--solvent_mask", str(data / "mask.mrc"), "--solvent_correct_fsc", "--iter", "2")
+    for ranks in (1, 3):
+        result = run(ranks, data, f"fsc_n{ranks}", *masked)
+        assert result.returncode == 0, (ranks, result.stderr[-2000:])
+    for half in (1, 2):
+        name = f"run_it002_half{half}_class001.mrc"
+        fsc = np.asarray(fsc_volumes(read_volume(data / "fsc_n1" / name)[0], read_volume(data / "fsc_n3" / name)[0]))
+        assert fsc[1:12].min() >= 0.99, (half, fsc)
+    curves = [starfile.read(data / f"fsc_n{r}" / "run_it002_half1_model.star")["model_class_1"] for r in (1, 3)]
+    for column in ("rlnGoldStandardFsc", "rlnFourierShellCorrelationMaskedMaps"):
+        assert curves[0][column].iloc[1:6].min() > 0.5, column  # a curve, not zeros
+        np.testing.assert_allclose(curves[1][column], curves[0][column], atol=0.02)
+
+
 def test_the_m_steps_maps_are_shared_out_over_the_workers():
     """Each half's map is made by a worker of its half, a classification's classes by its unit's workers in turn,
     and the final iteration's maps all by the worker of half 1, which then receives half 2's sums."""

@@ -169,10 +169,10 @@ class RefineJob:
         first each half's part of the FSC and of the low-resolution join, then each half's map.
 
         Under MPI each half's map is made by the worker that holds its sums, as on RELION's ranks (`sums` holds the
-        volumes of the halves made here, None for the other; `peers` are the other workers): the half without
-        half 1 here gives its part of the FSC (the downsampled average, or the unregularised map with
-        --solvent_correct_fsc) and of the low-resolution join to half 1's maker, which computes the FSC and the
-        join for both; the maps are then shared, so that every worker holds both.
+        volumes of the halves made here, None for the others; `peers` are the other workers): half 2's maker gives
+        its part of the FSC (the downsampled average, or the unregularised map with --solvent_correct_fsc) and of
+        the low-resolution join to half 1's maker, which computes the FSC and the join for both; the maps are then
+        shared, so that every worker holds both. The final iteration's joined map is made where both halves are.
         """
         config = self.config
         model = dataclasses.replace(model)
