@@ -107,6 +107,13 @@ def test_half_sets_fsc_is_the_fsc_of_the_downsampled_averages(n, pf, r_max):
     # and so does the second half's average, made by another process
     np.testing.assert_array_equal(reconstruct.half_sets_fsc((data, weight), whole[1], grid),
                                   reconstruct.half_sets_fsc((data, weight), (data2, weight), grid))
+    # cropped to where it can be non-zero, it gives every plane of the whole, and the same FSC
+    cropped = reconstruct.CroppedAverage(data2, weight, grid)
+    np.testing.assert_array_equal(cropped[np.arange(n)], whole[1])
+    if 2 * grid.r_max_px + 1 < n:  # below the box's Nyquist: smaller than the whole
+        assert cropped.cube.size < whole[1].size
+    np.testing.assert_array_equal(reconstruct.half_sets_fsc((data, weight), cropped, grid),
+                                  reconstruct.half_sets_fsc((data, weight), (data2, weight), grid))
     # the same planes, in small runs
     planes = np.zeros_like(whole[0])
     for kz, block in reconstruct.downsampled_average_planes(data, weight, grid, elements=100):

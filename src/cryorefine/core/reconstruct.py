@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from cryorefine.core import fourier
+from cryorefine.core.arrays import to_host
 from cryorefine.core.fsc import correlation_from_sums, shell_correlation_sums
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, map_slabs, relion_round, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window
@@ -34,6 +35,7 @@ __all__ = [
     "enforce_hermitian_symmetry",
     "hermitian_plane",
     "reconstruction_noise_sigma2",
+    "CroppedAverage",
     "downsampled_average",
     "downsampled_average_planes",
     "half_sets_fsc",
@@ -193,12 +195,40 @@ def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
     return out
 
 
+class CroppedAverage:
+    """`downsampled_average` kept on the host only inside the cube |kz|, |ky|, kx ≤ r_max, outside which it is zero
+    (at a current size of 0.6 of the box, a fifth of the whole): how the FSC's part of a half waits on the host, or
+    crosses to another MPI worker. Indexed as the whole array is, by planes (`average[kz % n]`), it gives them
+    whole, value for value."""
+
+    def __init__(self, data, weight, grid: PaddedGrid, xp=np):
+        n, r = grid.size_px, grid.r_max_px
+        self.size_px, self.r_max_px = n, r
+        self.rows = np.arange(-r, r + 1) % n  # the cube's ky rows (and kz planes), from −r_max on
+        self.cube = None
+        rows = xp.asarray(self.rows)
+        for kz, planes in downsampled_average_planes(data, weight, grid, xp=xp):
+            block = planes[:, rows, : r + 1]
+            if self.cube is None:
+                self.cube = np.zeros((2 * r + 1, 2 * r + 1, r + 1), dtype=block.dtype)
+            self.cube[kz + r] = to_host(block)
+
+    def __getitem__(self, planes):
+        planes = np.atleast_1d(np.asarray(planes))
+        n, r = self.size_px, self.r_max_px
+        signed = np.where(planes > n // 2, planes - n, planes)
+        out = np.zeros((planes.size, n, n // 2 + 1), dtype=self.cube.dtype)
+        inside = np.flatnonzero(np.abs(signed) <= r)
+        out[np.ix_(inside, self.rows, np.arange(r + 1))] = self.cube[signed[inside] + r]
+        return out
+
+
 def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
     """The FSC per shell (N//2+1,) between the downsampled averages of two half sets' sums, each (data, weight):
     `fsc.fourier_shell_correlation` of their `downsampled_average`s with shell 0 set to 1, summed one run of
     planes at a time so that neither average is ever whole. One of the two may instead be its
-    `downsampled_average` already made (of a half that has left the device since, or was made elsewhere); the
-    sums are the same whichever it is."""
+    `downsampled_average` already made, whole or as a `CroppedAverage` (of a half that has left the device since,
+    or was made elsewhere); the sums are the same whichever it is."""
     n = grid.size_px
     n_shells = n // 2 + 1
     num, den1, den2 = xp.zeros(n_shells), xp.zeros(n_shells), xp.zeros(n_shells)

@@ -51,14 +51,16 @@ def joined_backprojector(bp, others):
 def half_sets_fsc(first, second, grid, xp):
     """The FSC (N//2+1,) on the host between the downsampled averages of two halves' sums (RELION's
     getDownsampledAverage and getFSC), summed a run of planes at a time. Each half is its (data, weight) on the
-    device, or the first may be its `downsampled_average` already made (a half that waits on the host)."""
+    device, or either may be its `downsampled_average` already made (a half that waits on the host, or that
+    another MPI worker holds)."""
     return to_host(reconstruct.half_sets_fsc(first, second, grid, xp))
 
 
 def downsampled_average(bp):
-    """A back-projector's downsampled average (N, N, N//2+1) on the host: what the FSC needs of a half that then
-    waits on the host."""
-    return to_host(reconstruct.downsampled_average(bp.data, bp.weight, bp.grid, xp=bp.xp))
+    """A back-projector's downsampled average on the host, only where it can be non-zero
+    (`reconstruct.CroppedAverage`): what the FSC needs of a half that then waits on the host, or that another MPI
+    worker holds."""
+    return reconstruct.CroppedAverage(bp.data, bp.weight, bp.grid, xp=bp.xp)
 
 
 def reconstruct_map(bp, tau2, model, config, xp, masks):
