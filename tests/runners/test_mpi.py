@@ -99,7 +99,7 @@ def test_the_final_iteration_joins_the_halves_as_one_process_does(data):
                                   read_volume(data / f"final_n{ranks}" / "run_half2_class001_unfil.mrc")[0])
 
 
-def test_the_solvent_corrected_fsc_under_mpi_is_one_process_s(data):
+def test_the_solvent_corrected_fsc_under_mpi_matches_one_process(data):
     """--solvent_correct_fsc: half 2's worker gives its unregularised map to half 1's, which computes the corrected
     FSC for both: with 3 ranks the half maps and the model's FSC curves are those of one process."""
     import starfile
