@@ -96,6 +96,28 @@ class BatchResult:
     norm_correction: np.ndarray  # new rlnNormCorrection
 
 
+def flat_reals(array, real):
+    """`array` (host or device) as one flat, contiguous host array of the real dtype `real`, a complex array's
+    values as pairs of reals: how sums cross between MPI ranks and are added there."""
+    from cryorefine.core.arrays import to_host
+
+    real = np.dtype(real)
+    host = to_host(array)
+    if np.iscomplexobj(host):
+        host = np.ascontiguousarray(host, dtype=complex_dtype_for(real)).view(real)
+    return np.ascontiguousarray(host, dtype=real).reshape(-1)
+
+
+def from_flat_reals(flat, shape, dtype):
+    """The array of `shape` and `dtype` that `flat_reals` made `flat` of (float32 or float64 reals, pairs of them
+    for a complex dtype)."""
+    flat = np.asarray(flat)
+    real = flat.dtype if flat.dtype in (np.float32, np.float64) else np.dtype(np.float64)
+    flat = flat.astype(real, copy=False)
+    out = (flat.view(complex_dtype_for(real)) if np.iscomplexobj(np.empty(0, dtype)) else flat).reshape(shape)
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
 def _per_class(default=None, factory=None):
     """A WeightedSums field indexed by class first (a list per class, or an array with a class axis 0)."""
     if factory is not None:
@@ -164,26 +186,17 @@ class WeightedSums:
         field order and, last, one vector of the number fields. The class volumes are of `volume_real_dtype`
         (float64 by default, what a reduction adds in; the engine's own float32 to send sums as they are), every
         other array float64."""
-        from cryorefine.core.arrays import to_host
-
-        def flat(a, real):
-            a = to_host(a)
-            if np.iscomplexobj(a):
-                a = np.ascontiguousarray(a, dtype=complex_dtype_for(real)).view(real)
-            return np.ascontiguousarray(a, dtype=real).reshape(-1)
-
-        volume_real = np.dtype(volume_real_dtype)
         arrays, scalars = [], []
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list):
-                arrays.extend(flat(v, volume_real) for v in value)
+                arrays.extend(flat_reals(v, volume_real_dtype) for v in value)
             elif value is None:
                 arrays.append(np.zeros(0))
             elif np.ndim(value) == 0:
                 scalars.append(float(value))
             else:
-                arrays.append(flat(value, np.dtype(np.float64)))
+                arrays.append(flat_reals(value, np.float64))
         return arrays + [np.asarray(scalars, dtype=np.float64)]
 
     def unpack(self, arrays):
@@ -194,15 +207,7 @@ class WeightedSums:
         arrays = iter(arrays)
 
         def shaped(template, flat):
-            dtype = getattr(template, "dtype", np.float64)
-            flat = np.asarray(flat)
-            real = flat.dtype if flat.dtype in (np.float32, np.float64) else np.dtype(np.float64)
-            flat = flat.astype(real, copy=False)
-            if np.iscomplexobj(template):
-                out = flat.view(complex_dtype_for(real)).reshape(template.shape)
-            else:
-                out = flat.reshape(np.shape(template))
-            return out if out.dtype == dtype else out.astype(dtype)
+            return from_flat_reals(flat, np.shape(template), getattr(template, "dtype", np.dtype(np.float64)))
 
         values = {}
         for f in fields(self):

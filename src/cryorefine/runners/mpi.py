@@ -55,13 +55,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
+from cryorefine.estep.engine import flat_reals, from_flat_reals
 from cryorefine.images import NoiseEstimate
 from cryorefine.runners.objects import ObjectChannel
 
@@ -230,7 +230,8 @@ class MpiRunner:
         self._unit_comms = {}
         # the maps of the last M-step (made by the workers): the master's to know them, every worker's to use them
         self.held_maps = []
-        self.worker_objects = None if self.rank == 0 else ObjectChannel(self.workers)
+        # the workers as each other's peers in the M-step
+        self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
@@ -411,7 +412,7 @@ class MpiRunner:
         del held
         received = time.perf_counter() - tic
         with backend.maximization_scope():  # the job moves the sums to the device as they fit
-            new_model = job.maximize(model, all_sums, plan, backend, WorkerPeers(self.worker_objects))
+            new_model = job.maximize(model, all_sums, plan, backend, self.peers)
             del all_sums
         if worker == 0:
             self.objects.send((new_model, {"sums to their makers": received, "M-step on the workers":
@@ -488,33 +489,27 @@ class MpiRunner:
             return {u: s}
         unit_workers = workers_of_unit(u, self.n_workers, n_units)
 
-        def reduced(array, root, real):
+        def reduced(array, root, dtype):
             """`array` added over the unit's workers onto `root` (its rank in the unit) in float64, in chunks; there
-            of `real` precision (None elsewhere)."""
-            host = to_host(array)
-            is_complex = np.iscomplexobj(host)
-            flat = np.ascontiguousarray(host, dtype=np.complex128 if is_complex else np.float64).reshape(-1)
-            flat = flat.view(np.float64)
+            of `dtype` (None elsewhere)."""
+            flat = flat_reals(array, np.float64)
             out = np.zeros_like(flat) if unit_comm.Get_rank() == root else None
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 stop = min(flat.size, start + REDUCE_CHUNK_ELEMENTS)
                 unit_comm.Reduce(flat[start:stop], out[start:stop] if out is not None else None, op=MPI.SUM,
                                  root=root)
-            if out is None:
-                return None
-            out = out.view(np.complex128) if is_complex else out
-            return out.astype(complex_dtype_for(real) if is_complex else real, copy=False).reshape(host.shape)
+            return None if out is None else from_flat_reals(out, np.shape(array), dtype)
 
         data, weight = [], []
         for c in range(len(s.data)):
             maker = makers[(u, c)]
             root = unit_workers.index(maker) if maker in unit_workers else 0
-            data.append(reduced(s.data[c], root, np.dtype(real_dtype)))
+            data.append(reduced(s.data[c], root, complex_dtype_for(real_dtype)))
             s.data[c] = None
             weight.append(reduced(s.weight[c], root, np.dtype(real_dtype)))
             s.weight[c] = None
         small = s.without_volumes()
-        flats = [reduced(flat, 0, np.dtype(np.float64)) for flat in small.pack()]
+        flats = [reduced(flat, 0, np.float64) for flat in small.pack()]
         small = small.unpack(flats) if unit_comm.Get_rank() == 0 else small
         return {u: replace(small, data=data, weight=weight)}
 
@@ -526,7 +521,7 @@ class MpiRunner:
         n_units = len(plan.units)
         for (u, c), maker in sorted(makers.items()):  # in one order on every worker: sends meet their receives
             holder = holder_of_unit(u, self.n_workers)
-            if maker == holder or maker in workers_of_unit(u, self.n_workers, n_units):
+            if maker in workers_of_unit(u, self.n_workers, n_units):  # its volume was reduced onto it
                 continue
             if worker == holder:
                 for array in (held[u].data[c], held[u].weight[c]):
@@ -534,10 +529,10 @@ class MpiRunner:
                 held[u].data[c] = held[u].weight[c] = None
             elif worker == maker:
                 template = empty_sums(plan.units[u], real_dtype=real_dtype)
-                held.setdefault(u, template).data[c] = self._receive_array(template.data[c], holder)
-                held[u].weight[c] = self._receive_array(template.weight[c], holder)
+                held.setdefault(u, template).data[c] = self._receive_array(template.data[c], holder, real_dtype)
+                held[u].weight[c] = self._receive_array(template.weight[c], holder, real_dtype)
         smalls = {}
-        for part in WorkerPeers(self.worker_objects).gather_all(
+        for part in self.peers.gather_all(
                 {u: held[u].without_volumes() for u in held if holder_of_unit(u, self.n_workers) == worker}):
             smalls.update(part)
         out = []
@@ -549,20 +544,16 @@ class MpiRunner:
 
     def _send_array(self, array, dest, real_dtype):
         """A class volume to worker `dest` in the engine's precision (`real_dtype`), in chunks."""
-        flat = np.ascontiguousarray(to_host(array))
-        real = np.dtype(real_dtype)
-        flat = (flat.astype(complex_dtype_for(real), copy=False).view(real) if np.iscomplexobj(flat)
-                else flat.astype(real, copy=False)).reshape(-1)
+        flat = flat_reals(array, real_dtype)
         for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
             self.comm.Send(flat[start:start + REDUCE_CHUNK_ELEMENTS], dest=dest + 1, tag=TAG_SUMS)
 
-    def _receive_array(self, like, source):
-        """A class volume shaped and typed as `like`, sent by worker `source` (`_send_array`)."""
-        out = np.empty(like.shape, dtype=like.dtype)
-        flat = out.view(np.float32 if out.dtype in (np.complex64, np.float32) else np.float64).reshape(-1)
+    def _receive_array(self, like, source, real_dtype):
+        """A class volume shaped and typed as `like`, sent by worker `source` (`_send_array`) in `real_dtype`."""
+        flat = np.empty(like.size * (2 if np.iscomplexobj(like) else 1), dtype=real_dtype)
         for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
             self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source + 1, tag=TAG_SUMS)
-        return out
+        return from_flat_reals(flat, like.shape, like.dtype)
 
 
 class WorkerPeers:
