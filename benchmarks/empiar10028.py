@@ -34,12 +34,13 @@ pays this once per version); the auto-refine then runs 2 iterations of local sea
 order 4 on them, for the local searches' kernels, which its first 3 iterations do not use. Its
 time is reported apart (--no-warmup measures a cold start).
 
-Extrapolation: each measured iteration's E-step and the loop's own time for the outputs (building
-the tables, waiting for the writer thread when it lags) scale with the particle count, its M-step
-does not; iterations beyond the measured ones (with --iterations, or an auto-refine that converged
-early) are taken to cost what the last measured one did, which understates them when the image
-size still grows. The one-off start (reference set-up and the initial noise spectra over all
-images) scales with the particle count.
+Extrapolation: each measured iteration's plan (the particles put in direction order), E-step and the
+loop's own time for the outputs (building the tables, waiting for the writer thread when it lags)
+scale with the particle count, its M-step does not; iterations beyond the measured ones (with
+--iterations, or an auto-refine that converged early) are taken to cost what the last measured one
+did, which understates them when the image size still grows. The time outside the iterations (the
+engine made, the particles read, the initial noise spectra over all images, the last files written:
+the run's own named stages, reported apart) scales with the particle count.
 
 `--engine numpy` runs the same at a tiny size on the CPU (the example map examples/ribosome_64px.mrc
 cropped to 32 px at 12 Å/px, 120 particles at SNR 1, 2 iterations): a check that the script works, not a
@@ -202,10 +203,11 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
     from cryorefine.jobs import classify, refine
     from cryorefine.runners.serial import SerialRunner
 
-    backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
-    runner = SerialRunner(backend, config.batch_size_for, config.preread_images)
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
     tic = time.perf_counter()
+    backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
+    runner = SerialRunner(backend, config.batch_size_for, config.preread_images)
+    engine_seconds = time.perf_counter() - tic
     job = classify if command == "classify" else refine
     progress = None if args.keep_maps is None else functools.partial(prune_half_maps, work / name, args.keep_maps)
     reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress)
@@ -222,7 +224,10 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
         for it, peak in zip(iterations, peaks[-len(iterations):]):  # before them: the initial noise pass)
             it["arena_peak_bytes"] = peak
     return {"command": f"cryorefine {command} " + " ".join(map(str, arguments)), "wall_seconds": wall,
-            "iterations": iterations, "arena_high_water_bytes": dict(backend.high_water_bytes)}
+            "start_stages": {"engine made (the device's context, the arena)": engine_seconds,
+                             **reports.start_seconds},
+            "end_stages": dict(reports.end_seconds), "iterations": iterations,
+            "arena_high_water_bytes": dict(backend.high_water_bytes)}
 
 
 def prune_half_maps(folder, keep, *_progress):
@@ -249,6 +254,7 @@ def summarise(job, n_particles, peak_flops):
             flops[name] = flops.get(name, 0.0) + count
     m_step = sum(it["seconds"].get("maximization", 0.0) for it in its)
     writing = sum(it["seconds"].get("write", 0.0) for it in its)
+    planning = sum(it["seconds"].get("plan", 0.0) for it in its)
     e_step = sum(it["seconds"].get("expectation", 0.0) for it in its)
     work = n_particles * n_its
     rows = []
@@ -260,11 +266,13 @@ def summarise(job, n_particles, peak_flops):
     rows.append({"stage": "E-step, other (in no named stage)", "seconds": max(e_step - accounted, 0.0),
                  "particle_iterations_per_second": None})
     rows.append({"stage": "reduction (one process: none)", "seconds": 0.0, "particle_iterations_per_second": None})
+    rows.append({"stage": "iteration plans (schedule, work units, particles in direction order)", "seconds": planning,
+                 "particle_iterations_per_second": work / planning if planning > 0 else None})
     rows.append({"stage": "M-step", "seconds": m_step, "particle_iterations_per_second": work / m_step
                  if m_step > 0 else None})
     rows.append({"stage": "I/O (iteration outputs)", "seconds": writing, "particle_iterations_per_second":
                  work / writing if writing > 0 else None})
-    loop = e_step + m_step + writing
+    loop = planning + e_step + m_step + writing
     rows.append({"stage": "whole iterations", "seconds": loop, "particle_iterations_per_second": work / loop
                  if loop > 0 else None})
     achieved = {}
@@ -272,14 +280,16 @@ def summarise(job, n_particles, peak_flops):
         if flops.get(name) and total.get(name):
             rate = flops[name] / total[name]
             achieved[name] = {"tflops": rate / 1e12, "fraction_of_fp32_peak": rate / peak_flops if peak_flops else None}
-    start = max(job["wall_seconds"] - loop, 0.0)
+    start = max(job["wall_seconds"] - loop, 0.0)  # the start and the end of the run, outside every iteration
+    named = {**job.get("start_stages", {}), **{f"end: {k}": v for k, v in job.get("end_stages", {}).items()}}
+    outside = {**named, "in no named stage": max(start - sum(named.values()), 0.0)}
     scale = FULL_PARTICLES / n_particles
-    per_iteration = [(it["seconds"].get("expectation", 0.0) + it["seconds"].get("write", 0.0)) * scale
-                     + it["seconds"].get("maximization", 0.0) for it in its]
+    per_iteration = [(it["seconds"].get("expectation", 0.0) + it["seconds"].get("write", 0.0)
+                      + it["seconds"].get("plan", 0.0)) * scale + it["seconds"].get("maximization", 0.0) for it in its]
     if per_iteration:
         per_iteration += [per_iteration[-1]] * max(FULL_ITERATIONS - n_its, 0)
     extrapolated = start * scale + sum(per_iteration[:FULL_ITERATIONS])
-    return {"stages": rows, "achieved_flops": achieved, "start_seconds": start,
+    return {"stages": rows, "achieved_flops": achieved, "start_seconds": start, "outside_iterations": outside,
             "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
             "extrapolation": f"{FULL_PARTICLES} particles × {FULL_ITERATIONS} iterations from {n_particles} "
                              f"particles × {n_its} measured iterations"
@@ -360,6 +370,9 @@ def format_report(results):
         if job.get("warmup_seconds") is not None:
             lines.append(f"\nwarm-up before the measurement (kernel compilation; CuPy caches kernels on disk, so "
                          f"later runs on this machine skip most of it): {job['warmup_seconds']:.0f} s")
+        if s.get("outside_iterations"):
+            lines.append("\noutside the iterations (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                      s["outside_iterations"].items()))
         lines.append(f"\njob wall time {job['wall_seconds']:.0f} s (start {s['start_seconds']:.0f} s); extrapolated "
                      f"({s['extrapolation']}): {s['extrapolated_seconds'] / 60:.1f} min")
     return "\n".join(lines)

@@ -48,9 +48,15 @@ def test_stage_table_accounts_for_the_measured_time(tiny_run):
         assert all(it["stage_seconds"]["setup"] > 0 and "read_wait" in it["stage_seconds"] for it in iterations)
         loop = rows["whole iterations"]
         assert loop["seconds"] == pytest.approx(sum(sum(v for k, v in it["seconds"].items()
-                                                        if k in ("expectation", "maximization", "write"))
+                                                        if k in ("plan", "expectation", "maximization", "write"))
                                                     for it in iterations))
+        assert all(it["seconds"]["plan"] > 0 for it in iterations)
         assert loop["seconds"] <= job["wall_seconds"]
+        # the time outside the iterations: the run's named stages and what none of them holds add up to it
+        outside = job["summary"]["outside_iterations"]
+        assert outside["initial noise spectra"] > 0 and outside["end: last files written"] > 0
+        assert sum(outside.values()) == pytest.approx(job["wall_seconds"] - loop["seconds"])
+        assert "outside the iterations (s): engine made" in stdout
         assert loop["particle_iterations_per_second"] == pytest.approx(
             results["n_particles"] * len(iterations) / loop["seconds"])
         assert f"### {name}" in stdout
@@ -63,7 +69,7 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run):
         its = job["iterations"]
         summary = job["summary"]
         scale = 105_247 / n
-        e_and_write = [it["seconds"]["expectation"] + it["seconds"]["write"] for it in its]
+        e_and_write = [it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"] for it in its]
         m_step = [it["seconds"]["maximization"] for it in its]
         # at least the measured iterations scaled up, and the unmeasured ones like the last
         lower = (sum(e * scale + m for e, m in zip(e_and_write, m_step))

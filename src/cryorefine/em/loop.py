@@ -31,7 +31,7 @@ import numpy as np
 from cryorefine.data import load_particles
 from cryorefine.em import schedule
 from cryorefine.em.estep import in_direction_order, keep_norms_unless_refined
-from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunState
+from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunReports, RunState
 from cryorefine.errors import InputError
 from cryorefine.images import ImageSettings
 from cryorefine.io import resume
@@ -132,7 +132,7 @@ class Runner(Protocol):
 
 
 def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
-    """Run `job` to its end with `runner`; the IterationReports (None on an MPI worker).
+    """Run `job` to its end with `runner`; its `RunReports` (None on an MPI worker).
 
     `progress(done, total)` is called as batches finish; `resume_from` is a run_itNNN_optimiser.star:
     the run goes on from iteration NNN + 1 exactly as it would have. `stop_requested()` is asked before
@@ -143,10 +143,21 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         runner.serve(job)
         return None
     config = job.config
+    reports = RunReports()
+    clock = StageClock(reports.start_seconds)
+
+    def noise_spectra(*args):  # job.start's call, timed apart from the rest of the start
+        clock.mark(INITIAL_MODEL)
+        spectra = runner.initial_noise_spectra(*args)
+        clock.mark("initial noise spectra")
+        return spectra
+
     with runner.session() as session, contextlib.ExitStack() as stack:
+        clock.mark("device and workers set up")
         particles, settings = job.load()
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))
+        clock.mark("particles, reference and masks read")
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)
             if state.model.ori_size_px != settings.ori_size_px:
@@ -156,20 +167,26 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 raise InputError(f"{resume_from}: the run had {state.particles.rot_deg.size} particles, the STAR "
                                  f"file has {len(particles)}; continue with the same --i")
             job.resume(state, particles, resume.iteration_root(resume_from))
+            clock.mark("saved state read (--continue)")
         else:
-            state = job.start(particles, settings, runner.initial_noise_spectra)
+            state = job.start(particles, settings, noise_spectra)
+            clock.mark(INITIAL_MODEL)
         session.announce(particles, settings)
-        reports = []
+        clock.mark("workers told the run is set up")
         out_root = config.output_root
         with BackgroundWriter() as writer, long_lived_objects_frozen():
+            clock.mark("long-lived objects frozen")
+            log_stages("run start", reports.start_seconds)
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
                     log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
                     break
+                tic = time.perf_counter()
                 plan = job.plan(state, iteration)
                 plan = dataclasses.replace(plan, units=in_direction_order(plan.units, state.particles.rot_deg,
                                                                           state.particles.tilt_deg))
                 previous = state.particles.copy()
+                plan_seconds = time.perf_counter() - tic
                 outcome = runner.expectation_maximization(job, plan, state.model, previous, particles, settings,
                                                           state.particles.store, progress)
                 tic = time.perf_counter()
@@ -178,7 +195,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                                                            state.model.pixel_size_angstrom, config.symmetry)
                 state.model = outcome.model
                 job.update(state, plan, changes)
-                timings = {"expectation": outcome.expectation_seconds,
+                timings = {"plan": plan_seconds, "expectation": outcome.expectation_seconds,
                            "maximization": outcome.maximization_seconds + time.perf_counter() - tic}
 
                 tic = time.perf_counter()
@@ -202,7 +219,35 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                                                                    in outcome.maximization_stages.items()))
                 if job.finished(state, plan):
                     break
+            end = StageClock(reports.end_seconds)
+            writer.wait()
+            end.mark("last files written")
+        end.mark("long-lived objects thawed")
+    end.mark("device and workers let go")
+    log_stages("run end", reports.end_seconds)
     return reports
+
+
+INITIAL_MODEL = "initial model (maps, schedule)"
+
+
+class StageClock:
+    """Seconds of consecutive stages added to `into` by name, each from the previous mark (or the clock's start)."""
+
+    def __init__(self, into):
+        self.into = into
+        self.tic = time.perf_counter()
+
+    def mark(self, name):
+        now = time.perf_counter()
+        self.into[name] = self.into.get(name, 0.0) + now - self.tic
+        self.tic = now
+
+
+def log_stages(label, stages):
+    """One log line: the stages' total and each stage of 5 ms or more."""
+    shown = [f"{name} {seconds:.2f}" for name, seconds in stages.items() if seconds >= 0.005]
+    log.info("%s: %.1f s%s", label, sum(stages.values()), f" ({', '.join(shown)})" if shown else "")
 
 
 @contextlib.contextmanager

@@ -139,6 +139,17 @@ class IterationReport:
     changes_orientations_deg: float
     changes_offsets_angstrom: float
     ave_pmax: float
-    seconds: dict = field(default_factory=dict)  # expectation, maximization, write
+    seconds: dict = field(default_factory=dict)  # plan, expectation, maximization, write
     stage_seconds: dict = field(default_factory=dict)  # the E-step's: set-up, read waits, images, the engine's stages
     stage_flops: dict = field(default_factory=dict)  # useful floating-point operations of the engine's stages
+
+
+class RunReports(list):
+    """A run's IterationReports in order, with the time outside them in named stages (seconds): `start_seconds`
+    from the run's set-up to its first iteration's plan, `end_seconds` after its last report (the last files
+    written, the device and the workers let go)."""
+
+    def __init__(self):
+        super().__init__()
+        self.start_seconds = {}
+        self.end_seconds = {}
