@@ -1,11 +1,15 @@
-"""The writer thread of iteration outputs: order, waiting, errors surfacing in the loop."""
+"""The writer thread of iteration outputs: order, waiting, errors surfacing in the loop, the drawing process."""
 
+import multiprocessing
+import os
 import threading
 import time
+from functools import partial
+from pathlib import Path
 
 import pytest
 
-from cryorefine.io.background import BackgroundWriter
+from cryorefine.io.background import BackgroundWriter, InOwnProcess
 
 
 def test_writes_run_in_order_on_another_thread_and_the_block_waits_for_them():
@@ -46,3 +50,37 @@ def test_an_error_in_the_loop_still_lets_the_last_iteration_s_writes_finish():
         writer.submit([lambda: time.sleep(0.2), lambda: done.append("maps")])
         raise RuntimeError("E-step failed")
     assert done == ["maps"]
+
+
+def _write_pid(path):
+    """A drawing-process write: the pid of the process that ran it, in `path`."""
+    Path(path).write_text(str(os.getpid()))
+
+
+def _die_in_a_child(path):
+    """Ends the drawing process that runs it; in the writer's own process, writes `path`."""
+    if multiprocessing.parent_process() is not None:
+        os._exit(3)
+    Path(path).write_text("drawn on the thread")
+
+
+def test_a_write_in_its_own_process_runs_there_in_its_place_among_the_others(tmp_path):
+    """The report's write runs in the writer's drawing process, not in this one, and the writes after it wait for
+    it: the E-step's thread never waits for the interpreter while a report is drawn."""
+    order = []
+    with BackgroundWriter() as writer:
+        writer.submit([lambda: order.append("maps"), InOwnProcess(partial(_write_pid, tmp_path / "report")),
+                       lambda: order.append(("optimiser", (tmp_path / "report").is_file()))])
+        writer.submit([InOwnProcess(partial(_write_pid, tmp_path / "second"))])
+    first, second = (int((tmp_path / name).read_text()) for name in ("report", "second"))
+    assert first != os.getpid() and second == first  # one drawing process for the run
+    assert order == ["maps", ("optimiser", True)]
+
+
+def test_a_drawing_process_that_dies_leaves_its_writes_to_the_thread(tmp_path, caplog):
+    with BackgroundWriter() as writer:
+        writer.submit([InOwnProcess(partial(_die_in_a_child, tmp_path / "report"))])
+        writer.submit([InOwnProcess(partial(_write_pid, tmp_path / "next"))])
+    assert (tmp_path / "report").read_text() == "drawn on the thread"
+    assert int((tmp_path / "next").read_text()) == os.getpid()
+    assert "the drawing process ended" in caplog.text

@@ -9,22 +9,43 @@ iteration's outputs are in flight, and leaving the `with` block waits for the la
 write is raised in the loop at the next submit or at the end; every file is written atomically
 (temporary name, then rename), so none is left half-written, and the optimiser STAR file, which
 `--continue` starts from, comes last in its iteration.
+
+A write wrapped in `InOwnProcess` (the report PNG: matplotlib draws holding the interpreter, for
+tens of milliseconds at a time) runs in a drawing process of the writer's instead, started at the
+first such write: on the writer's thread it would keep the E-step's thread, which needs the
+interpreter back after each of its waits for the GPU, waiting for it. Where no process can be
+started (no /dev/shm), or the drawing process dies, such writes run on the thread, with a warning.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+log = logging.getLogger("cryorefine")
+
+
+class InOwnProcess:
+    """A write (a picklable callable: a module-level function and its arguments) that the writer runs in its
+    drawing process."""
+
+    def __init__(self, call):
+        self.call = call
 
 
 class BackgroundWriter:
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self._pending = None
+        self._drawing = None  # the drawing process (a ProcessPoolExecutor), False where there can be none
 
     def submit(self, writes):
-        """Run the callables `writes` in order on the writer thread, after the previous submit's."""
+        """Run the callables `writes` in order on the writer thread, after the previous submit's (InOwnProcess
+        ones in the drawing process, the thread waiting for each)."""
         self.wait()
-        self._pending = self._pool.submit(_run_all, list(writes))
+        self._pending = self._pool.submit(self._run_all, list(writes))
 
     def wait(self):
         """Block until the submitted writes are done; raise the first error one of them raised."""
@@ -41,9 +62,30 @@ class BackgroundWriter:
                 self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self._drawing:
+                self._drawing.shutdown(wait=True)
         return False
 
+    def _run_all(self, writes):
+        for write in writes:
+            if isinstance(write, InOwnProcess):
+                self._run_in_process(write.call)
+            else:
+                write()
 
-def _run_all(writes):
-    for write in writes:
-        write()
+    def _run_in_process(self, call):
+        if self._drawing is None:
+            try:
+                self._drawing = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            except OSError as exc:  # no semaphores (no /dev/shm), no processes left
+                log.warning("the reports are drawn beside the iterations, slowing them: no drawing process (%s)",
+                            exc)
+                self._drawing = False
+        if self._drawing:
+            try:
+                return self._drawing.submit(call).result()
+            except BrokenProcessPool as exc:
+                log.warning("the drawing process ended (%s); the reports are drawn beside the iterations", exc)
+                self._drawing.shutdown(wait=False)
+                self._drawing = False
+        return call()

@@ -61,6 +61,7 @@ from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
+from cryorefine.io.background import InOwnProcess
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
                                           write_optimiser_star, write_sampling_star)
 from cryorefine.io.star import read_star, write_particle_star, write_star
@@ -428,13 +429,14 @@ class ClassifyJob:
             partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
                                                   pdf_direction=model.pdf_direction), f"{root}_model.star"),
             partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
-            partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
-                    class_distributions=np.array(run.extras["class_distributions"]), ssnr=model.ssnr[0].copy(),
-                    class_changes=np.array(run.extras["class_changes"]),
-                    class_resolutions_angstrom=np.array(run.extras["class_resolutions"]),
-                    ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
-                    resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
-                    tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)),
+            InOwnProcess(partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
+                                 class_distributions=np.array(run.extras["class_distributions"]),
+                                 ssnr=model.ssnr[0].copy(),
+                                 class_changes=np.array(run.extras["class_changes"]),
+                                 class_resolutions_angstrom=np.array(run.extras["class_resolutions"]),
+                                 ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
+                                 resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
+                                 tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings))),
             partial(write_optimiser_star, f"{root}_optimiser.star",
                     # the oversampling this iteration used (one more once `_fine_sampling` raised it)
                     optimiser_star_blocks(optimiser, model, replace(config, oversampling=plan.sampling.oversampling),

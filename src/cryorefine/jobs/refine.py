@@ -40,6 +40,7 @@ from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
+from cryorefine.io.background import InOwnProcess
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
                                           write_optimiser_star, write_sampling_star)
 from cryorefine.io.star import write_particle_star, write_star
@@ -314,14 +315,14 @@ class RefineJob:
                                                              [f"{root}_half{h}_class001.mrc"], names, counts),
                                f"{root}_half{h}_model.star")]
         writes += [partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
-                   partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
-                           iteration=plan.iteration,
-                           fsc=np.array(model.fsc_halves[0]), ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
-                           resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
-                           tilt_deg=snapshot.tilt_deg,
-                           timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
-                                            "M-step": timings["maximization"]},
-                           halves_joined=plan.final),
+                   InOwnProcess(partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
+                                        iteration=plan.iteration, fsc=np.array(model.fsc_halves[0]),
+                                        ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
+                                        resolution_angstrom=model.current_resolution_angstrom,
+                                        rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg,
+                                        timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
+                                                         "M-step": timings["maximization"]},
+                                        halves_joined=plan.final)),
                    partial(write_optimiser_star, f"{root}_optimiser.star",
                            optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv))]
         if plan.final:  # the converged run's files
