@@ -128,3 +128,16 @@ def test_downsample_volume_keeps_the_low_frequencies():
     for i, kz in enumerate(k8[:3]):  # rows away from the Nyquist planes match exactly
         for j, ky in enumerate(k8[:3]):
             np.testing.assert_allclose(small_ft[i, j, :3], big_ft[k16.index(kz), k16.index(ky), :3], atol=1e-12)
+
+
+@pytest.mark.parametrize("size", [32, 33, 48])
+@pytest.mark.parametrize("r_max", [1.0, 3.5, 9.0, 15.2, 24.0])
+def test_the_band_limited_lowpass_is_the_whole_transforms_filter(size, r_max):
+    """lowpass_band_limited transforms over the band alone; it gives what filtering the whole transform gives, for
+    even and odd boxes, bands of a shell up to ones that reach Nyquist (the whole transforms then)."""
+    volume = np.random.default_rng(size).standard_normal((size,) * 3)
+    gain = lambda r: fourier.raised_cosine(r, r_max - 1.0, 1.0)  # noqa: E731 — 0 beyond r_max
+    want = fourier.irfft3_centered(fourier.rfft3_centered(volume) * gain(fourier.radius_3d(size)), size)
+    got = fourier.lowpass_band_limited(volume, gain, r_max)
+    assert got.shape == volume.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())

@@ -35,7 +35,6 @@ def lowpass_to_ini_high(volume, config, box, pixel):
     if not config.ini_high_angstrom:
         return volume
     xp = array_module(volume)
-    radius = box * pixel / config.ini_high_angstrom
-    edge = fourier.raised_cosine(fourier.radius_3d(box, xp), radius - INI_HIGH_EDGE_SHELLS / 2,
-                                 INI_HIGH_EDGE_SHELLS, xp)
-    return fourier.irfft3_centered(fourier.rfft3_centered(volume, xp) * edge, box, xp)
+    start = box * pixel / config.ini_high_angstrom - INI_HIGH_EDGE_SHELLS / 2
+    return fourier.lowpass_band_limited(volume, lambda r: fourier.raised_cosine(r, start, INI_HIGH_EDGE_SHELLS, xp),
+                                        start + INI_HIGH_EDGE_SHELLS, xp)
