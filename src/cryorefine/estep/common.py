@@ -14,11 +14,20 @@ from dataclasses import dataclass
 import numpy as np
 
 
+#: The coefficients' order: tiles of TILE_ROWS ky rows × TILE_COLUMNS kx (a warp's 32 lanes), tile rows in the
+#: half transform's row order (ky ≥ 0 up, then the negative rows), tiles along kx within a tile row. Neighbours in
+#: the order are neighbours in the plane, so a slice's consecutive coefficients, rotated into the padded volume,
+#: read and add to a compact patch of it rather than a long line.
+TILE_ROWS, TILE_COLUMNS = 4, 8
+_NEGATIVE_ROWS_FROM = 1 << 20  # rank of row ky = 0 among the negative rows: a multiple of TILE_ROWS beyond any box
+
+
 @dataclass(frozen=True)
 class Coefficients:
-    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order.
+    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order (tiles: TILE_ROWS).
 
-    |k| ≤ n/2, without the kx = 0, ky < 0 half column (Friedel mates of kx = 0, ky > 0).
+    |k| ≤ n/2, without the kx = 0, ky < 0 half column (Friedel mates of kx = 0, ky > 0). The order depends on
+    (ky, kx) alone, not on n: the coefficients of a smaller size within a larger one are in the same order there.
     """
 
     size_px: int
@@ -39,6 +48,9 @@ class Coefficients:
         pos = np.flatnonzero(keep)
         kxf = np.broadcast_to(kx, keep.shape).reshape(-1)[pos]
         kyf = np.broadcast_to(ky, keep.shape).reshape(-1)[pos]
+        row = np.where(kyf >= 0, kyf, _NEGATIVE_ROWS_FROM + kyf)
+        order = np.lexsort((kxf % TILE_COLUMNS, row % TILE_ROWS, kxf // TILE_COLUMNS, row // TILE_ROWS))
+        pos, kxf, kyf = pos[order], kxf[order], kyf[order]
         shell = np.rint(np.sqrt(kxf * kxf + kyf * kyf)).astype(np.int64)
         return cls(size_px, pos, kxf.astype(np.float64), kyf.astype(np.float64), shell)
 
