@@ -19,12 +19,13 @@ import numpy as np
 #: the order are neighbours in the plane, so a slice's consecutive coefficients, rotated into the padded volume,
 #: read and add to a compact patch of it rather than a long line.
 TILE_ROWS, TILE_COLUMNS = 4, 8
-_NEGATIVE_ROWS_FROM = 1 << 20  # rank of row ky = 0 among the negative rows: a multiple of TILE_ROWS beyond any box
+_NEGATIVE_ROWS_FROM = 1 << 20  # a negative row ky ranks as this + ky: after the rows ky ≥ 0 of any box, and in tiles
+#                                 that do not depend on the box (a multiple of TILE_ROWS)
 
 
 @dataclass(frozen=True)
 class Coefficients:
-    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order (tiles: TILE_ROWS).
+    """The valid coefficients of an (n, n//2+1) half transform, in a fixed order (in tiles, see TILE_ROWS).
 
     |k| ≤ n/2, without the kx = 0, ky < 0 half column (Friedel mates of kx = 0, ky > 0). The order depends on
     (ky, kx) alone, not on n: the coefficients of a smaller size within a larger one are in the same order there.
