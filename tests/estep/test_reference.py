@@ -195,6 +195,21 @@ def test_coefficients_cover_the_half_plane_once():
                 assert (x, y) in full or (-x, -y) in full
 
 
+@pytest.mark.parametrize("coarse, fine", [(26, 36), (100, 214), (198, 214), (214, 360), (31, 64)])
+def test_coefficients_of_a_smaller_size_keep_their_order_among_a_larger_one_s(coarse, fine):
+    """The engines take the coarse coefficients out of the fine ones in the fine order (IterationTables'
+    coarse_selection) and use them in the coarse order: the two orders must agree. And consecutive coefficients
+    are neighbours in the plane: each tile of 4 ky rows × 8 kx is one run of the order (in row order, none is)."""
+    small, large = Coefficients.create(coarse), Coefficients.create(fine)
+    inside = large.kx ** 2 + large.ky ** 2 <= (coarse / 2) ** 2
+    np.testing.assert_array_equal(large.kx[inside], small.kx)
+    np.testing.assert_array_equal(large.ky[inside], small.ky)
+    tile = (np.floor_divide(large.ky, 4).astype(np.int64) << 32) + np.floor_divide(large.kx, 8).astype(np.int64)
+    starts = np.flatnonzero(np.diff(tile) != 0) + 1  # each tile one run of consecutive coefficients
+    assert np.unique(tile).size == starts.size + 1
+    assert (np.diff(np.concatenate([[0], starts, [tile.size]])) == 32).sum() > tile.size // 64  # most are whole
+
+
 def test_fine_pass_in_groups_gives_the_same_result(problem):
     """Splitting a batch's coarse and fine passes into chunks and groups of particles, and keeping the fine
     grid's projections and slices for the unit or not (to bound memory), changes nothing."""
