@@ -26,13 +26,25 @@ def test_a_cache_hit_says_nothing(monkeypatch, caplog):
     assert caplog.records == []
 
 
-def test_the_first_run_on_a_machine_is_announced_once_the_cache_is_empty(monkeypatch, tmp_path, caplog):
+def test_the_first_run_of_a_version_is_announced_until_one_has_ended(monkeypatch, tmp_path, caplog):
+    """The notice speaks while no run of this version has ended on the machine, whatever else the cache holds
+    (CuPy's kernels compiled by other programs), and a new version (other kernels) speaks again."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger=kernels.__name__):
         kernels.first_use_notice()  # no cache folder yet
         (tmp_path / "cache").mkdir()
-        kernels.first_use_notice()  # an empty one
-        (tmp_path / "cache" / "0123.cubin").write_bytes(b"x")
-        kernels.first_use_notice()  # a used one: silent
+        (tmp_path / "cache" / "0123.cubin").write_bytes(b"x")  # another program's kernels
+        kernels.first_use_notice()
+        kernels.mark_kernels_warm()  # a run's iterations ended
+        kernels.first_use_notice()  # silent
+        monkeypatch.setattr(kernels, "DEFINES", {**kernels.DEFINES, "LOCAL_CK": 64})  # other kernels
+        kernels.first_use_notice()
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2 and all(str(tmp_path / "cache") in m for m in messages)
+    assert len(messages) == 3 and all(str(tmp_path / "cache") in m for m in messages)
+
+
+def test_a_cache_that_cannot_be_written_is_left_alone(monkeypatch, tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: mkdir fails
+    kernels.mark_kernels_warm()
+    assert not kernels.warm_marker().exists()

@@ -138,18 +138,20 @@ class CudaBackend:
     def run_scope(self):
         import cupy
 
-        from cryorefine.estep.kernels import first_use_notice
+        from cryorefine.estep.kernels import first_use_notice, mark_kernels_warm
         from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
 
         with cupy.cuda.Device(self.device_id):
             first_use_notice()
             if not self.use_arena:
                 yield self
+                mark_kernels_warm()
                 return
             self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
             try:
                 with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
                     yield self
+                mark_kernels_warm()
                 log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
             finally:
                 self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}

@@ -155,9 +155,34 @@ def compile_notice(what):
             log.info("compiled %s in %.0f s", what, time.perf_counter() - tic)
 
 
+def warm_marker():
+    """The file a run of this version leaves in CuPy's kernel cache once its iterations have ended: named by a
+    digest of the package's version and its kernels' source, so a new version is announced again."""
+    import hashlib
+
+    from cryorefine import __version__
+
+    digest = hashlib.sha1(f"{__version__}\n{kernel_source()}".encode()).hexdigest()[:16]
+    return kernel_cache_dir() / f"cryorefine-{digest}.warm"
+
+
 def first_use_notice():
-    """One line when CuPy's kernel cache is empty: the first run on a machine compiles every kernel it uses."""
-    cache = kernel_cache_dir()
-    if not cache.is_dir() or not any(cache.iterdir()):
-        log.info("first GPU run on this machine (%s is empty): the first iterations also compile the GPU kernels "
-                 "they use, about a minute in all; later runs read them from there", cache)
+    """One line when no run of this version has ended on this machine (no `warm_marker`): its first iterations
+    compile the kernels they use, CuPy's own (which it compiles without a word) with the package's. An empty cache
+    or one that other programs filled says nothing about that."""
+    marker = warm_marker()
+    if not marker.exists():
+        log.info("first GPU run of this cryorefine on this machine (no %s): the first iterations also compile the "
+                 "GPU kernels they use, about a minute in all; later runs read them from %s", marker.name,
+                 marker.parent)
+
+
+def mark_kernels_warm():
+    """Leave `warm_marker` (a run's iterations have ended: the kernels they used are in the cache); a cache that
+    cannot be written is left as it is."""
+    marker = warm_marker()
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
