@@ -180,8 +180,8 @@ def first_use_notice():
 def mark_kernels_warm():
     """Leave `warm_marker` (a run's iterations have ended: the kernels they used are in the cache); a cache that
     cannot be written is left as it is."""
-    marker = warm_marker()
     try:
+        marker = warm_marker()
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     except OSError:
