@@ -15,15 +15,19 @@ those. Local: the last three constants (the fixed cost stays: runs of one partic
 per-particle one). Global: the fixed cost and the floor, from iterations where the floor is the larger (runs of
 two particle counts or more are needed).
 
-The constants in jobs/plan.py are this script's fits to runs on the H100 SXM of the reference (2026-11-26):
+The constants in jobs/plan.py are this script's fits to runs on the H100 SXM of the reference (2026-11-26). Local
+searches, after the reports left the E-step's interpreter (their iterations took 15–30 % less):
 
-    python benchmarks/plan_estep_fit.py benchmarks/results/refine_10k_h100_8d39878.json \\
-        benchmarks/results/refine_10k_h100_project_chunk_barriers.json \\
-        benchmarks/results/class3d_10k_h100_weights_fused.json \\
+    python benchmarks/plan_estep_fit.py benchmarks/results/refine_10k_h100_coefficient_tiles.json \\
+        benchmarks/results/refine_10k_h100_batch512_first.json benchmarks/results/refine_10k_h100_batch512_second.json
+
+(69 iterations on two machines, estimate / measured 0.83–1.22; the constants before, fitted to the runs 8d39878 and
+project_chunk_barriers, gave 1.05–1.55 on them.) Global searches:
+
+    python benchmarks/plan_estep_fit.py benchmarks/results/class3d_10k_h100_weights_fused.json \\
         benchmarks/results/empiar10028_class3d_105k_h100_fused_weights.json
 
-(local: 62 iterations, estimate / measured 0.90–1.14; 0.85–1.21 on the H200 runs 532ba37 and local_warmup. Global:
-40 iterations, 10,000 and 105,247 particles.) --tflops: the FP32 peak of the runs' card as `GpuSpec.detect`
+(40 iterations, 10,000 and 105,247 particles; not fitted again: the Class3D runs since are of one particle count.) --tflops: the FP32 peak of the runs' card as `GpuSpec.detect`
 reckons it (by default the fit's reference card, so that the constants come out for it). --skip_first_local
 leaves out each run's first local iteration (where a run on a fresh machine still meets first-use costs).
 """

@@ -45,12 +45,12 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # s in all), one per particle (its image read and prepared at the whole box), one per interpolation and one per
 # coefficient at the current size (the fine pass, the sums, the back-projection); the last two scale with the FP32
 # peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_estep_fit.py` (its docstring names
-# the runs) to the local iterations (orders 4–8 and the final one) of two converged 10,000-particle auto-refines of
-# the 360 px stand-in with the GPU's default batches of 512, on the H100: estimate / measured 0.90–1.14
+# the runs) to the local iterations (orders 4–8 and the final one) of three converged 10,000-particle auto-refines of
+# the 360 px stand-in with the GPU's default batches of 512, on two H100 machines: estimate / measured 0.83–1.22
 LOCAL_ESTEP_FIXED_SECONDS = 0.3
-LOCAL_ESTEP_SECONDS_PER_PARTICLE = 6.53e-5
-LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 2.01e-11
-LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 5.39e-9
+LOCAL_ESTEP_SECONDS_PER_PARTICLE = 2.31e-5
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 1.43e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 5.72e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
 # a global search's E-step: a fixed cost per iteration, plus per particle the coarse pass's arithmetic / its share,
 # or a floor however small the images. The fixed cost and the floor are fitted by `benchmarks/plan_estep_fit.py`
