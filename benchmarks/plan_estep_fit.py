@@ -27,9 +27,11 @@ project_chunk_barriers, gave 1.05–1.55 on them.) Global searches:
     python benchmarks/plan_estep_fit.py benchmarks/results/class3d_10k_h100_weights_fused.json \\
         benchmarks/results/empiar10028_class3d_105k_h100_fused_weights.json
 
-(40 iterations, 10,000 and 105,247 particles; not fitted again: the Class3D runs since are of one particle count.) --tflops: the FP32 peak of the runs' card as `GpuSpec.detect`
-reckons it (by default the fit's reference card, so that the constants come out for it). --skip_first_local
-leaves out each run's first local iteration (where a run on a fresh machine still meets first-use costs).
+(40 iterations, 10,000 and 105,247 particles; not fitted again: the Class3D runs since are of one particle count.)
+
+--tflops: the FP32 peak of the runs' card as `GpuSpec.detect` reckons it (by default the fit's reference card, so
+that the constants come out for it). --skip_first_local leaves out each run's first local iteration (where a run on
+a fresh machine still meets first-use costs).
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def draw_report(n_particles):
     rng = np.random.default_rng(1)
     write_iteration_report("writer_stalls_report.png", iteration=5, fsc=np.linspace(1.0, 0.0, 181), ori_size_px=360,
                            pixel_size_angstrom=1.34, resolution_angstrom=5.0,
-                           rot_deg=rng.uniform(-180.0, 180.0, n_particles), tilt_deg=rng.uniform(0.0, 180.0, n_particles),
+                           rot_deg=rng.uniform(-180.0, 180.0, n_particles),
+                           tilt_deg=rng.uniform(0.0, 180.0, n_particles),
                            timings_seconds={**{f"E: stage {i}": 1.0 for i in range(14)}, "M-step": 1.0})
 
 
