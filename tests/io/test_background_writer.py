@@ -84,3 +84,17 @@ def test_a_drawing_process_that_dies_leaves_its_writes_to_the_thread(tmp_path, c
     assert (tmp_path / "report").read_text() == "drawn on the thread"
     assert int((tmp_path / "next").read_text()) == os.getpid()
     assert "the drawing process ended" in caplog.text
+
+
+def test_a_drawing_process_that_cannot_start_leaves_its_writes_to_the_thread(tmp_path, caplog, monkeypatch):
+    """Where no process can be started (a limit on processes), the write runs on the thread, with a warning."""
+    import multiprocessing.context
+
+    def refuse(self):
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    with BackgroundWriter() as writer:
+        writer.submit([InOwnProcess(partial(_write_pid, tmp_path / "report"))])
+    assert int((tmp_path / "report").read_text()) == os.getpid()
+    assert "no drawing process" in caplog.text

@@ -77,15 +77,23 @@ class BackgroundWriter:
         if self._drawing is None:
             try:
                 self._drawing = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-            except OSError as exc:  # no semaphores (no /dev/shm), no processes left
-                log.warning("the reports are drawn beside the iterations, slowing them: no drawing process (%s)",
+            except OSError as exc:  # no semaphores (no /dev/shm)
+                log.warning("no drawing process (%s); the reports are drawn beside the iterations, slowing them",
                             exc)
                 self._drawing = False
         if self._drawing:
             try:
-                return self._drawing.submit(call).result()
+                future = self._drawing.submit(call)  # the process starts here, at the first write
+            except (OSError, BrokenProcessPool) as exc:  # no process could be started
+                self._stop_drawing(f"no drawing process ({exc})")
+                return call()
+            try:
+                return future.result()
             except BrokenProcessPool as exc:
-                log.warning("the drawing process ended (%s); the reports are drawn beside the iterations", exc)
-                self._drawing.shutdown(wait=False)
-                self._drawing = False
+                self._stop_drawing(f"the drawing process ended ({exc})")
         return call()
+
+    def _stop_drawing(self, why):
+        log.warning("%s; the reports are drawn beside the iterations, slowing them", why)
+        self._drawing.shutdown(wait=False)
+        self._drawing = False
