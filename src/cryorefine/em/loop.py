@@ -30,7 +30,7 @@ import numpy as np
 
 from cryorefine.data import load_particles
 from cryorefine.em import schedule
-from cryorefine.em.estep import in_direction_order, keep_norms_unless_refined
+from cryorefine.em.estep import add_seconds, in_direction_order, keep_norms_unless_refined
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunReports, RunState
 from cryorefine.errors import InputError
 from cryorefine.images import ImageSettings
@@ -239,9 +239,7 @@ class StageClock:
         self.tic = time.perf_counter()
 
     def mark(self, name):
-        now = time.perf_counter()
-        self.into[name] = self.into.get(name, 0.0) + now - self.tic
-        self.tic = now
+        self.tic = add_seconds(self.into, name, self.tic)
 
 
 def log_stages(label, stages):

@@ -57,6 +57,7 @@ import numpy as np
 
 from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
+from cryorefine.em import mstep
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome
 from cryorefine.errors import InputError, disk_full_message
@@ -531,10 +532,8 @@ class MpiRunner:
                 template = empty_sums(plan.units[u], real_dtype=real_dtype)
                 held.setdefault(u, template).data[c] = self._receive_array(template.data[c], holder, real_dtype)
                 held[u].weight[c] = self._receive_array(template.weight[c], holder, real_dtype)
-        smalls = {}
-        for part in self.peers.gather_all(
-                {u: held[u].without_volumes() for u in held if holder_of_unit(u, self.n_workers) == worker}):
-            smalls.update(part)
+        smalls = mstep.gathered(self.peers, {u: held[u].without_volumes() for u in held
+                                             if holder_of_unit(u, self.n_workers) == worker})
         out = []
         for u, unit in enumerate(plan.units):
             volumes = [held[u] if u in held and makers[(u, c)] == worker else None for c in range(len(unit.classes))]
