@@ -53,7 +53,8 @@ def batch_of(poses, along_curve, rng):
 
 
 def neighbourhood_matrices(order, batch_poses):
-    """(BATCH·width, 9) float64 matrices of each particle's local orientations (padding: the particle's first)."""
+    """(BATCH·width, 9) float64 matrices of each particle's local orientations (padded to the widest), the width
+    and each particle's own count."""
     from cryorefine.core.sampling import Sampling
     from cryorefine.em import schedule
 
@@ -61,7 +62,8 @@ def neighbourhood_matrices(order, batch_poses):
     sigma = schedule.local_search_sigma_deg(order, 1)
     local = sampling.local_orientations(*batch_poses, sigma, sigma)
     orientation, _ = local.padded()
-    return sampling.orientation_matrices(index=orientation.reshape(-1)).reshape(-1, 9), orientation.shape[1]
+    return (sampling.orientation_matrices(index=orientation.reshape(-1)).reshape(-1, 9), orientation.shape[1],
+            local.counts())
 
 
 def time_launch(cp, order, current, coarse, batch_poses):
@@ -75,17 +77,19 @@ def time_launch(cp, order, current, coarse, batch_poses):
                 np.float32((coarse // 2 * grid.padding_factor) ** 2 * 1.00001))
     kx, ky = half_plane_coefficients(coarse, cp)
     kc = kx.size
-    mats, width = neighbourhood_matrices(order, batch_poses)
+    mats, width, counts = neighbourhood_matrices(order, batch_poses)
     mats = cp.asarray(mats, cp.float32)
     rt, tt, name = kernels.local_tile(N_T)
+    tile_particle, tile_first = kernels.local_tiles(counts, rt)
+    tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.asarray(counts, dtype=cp.int32))
     ldt = -(-N_T // tt) * tt
     moved = cp.random.standard_normal((BATCH, kc, 2 * ldt), dtype=cp.float32).view(cp.complex64)
     pair = cp.random.random((BATCH, kc), dtype=cp.float32)
     row = cp.random.random(BATCH, dtype=cp.float64) + 1e3
     out = cp.empty((BATCH, 1, width, N_T), cp.float32)
     fn = kernels.kernel_module().get_function(name)
-    launch = (((width + rt - 1) // rt, ldt // tt, BATCH), (kernels.LOCAL_THREADS,),
-              (vol, *geometry, mats, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row, np.int32(width),
+    launch = ((tile_particle.size, ldt // tt, 1), (kernels.LOCAL_THREADS,),
+              (vol, *geometry, mats, *tiles, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row, np.int32(width),
                np.int32(N_T), np.int32(0), np.int32(1), np.int32(0), out))
     return launch_ms(cp, fn, launch, 5), width
 

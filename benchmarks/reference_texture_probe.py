@@ -20,7 +20,8 @@ def main():
     import cupy as cp
     from cupy.cuda import runtime, texture
 
-    from cryorefine.estep.kernels import COMPILE_OPTIONS, KERNEL_DIR, LOCAL_THREADS, kernel_source, local_tile
+    from cryorefine.estep.kernels import (COMPILE_OPTIONS, KERNEL_DIR, LOCAL_THREADS, kernel_source, local_tile,
+                                          local_tiles)
 
     once = "--once" in sys.argv
     B = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--b=")), 500))
@@ -118,11 +119,12 @@ def main():
         variants += v + f'''
     extern "C" __global__ void __launch_bounds__(LOCAL_THREADS) local_{tag}_t16(
         cudaTextureObject_t vol, int d, int w, int origin, float pf, float r_pad_sq,
-        const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
+        const float* __restrict__ mats, const int* __restrict__ tile_particle, const int* __restrict__ tile_first,
+        const int* __restrict__ count, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
         const float2* __restrict__ moved, int ldt, const float* __restrict__ pair,
         const double* __restrict__ row_term, int width, int n_t, int mode, int n_class, int k, float* __restrict__ out)
-    {{ local_diff2_tile_{tag}<16>(vol, d, w, origin, pf, r_pad_sq, mats, kx, ky, n_coef, moved, ldt, pair, row_term,
-                                 width, n_t, mode, n_class, k, out); }}
+    {{ local_diff2_tile_{tag}<16>(vol, d, w, origin, pf, r_pad_sq, mats, tile_particle, tile_first, count, kx, ky,
+                                 n_coef, moved, ldt, pair, row_term, width, n_t, mode, n_class, k, out); }}
     '''
     mod = cp.RawModule(code=kernel_source() + extra + variants, options=COMPILE_OPTIONS)
     ch = texture.ChannelFormatDescriptor(32, 32, 0, 0, runtime.cudaChannelFormatKindFloat)
@@ -133,12 +135,14 @@ def main():
     tex_lin = texture.TextureObject(res, texture.TextureDescriptor(clamp, runtime.cudaFilterModeLinear, runtime.cudaReadModeElementType))
     tex_pt = texture.TextureObject(res, texture.TextureDescriptor(clamp, runtime.cudaFilterModePoint, runtime.cudaReadModeElementType))
     geom = (np.int32(d), np.int32(w), np.int32(origin), np.float32(pf), np.float32(r_pad * r_pad * (1 + 1e-5)))
-    grid_ = ((W + tile_r - 1) // tile_r, ldt // tile_t, B)
+    tile_particle, tile_first = local_tiles(np.full(B, W), tile_r)
+    tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.full(B, W, dtype=cp.int32))
+    grid_ = (tile_particle.size, ldt // tile_t, 1)
     outs = {}
     for label, fname, src in (("linear", name, vol), ("texpt", "local_texpt_t16", tex_pt), ("texlin", "local_texlin_t16", tex_lin)):
         f = mod.get_function(fname)
         out = cp.empty((B, 1, W, n_t), cp.float32)
-        args = (src, *geom, mats, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row_term, np.int32(W),
+        args = (src, *geom, mats, *tiles, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row_term, np.int32(W),
                 np.int32(n_t), np.int32(0), np.int32(1), np.int32(0), out)
         f(grid_, (LOCAL_THREADS,), args)
         cp.cuda.Device().synchronize()

@@ -1,4 +1,5 @@
-"""How the fine kernels tile a block's children, and how `kernel_module` serialises compilations (`estep.kernels`);
+"""How the fine kernels tile a block's children, how the local search's coarse kernel tiles each particle's own
+orientations, and how `kernel_module` serialises compilations (`estep.kernels`);
 no GPU needed: the loader runs against a stand-in for CuPy."""
 
 import sys
@@ -21,6 +22,22 @@ def test_the_tiles_cover_every_child_of_a_block_once_and_stay_small(k):
         assert (to, tt) == (nfo, nft)
     names = kernels.fine_kernel_names(nfo, nft)
     assert len(set(names)) == 3 and all(f"<{nfo}, {nft}, {to}, {tt}" in n for n in names)
+
+
+@pytest.mark.parametrize("counts,tile", [([1, 64, 65, 128, 130, 0, 3], 64), ([198, 162, 177], 64), ([31, 32, 33], 32)])
+def test_a_particle_has_the_tiles_its_own_orientations_need(counts, tile):
+    """Each orientation r < count of particle b lies in exactly one of b's tiles, and a particle has no tile beyond
+    the one that holds its last orientation (a narrow neighbourhood is not padded to the widest)."""
+    import numpy as np
+
+    particle, first = kernels.local_tiles(counts, tile)
+    assert particle.dtype == first.dtype == np.int32
+    for b, count in enumerate(counts):
+        starts = first[particle == b]
+        covered = np.concatenate([np.arange(f, f + tile) for f in starts]) if starts.size else np.zeros(0, int)
+        assert sorted(covered[covered < count].tolist()) == list(range(count))
+        assert starts.size == -(-count // tile)
+    assert np.all(np.diff(particle) >= 0)
 
 
 def _fake_cupy(monkeypatch, slow_key, release):

@@ -51,7 +51,7 @@ from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLI
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
                                       MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, fine_kernel_names, fine_tiles,
-                                      kernel_module, local_tile, round_up)
+                                      kernel_module, local_tile, local_tiles, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -346,11 +346,11 @@ class CupyEngine:
 
     def _local_batch_size(self, local):
         """Particles per sub-batch of a local search: the set-up's plan, and what the widest neighbourhood
-        leaves room for; at most MAX_GRID_Y (local_diff2_t* runs one grid layer per particle)."""
+        leaves room for."""
         plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
                             int(local.counts().max(initial=1)), self.n_trans, self.n_classes, 1 << 30, self.children,
                             local=True)
-        return min(self.plan.particles_per_batch, plan.particles_per_batch, MAX_GRID_Y)
+        return min(self.plan.particles_per_batch, plan.particles_per_batch)
 
     def _run_rows(self, batch, rows, local):
         cp = self.cp
@@ -533,7 +533,8 @@ class CupyEngine:
         """A local search: each particle against its own orientations (`local`, padded to the widest; the
         padding has log prior −inf), as `_coarse_pass` returns them. diff2 as the numpy engine's
         `_diff2_dense`: a + ½Σ minv·CTF²|P|² − Re Σ (minv·CTF·X_t)·conj(P), with X_t the image moved
-        by translation t, in one launch per class of the `local_tile` kernel, which projects the slices P itself."""
+        by translation t, in one launch per class of the `local_tile` kernel, which projects the slices P itself
+        (each particle in its own tiles, `local_tiles`: the padding is neither projected nor compared)."""
         cp = self.cp
         s = self.setup_
         tic = time.perf_counter()
@@ -565,15 +566,20 @@ class CupyEngine:
         del x_s, shifts
         mats = self.tables.orientation_matrices(orientation.reshape(-1), xp=cp).reshape(-1, 9).astype(cp.float32)
         tic = self._tick("coarse_images", tic)
-        diff2 = cp.empty((b_count, self.n_classes, width, n_t), dtype=cp.float32)
+        # each particle's own tiles; the padding rows stay 0 (finite, under their −inf log prior)
+        counts = local.counts()
+        tile_particle, tile_first = local_tiles(counts, tile_r)
+        tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.asarray(counts.astype(np.int32)))
+        diff2 = cp.zeros((b_count, self.n_classes, width, n_t), dtype=cp.float32)
         kernel = kernel_module(device_id=self.device_id).get_function(name)
-        grid = ((width + tile_r - 1) // tile_r, ldt // tile_t, b_count)
+        grid = (int(tile_particle.size), ldt // tile_t, 1)
+        n_orient = int(counts.sum())
         for k in range(self.n_classes):
             kernel(grid, (LOCAL_THREADS,),
-                   (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), moved, _i32(ldt),
-                    pair_a, row_term, _i32(width), _i32(n_t), _i32(1 if s.do_cc else 0), _i32(self.n_classes),
-                    _i32(k), diff2))
-            self.stage_flops["coarse"] += 2.0 * b_count * width * n_t * 2 * kc + 2.0 * b_count * width * kc
+                   (self.ref_volumes[k], *self.geometry, mats, *tiles, self.kx_c, self.ky_c, _i32(kc), moved,
+                    _i32(ldt), pair_a, row_term, _i32(width), _i32(n_t), _i32(1 if s.do_cc else 0),
+                    _i32(self.n_classes), _i32(k), diff2))
+            self.stage_flops["coarse"] += 2.0 * n_orient * n_t * 2 * kc + 2.0 * n_orient * kc
         del moved
         tic = self._tick("coarse", tic)
         if self.keep_blocks:

@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -76,6 +78,18 @@ def local_tile(n_translations):
     search has 9 or 13 translations: a tile of 16 computes 16 products for them where a tile of 32 computes 32."""
     tt = next((t for t in LOCAL_TRANSLATION_TILES if t >= int(n_translations)), LOCAL_TRANSLATION_TILES[-1])
     return 4 * LOCAL_THREADS // tt, tt, f"local_diff2_t{tt}"
+
+
+def local_tiles(counts, tile_orientations):
+    """The tiles of a local search's coarse kernel for particles with `counts` orientations each (host, (B,)): for
+    each block, its particle and the first of its `tile_orientations` orientations (int32, (n_tiles,) each). A
+    particle has ceil(count / tile_orientations) tiles, so a narrow neighbourhood is not padded to the widest."""
+    counts = np.asarray(counts, dtype=np.int64)
+    per_particle = (counts + int(tile_orientations) - 1) // int(tile_orientations)
+    particle = np.repeat(np.arange(counts.size), per_particle)
+    first_tile = np.cumsum(per_particle) - per_particle
+    first = (np.arange(particle.size) - first_tile[particle]) * int(tile_orientations)
+    return particle.astype(np.int32), first.astype(np.int32)
 
 
 def fine_kernel_names(nfo, nft):

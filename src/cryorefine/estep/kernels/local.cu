@@ -1,10 +1,13 @@
 // Coarse-pass squared differences of a local search, with the slices projected inside the kernel.
 //
-// Each particle b has its own `width` orientations (rotation matrices mats[(b·width + r)·9 ..], the
-// padding of narrower neighbourhoods included) and its own images moved by T translations. A block
-// takes RT orientations × TT translations of one particle; per chunk of LOCAL_CK coefficients it
-// projects its orientations' slices into shared memory (cr_slice_value, the values of
-// project_slices) and stages the moved images beside them, then every thread adds a 2 × 2 tile of
+// Each particle b has its own count[b] ≤ width orientations (rotation matrices mats[(b·width + r)·9 ..],
+// rows count[b] … width − 1 the padding of a narrower neighbourhood) and its own images moved by T
+// translations. Block x takes the tile of RT orientations tile_first[x] … + RT − 1 of particle
+// tile_particle[x] × TT translations: a particle has as many tiles as its own count needs, not as
+// many as the sub-batch's widest neighbourhood (`estep.kernels.local_tiles`), and the padding rows
+// are neither projected nor written. Per chunk of LOCAL_CK coefficients a block projects its
+// orientations' slices into shared memory (cr_slice_value, the values of project_slices) and
+// stages the moved images beside them, then every thread adds a 2 × 2 tile of
 // cross terms Σ_c Re(moved_t(c)·conj(P_r(c))). The slices never reach device memory: the
 // neighbourhood of one particle is seen by no other, so there is nothing to share, and writing the
 // slices out and reading them back twice (|P|², then the product) cost more than projecting them.
@@ -21,7 +24,7 @@
 //        ldt a multiple of TT
 // pair:  (B, n_coef), ½·minv·CTF² (mode 0) or CTF² (mode 1)
 // row_term: (B,) float64, ½·Σ minv·|X|² (mode 0) or ‖X‖ (mode 1)
-// out:   out[((b·n_class + k)·width + r)·n_t + t] for r < width, t < n_t:
+// out:   out[((b·n_class + k)·width + r)·n_t + t] for r < count[b], t < n_t (the rest untouched):
 //   mode 0 (likelihood):   row_term[b] + Σ_c pair·|P_r|² − cross
 //   mode 1 (correlation):  −cross / (row_term[b] · sqrt(Σ_c pair·|P_r|²))
 // Numpy twin: NumpyEngine._diff2_dense on each particle's own projections.
@@ -36,7 +39,8 @@
 template <int TT>
 __device__ __forceinline__ void local_diff2_tile(
     const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,
-    const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
+    const float* __restrict__ mats, const int* __restrict__ tile_particle, const int* __restrict__ tile_first,
+    const int* __restrict__ count, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
     const float2* __restrict__ moved, int ldt, const float* __restrict__ pair, const double* __restrict__ row_term,
     int width, int n_t, int mode, int n_class, int k, float* __restrict__ out)
 {
@@ -55,14 +59,15 @@ __device__ __forceinline__ void local_diff2_tile(
     __shared__ double power_s[RT];
 
     const int tid = threadIdx.x;
-    const long long b = blockIdx.z;
-    const int r0 = blockIdx.x * RT, t0 = blockIdx.y * TT;
+    const long long b = tile_particle[blockIdx.x];
+    const int r0 = tile_first[blockIdx.x], t0 = blockIdx.y * TT, n_r = count[b];
     const int lane = tid % 32, warp = tid / 32;
     const int pr = (warp % (RT / OL)) * OL + lane % OL;        // this thread's orientation in the tile
     const int slot = (warp / (RT / OL)) * (32 / OL) + lane / OL;  // its first coefficient of each chunk
+    const bool projects = r0 + pr < n_r;  // whole warps beyond the particle's count skip the projection
     float a[6];
 #pragma unroll
-    for (int i = 0; i < 6; ++i) a[i] = (r0 + pr < width) ? mats[(b * width + r0 + pr) * 9 + i] : 0.f;
+    for (int i = 0; i < 6; ++i) a[i] = projects ? mats[(b * width + r0 + pr) * 9 + i] : 0.f;
     double power = 0.0;
     // accumulating: orientations 2·tr, 2·tr + 1 and translations 2·tt, 2·tt + 1 of the tile
     const int tr = tid / (TT / 2), tt = tid % (TT / 2);
@@ -75,7 +80,7 @@ __device__ __forceinline__ void local_diff2_tile(
         for (int j = 0; j < LOCAL_CK / CS; ++j) {
             const int cc = slot + j * CS, c = c0 + cc;
             float2 v = make_float2(0.f, 0.f);
-            if (c < n_coef) {
+            if (projects && c < n_coef) {
                 v = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
                 power += (double)(pair_b[c] * (v.x * v.x + v.y * v.y));
             }
@@ -119,7 +124,7 @@ __device__ __forceinline__ void local_diff2_tile(
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = r0 + 2 * tr + i;
-        if (r >= width) continue;
+        if (r >= n_r) continue;
         const double pw = power_s[2 * tr + i];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -135,13 +140,14 @@ __device__ __forceinline__ void local_diff2_tile(
 #define LOCAL_DIFF2_INSTANCE(TT)                                                                                   \
     extern "C" __global__ void __launch_bounds__(LOCAL_THREADS) local_diff2_t##TT(                                 \
         const float2* __restrict__ vol, int d, int w, int origin, float pf, float r_pad_sq,                         \
-        const float* __restrict__ mats, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,    \
+        const float* __restrict__ mats, const int* __restrict__ tile_particle, const int* __restrict__ tile_first, \
+        const int* __restrict__ count, const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,     \
         const float2* __restrict__ moved, int ldt, const float* __restrict__ pair,                                 \
         const double* __restrict__ row_term, int width, int n_t, int mode, int n_class, int k,                     \
         float* __restrict__ out)                                                                                   \
     {                                                                                                              \
-        local_diff2_tile<TT>(vol, d, w, origin, pf, r_pad_sq, mats, kx, ky, n_coef, moved, ldt, pair, row_term,    \
-                             width, n_t, mode, n_class, k, out);                                                   \
+        local_diff2_tile<TT>(vol, d, w, origin, pf, r_pad_sq, mats, tile_particle, tile_first, count, kx, ky,      \
+                             n_coef, moved, ldt, pair, row_term, width, n_t, mode, n_class, k, out);               \
     }
 
 LOCAL_DIFF2_INSTANCE(16)
