@@ -216,7 +216,8 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     engine's float64 arithmetic on each particle's own orientations: two classes, neighbourhoods wider than
     one block's orientations (two blocks of 64 for the tile of 16; 60–126 orientations a particle, padded to 80
     or 126, one with 64: a tile exactly full), and every translation tile: 9 and 13 translations in a tile of 16,
-    29 in one of 32, 49 in one of 64, and 81 in two layers of 64. The rows that pad a particle's orientations to the widest are left 0."""
+    29 in one of 32, 49 in one of 64, and 81 in two layers of 64. The rows that pad a particle's orientations to
+    the widest are left 0."""
     import dataclasses
 
     from cryorefine.estep.common import local_orientations
