@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -19,3 +20,9 @@ def atomic_path(path):
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def copy_atomically(source, path):
+    """Copy the file `source` to `path`, the same bytes, atomically (a file of a run that repeats one it wrote)."""
+    with atomic_path(path) as tmp:
+        shutil.copyfile(source, tmp)

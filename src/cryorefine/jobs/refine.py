@@ -40,6 +40,7 @@ from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
+from cryorefine.io.atomic import copy_atomically
 from cryorefine.io.background import InOwnProcess
 from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
                                           write_optimiser_star, write_sampling_star)
@@ -325,11 +326,11 @@ class RefineJob:
                                         halves_joined=plan.final)),
                    partial(write_optimiser_star, f"{root}_optimiser.star",
                            optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv))]
-        if plan.final:  # the converged run's files
-            writes += [partial(write_particle_star, particles.star, f"{out_root}_data.star", table),
+        if plan.final:  # the converged run's files; those that repeat the final iteration's are copies of them
+            writes += [partial(copy_atomically, f"{root}_data.star", f"{out_root}_data.star"),
                        partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
-            writes += [partial(mrc.write_volume, f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
-                       for h in (1, 2)]
+            writes += [partial(copy_atomically, f"{root}_half{h}_class001.mrc",
+                               f"{out_root}_half{h}_class001_unfil.mrc") for h in (1, 2)]
             writes.append(partial(write_star, model_star_blocks(model, optimiser, config, None,
                                                                 [f"{out_root}_class001.mrc"], names, counts),
                                   f"{out_root}_model.star"))
