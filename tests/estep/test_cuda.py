@@ -11,6 +11,7 @@ from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling
 from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
+from cryorefine.estep.kernels import COARSE_KERNELS, coarse_kernel_name
 from cryorefine.estep.reference import NumpyEngine
 from conftest import cupy_or_skip, run_cli, significance_by_full_sort
 
@@ -182,13 +183,17 @@ def test_segment_reductions_match_numpy(cp):
         np.testing.assert_array_equal(cp.asnumpy(idx), want_idx)
 
 
+@pytest.mark.parametrize("kernel", COARSE_KERNELS)
 @pytest.mark.parametrize("seed,n", [(4, 32), (5, 64)])
-def test_coarse_diff2_relative_error_below_1e5(cp, seed, n):
+def test_coarse_diff2_relative_error_below_1e5(cp, seed, n, kernel):
+    """Both kernels of the global search's coarse product (tensor cores, CUDA cores) against float64."""
+    if kernel == coarse_kernel_name(80) and int(cp.cuda.Device().compute_capability) < 80:
+        pytest.skip(f"{kernel} needs compute capability 8.0 (TF32)")
     _, setup, batch = random_problem(seed, n, 6, healpix_order=1, offset_range=3, offset_step=1.5,
                                      coarse_size_px=n // 2 + 4 if n > 32 else n)
     from cryorefine.estep.cuda import CupyEngine
 
-    gpu = CupyEngine(keep_blocks=True)
+    gpu = CupyEngine(keep_blocks=True, coarse_kernel=kernel)
     gpu.setup(setup)
     gpu.run(batch)
     got = gpu.last_coarse_diff2[0]  # (B, R·T)
@@ -203,7 +208,7 @@ def test_coarse_diff2_relative_error_below_1e5(cp, seed, n):
     want = ref._diff2_dense(x, x_shift, c, ref.minv_coarse[batch.optics_index], ref.coarse_projections[0])
     want = want.reshape(got.shape)
     rel = np.max(np.abs(got - want) / np.abs(want))
-    print(f"coarse diff2 {n} px: max relative error vs float64 {rel:.2e}")
+    print(f"coarse diff2 {n} px, {kernel}: max relative error vs float64 {rel:.2e}")
     assert rel <= 1e-5, rel
     np.testing.assert_array_equal(np.argmin(got, axis=1), np.argmin(want, axis=1))
 

@@ -7,11 +7,11 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 1. coarse pass: the projected slices of every orientation (`project_slices_planar`), the images
    moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
    translation) × orientation pairs as one tiled matrix product per orientation chunk
-   (`coarse_diff2`, numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle
-   its own orientations (`core.sampling.LocalOrientations`), padded to the widest neighbourhood of
-   the sub-batch: `local_diff2_t*` projects their slices inside the kernel and meets them with the
-   particle's moved images there (no slice reaches device memory); nothing the size of the whole
-   grid is made;
+   (`coarse_diff2_tf32` on tensor cores, `coarse_diff2` on CUDA cores before compute capability 8.0;
+   numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle its own orientations
+   (`core.sampling.LocalOrientations`), each particle in tiles of its own (`local_tiles`):
+   `local_diff2_t*` projects their slices inside the kernel and meets them with the particle's moved
+   images there (no slice reaches device memory); nothing the size of the whole grid is made;
 2. weights and significance on the device without a weights array: one CUDA block per particle
    recomputes its row's weights from diff2 and the priors in each pass (row maximum, total,
    candidate count, then the candidates packed: `coarse_weight_stats`, `coarse_candidates`; numpy
@@ -50,8 +50,8 @@ from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLI
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
-                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, fine_kernel_names, fine_tiles,
-                                      kernel_module, local_tile, local_tiles, round_up)
+                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_kernel_name, fine_kernel_names,
+                                      fine_tiles, kernel_module, local_tile, local_tiles, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,15 @@ class _PairGroups:
 class CupyEngine:
     """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
 
-    def __init__(self, device_id=0, arena=None, keep_blocks=False):
+    def __init__(self, device_id=0, arena=None, keep_blocks=False, coarse_kernel=None):
         import cupy
 
         self.cp = cupy
         self.array_module = cupy  # batches are prepared on the device (images.prepare_batch)
         self.device_id = int(device_id)
+        # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`coarse_kernel_name`)
+        self.coarse_kernel = coarse_kernel or coarse_kernel_name(
+            cupy.cuda.Device(self.device_id).compute_capability)
         self.arena = arena
         self.keep_blocks = keep_blocks  # copy FineBlocks and diff2 to the host (tests, diagnostics)
         self.last_blocks = []
@@ -451,7 +454,7 @@ class CupyEngine:
         tic = self._tick("coarse_images", tic)
         n_sel = self.n_orient
         diff2 = cp.empty((b_count, self.n_classes * n_sel * n_t), dtype=cp.float32)
-        gemm = module.get_function("coarse_diff2")
+        gemm = module.get_function(self.coarse_kernel)
         chunk = n_sel if self.coarse_cache is not None else self.plan.orientations_per_chunk
         for k in range(self.n_classes):
             for start in range(0, n_sel, chunk):

@@ -21,14 +21,17 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "local.cu", "fine.cu", "backproject.cu",
-                "segments.cu", "weights.cu")
+KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "local.cu", "fine.cu",
+                "backproject.cu", "segments.cu", "weights.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
 # × orientation product, K staged GEMM_BK at a time; its operands are padded to these multiples (`round_up`)
 GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
 GEMM_THREADS = 256  # threads per coarse_diff2 block (its __launch_bounds__)
+# the two kernels of the global search's coarse product, same arguments and tiles: on tensor cores, three TF32
+# products per FP32 one (coarse_tf32.cu, compute capability 8.0 and later), and on CUDA cores in FP32 (coarse.cu)
+COARSE_KERNELS = ("coarse_diff2_tf32", "coarse_diff2")
 FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 # fine_diff2 / fine_sums take a block's children in tiles of at most FINE_TILE_CHILDREN (at most FINE_TILE_TRANSLATIONS
 # translations), one tile per CUDA block, so a thread's sums stay in registers: 8 × 4 (one tile) at oversampling 1
@@ -78,6 +81,12 @@ def local_tile(n_translations):
     search has 9 or 13 translations: a tile of 16 computes 16 products for them where a tile of 32 computes 32."""
     tt = next((t for t in LOCAL_TRANSLATION_TILES if t >= int(n_translations)), LOCAL_TRANSLATION_TILES[-1])
     return 4 * LOCAL_THREADS // tt, tt, f"local_diff2_t{tt}"
+
+
+def coarse_kernel_name(compute_capability):
+    """The coarse product's kernel for a device of `compute_capability` ("90", as CuPy gives it): on tensor cores
+    where TF32 exists (8.0 and later), on CUDA cores before."""
+    return COARSE_KERNELS[0] if int(compute_capability) >= 80 else COARSE_KERNELS[1]
 
 
 def local_tiles(counts, tile_orientations):

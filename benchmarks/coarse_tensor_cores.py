@@ -1,0 +1,99 @@
+"""The global search's coarse product on CUDA cores (`coarse_diff2`, FP32) and on tensor cores
+(`coarse_diff2_tf32`, three TF32 products per FP32 one), side by side on the shapes of the jobs that use it.
+
+For each shape, both kernels run the same likelihood epilogue on the same random operands (K × M shifted
+images, K × N slices, coefficient-major and padded as the engine pads them): milliseconds per launch (CUDA
+events, 5 launches after a warm one), achieved TFLOP/s counted as FP32 work (2·M·N·K), and the largest error
+against float64 over 4,096 random outputs, relative to the sum of the magnitudes summed (random signs make a
+sum itself near 0). Shapes (M = particles × translations, N = orientations, K = 2 × coefficients):
+
+- class3d_26px: Class3D's global search at a 26 px coarse size, 512 particles × 21 translations, 4,608 orientations;
+- refine_order3_50px: the auto-refine's order-3 global search at 50 px, 512 × 21 translations, 36,864 orientations;
+- refine_order2_100px and whole_box_360px: larger coarse sizes (the case estep_throughput.py times).
+
+    python benchmarks/coarse_tensor_cores.py --json benchmarks/results/coarse_tensor_cores_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from bench_common import half_plane_coefficients, launch_ms
+
+SHAPES = {  # name: (particles, translations, orientations, coarse size px)
+    "class3d_26px": (512, 21, 4608, 26),
+    "refine_order3_50px": (512, 21, 36864, 50),
+    "refine_order2_100px": (512, 21, 4608, 100),
+    "whole_box_360px": (256, 21, 4608, 360),
+}
+KERNELS = ("coarse_diff2", "coarse_diff2_tf32")
+
+
+def measure(cp, name, n_particles, n_translations, n_orientations, size_px, repeats, rng, module=None,
+            kernels=KERNELS):
+    """Both kernels of `module` (default: the package's) on one shape; their times, FLOP/s and errors."""
+    from cryorefine.estep.kernels import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, kernel_module, round_up
+
+    n_coef = int(half_plane_coefficients(size_px, cp)[0].size)
+    m, k = n_particles * n_translations, 2 * n_coef
+    lda, ldb, kd = round_up(m, GEMM_BM), round_up(n_orientations, GEMM_BN), round_up(k, GEMM_BK)
+    a = np.zeros((kd, lda), np.float32)
+    b = np.zeros((kd, ldb), np.float32)
+    a[:k, :m] = rng.standard_normal((k, m))
+    b[:k, :n_orientations] = rng.standard_normal((k, n_orientations))
+    row = rng.standard_normal(n_particles).astype(np.float32)
+    pair = rng.standard_normal((n_particles, n_orientations)).astype(np.float32)
+    a_d, b_d, row_d, pair_d = (cp.asarray(v) for v in (a, b, row, pair))
+    module = module or kernel_module()
+    pick = rng.integers(0, [n_particles, n_orientations, n_translations], (4096, 3))
+    terms = a[:k, pick[:, 0] * n_translations + pick[:, 2]].astype(np.float64) * b[:k, pick[:, 1]]
+    want = row[pick[:, 0]] + pair[pick[:, 0], pick[:, 1]] - terms.sum(axis=0)
+    scale = np.abs(row[pick[:, 0]]) + np.abs(pair[pick[:, 0], pick[:, 1]]) + np.abs(terms).sum(axis=0)
+    result = {"shape": name, "m": m, "n": n_orientations, "k": k}
+    for kernel in kernels:
+        out = cp.empty((n_particles, n_orientations * n_translations), cp.float32)
+        args = (a_d, b_d, np.int32(lda), np.int32(ldb), np.int32(kd), np.int32(m), np.int32(n_orientations),
+                np.int32(n_translations), row_d, pair_d, np.int32(0), np.int32(n_orientations), np.int32(0), out)
+        ms = launch_ms(cp, module.get_function(kernel), ((ldb // GEMM_BN, lda // GEMM_BM), (GEMM_THREADS,), args),
+                       repeats)
+        got = cp.asnumpy(out).reshape(n_particles, n_orientations, n_translations)[pick[:, 0], pick[:, 1], pick[:, 2]]
+        result[kernel] = {"ms": ms, "tflops": 2.0 * m * n_orientations * k / (ms / 1e3) / 1e12,
+                          "max_error_relative_to_sum_of_magnitudes": float(np.max(np.abs(got - want) / scale))}
+        del out
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="Write the results here.")
+    args = parser.parse_args(argv)
+    import cupy as cp
+
+    device = cp.cuda.Device()
+    if int(device.compute_capability) < 80:
+        sys.exit(f"compute capability {device.compute_capability}: coarse_diff2_tf32 needs 8.0 or later")
+    rng = np.random.default_rng(0)
+    results = []
+    for name in args.shapes:
+        r = measure(cp, name, *SHAPES[name], args.repeats, rng)
+        results.append(r)
+        fp32, tf32 = r["coarse_diff2"], r["coarse_diff2_tf32"]
+        print(f"{name:22s} M {r['m']:6d} N {r['n']:6d} K {r['k']:6d} | FP32 {fp32['ms']:8.2f} ms "
+              f"{fp32['tflops']:5.1f} TFLOP/s err {fp32['max_error_relative_to_sum_of_magnitudes']:.1e} | "
+              f"3xTF32 {tf32['ms']:8.2f} ms {tf32['tflops']:5.1f} TFLOP/s "
+              f"err {tf32['max_error_relative_to_sum_of_magnitudes']:.1e} | {fp32['ms'] / tf32['ms']:.2f}×",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": cp.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
