@@ -80,15 +80,14 @@ def time_launch(cp, order, current, coarse, batch_poses):
     mats, width, counts = neighbourhood_matrices(order, batch_poses)
     mats = cp.asarray(mats, cp.float32)
     rt, tt, name = kernels.local_tile(N_T)
-    tile_particle, tile_first = kernels.local_tiles(counts, rt)
-    tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.asarray(counts, dtype=cp.int32))
+    tiles = kernels.local_tiles(counts, rt, xp=cp)
     ldt = -(-N_T // tt) * tt
     moved = cp.random.standard_normal((BATCH, kc, 2 * ldt), dtype=cp.float32).view(cp.complex64)
     pair = cp.random.random((BATCH, kc), dtype=cp.float32)
     row = cp.random.random(BATCH, dtype=cp.float64) + 1e3
     out = cp.empty((BATCH, 1, width, N_T), cp.float32)
     fn = kernels.kernel_module().get_function(name)
-    launch = ((tile_particle.size, ldt // tt, 1), (kernels.LOCAL_THREADS,),
+    launch = ((tiles[0].size, ldt // tt, 1), (kernels.LOCAL_THREADS,),
               (vol, *geometry, mats, *tiles, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row, np.int32(width),
                np.int32(N_T), np.int32(0), np.int32(1), np.int32(0), out))
     return launch_ms(cp, fn, launch, 5), width

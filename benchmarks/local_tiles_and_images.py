@@ -72,10 +72,9 @@ def tiles(cp):
             for tt in kernels.LOCAL_TRANSLATION_TILES:
                 rt, fn = 4 * kernels.LOCAL_THREADS // tt, module.get_function(f"local_diff2_t{tt}")
                 counts = np.full(BATCH, WIDTH)
-                tile_particle, tile_first = kernels.local_tiles(counts, rt)
-                tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.asarray(counts, dtype=cp.int32))
+                tiles = kernels.local_tiles(counts, rt, xp=cp)
                 out = cp.empty((BATCH, 1, WIDTH, n_t), cp.float32)
-                launch = ((tile_particle.size, -(-n_t // tt), 1), (kernels.LOCAL_THREADS,),
+                launch = ((tiles[0].size, -(-n_t // tt), 1), (kernels.LOCAL_THREADS,),
                           (vol, *geometry, mats, *tiles, kx, ky, np.int32(kc), moved, np.int32(ldt), pair, row,
                            np.int32(WIDTH), np.int32(n_t), np.int32(0), np.int32(1), np.int32(0), out))
                 result[f"t{tt}"] = launch_ms(cp, fn, launch, 3)

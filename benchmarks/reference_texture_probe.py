@@ -135,9 +135,8 @@ def main():
     tex_lin = texture.TextureObject(res, texture.TextureDescriptor(clamp, runtime.cudaFilterModeLinear, runtime.cudaReadModeElementType))
     tex_pt = texture.TextureObject(res, texture.TextureDescriptor(clamp, runtime.cudaFilterModePoint, runtime.cudaReadModeElementType))
     geom = (np.int32(d), np.int32(w), np.int32(origin), np.float32(pf), np.float32(r_pad * r_pad * (1 + 1e-5)))
-    tile_particle, tile_first = local_tiles(np.full(B, W), tile_r)
-    tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.full(B, W, dtype=cp.int32))
-    grid_ = (tile_particle.size, ldt // tile_t, 1)
+    tiles = local_tiles(np.full(B, W), tile_r, xp=cp)
+    grid_ = (tiles[0].size, ldt // tile_t, 1)
     outs = {}
     for label, fname, src in (("linear", name, vol), ("texpt", "local_texpt_t16", tex_pt), ("texlin", "local_texlin_t16", tex_lin)):
         f = mod.get_function(fname)

@@ -30,8 +30,9 @@ def test_a_particle_has_the_tiles_its_own_orientations_need(counts, tile):
     the one that holds its last orientation (a narrow neighbourhood is not padded to the widest)."""
     import numpy as np
 
-    particle, first = kernels.local_tiles(counts, tile)
-    assert particle.dtype == first.dtype == np.int32
+    particle, first, count_arg = kernels.local_tiles(counts, tile)
+    assert particle.dtype == first.dtype == count_arg.dtype == np.int32
+    assert count_arg.tolist() == list(counts)
     for b, count in enumerate(counts):
         starts = first[particle == b]
         covered = np.concatenate([np.arange(f, f + tile) for f in starts]) if starts.size else np.zeros(0, int)

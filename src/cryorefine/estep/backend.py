@@ -145,20 +145,20 @@ class CudaBackend:
             first_use_notice()
             if not self.use_arena:
                 yield self
-                mark_kernels_warm()
-                return
-            self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
-            try:
-                with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
-                    yield self
-                mark_kernels_warm()
-                log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
-            finally:
-                self.high_water_bytes = {level.name: int(v) for level, v in self.arena.high_water_by_scope().items()}
-                self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
-                self.iteration_peak_bytes = [int(v) for v in self.arena.iteration_peaks]
-                self.arena.close()
-                self.arena = None
+            else:
+                self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
+                try:
+                    with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
+                        yield self
+                    log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
+                finally:
+                    self.high_water_bytes = {level.name: int(v)
+                                             for level, v in self.arena.high_water_by_scope().items()}
+                    self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
+                    self.iteration_peak_bytes = [int(v) for v in self.arena.iteration_peaks]
+                    self.arena.close()
+                    self.arena = None
+            mark_kernels_warm()  # the run's iterations have ended: the kernels they used are in the cache
 
     @contextlib.contextmanager
     def iteration_scope(self):

@@ -571,11 +571,10 @@ class CupyEngine:
         tic = self._tick("coarse_images", tic)
         # each particle's own tiles; the padding rows stay 0 (finite, under their −inf log prior)
         counts = local.counts()
-        tile_particle, tile_first = local_tiles(counts, tile_r)
-        tiles = (cp.asarray(tile_particle), cp.asarray(tile_first), cp.asarray(counts.astype(np.int32)))
+        tiles = local_tiles(counts, tile_r, xp=cp)
         diff2 = cp.zeros((b_count, self.n_classes, width, n_t), dtype=cp.float32)
         kernel = kernel_module(device_id=self.device_id).get_function(name)
-        grid = (int(tile_particle.size), ldt // tile_t, 1)
+        grid = (int(tiles[0].size), ldt // tile_t, 1)
         n_orient = int(counts.sum())
         for k in range(self.n_classes):
             kernel(grid, (LOCAL_THREADS,),

@@ -89,16 +89,17 @@ def coarse_kernel_name(compute_capability):
     return COARSE_KERNELS[0] if int(compute_capability) >= 80 else COARSE_KERNELS[1]
 
 
-def local_tiles(counts, tile_orientations):
-    """The tiles of a local search's coarse kernel for particles with `counts` orientations each (host, (B,)): for
-    each block, its particle and the first of its `tile_orientations` orientations (int32, (n_tiles,) each). A
-    particle has ceil(count / tile_orientations) tiles, so a narrow neighbourhood is not padded to the widest."""
+def local_tiles(counts, tile_orientations, xp=np):
+    """The tile arguments of a local search's coarse kernel for particles with `counts` orientations each (host,
+    (B,)), as arrays of `xp` (numpy, or CuPy for the kernel): for each block, its particle and the first of its
+    `tile_orientations` orientations ((n_tiles,) each), and the counts ((B,)); int32. A particle has
+    ceil(count / tile_orientations) tiles, so a narrow neighbourhood is not padded to the widest."""
     counts = np.asarray(counts, dtype=np.int64)
     per_particle = (counts + int(tile_orientations) - 1) // int(tile_orientations)
     particle = np.repeat(np.arange(counts.size), per_particle)
     first_tile = np.cumsum(per_particle) - per_particle
     first = (np.arange(particle.size) - first_tile[particle]) * int(tile_orientations)
-    return particle.astype(np.int32), first.astype(np.int32)
+    return tuple(xp.asarray(a, dtype=np.int32) for a in (particle, first, counts))
 
 
 def fine_kernel_names(nfo, nft):
