@@ -1,7 +1,7 @@
 // The coarse product of coarse_diff2 on tensor cores, FP32-accurate: each operand is split into two TF32 numbers,
 // x = hi + lo (hi: x rounded to TF32's 10-bit mantissa, lo: the rest rounded again), and a·b is taken as
 // hi_a·hi_b + hi_a·lo_b + lo_a·hi_b ("3xTF32"; the dropped lo_a·lo_b is below 2^-22 of |a·b|). On an H100 or
-// H200 the three tensor-core products take 7–18 % less time than the one FP32 product on CUDA cores, with a
+// H200 the three tensor-core products take 6–15 % less time than the one FP32 product on CUDA cores, with a
 // smaller error against float64 (`benchmarks/coarse_tensor_cores.py` times both kernels and prints their errors).
 //
 // Same operands, tiles, padding and epilogue as coarse_diff2 (coarse.cu): A (K × lda) and B (K × ldb)
