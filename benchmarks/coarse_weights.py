@@ -1,5 +1,5 @@
-"""The coarse weights of a global search on the GPU (`estep.cuda.coarse_significant`: weights.cu's two passes over
-each particle's row of diff2, then the cut on the candidates), timed alone on the shapes of the jobs.
+"""The coarse weights of a global search on the GPU (`estep.cuda.coarse_significant`: weights.cu's two kernels
+reading each particle's row of diff2, then the cut on the candidates), timed alone on the shapes of the jobs.
 
 Shapes (particles × classes × orientations × translations): Class3D K=6 at HEALPix order 2 with 21 translations
 (580,608 samples a particle) and the auto-refine's order-3 global search with 45 translations (1,658,880). The

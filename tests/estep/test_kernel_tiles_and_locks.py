@@ -2,6 +2,7 @@
 orientations, and how `kernel_module` serialises compilations (`estep.kernels`);
 no GPU needed: the loader runs against a stand-in for CuPy."""
 
+import re
 import sys
 import threading
 import types
@@ -89,3 +90,14 @@ def test_a_long_compilation_does_not_hold_up_other_kernels_and_runs_once(monkeyp
     assert compiled.count(slow) == 1  # two threads asked, one compiled
     assert kernels.kernel_module(slow, 0) is kernels.kernel_module(list(slow), 0)
     assert compiled.count(slow) == 1
+
+
+def test_the_coarse_product_runs_on_tensor_cores_only_where_tf32_exists():
+    """coarse_diff2_tf32 needs TF32 (compute capability 8.0); older GPUs get the FP32 kernel, whose source is the
+    same module's."""
+    assert kernels.coarse_kernel_name("70") == kernels.coarse_kernel_name("75") == "coarse_diff2"
+    assert kernels.coarse_kernel_name("80") == kernels.coarse_kernel_name("90") == "coarse_diff2_tf32"
+    assert set(kernels.COARSE_KERNELS) == {"coarse_diff2", "coarse_diff2_tf32"}
+    source = kernels.kernel_source()
+    for name in kernels.COARSE_KERNELS:  # each an entry point of the module
+        assert re.search(rf'extern "C" __global__[^(]*\(\d+, \d+\)\s+{name}\(', source), name

@@ -33,10 +33,11 @@ __device__ __forceinline__ void cr_split_tf32(float x, unsigned& hi, unsigned& l
 // d += a·b for one m16n8k8 tile (a: 4 TF32 registers of the 16 × 8 tile, b: 2 of the 8 × 8 tile)
 __device__ __forceinline__ void cr_mma_tf32(float* d, const unsigned* a, const unsigned* b)
 {
+    // not volatile: the compiler may interleave the products of independent tiles
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
