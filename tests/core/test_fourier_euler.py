@@ -130,11 +130,12 @@ def test_downsample_volume_keeps_the_low_frequencies():
             np.testing.assert_allclose(small_ft[i, j, :3], big_ft[k16.index(kz), k16.index(ky), :3], atol=1e-12)
 
 
-@pytest.mark.parametrize("size", [32, 33, 48])
-@pytest.mark.parametrize("r_max", [1.0, 3.5, 9.0, 15.2, 24.0])
+@pytest.mark.parametrize("size", [32, 33, 48, 97])
+@pytest.mark.parametrize("r_max", [1.0, 3.5, 5.9, 9.0, 15.2, 24.0])
 def test_the_band_limited_lowpass_is_the_whole_transforms_filter(size, r_max):
     """lowpass_band_limited transforms over the band alone; it gives what filtering the whole transform gives, for
-    even and odd boxes, bands of a shell up to ones that reach Nyquist (the whole transforms then)."""
+    even and odd boxes, bands of a shell up to ones that reach Nyquist (the whole transforms then), by matrix
+    products where the band is narrow (1/DFT_BAND_FRACTION of the box or less) and by FFTs beyond."""
     volume = np.random.default_rng(size).standard_normal((size,) * 3)
     gain = lambda r: fourier.raised_cosine(r, r_max - 1.0, 1.0)  # noqa: E731 — 0 beyond r_max
     want = fourier.irfft3_centered(fourier.rfft3_centered(volume) * gain(fourier.radius_3d(size)), size)
