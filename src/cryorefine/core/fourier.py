@@ -52,7 +52,9 @@ def lowpass_band_limited(volume, gain_of_radius, r_max_px, xp=np):
     transforms made one axis at a time over the band alone: after the x axis only kx ≤ r_max is kept, after y only
     |ky| ≤ r_max, so the y and z passes, and the inverse's, work on a few columns of the volume. The same sums as
     the whole transforms (the coefficients dropped are those the gain zeroes), in a third of their time or less for
-    a band of a twentieth of the box (360 px, 9 shells); the whole transforms where the band reaches Nyquist."""
+    a band of a twentieth of the box (360 px, 9 shells); the whole transforms where the band reaches Nyquist. A
+    numpy volume's band of at most 1/DFT_BAND_FRACTION of the box goes by matrix products instead
+    (`_lowpass_band_by_matrices`), which skip even the first and last passes over the whole volume."""
     n = volume.shape[-1]
     band = int(np.floor(r_max_px))
     if band >= n // 2 - 1:
