@@ -47,6 +47,11 @@ def irfft3_centered(ft, size_px, xp=np):
     return xp.fft.fftshift(vol, axes=(-3, -2, -1))
 
 
+#: A band of at most 1/DFT_BAND_FRACTION of the box is low-passed on the host with its Fourier sums as matrix products
+#: (`lowpass_band_limited`): a 360 px box's --ini_high band (9 shells) in a quarter of the band-limited FFTs' time.
+DFT_BAND_FRACTION = 16
+
+
 def lowpass_band_limited(volume, gain_of_radius, r_max_px, xp=np):
     """irfft3_centered(rfft3_centered(volume) · gain_of_radius(|k|)) for a gain that is 0 beyond `r_max_px`, the
     transforms made one axis at a time over the band alone: after the x axis only kx ≤ r_max is kept, after y only
@@ -81,11 +86,6 @@ def lowpass_band_limited(volume, gain_of_radius, r_max_px, xp=np):
     return xp.fft.fftshift(xp.fft.irfft(full, n=n, axis=-1, norm="forward"), axes=(-3, -2, -1))
 
 
-#: A band of at most 1/DFT_BAND_FRACTION of the box is low-passed on the host with its Fourier sums as matrix products
-#: (`lowpass_band_limited`): a 360 px box's --ini_high band (9 shells) in a quarter of the band-limited FFTs' time.
-DFT_BAND_FRACTION = 16
-
-
 def _lowpass_band_by_matrices(volume, gain_of_radius, band):
     """lowpass_band_limited of a numpy volume (N, N, N) whose band |k| ≤ `band` is narrow: the transforms' sums over
     the band's frequencies alone as products with their (N × band) Fourier matrices, the centring shifts taken into
@@ -107,7 +107,8 @@ def _lowpass_band_by_matrices(volume, gain_of_radius, band):
     inverse = np.exp(2j * np.pi * np.outer(position, k_full) / n)  # (N, 2·band + 1)
     ft = np.matmul(inverse, (inverse @ ft.reshape(m, -1)).reshape(n, m, band + 1)).reshape(-1, band + 1)  # (z·y, kx)
     inverse_x = np.exp(2j * np.pi * np.outer(kx, position) / n) * np.where(kx > 0, 2.0, 1.0)[:, None]
-    return (ft.real @ inverse_x.real - ft.imag @ inverse_x.imag).reshape(n, n, n)
+    out = (ft.real @ inverse_x.real - ft.imag @ inverse_x.imag).reshape(n, n, n)
+    return out.astype(np.result_type(volume.dtype, np.float32), copy=False)  # the FFTs' precision
 
 
 def signed_frequencies(size_px, xp=np):
