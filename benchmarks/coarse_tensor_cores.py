@@ -8,7 +8,8 @@ against float64 over 4,096 random outputs, relative to the sum of the magnitudes
 sum itself near 0). Shapes (M = particles × translations, N = orientations, K = 2 × coefficients):
 
 - class3d_26px: Class3D's global search at a 26 px coarse size, 512 particles × 21 translations, 4,608 orientations;
-- refine_order3_50px: the auto-refine's order-3 global search at 50 px, 512 × 21 translations, 36,864 orientations;
+- refine_order3_50px: the auto-refine's order-3 global search at 50 px, 36,864 orientations, 512 particles × 21
+  translations (the 10k job's order-3 iterations search 45: a taller product of the same kind);
 - refine_order2_100px and whole_box_360px: larger coarse sizes (the case estep_throughput.py times).
 
     python benchmarks/coarse_tensor_cores.py --json benchmarks/results/coarse_tensor_cores_h100.json
