@@ -95,12 +95,12 @@ def cupy_or_skip():
 def significance_by_full_sort(weights, adaptive_fraction, max_significants=0):
     """The significance rule stated plainly, the brute force the engines are checked against: per row,
     sort all weights, cumulate, keep the fewest samples holding `adaptive_fraction` of the row's mass
-    (every sample of positive weight at a fraction of 1), at most `max_significants`; ties at the cut
-    are kept. Returns the mask and the counts."""
+    (at a fraction of 1 every sample above the smallest normal float64, `estep.common.WEIGHT_FLOOR`), at most
+    `max_significants`; ties at the cut are kept. Returns the mask and the counts."""
     order = np.argsort(-weights, axis=1, kind="stable")
     sorted_w = np.take_along_axis(weights, order, axis=1)
     if adaptive_fraction >= 1.0:
-        n_sig = np.maximum((weights > 0).sum(axis=1), 1)
+        n_sig = np.maximum((weights > np.finfo(np.float64).tiny).sum(axis=1), 1)
     else:
         cum = np.cumsum(sorted_w, axis=1)
         n_sig = np.sum(cum < adaptive_fraction * cum[:, -1:], axis=1) + 1

@@ -638,18 +638,22 @@ def test_significance_on_the_device_matches_the_numpy_engine(cp):
 
 
 @pytest.mark.parametrize("per_particle_priors", [False, True])
-def test_fused_coarse_weights_select_what_the_weights_array_does(cp, per_particle_priors):
+@pytest.mark.parametrize("r, misaligned", [(150, False), (648, False), (650, False), (651, False), (648, True)])
+def test_fused_coarse_weights_select_what_the_weights_array_does(cp, per_particle_priors, r, misaligned):
     """`coarse_significant` (weights.cu: weights recomputed from diff2 and the priors, candidates packed on the
     device) against `significant_samples` of the float64 weights spelt out in numpy in the numpy engine's order of
-    operations: the same samples in the same order, the same counts. Rows longer than one pass of a CUDA block
-    (S = 2 · 150 · 7 = 2,100), from nearly flat to one sample, orientations barred by a −inf prior, the class and
-    orientation priors shared or per particle (a local search's)."""
+    operations: the same samples in the same order, the same counts. Rows S = 2 · r · 7 samples long, each way
+    weights.cu reads them: 2,100 (four samples a load, fewer groups than a CUDA block has threads), 9,072 (eight
+    samples a load; also as a view one float past an aligned start: a sample a load), 9,100 (four, more than two
+    groups a thread) and 9,114 (a sample a load, more than one pass); from nearly flat to a few samples,
+    orientations barred by a −inf prior, the class and orientation priors shared or per particle (a local
+    search's)."""
     from cryorefine.estep.common import significant_samples
     from cryorefine.estep.cuda import coarse_significant
 
     rng = np.random.default_rng(5)
-    b, k, r, t = 24, 2, 150, 7
-    breadth = np.geomspace(0.02, 50.0, b)[:, None, None, None]
+    b, k, t = 24, 2, 7
+    breadth = np.geomspace(0.002, 50.0, b)[:, None, None, None]
     d2 = (1000.0 + rng.exponential(1.0, (b, k, r, t)) * 30.0 / breadth).astype(np.float32)
     prior_ko = np.log(rng.uniform(0.1, 1.0, (b if per_particle_priors else 1, k, r, 1)))
     prior_ko[:, :, rng.choice(r, 5, replace=False), :] = -np.inf
@@ -659,8 +663,10 @@ def test_fused_coarse_weights_select_what_the_weights_array_does(cp, per_particl
     for fraction, max_sig in ((0.999, 0), (0.9, 0), (0.999, 50), (1.0, 0)):
         mask, want_n = significant_samples(weights, fraction, max_sig, np)
         want_b, want_s = np.nonzero(mask)
-        b_idx, s_idx, per_particle, n_sig = coarse_significant(cp, cp.asarray(d2), cp.asarray(prior_ko),
-                                                               cp.asarray(prior_t), fraction, max_sig, 0)
+        d2_d = cp.asarray(np.concatenate([[0.0], d2.ravel()]).astype(np.float32))[1:].reshape(d2.shape) \
+            if misaligned else cp.asarray(d2)
+        b_idx, s_idx, per_particle, n_sig = coarse_significant(cp, d2_d, cp.asarray(prior_ko), cp.asarray(prior_t),
+                                                               fraction, max_sig, 0)
         if (fraction, max_sig) == (0.999, 0):  # sharp and broad rows both met
             assert want_n.min() < 20 and want_n.max() > 1000
         np.testing.assert_array_equal(cp.asnumpy(n_sig), want_n)

@@ -39,7 +39,8 @@ def blob_volume(rng, blobs=6):
 def tiny_problem(seed=3, n_particles=5):
     """Two class maps, a coarse sampling, noisy CTF-modulated projections of random poses at random origins.
 
-    adaptive_fraction = 1 keeps every sample of positive weight, so each particle's weights sum to 1."""
+    adaptive_fraction = 1 keeps every sample of weight above 2.2e-308 of the best, so each particle's weights sum to
+    1."""
     rng = np.random.default_rng(seed)
     maps = [blob_volume(rng) for _ in range(K)]
     sampling = Sampling(healpix_order=1, offset_range_px=2, offset_step_px=2)

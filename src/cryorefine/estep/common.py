@@ -22,6 +22,11 @@ TILE_ROWS, TILE_COLUMNS = 4, 8
 _NEGATIVE_ROWS_FROM = 1 << 20  # a negative row ky ranks as this + ky: after the rows ky ≥ 0 of any box, and in tiles
 #                                 that do not depend on the box (a multiple of TILE_ROWS)
 
+#: No coarse weight at or below this (the smallest normal float64, relative to the row's best) is a candidate, even at
+#: an adaptive fraction of 1: below it exp's results are subnormal, where numpy's and CUDA's round differently.
+#: weights.cu's CR_WEIGHT_FLOOR is the same number.
+WEIGHT_FLOOR = float(np.finfo(np.float64).tiny)
+
 
 @dataclass(frozen=True)
 class Coefficients:
@@ -216,7 +221,8 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     coarse weights (which pack the candidates themselves and share `significance_cut`).
 
     The numpy engine's rule (sort each row, cumulate, cut at the fraction) on candidates only: weights
-    at or below ε = (1 − fraction)·total / (2·S) add up to at most half the mass the cut leaves out, so
+    at or below ε = (1 − fraction)·total / (2·S) (and never below WEIGHT_FLOOR) add up to at most half the
+    mass the cut leaves out, so
     the samples before the cut are all candidates, and sorting a row's candidates gives the same count
     as sorting the whole row (up to the last bits of the row total, summed pairwise here and in sequence
     there, which only matters for a weight exactly at the cut). Rows of a converged refinement hold a few
@@ -224,7 +230,7 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     """
     b_count, n_samples = weights.shape
     total = weights.sum(axis=1)
-    epsilon = (1.0 - adaptive_fraction) * total / (2.0 * n_samples)
+    epsilon = xp.maximum((1.0 - adaptive_fraction) * total / (2.0 * n_samples), WEIGHT_FLOOR)
     candidate = weights > epsilon[:, None]
     counts = candidate.sum(axis=1)
     width = max(1, int(counts.max()))
@@ -251,7 +257,7 @@ def significance_cut(packed, counts, total, adaptive_fraction, max_significants,
     Returns the smallest weight kept per row (`significant_mask` applies it) and the count kept (B,)."""
     b_count = packed.shape[0]
     sorted_w = -xp.sort(-packed, axis=1)
-    if adaptive_fraction >= 1.0:  # all of the mass: every sample of positive weight (as the numpy engine)
+    if adaptive_fraction >= 1.0:  # all of the mass: every candidate (every weight above WEIGHT_FLOOR)
         n_sig = xp.maximum(counts, 1)
     else:
         cum = xp.cumsum(sorted_w, axis=1)

@@ -13,9 +13,9 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    `local_diff2_t*` projects their slices inside the kernel and meets them with the particle's moved
    images there (no slice reaches device memory); nothing the size of the whole grid is made;
 2. weights and significance on the device without a weights array: one CUDA block per particle
-   recomputes its row's weights from diff2 and the priors in each pass (row maximum, total,
-   candidate count, then the candidates packed: `coarse_weight_stats`, `coarse_candidates`; numpy
-   twin `common.significant_samples`), and the cut sorts the candidates alone; only the
+   recomputes its row's weights from diff2 and the priors in each of three passes (row maximum; total
+   and a bound on the candidates; the candidates packed: `coarse_weight_stats`, `coarse_candidates`;
+   numpy twin `common.significant_samples`), and the cut sorts the candidates alone; only the
    per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
    orientation) pair: where a pair has many blocks its NFO slices are projected once (`project_slices`) and
@@ -71,10 +71,11 @@ def _f32(v):
 def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_significants, device_id):
     """The significant samples of coarse diff2 (B, K, R, T) under log priors broadcasting as (B or 1, K, R, 1) and
     (B, 1, 1, T), without a (B, K·R·T) float64 weights array: weights.cu recomputes a row's weights in each of its
-    passes (max, total and candidate count; then the candidates packed), and the cut (`common.significance_cut`)
-    sorts the candidates alone. Returns (particle, sample index in its row) of each significant sample, by
-    particle then sample as `cp.nonzero` orders them, the count per particle (host) and the cut's count (device):
-    what `common.significant_samples` gives for the weights exp(lw − max lw), lw = priors − diff2."""
+    three passes (maximum; total and a bound on the candidates; the candidates packed), and the cut
+    (`common.significance_cut`) sorts the candidates alone. Returns (particle, sample index in its row) of each
+    significant sample, by particle then sample as `cp.nonzero` orders them, the count per particle (host) and the
+    cut's count (device): what `common.significant_samples` gives for the weights exp(lw − max lw), lw = priors −
+    diff2."""
     b_count, n_cls, n_sel, n_t = d2.shape
     n_samples = n_cls * n_sel * n_t
     if n_samples >= 1 << 31:
@@ -88,17 +89,20 @@ def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_signifi
     pt = cp.ascontiguousarray(cp.broadcast_to(prior_t, (b_count, 1, 1, n_t)), dtype=cp.float64)
     row_max = cp.empty(b_count, dtype=cp.float64)
     total = cp.empty(b_count, dtype=cp.float64)
+    bound = cp.empty(b_count, dtype=cp.int64)
     counts = cp.empty(b_count, dtype=cp.int64)
     module = kernel_module(device_id=device_id)
+    # samples a load: as float4 where every row starts 16-byte aligned
+    q = next((q for q in (8, 4) if n_samples % q == 0), 1) if d2.data.ptr % 16 == 0 else 1
     args = (d2, ko, np.int64(0 if rows_ko == 1 else n_cls * n_sel), pt, np.int64(n_samples), _i32(n_t),
-            np.float64(adaptive_fraction))
-    module.get_function("coarse_weight_stats")((b_count,), (WEIGHT_THREADS,), (*args, row_max, total, counts))
-    width = max(1, int(counts.max()))
+            np.float64(adaptive_fraction), _i32(q))
+    module.get_function("coarse_weight_stats")((b_count,), (WEIGHT_THREADS,), (*args, row_max, total, bound))
+    width = max(1, int(bound.max()))
     packed_w = cp.zeros((b_count, width), dtype=cp.float64)
     packed_s = cp.zeros((b_count, width), dtype=cp.int32)
     module.get_function("coarse_candidates")((b_count,), (WEIGHT_THREADS,),
-                                             (*args, row_max, total, np.int64(width), packed_w, packed_s))
-    del d2, ko, pt, row_max
+                                             (*args, row_max, total, np.int64(width), packed_w, packed_s, counts))
+    del d2, ko, pt, row_max, bound
     threshold, n_sig = significance_cut(packed_w, counts, total, adaptive_fraction, max_significants, cp)
     keep = significant_mask(packed_w, threshold[:, None])
     del packed_w, threshold
