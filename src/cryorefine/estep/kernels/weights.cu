@@ -4,9 +4,9 @@
 // (the numpy engine's order of operations; ko_stride 0 when the class and orientation priors are the
 // same for every particle). The candidates are the weights above ε = (1 − fraction)·total / (2·S)
 // (`common.significant_samples`). Two kernels, three passes over a row:
-// - coarse_weight_stats: the row's max lw (pass 1), its total weight and an upper bound on its count of candidates
-//   (pass 2): the samples within reach of the lowest ε can be, (1 − fraction) / (2·S), as the total is at least 1
-//   (the maximum's own weight), so the packed rows can be sized before ε is known;
+// - coarse_weight_stats: the row's max lw (pass 1), then its total weight and an upper bound on its count of
+//   candidates (pass 2): the samples within reach of the lowest ε a row can have, that of a total of 1 (the
+//   maximum's own weight), so that the packed rows can be sized before ε is known;
 // - coarse_candidates (pass 3): each row's candidates (weight and sample index) packed in the order of s, and their
 //   count; the significance cut then sorts only them.
 // The passes wait on their loads: a row is read Q samples a load where it can be (`coarse_significant` passes Q).
