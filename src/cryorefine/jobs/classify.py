@@ -78,7 +78,9 @@ def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested
 
 
 def initial_references(config, box, pixel):
-    """K maps (float64) and whether they came from one map (then iteration 1 or 2 draws random seeds)."""
+    """K maps (float64) and whether they came from one map (then iteration 1 or 2 draws random seeds). From one map,
+    the classes share one read-only array: the M-step replaces maps and nothing changes one in place, so K copies of
+    a 360 px map (2.2 GB) would only cost the start their time."""
     path = Path(config.reference_map)
     if path.suffix.lower() == ".star":
         table = read_star(path)
@@ -93,7 +95,8 @@ def initial_references(config, box, pixel):
                 for n in names]
         return maps, False
     single = lowpass_to_ini_high(read_reference(path, box, pixel).astype(np.float64), config, box, pixel)
-    return [single.copy() for _ in range(config.n_classes)], config.n_classes > 1
+    single.setflags(write=False)
+    return [single] * config.n_classes, config.n_classes > 1
 
 
 class ClassifyJob:
