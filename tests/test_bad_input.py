@@ -7,6 +7,7 @@ and a property-style test that feeds random bytes and random truncations of vali
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,6 +169,20 @@ CASES = [
     ("classify --sym C1,C2", CLASSIFY, ("--sym", "C1,C2"), None, "--sym C1,C2"),
     ("refine --sym I --healpix_order 1", REFINE, ("--sym", "I", "--healpix_order", "1"), None, "--healpix_order 2"),
     ("plan --sym S3", PLAN, ("--sym", "S3"), None, "S3"),
+    ("--offset_range beyond half the box", REFINE, ("--offset_range", "9"), None, "--offset_range 9"),
+    ("classify --offset_range beyond half the box", CLASSIFY, ("--offset_range", "100"), None, "--offset_range 100"),
+    ("plan --offset_range beyond half the box", PLAN, ("--offset_range", "12"), None, "--offset_range 12"),
+    # output folders that cannot be made (/proc takes no new folder, even from root)
+    *[pytest.param(name, command, extra, None, option,
+                   marks=pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc"), id=name)
+      for name, command, extra, option in (
+          ("--o in a folder that takes none", REFINE, ("--o", "/proc/cryorefine_none/run"), "--o"),
+          ("classify --scratch_dir in a folder that takes none", CLASSIFY,
+           ("--scratch_dir", "/proc/cryorefine_none"), "--scratch_dir"),
+          ("reconstruct --o in a folder that takes none", RECONSTRUCT, ("--o", "/proc/cryorefine_none/map.mrc"),
+           "--o"),
+          ("simulate --o in a folder that takes none", SIMULATE, ("--o", "/proc/cryorefine_none"), "--o"),
+          ("plan --o in a folder that takes none", PLAN, ("--o", "/proc/cryorefine_none/run"), "--o"))],
 ]
 
 
@@ -197,7 +212,8 @@ def outputs_under(folder, before):
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p not in before)
 
 
-@pytest.mark.parametrize("name, command, extra, change, culprit", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, command, extra, change, culprit", CASES,
+                         ids=[c.id if hasattr(c, "id") else c[0] for c in CASES])
 def test_bad_input_is_refused_with_one_line_naming_it(valid, tmp_path, capsys, name, command, extra, change, culprit):
     folder = tmp_path / "case"
     shutil.copytree(valid, folder)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +135,15 @@ class RefineConfig:
             check_output_folder("--scratch_dir", self.scratch_dir)
         return self
 
+    def check_for_box(self, box_px):
+        """This config against the particles' box, or an InputError: a translation of more than half the box moves
+        the particle's centre out of its image (and the search's translations would fill the device for nothing)."""
+        half = int(box_px) // 2
+        if self.offset_range_px > half:
+            raise InputError(f"--offset_range {self.offset_range_px:g}: more than half the particles' box "
+                             f"({box_px} px); give at most {half} pixels")
+        return self
+
     def _check_symmetry(self):
         """--sym: a group RELION knows, whose asymmetric unit holds a direction at --healpix_order."""
         from cryorefine.core.sampling import Sampling
@@ -173,9 +184,17 @@ def default_batch_size(box_px: int, on_gpu: bool) -> int:
 
 
 def check_output_folder(option, folder):
-    """InputError when `folder` (where outputs go) cannot be made: it, or a folder above it, is a file."""
+    """InputError when `folder` (where outputs go) cannot be made: it, or a folder above it, is a file, or the nearest
+    folder that exists takes no new folder (no permission, a read-only file system, /proc), which a folder made and
+    removed there at once finds out."""
     for place in [Path(folder), *Path(folder).parents]:
         if place.exists():
             if not place.is_dir():
                 raise InputError(f"{option}: {place} is a file, not a folder; choose another output path")
+            try:
+                probe = tempfile.mkdtemp(prefix=".cryorefine_probe_", dir=place)
+            except OSError as exc:
+                raise InputError(f"{option}: no folder can be made in {place} ({exc.strerror}); choose a folder you "
+                                 f"can write in") from None
+            os.rmdir(probe)
             return

@@ -267,6 +267,7 @@ def particles_and_settings(config):
     (the particle diameter clipped to the box, with a warning)."""
     particles = load_particles(config.input_star)
     box, pixel = particles.geometry()
+    config.check_for_box(box)
     if config.do_ctf:
         particles.require_ctf()
     schedule.warn_if_diameter_clipped(config, box, pixel, log)

@@ -233,6 +233,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
 
     particles = load_particles(config.input_star)
     box, pixel = particles.geometry()
+    config.check_for_box(box)
     n = len(particles)
     itemsize = image_itemsize(particles)
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)

@@ -189,6 +189,7 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
     """
     import mrcfile
 
+    from cryorefine.config import check_output_folder
     from cryorefine.core import symmetry as symmetry_module
     from cryorefine.core.projector import Projector
     from cryorefine.io import mrc
@@ -210,6 +211,7 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--o {out_dir}: exists and is not a folder; give a folder for the outputs")
+    check_output_folder("--o", out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if group.order > 1:
         volume = symmetry_module.symmetrise_volume(volume, group).astype(np.float32)
