@@ -182,7 +182,9 @@ CASES = [
           ("reconstruct --o in a folder that takes none", RECONSTRUCT, ("--o", "/proc/cryorefine_none/map.mrc"),
            "--o"),
           ("simulate --o in a folder that takes none", SIMULATE, ("--o", "/proc/cryorefine_none"), "--o"),
-          ("plan --o in a folder that takes none", PLAN, ("--o", "/proc/cryorefine_none/run"), "--o"))],
+          ("plan --o in a folder that takes none", PLAN, ("--o", "/proc/cryorefine_none/run"), "--o"),
+          ("--pipeline_control in a folder that takes none", REFINE, ("--pipeline_control", "/proc/cryorefine_none"),
+           "--pipeline_control"))],
 ]
 
 

@@ -355,9 +355,11 @@ def _pipeline(folder):
     if not folder:
         yield None
         return
+    from cryorefine.config import check_output_folder
     from cryorefine.io.pipeline import ABORTED, FAILURE, SUCCESS, PipelineControl
     from cryorefine.runners.mpi import rank_from_environment
 
+    check_output_folder("--pipeline_control", folder)  # before the job: its exit file must be writable there
     control = PipelineControl(folder)
     master = rank_from_environment() == 0
     try:
