@@ -97,7 +97,8 @@ CASES = [
     ("text pixel size", RECONSTRUCT, (), set_column("rlnImagePixelSize", "px", table="optics"), "rlnImagePixelSize"),
     ("amplitude contrast 1.5", REFINE, ("--ctf",), set_column("rlnAmplitudeContrast", 1.5, table="optics"),
      "rlnAmplitudeContrast"),
-    ("negative voltage", REFINE, ("--ctf",), set_column("rlnVoltage", -300.0, table="optics"), "rlnVoltage"),
+    ("negative voltage", REFINE, ("--ctf",), set_column("rlnVoltage", -300.0, table="optics"),
+     "column rlnVoltage: -300.0 is not"),  # a number as written, not numpy's repr
     ("text Cs", RECONSTRUCT, ("--ctf",), set_column("rlnSphericalAberration", "cs", table="optics"),
      "rlnSphericalAberration"),
     ("text image size", REFINE, (), set_column("rlnImageSize", "big", table="optics"), "rlnImageSize"),

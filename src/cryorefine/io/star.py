@@ -361,8 +361,10 @@ def _numeric(table, path, block):
                 span = (f"{'≥' if low_allowed else '>'} {low:g}" if low is not None else "") + \
                        (f"{' and ' if low is not None else ''}≤ {high:g}" if high is not None else "")
                 wanted += f" {span}"
-            raise InputError(f"{path}: {block} row {i + 1}, column {column}: {raw.iloc[i]!r} is not {wanted}; fix the "
-                             f"value or remove the row")
+            value = raw.iloc[i]
+            shown = repr(value) if isinstance(value, str) else str(value)  # text quoted, numbers as written
+            raise InputError(f"{path}: {block} row {i + 1}, column {column}: {shown} is not {wanted}; fix the value or "
+                             f"remove the row")
         table[column] = values.astype(np.int64) if integer else values
     return table
 
