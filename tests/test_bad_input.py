@@ -160,6 +160,7 @@ CASES = [
     ("simulate --defocus abc", SIMULATE, ("--defocus", "abc"), None, "--defocus"),
     ("simulate --angpix 0", SIMULATE, ("--angpix", "0"), None, "--angpix"),
     ("simulate --batch 0", SIMULATE, ("--batch", "0"), None, "--batch"),
+    ("simulate --n beyond the disk", SIMULATE, ("--n", "1000000000000"), None, "--n 1000000000000"),
     ("reconstruct --maxres -2", RECONSTRUCT, ("--maxres", "-2"), None, "--maxres"),
     ("reconstruct --pad 0", RECONSTRUCT, ("--pad", "0"), None, "--pad"),
     ("reconstruct --batch 0", RECONSTRUCT, ("--batch", "0"), None, "--batch"),

@@ -213,6 +213,7 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
         raise InputError(f"--o {out_dir}: exists and is not a folder; give a folder for the outputs")
     check_output_folder("--o", out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_disk(options, box, out_dir)
     if group.order > 1:
         volume = symmetry_module.symmetrise_volume(volume, group).astype(np.float32)
 
@@ -296,6 +297,22 @@ def _particle_table(params, options, n):
         "rlnClassNumber": np.ones(n, dtype=np.int64),
     })
     return pd.DataFrame(columns)
+
+
+STAR_ROW_BYTES = 250  # about a particle's row of particles.star
+
+
+def _check_disk(options, box, out_dir):
+    """InputError when the stack and STAR file would not fit in the free space of `out_dir`: the stack is a memory
+    map of its whole size, and a write past the disk's end would kill the process instead of failing cleanly."""
+    import shutil
+
+    n = int(options.n_particles)
+    need = n * (box * box * (2 if options.float16 else 4) + STAR_ROW_BYTES)
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise InputError(f"--n {n}: {n} particles of {box} px take about {need / 1e9:.3g} GB but {free / 1e9:.3g} GB "
+                         f"are free in {out_dir}; give fewer particles{'' if options.float16 else ' or --float16'}")
 
 
 def _validate(options):
