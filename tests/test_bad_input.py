@@ -153,6 +153,7 @@ CASES = [
     ("--free_gpu_memory -1", REFINE, ("--free_gpu_memory", "-1"), None, "--free_gpu_memory"),
     ("--K 0", CLASSIFY, ("--K", "0"), None, "--K"),
     ("plan --gpu_memory -1", PLAN, ("--gpu_memory", "-1"), None, "--gpu_memory"),
+    ("plan --gpu_memory below --free_gpu_memory", PLAN, ("--gpu_memory", "1"), None, "--free_gpu_memory 2048 MB"),
     ("plan --gpu_tflops 0", PLAN, ("--gpu_tflops", "0"), None, "--gpu_tflops"),
     ("plan --healpix_order 40", PLAN, ("--healpix_order", "40"), None, "--healpix_order"),
     ("simulate --n 0", SIMULATE, ("--n", "0"), None, "--n"),

@@ -238,6 +238,10 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
     itemsize = image_itemsize(particles)
     diameter = schedule.default_particle_diameter_angstrom(config, box, pixel)
     arena = gpu.memory_bytes - config.free_gpu_memory_mb * 2 ** 20
+    if arena <= 0:  # as the run's arena would refuse (gpu.allocator.DeviceArena)
+        raise InputError(f"no GPU memory arena on {gpu.name}: {gpu.memory_bytes / GB:.3g} GB minus --free_gpu_memory "
+                         f"{config.free_gpu_memory_mb:g} MB leaves none; lower --free_gpu_memory or plan for a larger "
+                         f"GPU (--gpu_memory)")
     res0 = schedule.current_resolution(box, pixel, iteration=0,
                                        ini_high_angstrom=schedule.starting_resolution_angstrom(config))
     late = late_resolution_angstrom or 2 * pixel / 0.75
@@ -273,8 +277,8 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         if worst.label.startswith("late") and late_resolution_angstrom is None:
             hint += (f"; the late iteration is planned at {late:.1f} Å (three quarters of Nyquist): --resolution "
                      f"plans it at the resolution the job is expected to reach")
-        raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.1f} GB of GPU memory "
-                         f"but the arena on {gpu.name} has {arena / GB:.1f} GB; {hint}")
+        raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.3g} GB of GPU "
+                         f"memory but the arena on {gpu.name} has {arena / GB:.3g} GB; {hint}")
     return {"particles": n, "box_px": box, "pixel_size_angstrom": pixel, "gpu": gpu, "arena_bytes": arena,
             "moments": moments}
 
