@@ -209,9 +209,7 @@ def simulate(reference_path, out_dir, options, log=None, xp=np):
     except ValueError as exc:
         raise InputError(f"--sym {options.symmetry}: {exc}") from None
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--o {out_dir}: exists and is not a folder; give a folder for the outputs")
-    check_output_folder("--o", out_dir)
+    check_output_folder("--o", out_dir)  # a file where the folder should be, or a place that takes no folder
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_disk(options, box, out_dir)
     if group.order > 1:
