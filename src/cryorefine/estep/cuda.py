@@ -103,6 +103,9 @@ def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_signifi
     module.get_function("coarse_candidates")((b_count,), (WEIGHT_THREADS,),
                                              (*args, row_max, total, np.int64(width), packed_w, packed_s, counts))
     del d2, ko, pt, row_max, bound
+    # the cut sorts the candidates' own width, not the bound's (many times wider in rows of middling breadth)
+    width = max(1, int(counts.max()))
+    packed_w, packed_s = packed_w[:, :width], packed_s[:, :width]
     threshold, n_sig = significance_cut(packed_w, counts, total, adaptive_fraction, max_significants, cp)
     keep = significant_mask(packed_w, threshold[:, None])
     del packed_w, threshold
