@@ -27,6 +27,41 @@
 #define GEMM_BK 8
 #endif
 
+// Staging of the k-slabs: 256 threads each move one float4 of row lk of A's and of B's slab, at column lm of the
+// block's tile (coarse_diff2_tf32 also moves row lk + 8).
+struct CrCoarseStaging {
+    int lk, lm;
+    const float* Ap;
+    const float* Bp;
+
+    __device__ __forceinline__ CrCoarseStaging(const float* __restrict__ A, const float* __restrict__ B, int lda,
+                                               int ldb, int m0, int n0)
+        : lk(threadIdx.x / (GEMM_BM / 4)), lm((threadIdx.x % (GEMM_BM / 4)) * 4)
+    {
+        Ap = A + (size_t)lk * lda + m0 + lm;
+        Bp = B + (size_t)lk * ldb + n0 + lm;
+    }
+};
+
+// The epilogue of the sum `acc` of row m = b·T + t (m < M) and column n < N, written to its place in `out` (above).
+// The callers divide m by T once a row: a division for each of a thread's outputs cost up to a tenth of a short
+// product's time.
+__device__ __forceinline__ void cr_coarse_write(float acc, int b, int t, int n, int N, int T,
+                                                const float* __restrict__ row_term,
+                                                const float* __restrict__ pair_term, int mode, int n_total,
+                                                int n_offset, float* __restrict__ out)
+{
+    float v;
+    if (mode == 0) {
+        v = row_term[b] + pair_term[(size_t)b * N + n] - acc;
+    } else if (mode == 1) {
+        v = -acc / (row_term[b] * sqrtf(fmaxf(pair_term[(size_t)b * N + n], 1e-30f)));
+    } else {
+        v = acc;
+    }
+    out[((size_t)b * n_total + n_offset + n) * T + t] = v;
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, int ldb, int K, int M, int N,
              int T, const float* __restrict__ row_term, const float* __restrict__ pair_term, int mode,
@@ -37,15 +72,11 @@ coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, 
     const int tid = threadIdx.x;
     const int m0 = blockIdx.y * GEMM_BM;
     const int n0 = blockIdx.x * GEMM_BN;
-    // staging: 256 threads each move one float4 of A's and one of B's k-slab
-    const int lk = tid / (GEMM_BM / 4);
-    const int lm = (tid % (GEMM_BM / 4)) * 4;
-    const float* Ap = A + (size_t)lk * lda + m0 + lm;
-    const float* Bp = B + (size_t)lk * ldb + n0 + lm;
-    float4 ra = *reinterpret_cast<const float4*>(Ap);
-    float4 rb = *reinterpret_cast<const float4*>(Bp);
-    *reinterpret_cast<float4*>(&As[0][lk][lm]) = ra;
-    *reinterpret_cast<float4*>(&Bs[0][lk][lm]) = rb;
+    const CrCoarseStaging st(A, B, lda, ldb, m0, n0);
+    float4 ra = *reinterpret_cast<const float4*>(st.Ap);
+    float4 rb = *reinterpret_cast<const float4*>(st.Bp);
+    *reinterpret_cast<float4*>(&As[0][st.lk][st.lm]) = ra;
+    *reinterpret_cast<float4*>(&Bs[0][st.lk][st.lm]) = rb;
     __syncthreads();
 
     const int tx = tid % 16;
@@ -60,8 +91,8 @@ coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, 
     for (int k0 = 0; k0 < K; k0 += GEMM_BK) {
         const bool more = k0 + GEMM_BK < K;
         if (more) {
-            ra = *reinterpret_cast<const float4*>(Ap + (size_t)(k0 + GEMM_BK) * lda);
-            rb = *reinterpret_cast<const float4*>(Bp + (size_t)(k0 + GEMM_BK) * ldb);
+            ra = *reinterpret_cast<const float4*>(st.Ap + (size_t)(k0 + GEMM_BK) * lda);
+            rb = *reinterpret_cast<const float4*>(st.Bp + (size_t)(k0 + GEMM_BK) * ldb);
         }
 #pragma unroll
         for (int kk = 0; kk < GEMM_BK; ++kk) {
@@ -78,8 +109,8 @@ coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, 
         }
         if (more) {
             buf ^= 1;
-            *reinterpret_cast<float4*>(&As[buf][lk][lm]) = ra;
-            *reinterpret_cast<float4*>(&Bs[buf][lk][lm]) = rb;
+            *reinterpret_cast<float4*>(&As[buf][st.lk][st.lm]) = ra;
+            *reinterpret_cast<float4*>(&Bs[buf][st.lk][st.lm]) = rb;
             __syncthreads();
         }
     }
@@ -93,16 +124,7 @@ coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, 
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int n = n0 + (j < 4 ? tx * 4 + j : GEMM_BN / 2 + tx * 4 + j - 4);
-            if (n >= N) continue;
-            float v;
-            if (mode == 0) {
-                v = row_term[b] + pair_term[(size_t)b * N + n] - acc[i][j];
-            } else if (mode == 1) {
-                v = -acc[i][j] / (row_term[b] * sqrtf(fmaxf(pair_term[(size_t)b * N + n], 1e-30f)));
-            } else {
-                v = acc[i][j];
-            }
-            out[((size_t)b * n_total + n_offset + n) * T + t] = v;
+            if (n < N) cr_coarse_write(acc[i][j], b, t, n, N, T, row_term, pair_term, mode, n_total, n_offset, out);
         }
     }
 }

@@ -56,10 +56,10 @@ coarse_diff2_tf32(const float* __restrict__ A, const float* __restrict__ B, int 
     const int n0 = blockIdx.x * GEMM_BN;
     // staging: a thread moves one float4 of rows lk and lk + 8 of each operand's slab (K is a multiple of 8, so
     // rows lk + 8 lie either all inside K or all beyond it)
-    const int lk = tid / (GEMM_BM / 4);
-    const int lm = (tid % (GEMM_BM / 4)) * 4;
-    const float* Ap = A + (size_t)lk * lda + m0 + lm;
-    const float* Bp = B + (size_t)lk * ldb + n0 + lm;
+    const CrCoarseStaging st(A, B, lda, ldb, m0, n0);
+    const int lk = st.lk, lm = st.lm;
+    const float* Ap = st.Ap;
+    const float* Bp = st.Bp;
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
     float4 ra0 = *reinterpret_cast<const float4*>(Ap);
     float4 rb0 = *reinterpret_cast<const float4*>(Bp);
@@ -160,17 +160,9 @@ coarse_diff2_tf32(const float* __restrict__ A, const float* __restrict__ B, int 
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int n = n0 + wn + j * 8 + tig * 2 + c;
-                    if (n >= N) continue;
-                    const float a = acc[i][j][half * 2 + c];
-                    float v;
-                    if (mode == 0) {
-                        v = row_term[b] + pair_term[(size_t)b * N + n] - a;
-                    } else if (mode == 1) {
-                        v = -a / (row_term[b] * sqrtf(fmaxf(pair_term[(size_t)b * N + n], 1e-30f)));
-                    } else {
-                        v = a;
-                    }
-                    out[((size_t)b * n_total + n_offset + n) * T + t] = v;
+                    if (n < N)
+                        cr_coarse_write(acc[i][j][half * 2 + c], b, t, n, N, T, row_term, pair_term, mode, n_total,
+                                        n_offset, out);
                 }
             }
         }
