@@ -1,7 +1,8 @@
-"""The global search's coarse product on CUDA cores (`coarse_diff2`, FP32) and on tensor cores
-(`coarse_diff2_tf32`, three TF32 products per FP32 one), side by side on the shapes of the jobs that use it.
+"""The global search's coarse product on CUDA cores (`coarse_diff2`, FP32) and on tensor cores, three TF32
+products per FP32 one, with `mma.sync` (`coarse_diff2_tf32`) and, on compute capability 9.0, with Hopper's
+warp-group products (`coarse_diff2_wgmma`), side by side on the shapes of the jobs that use it.
 
-For each shape, both kernels run the same likelihood epilogue on the same random operands (K × M shifted
+For each shape, the kernels run the same likelihood epilogue on the same random operands (K × M shifted
 images, K × N slices, coefficient-major and padded as the engine pads them): milliseconds per launch (CUDA
 events, 5 launches after a warm one), achieved TFLOP/s counted as FP32 work (2·M·N·K), and the largest error
 against float64 over 4,096 random outputs, relative to the sum of the magnitudes summed (random signs make a
@@ -31,13 +32,24 @@ SHAPES = {  # name: (particles, translations, orientations, coarse size px)
     "refine_order2_100px": (512, 21, 4608, 100),
     "whole_box_360px": (256, 21, 4608, 360),
 }
-KERNELS = ("coarse_diff2", "coarse_diff2_tf32")
+LABELS = {"coarse_diff2": "FP32", "coarse_diff2_tf32": "3xTF32 mma.sync", "coarse_diff2_wgmma": "3xTF32 wgmma"}
+
+
+def device_kernels(compute_capability):
+    """The coarse kernels a device of `compute_capability` runs, CUDA cores first."""
+    kernels = ["coarse_diff2", "coarse_diff2_tf32"]
+    if str(compute_capability) == "90":
+        kernels.append("coarse_diff2_wgmma")
+    return kernels
 
 
 def measure(cp, name, n_particles, n_translations, n_orientations, size_px, repeats, rng, module=None,
-            kernels=KERNELS):
-    """Both kernels of `module` (default: the package's) on one shape; their times, FLOP/s and errors."""
-    from cryorefine.estep.kernels import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, kernel_module, round_up
+            kernels=("coarse_diff2", "coarse_diff2_tf32")):
+    """The `kernels` of `module` (default: the package's) on one shape; their times, FLOP/s and errors."""
+    import functools
+
+    from cryorefine.estep.kernels import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, coarse_shared_bytes,
+                                          kernel_module, round_up)
 
     n_coef = int(half_plane_coefficients(size_px, cp)[0].size)
     m, k = n_particles * n_translations, 2 * n_coef
@@ -59,8 +71,8 @@ def measure(cp, name, n_particles, n_translations, n_orientations, size_px, repe
         out = cp.empty((n_particles, n_orientations * n_translations), cp.float32)
         args = (a_d, b_d, np.int32(lda), np.int32(ldb), np.int32(kd), np.int32(m), np.int32(n_orientations),
                 np.int32(n_translations), row_d, pair_d, np.int32(0), np.int32(n_orientations), np.int32(0), out)
-        ms = launch_ms(cp, module.get_function(kernel), ((ldb // GEMM_BN, lda // GEMM_BM), (GEMM_THREADS,), args),
-                       repeats)
+        fn = functools.partial(module.get_function(kernel), shared_mem=coarse_shared_bytes(kernel))
+        ms = launch_ms(cp, fn, ((ldb // GEMM_BN, lda // GEMM_BM), (GEMM_THREADS,), args), repeats)
         got = cp.asnumpy(out).reshape(n_particles, n_orientations, n_translations)[pick[:, 0], pick[:, 1], pick[:, 2]]
         result[kernel] = {"ms": ms, "tflops": 2.0 * m * n_orientations * k / (ms / 1e3) / 1e12,
                           "max_error_relative_to_sum_of_magnitudes": float(np.max(np.abs(got - want) / scale))}
@@ -80,16 +92,16 @@ def main(argv=None):
     if int(device.compute_capability) < 80:
         sys.exit(f"compute capability {device.compute_capability}: coarse_diff2_tf32 needs 8.0 or later")
     rng = np.random.default_rng(0)
+    kernels = device_kernels(device.compute_capability)
     results = []
     for name in args.shapes:
-        r = measure(cp, name, *SHAPES[name], args.repeats, rng)
+        r = measure(cp, name, *SHAPES[name], args.repeats, rng, kernels=kernels)
         results.append(r)
-        fp32, tf32 = r["coarse_diff2"], r["coarse_diff2_tf32"]
-        print(f"{name:22s} M {r['m']:6d} N {r['n']:6d} K {r['k']:6d} | FP32 {fp32['ms']:8.2f} ms "
-              f"{fp32['tflops']:5.1f} TFLOP/s err {fp32['max_error_relative_to_sum_of_magnitudes']:.1e} | "
-              f"3xTF32 {tf32['ms']:8.2f} ms {tf32['tflops']:5.1f} TFLOP/s "
-              f"err {tf32['max_error_relative_to_sum_of_magnitudes']:.1e} | {fp32['ms'] / tf32['ms']:.2f}×",
-              flush=True)
+        fp32 = r["coarse_diff2"]
+        parts = [f"{LABELS[k]} {r[k]['ms']:8.2f} ms {r[k]['tflops']:5.1f} TFLOP/s "
+                 f"err {r[k]['max_error_relative_to_sum_of_magnitudes']:.1e}"
+                 + (f" {fp32['ms'] / r[k]['ms']:.2f}×" if k != "coarse_diff2" else "") for k in kernels]
+        print(f"{name:22s} M {r['m']:6d} N {r['n']:6d} K {r['k']:6d} | " + " | ".join(parts), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": cp.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),

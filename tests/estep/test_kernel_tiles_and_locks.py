@@ -56,6 +56,8 @@ def _fake_cupy(monkeypatch, slow_key, release):
             return name
 
     class Device:
+        compute_capability = "80"
+
         def __init__(self, i):
             pass
 
@@ -94,10 +96,17 @@ def test_a_long_compilation_does_not_hold_up_other_kernels_and_runs_once(monkeyp
 
 def test_the_coarse_product_runs_on_tensor_cores_only_where_tf32_exists():
     """coarse_diff2_tf32 needs TF32 (compute capability 8.0); older GPUs get the FP32 kernel, whose source is the
-    same module's."""
+    same module's. coarse_diff2_wgmma needs sm_90a, which 9.0 alone has: only there is the module compiled for it,
+    and only there does the kernel take dynamic shared memory."""
     assert kernels.coarse_kernel_name("70") == kernels.coarse_kernel_name("75") == "coarse_diff2"
-    assert kernels.coarse_kernel_name("80") == kernels.coarse_kernel_name("90") == "coarse_diff2_tf32"
-    assert set(kernels.COARSE_KERNELS) == {"coarse_diff2", "coarse_diff2_tf32"}
+    assert kernels.coarse_kernel_name("80") == kernels.coarse_kernel_name("89") == "coarse_diff2_tf32"
+    assert kernels.coarse_kernel_name("100") == kernels.coarse_kernel_name("120") == "coarse_diff2_tf32"
+    assert kernels.coarse_kernel_name("90") == "coarse_diff2_wgmma"
+    assert set(kernels.COARSE_KERNELS) == {"coarse_diff2", "coarse_diff2_tf32", "coarse_diff2_wgmma"}
+    assert "-arch=sm_90a" in kernels.compile_options("90")
+    assert not any(o.startswith("-arch") for c in ("80", "89", "100") for o in kernels.compile_options(c))
+    assert kernels.coarse_shared_bytes("coarse_diff2_wgmma") > 48 * 1024
+    assert kernels.coarse_shared_bytes("coarse_diff2_tf32") == kernels.coarse_shared_bytes("coarse_diff2") == 0
     source = kernels.kernel_source()
     for name in kernels.COARSE_KERNELS:  # each an entry point of the module
         assert re.search(rf'extern "C" __global__[^(]*\(\d+, \d+\)\s+{name}\(', source), name

@@ -50,8 +50,8 @@ from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLI
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
-                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_kernel_name, fine_kernel_names,
-                                      fine_tiles, kernel_module, local_tile, local_tiles, round_up)
+                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_kernel_name, coarse_shared_bytes,
+                                      fine_kernel_names, fine_tiles, kernel_module, local_tile, local_tiles, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -462,6 +462,7 @@ class CupyEngine:
         n_sel = self.n_orient
         diff2 = cp.empty((b_count, self.n_classes * n_sel * n_t), dtype=cp.float32)
         gemm = module.get_function(self.coarse_kernel)
+        gemm_shared = coarse_shared_bytes(self.coarse_kernel)
         chunk = n_sel if self.coarse_cache is not None else self.plan.orientations_per_chunk
         for k in range(self.n_classes):
             for start in range(0, n_sel, chunk):
@@ -476,11 +477,12 @@ class CupyEngine:
                     pair = cp.empty((b_count, nc), dtype=cp.float32)
                     grid = (ldb // GEMM_BN, ldp // GEMM_BM)
                     gemm(grid, (GEMM_THREADS,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count),
-                                                 _i32(nc), _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair))
+                                                 _i32(nc), _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair),
+                         shared_mem=gemm_shared)
                     grid = (ldb // GEMM_BN, lda // GEMM_BM)
                     gemm(grid, (GEMM_THREADS,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc),
                                                  _i32(n_t), row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
-                                                 _i32(k * n_sel + start), diff2))
+                                                 _i32(k * n_sel + start), diff2), shared_mem=gemm_shared)
                     self.stage_flops["coarse"] += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
         del a_mat, pair_mat
         tic = self._tick("coarse", tic)

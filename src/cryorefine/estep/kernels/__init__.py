@@ -21,17 +21,22 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "local.cu", "fine.cu",
-                "backproject.cu", "segments.cu", "weights.cu")
+KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "coarse_wgmma.cu", "local.cu",
+                "fine.cu", "backproject.cu", "segments.cu", "weights.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
 # × orientation product, K staged GEMM_BK at a time; its operands are padded to these multiples (`round_up`)
 GEMM_BM, GEMM_BN, GEMM_BK = 128, 128, 8
 GEMM_THREADS = 256  # threads per coarse_diff2 block (its __launch_bounds__)
-# the two kernels of the global search's coarse product, same arguments and tiles: on tensor cores, three TF32
-# products per FP32 one (coarse_tf32.cu, compute capability 8.0 and later), and on CUDA cores in FP32 (coarse.cu)
-COARSE_KERNELS = ("coarse_diff2_tf32", "coarse_diff2")
+# the three kernels of the global search's coarse product, same arguments and tiles: on Hopper's warp-group tensor-core
+# products, three TF32 products per FP32 one (coarse_wgmma.cu, compute capability 9.0 only: sm_90a); the same split
+# with `mma.sync` (coarse_tf32.cu, 8.0 and later); on CUDA cores in FP32 (coarse.cu)
+COARSE_KERNELS = ("coarse_diff2_wgmma", "coarse_diff2_tf32", "coarse_diff2")
+WGMMA_BK = 32  # coefficients a slab of coarse_diff2_wgmma, its tensor cores' sums flushed to FP32 once a slab
+# coarse_diff2_wgmma's dynamic shared memory: two slabs of four TF32 parts (A hi, A lo, B hi, B lo) of 128 rows each
+WGMMA_SHARED_BYTES = 2 * 4 * GEMM_BM * WGMMA_BK * 4
+WGMMA_COMPUTE_CAPABILITY = "90"  # the one architecture whose accelerated features (sm_90a) the kernel uses
 FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 # fine_diff2 / fine_sums take a block's children in tiles of at most FINE_TILE_CHILDREN (at most FINE_TILE_TRANSLATIONS
 # translations), one tile per CUDA block, so a thread's sums stay in registers: 8 × 4 (one tile) at oversampling 1
@@ -46,7 +51,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies bey
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
-           "LOCAL_THREADS": LOCAL_THREADS}
+           "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
@@ -84,9 +89,25 @@ def local_tile(n_translations):
 
 
 def coarse_kernel_name(compute_capability):
-    """The coarse product's kernel for a device of `compute_capability` ("90", as CuPy gives it): on tensor cores
-    where TF32 exists (8.0 and later), on CUDA cores before."""
-    return COARSE_KERNELS[0] if int(compute_capability) >= 80 else COARSE_KERNELS[1]
+    """The coarse product's kernel for a device of `compute_capability` ("90", as CuPy gives it): warp-group products
+    on 9.0 (H100, H200), `mma.sync` on the tensor cores of the others with TF32 (8.0 and later), CUDA cores before."""
+    if str(compute_capability) == WGMMA_COMPUTE_CAPABILITY:
+        return COARSE_KERNELS[0]
+    return COARSE_KERNELS[1] if int(compute_capability) >= 80 else COARSE_KERNELS[2]
+
+
+def coarse_shared_bytes(kernel_name):
+    """The dynamic shared memory a launch of the coarse kernel `kernel_name` takes (bytes)."""
+    return WGMMA_SHARED_BYTES if kernel_name == COARSE_KERNELS[0] else 0
+
+
+def compile_options(compute_capability):
+    """The compiler options of the module for a device of `compute_capability`: sm_90a on 9.0, where
+    coarse_diff2_wgmma needs its warp-group products (CuPy's own architecture option comes first; the last one
+    counts)."""
+    if str(compute_capability) == WGMMA_COMPUTE_CAPABILITY:
+        return COMPILE_OPTIONS + ("-arch=sm_90a",)
+    return COMPILE_OPTIONS
 
 
 def local_tiles(counts, tile_orientations, xp=np):
@@ -144,9 +165,13 @@ def kernel_module(name_expressions=(), device_id=None):
             if module is None:
                 with cupy.cuda.Device(key[0]), compile_notice(f"the GPU kernels{' ' if key[1] else ''}"
                                                               f"{', '.join(key[1])}"):
-                    module = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS,
+                    capability = cupy.cuda.Device(key[0]).compute_capability
+                    module = cupy.RawModule(code=kernel_source(), options=compile_options(capability),
                                             name_expressions=key[1])
                     module.get_function("segment_reduce")  # compiled (or read from CuPy's cache) here
+                    if coarse_shared_bytes(coarse_kernel_name(capability)):  # beyond the 48 KB a launch gets unasked
+                        module.get_function(coarse_kernel_name(capability)).max_dynamic_shared_size_bytes = \
+                            coarse_shared_bytes(coarse_kernel_name(capability))
                 _modules[key] = module
     return module
 
