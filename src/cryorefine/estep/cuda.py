@@ -7,7 +7,8 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
 1. coarse pass: the projected slices of every orientation (`project_slices_planar`), the images
    moved by every coarse translation (`shift_images_planar`), and diff2 of all (particle,
    translation) × orientation pairs as one tiled matrix product per orientation chunk
-   (`coarse_diff2_tf32` on tensor cores, `coarse_diff2` on CUDA cores before compute capability 8.0;
+   (`coarse_diff2_wgmma` on the warp-group tensor-core products of compute capability 9.0,
+   `coarse_diff2_tf32` on the tensor cores of the others from 8.0, `coarse_diff2` on CUDA cores before;
    numpy twin `NumpyEngine._diff2_dense`). A local search gives each particle its own orientations
    (`core.sampling.LocalOrientations`), each particle in tiles of its own (`local_tiles`):
    `local_diff2_t*` projects their slices inside the kernel and meets them with the particle's moved
