@@ -242,6 +242,27 @@ def test_bad_input_is_refused_with_one_line_naming_it(valid, tmp_path, capsys, n
     assert outputs_under(folder, before) == [], outputs_under(folder, before)
 
 
+def test_simulate_refuses_more_particles_than_the_memory_holds(valid, tmp_path, capsys, monkeypatch):
+    """A table larger than the memory available is refused before anything is drawn or written (the kernel's
+    out-of-memory killer would end the process without a word); the check asks the machine, so the test gives it a
+    small answer."""
+    from cryorefine.jobs import simulate
+
+    folder = tmp_path / "case"
+    shutil.copytree(valid, folder)
+    monkeypatch.setattr(simulate, "available_memory_bytes", lambda: 10 * simulate.HOST_BYTES_PER_PARTICLE)
+    args = [a.format(d=folder) for a in SIMULATE]
+    args[args.index("--n") + 1] = "11"
+    code, err = run(capsys, args)
+    assert code == 2, err
+    assert "--n 11" in err and "memory" in err and "Traceback" not in err, err
+    assert not (folder / "out").exists()
+    args[args.index("--n") + 1] = "10"  # as many as it holds: made
+    code, err = run(capsys, args)
+    assert code == 0, err
+    assert (folder / "out" / "particles.star").is_file()
+
+
 COMMANDS = {"info": ("info", "{d}/{f}"), "reconstruct": RECONSTRUCT, "refine": REFINE}
 
 
