@@ -424,3 +424,18 @@ def test_healpix_pixels_find_the_pixels_of_their_centres():
     np.testing.assert_array_equal(healpix_pixels(3, rot, tilt), pix)
     np.testing.assert_array_equal(healpix_pixels(3, rot + 720.0, tilt), pix)
     np.testing.assert_array_equal(healpix_pixels(3, rot + 180.0, -tilt), pix)  # (rot + 180, −tilt): the same axis
+
+
+def test_iterations_at_one_order_share_the_direction_tables():
+    """Every iteration has a Sampling of its own (its perturbation); the direction tables of an order and group are
+    made once and shared (at order 8 they take about a tenth of a second to make), read-only, and another group or
+    order gets its own."""
+    a = Sampling(healpix_order=3, offset_range_px=5, offset_step_px=2, perturbation=0.1)
+    b = Sampling(healpix_order=3, offset_range_px=3, offset_step_px=1, perturbation=0.4)
+    assert a.direction_ipix is b.direction_ipix
+    assert a.directions_deg() is b.directions_deg()
+    d2 = Sampling(healpix_order=3, offset_range_px=5, offset_step_px=2, symmetry="D2")
+    assert d2.direction_ipix is not a.direction_ipix and d2.n_directions < a.n_directions
+    assert a.with_healpix_order(2).direction_ipix is not a.direction_ipix
+    with pytest.raises(ValueError):
+        a.direction_ipix[0] = 1

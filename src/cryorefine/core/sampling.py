@@ -227,6 +227,36 @@ def _neighbourhood_pixels(order: int, centres, radius_rad: float) -> np.ndarray:
     return np.where(block[:, :, None] >= 0, pix, -1).reshape(b_count, -1)
 
 
+class DirectionTables(NamedTuple):
+    """The coarse directions of one HEALPix order in one group's asymmetric unit (all read-only)."""
+
+    ipix: np.ndarray  # (D,) HEALPix NEST pixel of each direction, increasing
+    angles_deg: np.ndarray  # (D, 2) rot, tilt
+    of_pixel: np.ndarray  # (12·4^N,) direction index of each pixel, −1 outside the unit
+    vectors: np.ndarray  # (D, 3) unit vectors
+
+
+@functools.lru_cache(maxsize=2)
+def _direction_tables(healpix_order: int, symmetry: str) -> DirectionTables:
+    """DirectionTables of `healpix_order` and `symmetry`, made once for the iterations that share them: every
+    iteration has a Sampling of its own (its perturbation), and at order 8 these tables take about a tenth of a
+    second to make. Two kept: an auto-refine's current order and the one before it."""
+    n_pix = 12 * 4 ** healpix_order
+    ipix = np.arange(n_pix, dtype=np.int64)
+    group = symmetry_group(symmetry)
+    if group.order > 1:
+        rot, tilt = healpix_angles_deg(healpix_order, ipix)
+        ipix = ipix[asymmetric_unit_mask(directions_to_xyz(rot, tilt), group)]
+    rot, tilt = healpix_angles_deg(healpix_order, ipix)
+    angles = np.stack([rot, tilt], axis=-1)
+    of_pixel = np.full(n_pix, -1, dtype=np.int64)
+    of_pixel[ipix] = np.arange(ipix.size)
+    vectors = directions_to_xyz(angles[:, 0], angles[:, 1])
+    for table in (ipix, angles, of_pixel, vectors):
+        table.setflags(write=False)
+    return DirectionTables(ipix, angles, of_pixel, vectors)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """The sampling of one iteration (RELION's HealpixSampling state).
@@ -331,24 +361,14 @@ class Sampling:
 
     # ------------------------------------------------------------------ coarse grid
 
-    @functools.cached_property
+    @property
     def direction_ipix(self) -> np.ndarray:
         """HEALPix NEST pixel (order N) of each coarse direction, increasing (read-only)."""
-        n_pix = 12 * 4 ** self.healpix_order
-        ipix = np.arange(n_pix, dtype=np.int64)
-        group = self.group
-        if group.order > 1:
-            rot, tilt = healpix_angles_deg(self.healpix_order, ipix)
-            ipix = ipix[asymmetric_unit_mask(directions_to_xyz(rot, tilt), group)]
-        ipix.setflags(write=False)
-        return ipix
+        return _direction_tables(self.healpix_order, self.symmetry).ipix
 
-    @functools.cached_property
+    @property
     def _directions(self) -> np.ndarray:
-        rot, tilt = healpix_angles_deg(self.healpix_order, self.direction_ipix)
-        out = np.stack([rot, tilt], axis=-1)
-        out.setflags(write=False)
-        return out
+        return _direction_tables(self.healpix_order, self.symmetry).angles_deg
 
     @functools.cached_property
     def _translations_unperturbed(self) -> np.ndarray:
@@ -519,18 +539,14 @@ class Sampling:
         offsets, i_dir, i_psi = _ragged_product(dir_offsets, np.arange(dirs.size), psi_offsets, np.arange(psis.size))
         return LocalOrientations(offsets, dirs[i_dir] * self.n_psi + psis[i_psi], dir_lp[i_dir] + psi_lp[i_psi])
 
-    @functools.cached_property
+    @property
     def _direction_of_pixel(self) -> np.ndarray:
         """Direction index of each HEALPix pixel of order N, −1 outside the asymmetric unit."""
-        out = np.full(12 * 4 ** self.healpix_order, -1, dtype=np.int64)
-        out[self.direction_ipix] = np.arange(self.n_directions)
-        return out
+        return _direction_tables(self.healpix_order, self.symmetry).of_pixel
 
-    @functools.cached_property
+    @property
     def _direction_vectors(self) -> np.ndarray:
-        out = directions_to_xyz(self._directions[:, 0], self._directions[:, 1])
-        out.setflags(write=False)
-        return out
+        return _direction_tables(self.healpix_order, self.symmetry).vectors
 
     def _local_directions(self, prior_rot_deg, prior_tilt_deg, sigma_deg, cutoff):
         """Ragged (offsets, directions, log priors) of the directions near each prior direction: the

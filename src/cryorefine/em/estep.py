@@ -174,9 +174,9 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
 
 
 def _make_lazy_tables(units, poses):
-    """The tables a local search's sampling makes on first use (functools.cached_property: the directions, the
-    pixel -> direction map) made on this thread, by one particle's neighbourhood per unit, before the engine and
-    the neighbourhoods' thread share the sampling."""
+    """The tables a local search's sampling makes on first use (the directions and the pixel -> direction map,
+    shared by the iterations at one HEALPix order: `core.sampling.DirectionTables`) made on this thread, by one
+    particle's neighbourhood per unit, before the engine and the neighbourhoods' thread share the sampling."""
     for unit in units:
         if unit.setup.local_searches and len(unit.members):
             local_orientations(unit.setup, *(p[unit.members[:1]] for p in poses))
