@@ -19,6 +19,9 @@ import sys
 
 import numpy as np
 
+LO_PRODUCTS = ("            cr_wgmma_tf32(part, cr_wg_descriptor(a_lo + o), cr_wg_descriptor(b_hi + o), "
+               "s > 0 || PROBE_NO_FLUSH);\n"
+               "            cr_wgmma_tf32(part, cr_wg_descriptor(a_hi + o), cr_wg_descriptor(b_lo + o), 1);\n")
 EDITS = {  # switch: (the kernel's text, the text with the switch around it)
     "NO_STAGE": [
         ("        if (more) load(k0 + WG_BK);",
@@ -44,12 +47,7 @@ EDITS = {  # switch: (the kernel's text, the text with the switch around it)
          "        if (!(PROBE_NO_STAGE && PROBE_NO_FLUSH)) __syncthreads();\n"),
     ],
     "ONE_PRODUCT": [
-        ("            cr_wgmma_tf32(part, cr_wg_descriptor(a_lo + o), cr_wg_descriptor(b_hi + o), s > 0 || PROBE_NO_FLUSH);\n"
-         "            cr_wgmma_tf32(part, cr_wg_descriptor(a_hi + o), cr_wg_descriptor(b_lo + o), 1);\n",
-         "#if !PROBE_ONE_PRODUCT\n"
-         "            cr_wgmma_tf32(part, cr_wg_descriptor(a_lo + o), cr_wg_descriptor(b_hi + o), s > 0 || PROBE_NO_FLUSH);\n"
-         "            cr_wgmma_tf32(part, cr_wg_descriptor(a_hi + o), cr_wg_descriptor(b_lo + o), 1);\n"
-         "#endif\n"),
+        (LO_PRODUCTS, "#if !PROBE_ONE_PRODUCT\n" + LO_PRODUCTS + "#endif\n"),
     ],
 }
 VARIANTS = {  # name: switches on

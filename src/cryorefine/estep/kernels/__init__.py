@@ -21,8 +21,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "coarse_wgmma.cu", "local.cu",
-                "fine.cu", "backproject.cu", "segments.cu", "weights.cu")
+KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "coarse_wgmma.cu",
+                "local.cu", "fine.cu", "backproject.cu", "segments.cu", "weights.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
