@@ -298,8 +298,9 @@ def _particle_table(params, options, n):
 
 
 STAR_ROW_BYTES = 250  # about a particle's row of particles.star
-# the host memory a particle takes while its parameters, table and STAR text are made: peak RSS grew by 0.92 KB a
-# particle (float16 stack) and 1.09 KB (float32) between 100,000 and 400,000 particles of 16 px
+# the host memory a particle takes: peak RSS (its parameters, its table and STAR text, and what of the memory-mapped
+# stack stays resident) grew by 0.92 KB a particle (float16 stack) and 1.09 KB (float32) between 100,000 and 400,000
+# particles of 16 px
 HOST_BYTES_PER_PARTICLE = 1100
 
 
