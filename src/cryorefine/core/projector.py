@@ -117,7 +117,25 @@ def _corner_weights(fx, fy, fz):
     return out
 
 
-class Projector:
+class _OnPaddedGrid:
+    """The box, padding factor and radius of the PaddedGrid `self.grid` a projector or back-projector works on."""
+
+    grid: PaddedGrid
+
+    @property
+    def size_px(self):
+        return self.grid.size_px
+
+    @property
+    def padding_factor(self):
+        return self.grid.padding_factor
+
+    @property
+    def r_max_px(self):
+        return self.grid.r_max_px
+
+
+class Projector(_OnPaddedGrid):
     """Padded 3D Fourier transform of a map, for central slices by trilinear interpolation.
 
     Projector(volume, padding_factor=2, r_max_px=None, do_gridding=True, dtype=np.float64, xp=np)
@@ -162,18 +180,6 @@ class Projector:
     def power_spectrum(self):
         """RELION's radial power of `data` (computed on first use: the E-step never needs it)."""
         return _relion_power_spectrum(self.data, self.grid, self.xp)
-
-    @property
-    def size_px(self):
-        return self.grid.size_px
-
-    @property
-    def padding_factor(self):
-        return self.grid.padding_factor
-
-    @property
-    def r_max_px(self):
-        return self.grid.r_max_px
 
     def project(self, matrices, image_size_px=None, r_max_px=None):
         """Central slices (…, n, n//2+1), complex, at poses `matrices` (…, 3, 3).
@@ -232,7 +238,7 @@ def _relion_power_spectrum(data, grid, xp):
     return xp.where(count >= 1.0, power / xp.maximum(count, 1.0), 0.0)
 
 
-class BackProjector:
+class BackProjector(_OnPaddedGrid):
     """Padded Fourier sums of back-projected slices: `data` (complex) and `weight` (real).
 
     BackProjector(size_px, padding_factor=2, r_max_px=None, dtype=np.float64, xp=np)
@@ -267,18 +273,6 @@ class BackProjector:
         bp.data, bp.weight = data, weight
         bp.hermitian_enforced = bool(hermitian_enforced)
         return bp
-
-    @property
-    def size_px(self):
-        return self.grid.size_px
-
-    @property
-    def padding_factor(self):
-        return self.grid.padding_factor
-
-    @property
-    def r_max_px(self):
-        return self.grid.r_max_px
 
     def zero(self):
         """Reset both sums to zero."""
