@@ -183,18 +183,24 @@ def default_batch_size(box_px: int, on_gpu: bool) -> int:
     return int(min(high, max(low, GPU_BATCH_PIXELS // max(int(box_px), 1) ** 2)))
 
 
+def nearest_existing(path):
+    """`path`, or the nearest place above it that exists (None where none does: a relative path under a working
+    folder that was removed)."""
+    return next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
+
+
 def check_output_folder(option, folder):
     """InputError when `folder` (where outputs go) cannot be made: it, or a folder above it, is a file, or the nearest
     folder that exists takes no new folder (no permission, a read-only file system, /proc), which a folder made and
     removed there at once finds out."""
-    for place in [Path(folder), *Path(folder).parents]:
-        if place.exists():
-            if not place.is_dir():
-                raise InputError(f"{option}: {place} is a file, not a folder; choose another output path")
-            try:
-                probe = tempfile.mkdtemp(prefix=".cryorefine_probe_", dir=place)
-            except OSError as exc:
-                raise InputError(f"{option}: no folder can be made in {place} ({exc.strerror}); choose a folder you "
-                                 f"can write in") from None
-            os.rmdir(probe)
-            return
+    place = nearest_existing(folder)
+    if place is None:
+        return
+    if not place.is_dir():
+        raise InputError(f"{option}: {place} is a file, not a folder; choose another output path")
+    try:
+        probe = tempfile.mkdtemp(prefix=".cryorefine_probe_", dir=place)
+    except OSError as exc:
+        raise InputError(f"{option}: no folder can be made in {place} ({exc.strerror}); choose a folder you "
+                         f"can write in") from None
+    os.rmdir(probe)

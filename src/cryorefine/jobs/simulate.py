@@ -323,9 +323,11 @@ def _check_room(options, box, out_dir):
     would end the process without a word)."""
     import shutil
 
+    from cryorefine.config import nearest_existing
+
     n = int(options.n_particles)
     need = n * (box * box * (2 if options.float16 else 4) + STAR_ROW_BYTES)
-    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    existing = nearest_existing(out_dir)  # check_output_folder has found it, a folder
     free = shutil.disk_usage(existing).free
     if need > free:
         raise InputError(f"--n {n}: {n} particles of {box} px take about {need / 1e9:.3g} GB but {free / 1e9:.3g} GB "
