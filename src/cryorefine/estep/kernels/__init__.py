@@ -169,9 +169,10 @@ def kernel_module(name_expressions=(), device_id=None):
                     module = cupy.RawModule(code=kernel_source(), options=compile_options(capability),
                                             name_expressions=key[1])
                     module.get_function("segment_reduce")  # compiled (or read from CuPy's cache) here
-                    if coarse_shared_bytes(coarse_kernel_name(capability)):  # beyond the 48 KB a launch gets unasked
-                        module.get_function(coarse_kernel_name(capability)).max_dynamic_shared_size_bytes = \
-                            coarse_shared_bytes(coarse_kernel_name(capability))
+                    coarse = coarse_kernel_name(capability)
+                    shared = coarse_shared_bytes(coarse)
+                    if shared:  # beyond the 48 KB a launch gets unasked
+                        module.get_function(coarse).max_dynamic_shared_size_bytes = shared
                 _modules[key] = module
     return module
 

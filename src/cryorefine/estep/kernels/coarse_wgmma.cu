@@ -7,7 +7,7 @@
 // and B (K × ldb) coefficient-major, lda a multiple of GEMM_BM, ldb of GEMM_BN, K of GEMM_BK (8). Two warp groups
 // take 64 rows each, all 128 columns: one `wgmma.m64n128k8` per 8 coefficients and TF32 part.
 //
-// Shared memory (dynamic, WG_SHARED_BYTES): two buffers of one slab of WG_BK coefficients, each holding four parts
+// Shared memory (dynamic, WGMMA_SHARED_BYTES): two buffers of one slab of WG_BK coefficients, each holding four parts
 // (A hi, A lo, B hi, B lo) of 128 rows × WG_BK coefficients, stored in wgmma's "core matrices" without swizzling: a
 // core matrix is 8 rows × 4 coefficients (128 bytes, a row's 4 coefficients contiguous); the core matrices of one
 // 8-row group follow each other along the coefficients (WG_LBO bytes apart), and the groups are WG_SBO bytes apart.
