@@ -34,8 +34,9 @@ GEMM_THREADS = 256  # threads per coarse_diff2 block (its __launch_bounds__)
 # with `mma.sync` (coarse_tf32.cu, 8.0 and later); on CUDA cores in FP32 (coarse.cu)
 COARSE_KERNELS = ("coarse_diff2_wgmma", "coarse_diff2_tf32", "coarse_diff2")
 WGMMA_BK = 32  # coefficients a slab of coarse_diff2_wgmma, its tensor cores' sums flushed to FP32 once a slab
-# coarse_diff2_wgmma's dynamic shared memory: two slabs of four TF32 parts (A hi, A lo, B hi, B lo) of 128 rows each
-WGMMA_SHARED_BYTES = 2 * 4 * GEMM_BM * WGMMA_BK * 4
+# coarse_diff2_wgmma's dynamic shared memory: two slabs of four TF32 parts (A hi, A lo, B hi, B lo) of 128 rows each,
+# 16 bytes after each 8-row group (coarse_wgmma.cu checks the figure against its layout)
+WGMMA_SHARED_BYTES = 2 * 4 * (GEMM_BM // 8) * (8 * WGMMA_BK * 4 + 16)
 WGMMA_COMPUTE_CAPABILITY = "90"  # the one architecture whose accelerated features (sm_90a) the kernel uses
 FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 # fine_diff2 / fine_sums take a block's children in tiles of at most FINE_TILE_CHILDREN (at most FINE_TILE_TRANSLATIONS
@@ -51,7 +52,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies bey
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
-           "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK}
+           "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK, "WGMMA_SHARED_BYTES": WGMMA_SHARED_BYTES}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 

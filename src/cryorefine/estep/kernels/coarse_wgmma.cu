@@ -10,9 +10,10 @@
 // Shared memory (dynamic, WGMMA_SHARED_BYTES): two buffers of one slab of WG_BK coefficients, each holding four parts
 // (A hi, A lo, B hi, B lo) of 128 rows × WG_BK coefficients, stored in wgmma's "core matrices" without swizzling: a
 // core matrix is 8 rows × 4 coefficients (128 bytes, a row's 4 coefficients contiguous); the core matrices of one
-// 8-row group follow each other along the coefficients (WG_LBO bytes apart), and the groups are WG_SBO bytes apart.
-// A thread stages one row's 4 consecutive coefficients as one 16-byte store, so a quarter warp fills one core matrix
-// and no bank is hit twice.
+// 8-row group follow each other along the coefficients (WG_LBO bytes apart), and the groups are WG_SBO bytes apart:
+// 16 bytes more than the 1,024 of their core matrices. A thread loads a 4 × 4 block (4 coefficients of 4 rows, one
+// 16-byte load a coefficient) and stores each row's 4 coefficients as one 16-byte store; the 16 bytes between
+// groups let a quarter warp's stores (rows 4 apart, in 4 groups) meet no bank twice.
 //
 // Accuracy: the tensor cores add into their accumulator without rounding to nearest (coarse_tf32.cu); so each slab's
 // products go to `part`, which the first product of a slab starts afresh (scale-d 0), and `part` is added to `acc`
@@ -25,11 +26,15 @@
 #define WGMMA_BK 32
 #endif
 #define WG_BK WGMMA_BK
-#define WG_PART_FLOATS (GEMM_BM * WG_BK)
 #define WG_LBO 128
+// an 8-row group's 8 core matrices, then 16 bytes more: the stores of a quarter warp (rows 4 apart) meet no bank twice
+#define WG_SBO (WG_BK / 4 * 128 + 16)
+#define WG_PART_FLOATS (GEMM_BM / 8 * WG_SBO / 4)
 static_assert(WG_BK == 32 && GEMM_BM == 128 && GEMM_BN == 128,
-              "coarse_diff2_wgmma stages 32 coefficients of 128 rows a slab, 8 groups of 4 over 256 threads");
-#define WG_SBO (WG_BK / 4 * 128)
+              "coarse_diff2_wgmma stages 32 coefficients of 128 rows a slab, 4 × 4 blocks over 256 threads");
+#ifdef WGMMA_SHARED_BYTES
+static_assert(2 * 4 * WG_PART_FLOATS * 4 == WGMMA_SHARED_BYTES, "the host's WGMMA_SHARED_BYTES is not this layout's");
+#endif
 
 // a shared-memory matrix descriptor (no swizzle): start address, leading byte offset (between core matrices along
 // the coefficients), stride byte offset (between 8-row groups), each in 16-byte units
@@ -85,36 +90,42 @@ coarse_diff2_wgmma(const float* __restrict__ A, const float* __restrict__ B, int
     const int wg = warp >> 2;  // the warp group: rows 64·wg ... of the tile
     const int m0 = blockIdx.y * GEMM_BM;
     const int n0 = blockIdx.x * GEMM_BN;
-    // staging: a thread moves row r of both operands' slabs, its coefficient groups kq, kq + 2, kq + 4, kq + 6
-    // (4 coefficients each); a warp's loads of one coefficient read 32 consecutive floats
-    const int r = tid & (GEMM_BM - 1), kq = tid >> 7;
-    const float* Ap = A + m0 + r;
-    const float* Bp = B + n0 + r;
-    const int row_offset = (r >> 3) * (WG_SBO / 4) + (r & 7) * 4;  // floats, within a part
+    // staging: a thread moves a 4 × 4 block of both operands' slabs, coefficients 4·kq ... 4·kq + 3 of rows
+    // 4·r4 ... 4·r4 + 3, one 16-byte load a coefficient (a warp's load reads 128 consecutive floats), then a row's 4
+    // coefficients as one 16-byte store a part
+    const int r4 = tid & 31, kq = tid >> 5;
+    const float* Ap = A + m0 + 4 * r4;
+    const float* Bp = B + n0 + 4 * r4;
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
 
-    float ra[4][4], rb[4][4];
+    float4 ra[4], rb[4];
     auto load = [&](int k0) {
+        const int k = k0 + 4 * kq;  // K is a multiple of 8: the 4 coefficients lie all inside K or all beyond it
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            const int k = k0 + (kq + 2 * g) * 4;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                ra[g][j] = k < K ? Ap[(size_t)(k + j) * lda] : 0.f;
-                rb[g][j] = k < K ? Bp[(size_t)(k + j) * ldb] : 0.f;
-            }
+        for (int j = 0; j < 4; ++j) {
+            ra[j] = k < K ? *reinterpret_cast<const float4*>(Ap + (size_t)(k + j) * lda) : zero4;
+            rb[j] = k < K ? *reinterpret_cast<const float4*>(Bp + (size_t)(k + j) * ldb) : zero4;
         }
+    };
+    auto column = [](const float4* v, int i, float* out) {  // element i of each of the 4 loads
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out[j] = i == 0 ? v[j].x : i == 1 ? v[j].y : i == 2 ? v[j].z : v[j].w;
     };
     auto store = [&](int buf) {
         float* base = wg_shared + buf * 4 * WG_PART_FLOATS;
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
+        for (int i = 0; i < 4; ++i) {
+            float a[4], b[4];
+            column(ra, i, a);
+            column(rb, i, b);
             unsigned ah[4], al[4], bh[4], bl[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                cr_split_tf32(ra[g][j], ah[j], al[j]);
-                cr_split_tf32(rb[g][j], bh[j], bl[j]);
+                cr_split_tf32(a[j], ah[j], al[j]);
+                cr_split_tf32(b[j], bh[j], bl[j]);
             }
-            const int at = row_offset + (kq + 2 * g) * (WG_LBO / 4);
+            const int r = 4 * r4 + i;
+            const int at = (r >> 3) * (WG_SBO / 4) + (r & 7) * 4 + kq * (WG_LBO / 4);
             *reinterpret_cast<uint4*>(base + at) = make_uint4(ah[0], ah[1], ah[2], ah[3]);
             *reinterpret_cast<uint4*>(base + WG_PART_FLOATS + at) = make_uint4(al[0], al[1], al[2], al[3]);
             *reinterpret_cast<uint4*>(base + 2 * WG_PART_FLOATS + at) = make_uint4(bh[0], bh[1], bh[2], bh[3]);
@@ -136,7 +147,7 @@ coarse_diff2_wgmma(const float* __restrict__ A, const float* __restrict__ B, int
         const bool more = k0 + WG_BK < K;
         if (more) load(k0 + WG_BK);  // in flight while the products run
         const float* base = wg_shared + buf * 4 * WG_PART_FLOATS;
-        const float* a_hi = base + wg * 64 * WG_BK;  // the warp group's 64 rows: 8 groups of WG_SBO bytes
+        const float* a_hi = base + wg * 8 * (WG_SBO / 4);  // the warp group's 64 rows: 8 groups of WG_SBO bytes
         const float* a_lo = a_hi + WG_PART_FLOATS;
         const float* b_hi = base + 2 * WG_PART_FLOATS;
         const float* b_lo = base + 3 * WG_PART_FLOATS;
