@@ -110,3 +110,79 @@ def test_the_coarse_product_runs_on_tensor_cores_only_where_tf32_exists():
     source = kernels.kernel_source()
     for name in kernels.COARSE_KERNELS:  # each an entry point of the module
         assert re.search(rf'extern "C" __global__[^(]*\(\d+, \d+\)\s+{name}\(', source), name
+
+
+def _fake_hopper_cupy(monkeypatch, capability, takes_sm90a, accepts_sm90a=True):
+    """A CuPy on one device of `capability` whose compiler refuses -arch=sm_90a (CompileException) unless
+    `accepts_sm90a`, and, accepting it, builds the code for it (cr_wgmma_compiled 1) only if `takes_sm90a`."""
+    import numpy as np
+
+    builds, functions = [], {}
+
+    class CompileException(Exception):
+        pass
+
+    class Function:
+        max_dynamic_shared_size_bytes = 0
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            self.sm90a = "-arch=sm_90a" in options
+            self.options = options
+
+        def get_function(self, name):
+            if name == "segment_reduce":  # the compilation
+                if self.sm90a and not accepts_sm90a:
+                    raise CompileException("nvrtc: error: invalid value for --gpu-architecture (-arch)")
+                builds.append(self.options)
+            return functions.setdefault(name, Function())
+
+        def get_global(self, name):
+            assert name == "cr_wgmma_compiled"
+            return np.array([int(self.sm90a and takes_sm90a)], dtype=np.int32)
+
+    class Device:
+        compute_capability = capability
+
+        def __init__(self, i=0):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def ndarray(shape, dtype, memptr):
+        return types.SimpleNamespace(get=lambda: memptr)
+
+    cupy = types.SimpleNamespace(
+        RawModule=RawModule, ndarray=ndarray, int32=np.int32,
+        cuda=types.SimpleNamespace(Device=Device, compiler=types.SimpleNamespace(CompileException=CompileException),
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_key_locks", {})
+    monkeypatch.setattr(kernels, "_sm90a_refused", set())
+    return builds, functions
+
+
+@pytest.mark.parametrize("capability, accepts, takes, kernel", [
+    ("90", True, True, "coarse_diff2_wgmma"),
+    ("90", False, False, "coarse_diff2_tf32"),  # the compiler refuses the option: compiled again without it
+    ("90", True, False, "coarse_diff2_tf32"),  # it takes CuPy's architecture instead: the wgmma kernel is empty
+    ("80", True, False, "coarse_diff2_tf32"),
+])
+def test_the_engine_gets_the_wgmma_kernel_only_where_the_module_holds_it(monkeypatch, caplog, capability, accepts,
+                                                                          takes, kernel):
+    builds, functions = _fake_hopper_cupy(monkeypatch, capability, takes, accepts)
+    assert kernels.device_coarse_kernel(0) == kernel
+    assert kernels.device_coarse_kernel(0) == kernel  # the module and the verdict are kept
+    assert builds == [kernels.compile_options(capability if accepts else "80")]  # one build, kept
+    warned = [r for r in caplog.records if "sm_90a" in r.getMessage()]
+    assert len(warned) == (1 if capability == "90" and kernel != "coarse_diff2_wgmma" else 0)
+    shared = functions.get("coarse_diff2_wgmma")
+    assert (shared is not None and shared.max_dynamic_shared_size_bytes > 48 * 1024) == (kernel == "coarse_diff2_wgmma")
+    kernels.kernel_module(("fine_sums<8, 4, 8, 4>",), 0)  # another module of the device: no second try of sm_90a
+    assert builds[-1] == kernels.compile_options(capability if kernel == "coarse_diff2_wgmma" else "80")
+    assert len([r for r in caplog.records if "sm_90a" in r.getMessage()]) == len(warned)

@@ -51,7 +51,7 @@ from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLI
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
-                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_kernel_name, coarse_shared_bytes,
+                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_shared_bytes, device_coarse_kernel,
                                       fine_kernel_names, fine_tiles, kernel_module, local_tile, local_tiles, round_up)
 from cryorefine.gpu.allocator import free_device_bytes
 
@@ -163,9 +163,8 @@ class CupyEngine:
         self.cp = cupy
         self.array_module = cupy  # batches are prepared on the device (images.prepare_batch)
         self.device_id = int(device_id)
-        # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`coarse_kernel_name`)
-        self.coarse_kernel = coarse_kernel or coarse_kernel_name(
-            cupy.cuda.Device(self.device_id).compute_capability)
+        # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`device_coarse_kernel`)
+        self.coarse_kernel = coarse_kernel or device_coarse_kernel(self.device_id)
         self.arena = arena
         self.keep_blocks = keep_blocks  # copy FineBlocks and diff2 to the host (tests, diagnostics)
         self.last_blocks = []

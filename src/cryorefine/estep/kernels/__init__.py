@@ -59,6 +59,7 @@ COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a 
 _modules = {}  # (device id, name expressions) -> cupy.RawModule
 _key_locks = {}  # (device id, name expressions) -> the lock its compilation holds
 _lock = threading.Lock()  # guards _key_locks
+_sm90a_refused = set()  # devices whose compiler did not take -arch=sm_90a: their modules are compiled without it
 
 
 def round_up(value, multiple):
@@ -104,11 +105,23 @@ def coarse_shared_bytes(kernel_name):
 
 def compile_options(compute_capability):
     """The compiler options of the module for a device of `compute_capability`: sm_90a on 9.0, where
-    coarse_diff2_wgmma needs its warp-group products (CuPy's own architecture option comes first; the last one
-    counts)."""
+    coarse_diff2_wgmma needs its warp-group products. CuPy gives its own architecture option first, and NVRTC 13
+    takes the last; `kernel_module` checks which one a compiler took (coarse_wgmma.cu's cr_wgmma_compiled)."""
     if str(compute_capability) == WGMMA_COMPUTE_CAPABILITY:
         return COMPILE_OPTIONS + ("-arch=sm_90a",)
     return COMPILE_OPTIONS
+
+
+def device_coarse_kernel(device_id):
+    """The coarse product's kernel for device `device_id`, as its compiled module holds it: `coarse_kernel_name`'s,
+    or the `mma.sync` kernel on a 9.0 device whose compiler did not take sm_90a."""
+    import cupy
+
+    kernel_module(device_id=device_id)  # compiled (or loaded) first: that tells whether sm_90a was taken
+    name = coarse_kernel_name(cupy.cuda.Device(int(device_id)).compute_capability)
+    if name == COARSE_KERNELS[0] and int(device_id) in _sm90a_refused:
+        return COARSE_KERNELS[1]
+    return name
 
 
 def local_tiles(counts, tile_orientations, xp=np):
@@ -166,15 +179,43 @@ def kernel_module(name_expressions=(), device_id=None):
             if module is None:
                 with cupy.cuda.Device(key[0]), compile_notice(f"the GPU kernels{' ' if key[1] else ''}"
                                                               f"{', '.join(key[1])}"):
-                    capability = cupy.cuda.Device(key[0]).compute_capability
-                    module = cupy.RawModule(code=kernel_source(), options=compile_options(capability),
-                                            name_expressions=key[1])
-                    module.get_function("segment_reduce")  # compiled (or read from CuPy's cache) here
-                    coarse = coarse_kernel_name(capability)
-                    shared = coarse_shared_bytes(coarse)
-                    if shared:  # beyond the 48 KB a launch gets unasked
-                        module.get_function(coarse).max_dynamic_shared_size_bytes = shared
+                    module = _compile(cupy, key[0], key[1])
                 _modules[key] = module
+    return module
+
+
+def _compile(cupy, device_id, name_expressions):
+    """The module for the current device `device_id`, compiled (or read from CuPy's cache) here: with sm_90a on a
+    9.0 device unless its compiler did not take it, then without (coarse_diff2_wgmma's body empty, and
+    `device_coarse_kernel` names the `mma.sync` kernel)."""
+    capability = cupy.cuda.Device(device_id).compute_capability
+    options = COMPILE_OPTIONS if device_id in _sm90a_refused else compile_options(capability)
+
+    def build(options):
+        module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
+        module.get_function("segment_reduce")  # compiles here (RawModule compiles on first use)
+        return module
+
+    def refused(why):
+        log.warning("GPU %d: the CUDA compiler did not build the kernels for sm_90a (%s); the coarse product runs "
+                    "with mma.sync instead of Hopper's warp-group products", device_id, why)
+        _sm90a_refused.add(device_id)
+
+    try:
+        module = build(options)
+    except cupy.cuda.compiler.CompileException as exc:
+        if options == COMPILE_OPTIONS:
+            raise
+        refused(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return build(COMPILE_OPTIONS)
+    if options == COMPILE_OPTIONS:
+        return module
+    flag = cupy.ndarray((1,), dtype=cupy.int32, memptr=module.get_global("cr_wgmma_compiled"))
+    if int(flag.get()[0]) != 1:
+        refused("it took another architecture than -arch=sm_90a")
+        return module  # coarse_diff2_wgmma's body is empty here; the others are whole
+    kernel = coarse_kernel_name(capability)
+    module.get_function(kernel).max_dynamic_shared_size_bytes = coarse_shared_bytes(kernel)  # beyond 48 KB
     return module
 
 

@@ -20,7 +20,18 @@
 // in FP32 after the slab: WG_BK = 32 coefficients a flush, which coarse_tensor_cores.py measured as accurate as 16.
 //
 // Compiled for sm_90a only (`kernel_module` passes -arch=sm_90a on a compute capability 9.0 device, and the engine
-// launches this kernel there alone: `coarse_kernel_name`); elsewhere its body is empty.
+// launches this kernel there alone: `device_coarse_kernel`); elsewhere its body is empty. Where a compiler given
+// -arch=sm_90a took another architecture (cr_wgmma_compiled 0) or refused the option, the engine launches
+// coarse_diff2_tf32 instead.
+
+// 1 in a module whose code was compiled for sm_90a (coarse_diff2_wgmma has its body), else 0: `kernel_module` reads
+// it, since a compiler given -arch=sm_90a after CuPy's own option might take CuPy's
+__device__ int cr_wgmma_compiled =
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    1;
+#else
+    0;
+#endif
 
 #ifndef WGMMA_BK
 #define WGMMA_BK 32
