@@ -474,6 +474,13 @@ def config_from_arguments(command, arguments):
     return _refine_config(**options)
 
 
+def _pool_batch(pool):
+    """RELION's --pool as the batch size (when --batch is not given), checked under its own name."""
+    if pool is not None and pool < 1:
+        raise InputError(f"--pool {pool}: out of range; give 1 or more particles")
+    return pool
+
+
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
@@ -496,7 +503,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, strict_highres_exp_angstrom=strict_highres_exp,
         max_coarse_size_px=coarse_size, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed,
-        batch_size=batch if batch is not None else pool,
+        batch_size=batch if batch is not None else _pool_batch(pool),
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,
@@ -584,8 +591,11 @@ def main(argv=None):
     try:
         cli.main(args=args, prog_name="cryorefine", standalone_mode=False)
     except click.exceptions.NoSuchOption as exc:
-        _fail(f"{exc.format_message()} (this option is not implemented; see `cryorefine "
-              f"{_command(exc)} --help`)", 2, debug)
+        takers = _commands_taking(exc.option_name)
+        named = " and ".join(f"`cryorefine {name}`" for name in takers)
+        where = (f"{named} take{'s' if len(takers) == 1 else ''} it, `cryorefine {_command(exc)}` does not" if takers
+                 else "this option is not implemented")
+        _fail(f"{exc.format_message()} ({where}; see `cryorefine {_command(exc)} --help`)", 2, debug)
     except click.exceptions.UsageError as exc:
         _fail(f"{exc.format_message()} (see `cryorefine {_command(exc)} --help`)", 2, debug)
     except click.exceptions.Abort:
@@ -600,6 +610,12 @@ def main(argv=None):
             _fail(disk_full, 3, debug)
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug)
     return 0
+
+
+def _commands_taking(option_name):
+    """The cryorefine commands that have the option `option_name` (such as --K), by name."""
+    return sorted(name for name, command in cli.commands.items()
+                  if any(option_name in param.opts for param in command.params))
 
 
 def _command(exc):

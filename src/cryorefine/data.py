@@ -294,7 +294,10 @@ def load_particles(star_path, check_stacks=True):
     star_dir = Path(star_path).parent
     if "rlnImageName" not in table.columns:
         raise InputError(f"{star_path}: column rlnImageName is missing from the particle table; add it")
-    parsed = [mrc.parse_image_name(name) for name in table["rlnImageName"].astype(str)]
+    try:
+        parsed = [mrc.parse_image_name(name) for name in table["rlnImageName"].astype(str)]
+    except InputError as exc:
+        raise InputError(f"{star_path}: {exc}; fix the STAR file") from None
     indices = np.array([p[0] for p in parsed], dtype=np.int64)
     resolved = {}
     paths = np.array([resolved.setdefault(p[1], str(mrc.resolve_stack_path(p[1], star_dir))) for p in parsed],
