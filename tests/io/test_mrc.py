@@ -30,9 +30,12 @@ def test_reader_keeps_request_order_across_stacks(tmp_path):
     np.testing.assert_array_equal(got, np.stack([b[2], a[3], b[0], a[0]]))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("byte_order", ["<", ">"])
-def test_runs_of_images_read_into_a_given_buffer_match_the_stack(tmp_path, byte_order):
-    """Consecutive images are read as blocks (preadv for native float32, memory-map slices otherwise)."""
+def test_runs_of_images_read_into_a_given_buffer_match_the_stack(tmp_path, monkeypatch, byte_order, threads):
+    """Consecutive images are read as blocks (preadv for native float32, memory-map slices otherwise); with threads,
+    a batch's blocks are cut and shared out among them (every batch here, however small)."""
+    monkeypatch.setattr(mrc, "PARALLEL_READ_BYTES", 0)
     rng = np.random.default_rng(3)
     a = rng.normal(size=(40, 12, 12)).astype(f"{byte_order}f4")
     b = rng.normal(size=(9, 12, 12)).astype(f"{byte_order}f4")
@@ -47,7 +50,7 @@ def test_runs_of_images_read_into_a_given_buffer_match_the_stack(tmp_path, byte_
     indices = [i for _, i in want]
     expected = np.stack([(a if name == "a" else b)[i - 1] for name, i in want]).astype(np.float32)
     buffer = np.full((len(want) + 5, 12, 12), -7.0, np.float32)
-    with mrc.StackReader() as reader:
+    with mrc.StackReader(threads=threads) as reader:
         got = reader.read(paths, indices, out=buffer)
         again = reader.read(paths[::-1], indices[::-1])
         raw_reads = dict(reader._verified)  # stacks read with preadv, and whether the check against the map held
@@ -56,6 +59,25 @@ def test_runs_of_images_read_into_a_given_buffer_match_the_stack(tmp_path, byte_
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(again, expected[::-1])
     assert np.all(buffer[len(want):] == -7.0)
+
+
+def test_threads_read_random_batches_as_one_thread_does(tmp_path, monkeypatch):
+    """Batches of random images, consecutive stretches and single images, some twice, read by 4 threads (each batch
+    cut in pieces that split long runs and group short ones): the images asked for, in the order asked."""
+    monkeypatch.setattr(mrc, "PARALLEL_READ_BYTES", 0)
+    rng = np.random.default_rng(5)
+    stack = rng.normal(size=(97, 6, 6)).astype(np.float32)
+    write_mrc(tmp_path / "s.mrcs", stack)
+    with mrc.StackReader(threads=4) as reader:
+        for size in (1, 2, 5, 13, 40, 97):
+            for _ in range(5):
+                if rng.random() < 0.5:
+                    start = int(rng.integers(0, 98 - size))
+                    rows = np.arange(start, start + size)
+                else:
+                    rows = np.sort(rng.choice(97, size, replace=True))
+                got = reader.read([str(tmp_path / "s.mrcs")] * size, rows + 1)
+                np.testing.assert_array_equal(got, stack[rows])
 
 
 def test_index_beyond_stack(tmp_path):

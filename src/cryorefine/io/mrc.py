@@ -20,6 +20,11 @@ from cryorefine.io.atomic import atomic_path
 
 SUPPORTED_MODES = {0, 1, 2, 6, 12}
 UNTRUSTED_PIXEL_SIZES = (0.0, 1.0)
+#: threads a `StackReader` reads one large batch with (at most the CPU count): one thread's `preadv` from the page
+#: cache copies at a few GB/s, less than a GPU consumes images (benchmarks/stack_reads.py)
+READ_THREADS = min(4, os.cpu_count() or 1)
+#: a batch's raw reads are split over the threads when it holds at least this many bytes
+PARALLEL_READ_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -177,14 +182,17 @@ class StackReader:
     """Reads images by (stack path, 1-based index), keeping each stack open once.
 
     Images that follow each other in a stack and in the batch are read as one block: with `os.preadv`
-    straight into the output where the stack holds native float32 (no page faults of a fresh memory
-    map each iteration, no intermediate copy), else as one slice of the memory map.
+    straight into the output where the stack holds the output's native dtype (no page faults of a fresh memory
+    map each iteration, no intermediate copy), else as one slice of the memory map. A batch of
+    PARALLEL_READ_BYTES or more is read in `threads` parts at once (READ_THREADS by default).
     """
 
-    def __init__(self):
+    def __init__(self, threads=None):
         self._open = {}
         self._fd = {}
         self._verified = {}  # path -> whether preadv at the memory map's offset reads the same bytes
+        self.threads = READ_THREADS if threads is None else max(1, int(threads))
+        self._pool = None  # the threads' pool, made on the first parallel read
 
     def __enter__(self):
         return self
@@ -193,6 +201,9 @@ class StackReader:
         self.close()
 
     def close(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for handle in self._open.values():
             handle.close()
         for fd in self._fd.values():
@@ -259,12 +270,24 @@ class StackReader:
         breaks = np.flatnonzero((np.diff(first) != 1) | (np.diff(row) != 1)) + 1
         raw = isinstance(stack, np.memmap) and stack.dtype == result.dtype and stack.dtype.isnative
         image_bytes = int(np.prod(stack.shape[1:])) * stack.dtype.itemsize
-        for a, b in zip(np.r_[0, breaks], np.r_[breaks, first.size]):
-            i, r, n = int(first[a]), int(row[a]), int(b - a)
-            target = result[r:r + n]
-            if raw and self._read_raw(path, stack, i, target, image_bytes):
-                continue
-            target[...] = stack[i:i + n]
+        runs = [(int(first[a]), int(row[a]), int(b - a)) for a, b in zip(np.r_[0, breaks], np.r_[breaks, first.size])]
+
+        def read(piece):
+            for i, r, n in piece:
+                target = result[r:r + n]
+                if not (raw and self._read_raw(path, stack, i, target, image_bytes)):
+                    target[...] = stack[i:i + n]
+
+        if not (raw and self.threads > 1 and first.size * image_bytes >= PARALLEL_READ_BYTES):
+            read(runs)
+            return
+        i, r, n = runs[0]
+        read([(i, r, 1)])  # the stack's file opened, and its first raw read checked, on this thread
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="stack-read")
+        list(self._pool.map(read, _split_runs([(i + 1, r + 1, n - 1)] + runs[1:], self.threads)))
 
     def _read_raw(self, path, stack, first, target, image_bytes):
         """os.preadv of images first… into `target`; False where the file cannot be read so (then the
@@ -278,6 +301,26 @@ class StackReader:
         if verified is None:
             verified = self._verified[path] = target[0].tobytes() == np.asarray(stack[first]).tobytes()
         return verified
+
+
+def _split_runs(runs, parts):
+    """Runs (first image in the stack, first row of the batch, images) cut into at most about `parts` pieces of equal
+    size: a long run is cut, short ones are grouped (a piece is then a list of runs, read one after the other)."""
+    total = sum(n for _, _, n in runs)
+    size = max(1, -(-total // parts))
+    pieces, current, room = [], [], size
+    for i, r, n in runs:
+        while n > 0:
+            take = min(n, room)
+            if take > 0:
+                current.append((i, r, take))
+            i, r, n, room = i + take, r + take, n - take, room - take
+            if room == 0:
+                pieces.append(current)
+                current, room = [], size
+    if current:
+        pieces.append(current)
+    return pieces
 
 
 def require_finite(array, path, indices_1based=None):
