@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import starfile
 
-from conftest import CLASSIFY_ARGS, make_mixture, run_cli
+from conftest import CLASSIFY_ARGS, make_mixture, make_particle_set, run_cli, write_mrc
 
 @pytest.fixture(scope="module")
 def classified(tmp_path_factory):
@@ -385,3 +385,16 @@ def test_strict_highres_exp_sets_the_compared_size_and_is_recorded(tmp_path):
     assert int(general["rlnCoarseImageSize"]) == 16
     model = read_star(tmp_path / "run_it001_model.star")["model_general"]
     assert int(model["rlnCurrentImageSize"]) == 32
+
+
+def test_more_classes_than_particles_is_said(tmp_path, caplog):
+    """--K 5 for 4 particles runs, and says that one class at least stays empty."""
+    star, _ = make_particle_set(tmp_path, n=4, box=16, pixel_size=4.0, seed=5)
+    write_mrc(tmp_path / "ref.mrc", np.random.default_rng(6).normal(size=(16, 16, 16)).astype(np.float32),
+              pixel_size=4.0, stack=False)
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        code = run_cli("classify", "--i", star, "--ref", tmp_path / "ref.mrc", "--o", tmp_path / "run", "--K", 5,
+                       "--iter", 1, "--particle_diameter", 40, "--cpu")
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records if "--K 5 with 4 particles" in r.getMessage()]
+    assert len(lines) == 1 and "give --K 4 or fewer" in lines[0], lines

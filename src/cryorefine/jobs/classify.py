@@ -148,6 +148,9 @@ class ClassifyJob:
     def start(self, particles, settings, noise_spectra):
         config = self.config
         k_classes = int(config.n_classes)
+        if k_classes > len(particles):
+            log.warning("--K %d with %d particles: %d classes or more will hold no particle; give --K %d or fewer",
+                        k_classes, len(particles), k_classes - len(particles), len(particles))
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         maps, seeded = initial_references(config, box, pixel)
         n_optics = len(particles.optics_groups)
