@@ -304,16 +304,15 @@ class StackReader:
 
 
 def _split_runs(runs, parts):
-    """Runs (first image in the stack, first row of the batch, images) cut into at most about `parts` pieces of equal
-    size: a long run is cut, short ones are grouped (a piece is then a list of runs, read one after the other)."""
+    """Runs (first image in the stack, first row of the batch, images) cut into at most `parts` pieces of equal size
+    (the last one smaller): a long run is cut, short ones are grouped (a piece is a list of runs, read in turn)."""
     total = sum(n for _, _, n in runs)
     size = max(1, -(-total // parts))
     pieces, current, room = [], [], size
     for i, r, n in runs:
         while n > 0:
             take = min(n, room)
-            if take > 0:
-                current.append((i, r, take))
+            current.append((i, r, take))
             i, r, n, room = i + take, r + take, n - take, room - take
             if room == 0:
                 pieces.append(current)
