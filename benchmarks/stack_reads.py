@@ -5,7 +5,8 @@ A float32 (or float16) stack of `--n` images of `--box` px is written once under
 reused host buffer in batches of `--batch`, two ways: the batches' images consecutive in the stack (a global search's
 batches, one run each), and each batch a random set of images read in the stack's order (a local search's batches,
 its particles taken along the curve of their directions: many short runs). Each way is timed with the reader's own
-threads (`io.mrc.READ_THREADS`) and with one; GB/s are the images' bytes over the median batch's seconds.
+threads (`io.mrc.READ_THREADS`) and with one, then again from the whole stack held in memory (`--preread_images`,
+`io.mrc.PrereadImages`); GB/s are the images' bytes over the median batch's seconds.
 
     python benchmarks/stack_reads.py --work /tmp/stack_reads --json results/stack_reads_cpu.json
 """
@@ -65,12 +66,26 @@ def main(argv=None):
                         tic = time.perf_counter()
                         reader.read(paths, rows + 1, out=buffer, check_finite=False)
                         seconds.append(time.perf_counter() - tic)
-            ms = 1e3 * float(np.median(seconds))
-            results["ms_per_batch"][f"{way}, {threads} thread{'s' if threads > 1 else ''}"] = ms
-            print(f"{way:12s} {threads} thread(s): {ms:7.1f} ms a batch of {args.batch} ({batch_bytes / ms / 1e6:.1f} "
-                  f"GB/s)")
+            report(results, f"{way}, {threads} thread{'s' if threads > 1 else ''}", seconds, batch_bytes)
+    # --preread_images: the whole stack held in memory (PrereadImages), each batch copied out of it
+    for threads in (mrc.READ_THREADS, 1):
+        with mrc.PrereadImages([str(path)] * args.n, np.arange(1, args.n + 1), threads=threads) as held:
+            for way, batches in ways.items():
+                seconds = []
+                for _ in range(args.repeat):
+                    for rows in batches:
+                        tic = time.perf_counter()
+                        held.read(paths, rows + 1, out=buffer)
+                        seconds.append(time.perf_counter() - tic)
+                report(results, f"preread, {way}, {threads} thread{'s' if threads > 1 else ''}", seconds, batch_bytes)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def report(results, name, seconds, batch_bytes):
+    ms = 1e3 * float(np.median(seconds))
+    results["ms_per_batch"][name] = ms
+    print(f"{name:32s} {ms:7.1f} ms a batch ({batch_bytes / ms / 1e6:.1f} GB/s)")
 
 
 if __name__ == "__main__":

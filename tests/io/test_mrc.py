@@ -185,3 +185,23 @@ def test_written_files_do_not_depend_on_the_time(tmp_path, monkeypatch):
     assert (tmp_path / "a.mrc").read_bytes() == (tmp_path / "b.mrc").read_bytes()
     with mrcfile.open(tmp_path / "a.mrc") as m:
         assert m.header.nlabl == 1 and m.header.label[0].startswith(b"cryorefine")
+
+
+def test_preread_images_copy_random_batches_in_parts(tmp_path, monkeypatch):
+    """--preread_images: batches of the held images in any order, some twice, copied into a buffer by 3 threads
+    (runs of consecutive held images as blocks): the images asked for, in the order asked."""
+    monkeypatch.setattr(mrc, "PARALLEL_READ_BYTES", 0)
+    monkeypatch.setattr(mrc, "READ_THREADS", 3)
+    rng = np.random.default_rng(6)
+    stack = rng.normal(size=(50, 6, 6)).astype(np.float32)
+    write_mrc(tmp_path / "s.mrcs", stack)
+    path = str(tmp_path / "s.mrcs")
+    held = np.r_[np.arange(10, 30), rng.permutation(10)]  # a stretch of the stack, then some in no order
+    with mrc.PrereadImages([path] * held.size, held + 1) as reader:
+        for size in (1, 3, 17, held.size):
+            for _ in range(5):
+                pick = np.sort(rng.choice(held.size, size)) if rng.random() < 0.5 else rng.choice(held.size, size)
+                out = np.full((size + 2, 6, 6), np.nan, np.float32)
+                got = reader.read([path] * size, held[pick] + 1, out=out)
+                assert np.shares_memory(got, out)
+                np.testing.assert_array_equal(got, stack[held[pick]])
