@@ -179,7 +179,7 @@ class PrereadImages:
         rows = np.array([self._row[(str(p), int(i))] for p, i in zip(paths, np.asarray(indices_1based))],
                         dtype=np.int64)
         if out is None:
-            return self.images[rows].astype(dtype, copy=False)
+            out = np.empty((rows.size,) + self.images.shape[1:], dtype)
         target = out[:len(rows)]
         if out.dtype != self.images.dtype:
             target[...] = self.images[rows]
@@ -189,7 +189,7 @@ class PrereadImages:
             for i, r, n in piece:
                 target[r:r + n] = self.images[i:i + n]
 
-        self._copies.run(copy, _runs(rows, np.arange(rows.size)), rows.size * self.images[0].nbytes if rows.size else 0)
+        self._copies.run(copy, _runs(rows, np.arange(rows.size)), target.nbytes)
         return target
 
 
@@ -311,6 +311,8 @@ class StackReader:
 def _runs(source, row):
     """Runs (first source image, first batch row, images) of images consecutive both in their source and in the
     batch, in the source's order, for the batch rows `row` of the source images `source` (0-based)."""
+    if len(source) == 0:
+        return []
     order = np.argsort(source, kind="stable")
     first, row = np.asarray(source)[order], np.asarray(row)[order]
     breaks = np.flatnonzero((np.diff(first) != 1) | (np.diff(row) != 1)) + 1
