@@ -177,8 +177,10 @@ class ParticleSet:
 
         With CuPy and `device_bytes` room for two device buffers of the first batch's images
         (`gpu.staging.UploadSlots`), the thread uploads them too, while the caller's GPU work goes on: from
-        the second batch on, images come as device arrays that the caller's stream waits for on the GPU.
-        The first batch, and any batch larger than the first, come on the host as before.
+        the first batch on, images come as device arrays that the caller's stream waits for on the GPU; a
+        batch larger than the first comes on the host. The first batch is read into a host buffer too: pinned
+        memory that CuPy's pool keeps from one iteration to the next, its pages already mapped, where a new array
+        would take its pages one fault at a time and upload from pageable memory.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -204,10 +206,11 @@ class ParticleSet:
         current = next(source, None)
         if current is None:
             return
+        box = self.geometry()[0]
+        buffers[0] = host_buffer((current.size, box, box), dtype, xp)
         if xp is not np and device_bytes:
             from cryorefine.gpu.staging import UploadSlots
 
-            box = self.geometry()[0]
             if UploadSlots.nbytes(current.size, (box, box), np.dtype(dtype).itemsize) <= device_bytes:
                 slots = UploadSlots(current.size, (box, box), dtype)
         with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
