@@ -8,6 +8,7 @@ import pytest
 
 from cryorefine.core.euler import euler_to_matrix
 from cryorefine.core.sampling import (
+    LocalOrientations,
     Sampling,
     directions_to_xyz,
     next_perturbation,
@@ -314,6 +315,12 @@ def test_orientations_of_an_index_are_those_of_the_grid():
     s = Sampling(2, 3, 1.5, perturbation=0.3)
     pick = np.array([5, 0, 700, 5])
     np.testing.assert_allclose(s.orientation_matrices(index=pick), s.orientation_matrices()[pick], atol=1e-12)
+    # gathered from a direction table the caller keeps (on the device in the GPU engine; numpy's here)
+    table = s.directions_deg()
+    np.testing.assert_allclose(s.orientation_matrices(index=pick, directions_deg=table),
+                               s.orientation_matrices()[pick], atol=1e-12)
+    np.testing.assert_allclose(s.orientation_matrices(index=pick.reshape(2, 2), directions_deg=table),
+                               s.orientation_matrices()[pick], atol=1e-12)
 
 
 def test_offset_log_prior():
@@ -380,6 +387,17 @@ def test_local_orientations_split_and_pad_by_particle():
     tail = local.rows(1, 3)
     assert tail.n_particles == 2 and np.array_equal(tail.counts(), counts[1:])
     np.testing.assert_array_equal(tail.orientation, local.orientation[local.offsets[1]:])
+
+
+def test_padded_local_orientations_keep_each_particle_in_its_row_when_some_have_none():
+    offsets = np.array([0, 0, 3, 3, 4, 4])  # particles 0, 2 and 4 without orientations
+    local = LocalOrientations(offsets, np.array([7, 9, 30, 2]), np.array([-1.0, -2.0, -3.0, -4.0]))
+    orientation, log_prior = local.padded(width=4)
+    np.testing.assert_array_equal(orientation, [[0] * 4, [7, 9, 30, 0], [0] * 4, [2, 0, 0, 0], [0] * 4])
+    expected = np.full((5, 4), -np.inf)
+    expected[1, :3] = [-1.0, -2.0, -3.0]
+    expected[3, 0] = -4.0
+    np.testing.assert_array_equal(log_prior, expected)
 
 
 # 3σ just inside half a pixel of order N − 2 (healpy.nside2resol): the widest disc whose candidates come from

@@ -146,17 +146,19 @@ class LocalOrientations:
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         return LocalOrientations(self.offsets[start:stop + 1] - lo, self.orientation[lo:hi], self.log_prior[lo:hi])
 
-    def padded(self, width: int | None = None):
-        """(B, width) orientations (0 where a particle has fewer) and log priors (−inf there); width
-        defaults to the largest count."""
+    def padded(self, width: int | None = None, xp=np):
+        """(B, width) orientations (0 where a particle has fewer) and log priors (−inf there), made in `xp`
+        from the ragged list; width defaults to the largest count."""
         counts = self.counts()
         width = int(counts.max(initial=1)) if width is None else int(width)
-        b = self.particle_of()
-        j = np.arange(self.orientation.size) - self.offsets[b]
-        orientation = np.zeros((self.n_particles, width), dtype=np.int64)
-        log_prior = np.full((self.n_particles, width), -np.inf)
-        orientation[b, j] = self.orientation
-        log_prior[b, j] = self.log_prior
+        offsets = xp.asarray(self.offsets)
+        entry = xp.arange(self.orientation.size)
+        b = xp.searchsorted(offsets, entry, side="right") - 1  # particle of each entry (empty ones skipped)
+        j = entry - offsets[b]
+        orientation = xp.zeros((self.n_particles, width), dtype=xp.int64)
+        log_prior = xp.full((self.n_particles, width), -np.inf)
+        orientation[b, j] = xp.asarray(self.orientation)
+        log_prior[b, j] = xp.asarray(self.log_prior)
         return orientation, log_prior
 
 
@@ -400,23 +402,29 @@ class Sampling:
         `index` (host ints), those orientations only."""
         return self._perturb_angles(*self._unperturbed_orientations_deg(xp, index), xp)
 
-    def orientation_matrices(self, xp=np, index=None):
+    def orientation_matrices(self, xp=np, index=None, directions_deg=None):
         """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed); with `index`, of those.
 
-        Made in `xp` (the angles are gathered on the host, the trigonometry runs where `xp` does) as the
-        unperturbed matrix times the perturbation's, the rotation `_perturb_angles` turns back into angles."""
-        m = euler_to_matrix(*self._unperturbed_orientations_deg(xp, index), xp=xp)
+        Made in `xp` as the unperturbed matrix times the perturbation's, the rotation `_perturb_angles` turns back
+        into angles. The angles of `index` are gathered on the host, or, given `directions_deg` (this sampling's
+        `directions_deg(xp)`, kept by a caller that makes matrices batch after batch), where `xp` runs: an index
+        on the device then never leaves it."""
+        m = euler_to_matrix(*self._unperturbed_orientations_deg(xp, index, directions_deg), xp=xp)
         if not self.perturbation:
             return m
         a = self.perturbation * self.angular_sampling_deg(0)
         return (m.reshape(-1, 3) @ euler_to_matrix(a, a, a, xp=xp)).reshape(m.shape)
 
-    def _unperturbed_orientations_deg(self, xp, index):
+    def _unperturbed_orientations_deg(self, xp, index, directions_deg=None):
         if index is None:
             d = self.directions_deg(xp)
             psi = self.psi_deg(xp)
             n_psi = psi.shape[0]
             return xp.repeat(d[:, 0], n_psi), xp.repeat(d[:, 1], n_psi), xp.tile(psi, d.shape[0])
+        if directions_deg is not None:
+            o = xp.asarray(index, dtype=xp.int64).reshape(-1)
+            d = directions_deg[o // self.n_psi]
+            return d[:, 0], d[:, 1], (o % self.n_psi) * self.psi_step_deg
         o = np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
         d = self._directions[o // self.n_psi]
         return xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp.asarray((o % self.n_psi) * self.psi_step_deg)
@@ -452,13 +460,14 @@ class Sampling:
         idir, ipsi = o // self.n_psi, o % self.n_psi
         n_dc, n_pc = 4 ** k, 2 ** k
         fine_pix = self.direction_ipix[idir][:, None] * n_dc + _morton_offsets(k)[None, :]
-        rot, tilt = healpix_angles_deg(self.healpix_order + k, fine_pix)
+        # the children's directions from healpy on the host, the rest where xp runs
+        rot, tilt = (xp.asarray(a) for a in healpix_angles_deg(self.healpix_order + k, fine_pix))
         step = self.psi_step_deg
-        psi = ipsi[:, None] * step - 0.5 * step + (0.5 + np.arange(n_pc))[None, :] * step / n_pc
-        rot = np.repeat(rot, n_pc, axis=1)
-        tilt = np.repeat(tilt, n_pc, axis=1)
-        psi = np.tile(psi, (1, n_dc))
-        return self._perturb_angles(xp.asarray(rot), xp.asarray(tilt), xp.asarray(psi), xp)
+        psi = xp.asarray(ipsi)[:, None] * step - 0.5 * step + (0.5 + xp.arange(n_pc))[None, :] * step / n_pc
+        rot = xp.repeat(rot, n_pc, axis=1)
+        tilt = xp.repeat(tilt, n_pc, axis=1)
+        psi = xp.tile(psi, (1, n_dc))
+        return self._perturb_angles(rot, tilt, psi, xp)
 
     def fine_translations_px(self, translation_index, oversampling: int | None = None, xp=np):
         """Children of coarse translations: (n, 4^k, 2) (x, y) in pixels, perturbed.

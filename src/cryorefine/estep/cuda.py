@@ -226,8 +226,10 @@ class CupyEngine:
             self.logsigma2 = t.logsigma2
             self.n_orient, self.n_trans, self.n_psi = t.n_orientations, t.n_translations, t.n_psi
             self.n_fo, self.n_ft, self.children = t.n_fine_orientations, t.n_fine_translations, t.children_per_block
-            # a global search compares every orientation: their matrices once; a local one makes its own
+            # a global search compares every orientation: their matrices once; a local one makes its own from
+            # the direction table, kept on the device for the iteration
             self.matrices_host = None if s.local_searches else t.orientation_matrices().reshape(-1, 9)
+            self.directions_d = s.sampling.directions_deg(cp) if s.local_searches else None
             self.translations, self.fine_translations = t.translations, t.fine_translations  # (T, 2), (T, nft, 2)
             self.scale = t.scale
             self.log_pdf_class = cp.asarray(s.log_pdf_class, dtype=cp.float64)
@@ -551,7 +553,7 @@ class CupyEngine:
         s = self.setup_
         tic = time.perf_counter()
         b_count = pre["x"].shape[0]
-        orientation, orientation_prior = local.padded()
+        orientation, orientation_prior = local.padded(xp=cp)
         width = orientation.shape[1]
         sel = cp.asarray(self.coarse_sel)
         x_c = pre["x"][:, sel]
@@ -576,7 +578,8 @@ class CupyEngine:
         pair_a = cp.ascontiguousarray(pair_a, dtype=cp.float32)
         row_term = cp.ascontiguousarray(row_term, dtype=cp.float64)
         del x_s, shifts
-        mats = self.tables.orientation_matrices(orientation.reshape(-1), xp=cp).reshape(-1, 9).astype(cp.float32)
+        mats = s.sampling.orientation_matrices(cp, orientation.reshape(-1), self.directions_d)
+        mats = mats.reshape(-1, 9).astype(cp.float32)
         tic = self._tick("coarse_images", tic)
         # each particle's own tiles; the padding rows stay 0 (finite, under their −inf log prior)
         counts = local.counts()
@@ -595,9 +598,8 @@ class CupyEngine:
         tic = self._tick("coarse", tic)
         if self.keep_blocks:
             self.last_coarse_diff2.append(cp.asnumpy(diff2))
-        orientation_d, orientation_prior_d = cp.asarray(orientation), cp.asarray(orientation_prior)
-        prior_ko, prior_t = self._coarse_log_prior(pre, orientation_d, orientation_prior_d)
-        return self._significant_blocks(diff2, prior_ko, prior_t, orientation_d, orientation_prior_d, tic)
+        prior_ko, prior_t = self._coarse_log_prior(pre, orientation, orientation_prior)
+        return self._significant_blocks(diff2, prior_ko, prior_t, orientation, orientation_prior, tic)
 
     # ------------------------------------------------------------------ fine pass
     def _fine_pass(self, pre, b_blk, k_blk, o_blk, t_blk, olp_blk):
@@ -706,8 +708,11 @@ class CupyEngine:
         else:
             log_likelihood = (np.log(cp.asnumpy(sum_w)) + cp.asnumpy(top) - min_d2
                               - self.logsigma2[pre["optics"]])
-        result = {"rot_deg": rot.reshape(-1)[rows], "tilt_deg": tilt.reshape(-1)[rows],
-                  "psi_deg": psi.reshape(-1)[rows], "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
+        # the best children's angles (a local search keeps its children on the device)
+        rot, tilt, psi = (cp.asnumpy(a.reshape(-1)[cp.asarray(rows)]) if isinstance(a, cp.ndarray) else
+                          a.reshape(-1)[rows] for a in (rot, tilt, psi))
+        result = {"rot_deg": rot, "tilt_deg": tilt,
+                  "psi_deg": psi, "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
                   "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
                   "norm_correction": new_norm}
         self.stage_seconds["results"] += time.perf_counter() - tic
@@ -716,14 +721,16 @@ class CupyEngine:
     def _fine_orientations(self, orientations):
         """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique).
 
-        HEALPix children and perturbation are host work. A global search meets the same coarse orientations in
-        every batch: they are computed once per iteration, in a table of the orientations met (not the grid). A
-        local search's neighbourhoods move with the particles, so a batch's children are computed for it alone
-        (keeping them would copy a growing table in every batch)."""
+        A global search meets the same coarse orientations in every batch: their children are computed once per
+        iteration on the host, in a table of the orientations met (not the grid). A local search's neighbourhoods
+        move with the particles, so a batch's children are computed for it alone (keeping them would copy a
+        growing table in every batch), on the device but for the HEALPix directions (healpy): angles and
+        matrices are then device arrays."""
         if self.setup_.local_searches:
-            rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in
-                              self.setup_.sampling.fine_orientations_deg(orientations))
-            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
+            cp = self.cp
+            rot, tilt, psi = (cp.asarray(a, dtype=cp.float64) for a in
+                              self.setup_.sampling.fine_orientations_deg(orientations, xp=cp))
+            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=cp)
             return rot, tilt, psi, matrices.reshape(-1, 9)
         known = self._fine_known
         missing = orientations[~np.isin(orientations, known, assume_unique=True)]
