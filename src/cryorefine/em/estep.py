@@ -239,18 +239,22 @@ def empty_sums(unit, xp=np, real_dtype=np.float64):
                               real_dtype=real_dtype)
 
 
-def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np):
-    """RELION's initial noise spectra from the masked images at their stored origins."""
+def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free_bytes=None):
+    """RELION's initial noise spectra from the masked images at their stored origins (`free_bytes`: as
+    `noise_batch_sums` takes it)."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
-    for _, sums in noise_batch_sums(particles, settings, n_optics, enumerate(particles.batches(batch_size)), xp):
+    for _, sums in noise_batch_sums(particles, settings, n_optics, enumerate(particles.batches(batch_size)), xp,
+                                    free_bytes):
         noise.add_batch_sums(*sums)
     return noise.sigma2()
 
 
-def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np):
+def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, free_bytes=None):
     """(batch number, NoiseEstimate.batch_sums) of each (number, particle indices) of `numbered_batches`: what
     the initial noise spectra add up, one batch at a time (batches may be shared out, and added up elsewhere in
-    their order)."""
+    their order). `free_bytes`: a callable giving the device's free bytes (a backend's `free_device_bytes`); a
+    batch is then prepared in parts of as many images as they leave room for (`em.memory.images_per_preparation`,
+    as the E-step's batches are), its sums joined; None (the host): the whole batch at once."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     numbers = deque()
 
@@ -261,12 +265,25 @@ def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np):
 
     with mrc.StackReader() as reader:
         for indices, images in particles.read_ahead(batches(), reader, xp):
-            batch = prepare_batch(particles, indices, reader, settings, settings.ori_size_px, 1.0, 0, xp=xp,
-                                  images=images)
+            free = None if free_bytes is None else free_bytes()
+            per_part = indices.size if free is None else memory.images_per_preparation(free, settings.ori_size_px)
+            parts = []
+            for start in range(0, indices.size, max(1, per_part)):
+                part = slice(start, start + per_part)
+                batch = prepare_batch(particles, indices[part], reader, settings, settings.ori_size_px, 1.0, 0,
+                                      xp=xp, images=images[part])
+                parts.append(noise.batch_sums(batch.images_ft, batch.optics_index))
+                del batch  # its device arrays go before the next part's (the GPU arena is a stack)
             del images
-            sums = noise.batch_sums(batch.images_ft, batch.optics_index)
-            del batch  # its device arrays go before the next batch's (the GPU arena is a stack)
-            yield numbers.popleft(), sums
+            yield numbers.popleft(), _joined_noise_sums(parts)
+
+
+def _joined_noise_sums(parts):
+    """One batch's NoiseEstimate.batch_sums from those of its parts (in order)."""
+    if len(parts) == 1:
+        return parts[0]
+    power, optics, ft_sums = zip(*parts)
+    return np.concatenate(power), np.concatenate(optics), functools.reduce(np.add, ft_sums)
 
 
 def keep_norms_unless_refined(use_norms, previous, state):

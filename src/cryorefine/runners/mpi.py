@@ -365,7 +365,8 @@ class MpiRunner:
             settings.ori_size_px)))
                 if number % self.n_workers == worker)
         with backend.iteration_scope():
-            for number, sums in noise_batch_sums(particles, settings, n_optics, mine, backend.array_module):
+            for number, sums in noise_batch_sums(particles, settings, n_optics, mine, backend.array_module,
+                                                 backend.free_device_bytes):
                 self.comm.send((number, sums), dest=0, tag=TAG_NOISE)
 
     def _iterations(self, job, backend, particles, settings):

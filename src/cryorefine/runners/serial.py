@@ -32,7 +32,7 @@ class SerialRunner:
         """The initial noise pass over all images, prepared on the backend (the device's arena is open)."""
         with self.backend.iteration_scope():
             return initial_noise_spectra(particles, settings, n_optics, self.batch_size_for(settings.ori_size_px),
-                                         self.backend.array_module)
+                                         self.backend.array_module, self.backend.free_device_bytes)
 
     @contextlib.contextmanager
     def session(self):
