@@ -627,6 +627,27 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
     assert peaks[4] < 0.25 * peaks[60]
 
 
+def test_the_noise_pass_in_parts_on_the_device_gives_the_spectra_of_whole_batches(cp, tmp_path):
+    """Where the device's free memory is short, the initial noise pass prepares each batch in parts (as the E-step
+    does): the spectra are those of whole batches, on the device as on the host."""
+    from conftest import make_particle_set
+    from cryorefine.data import load_particles
+    from cryorefine.em import memory
+    from cryorefine.em.estep import initial_noise_spectra
+    from cryorefine.images import ImageSettings
+
+    star, _ = make_particle_set(tmp_path, n=40, box=64, pixel_size=2.0, seed=2)
+    particles = load_particles(star)
+    settings = ImageSettings(64, 2.0, 100.0, do_ctf=True)
+    seven = 7.5 * memory.PREPARATION_BYTES_PER_PIXEL * 64 ** 2 / memory.PREPARATION_SHARE
+    assert memory.images_per_preparation(seven, 64) == 7
+    whole = initial_noise_spectra(particles, settings, 1, 20, xp=cp)
+    in_parts = initial_noise_spectra(particles, settings, 1, 20, xp=cp, free_bytes=lambda: seven)
+    on_host = initial_noise_spectra(particles, settings, 1, 20)
+    np.testing.assert_allclose(in_parts, whole, rtol=1e-5)
+    np.testing.assert_allclose(in_parts, on_host, rtol=1e-3)
+
+
 def test_significance_on_the_device_matches_the_numpy_engine(cp):
     from cryorefine.estep.common import significant_samples
 
