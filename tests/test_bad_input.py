@@ -250,11 +250,12 @@ def test_simulate_refuses_more_particles_than_the_memory_holds(valid, tmp_path, 
     """A table larger than the memory available is refused before anything is drawn or written (the kernel's
     out-of-memory killer would end the process without a word); the check asks the machine, so the test gives it a
     small answer."""
+    from cryorefine.core import arrays
     from cryorefine.jobs import simulate
 
     folder = tmp_path / "case"
     shutil.copytree(valid, folder)
-    monkeypatch.setattr(simulate, "available_memory_bytes", lambda: 10 * simulate.HOST_BYTES_PER_PARTICLE)
+    monkeypatch.setattr(arrays, "available_memory_bytes", lambda: 10 * simulate.HOST_BYTES_PER_PARTICLE)
     args = [a.format(d=folder) for a in SIMULATE]
     args[args.index("--n") + 1] = "11"
     code, err = run(capsys, args)

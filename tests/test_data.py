@@ -154,6 +154,30 @@ def test_preread_images_read_like_the_stacks(tmp_path):
         np.testing.assert_array_equal(particles.read_images(batch, reader), particles.read_images(batch, preread))
 
 
+def test_preread_images_that_would_not_fit_the_memory_are_read_from_the_stacks_with_a_warning(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """--preread_images where the images take more than the machine's available memory allows: one warning with the
+    sizes, and every batch read from the stacks (the run goes on as without the option)."""
+    from cryorefine import data
+    from cryorefine.core import arrays
+
+    star, images = make_particle_set(tmp_path, n=9)
+    particles = load_particles(star)
+    need = 9 * images[0].nbytes
+    share = data.PREREAD_SHARE_OF_AVAILABLE_MEMORY
+    monkeypatch.setattr(arrays, "available_memory_bytes", lambda: int(need / share) - 1)
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        reader = particles.image_reader(np.arange(9))
+        assert isinstance(reader, StackReader)
+        assert isinstance(particles.image_reader(np.arange(9)), StackReader)  # asked again: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "--preread_images" in r.getMessage()]
+    assert len(warnings) == 1 and "9 images" in warnings[0], warnings
+    np.testing.assert_array_equal(particles.read_images(np.array([8, 3]), reader), images[[8, 3]])
+    room = load_particles(star)  # just enough memory: held
+    monkeypatch.setattr(arrays, "available_memory_bytes", lambda: int(need / share) + 1)
+    assert room.image_reader(np.arange(9)).nbytes == need
+
+
 def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
     from cryorefine.data import load_particles
     from cryorefine.io import mrc

@@ -207,7 +207,8 @@ def _refine_options(command):
                      help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end "
                           "(under MPI once per node)."),
         click.option("--preread_images", is_flag=True,
-                     help="Read the images once into memory (each MPI worker its half set)."),
+                     help="Read the images once into memory (each MPI worker its half set); where they would take "
+                          "more than 80% of the available memory, they are read batch by batch with a warning."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
                     help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per worker '
                          'of a node in turn) [default: when CuPy sees a GPU].'),

@@ -8,6 +8,7 @@ from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the c
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -16,12 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
+from cryorefine.core import arrays
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 from cryorefine.io.star import ParticleStar, read_particle_star
 
 POSE_COLUMNS = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst")
 CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle")
+# --preread_images holds the images in memory only where they take at most this share of the memory the machine has
+# available (the rest for the run's own tables, read-ahead buffers and maps); the option's help and README say 80 %
+PREREAD_SHARE_OF_AVAILABLE_MEMORY = 0.8
 
 
 @dataclass
@@ -60,6 +65,7 @@ class ParticleSet:
     class_number: np.ndarray
     preread: object = field(default=None, init=False, repr=False)  # mrc.PrereadImages once read
     preread_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), init=False, repr=False)
+    preread_refused: bool = field(default=False, init=False, repr=False)  # the images would not fit the memory
 
     def __len__(self):
         return int(self.optics_index.size)
@@ -147,13 +153,24 @@ class ParticleSet:
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
         were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls
         (read again, for all particles asked for so far, when a call asks for particles it lacks)."""
-        if preread_indices is not None:
+        if preread_indices is not None and not self.preread_refused:
             wanted = np.unique(np.asarray(preread_indices, dtype=np.int64))
             if not np.isin(wanted, self.preread_indices).all():
                 held = np.union1d(self.preread_indices, wanted)
                 self.preread = None  # let the old copy go before the new one is read
-                self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held])
-                self.preread_indices = held
+                need = mrc.PrereadImages.held_bytes(self.stack_paths[held])
+                available = arrays.available_memory_bytes()
+                if available is not None and need > PREREAD_SHARE_OF_AVAILABLE_MEMORY * available:
+                    # not fatal: the run goes on, reading each batch from the stacks as without the option
+                    logging.getLogger("cryorefine").warning(
+                        "--preread_images: the %d images take %.3g GB but this machine has %.3g GB of memory "
+                        "available; they are read from their stacks batch by batch instead", held.size, need / 1e9,
+                        available / 1e9)
+                    self.preread_refused = True
+                    self.preread_indices = np.zeros(0, np.int64)
+                else:
+                    self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held])
+                    self.preread_indices = held
         return self.preread if self.preread is not None else mrc.StackReader()
 
     def read_images(self, indices, reader, out=None, check_finite=True, dtype=np.float32):

@@ -205,3 +205,40 @@ def test_preread_images_copy_random_batches_in_parts(tmp_path, monkeypatch):
                 got = reader.read([path] * size, held[pick] + 1, out=out)
                 assert np.shares_memory(got, out)
                 np.testing.assert_array_equal(got, stack[held[pick]])
+
+
+def test_preread_images_hold_one_copy_of_the_images_and_read_them_batch_by_batch(tmp_path):
+    """--preread_images reads each batch into its place: the peak of the memory numpy takes is the held images and
+    one batch, not two copies of them (batches joined at the end), and the images are those of the stacks."""
+    import tracemalloc
+
+    rng = np.random.default_rng(4)
+    stacks = [rng.normal(size=(40, 32, 32)).astype(np.float32) for _ in range(2)]
+    for k, stack in enumerate(stacks):
+        write_mrc(tmp_path / f"s{k}.mrcs", stack)
+    paths = [str(tmp_path / f"s{k}.mrcs") for k in (0, 1) for _ in range(40)]
+    indices = np.r_[np.arange(40), np.arange(40)] + 1
+    assert mrc.PrereadImages.held_bytes(paths) == 80 * 32 * 32 * 4
+    tracemalloc.start()
+    try:
+        preread = mrc.PrereadImages(paths, indices, batch_size=8)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    held = preread.images.nbytes
+    assert held == 80 * 32 * 32 * 4
+    assert peak < 1.5 * held, (peak, held)  # 1.24 here (the first batch beside them); two copies: 2.0
+    np.testing.assert_array_equal(preread.images, np.concatenate(stacks))
+
+
+def test_a_stack_of_another_box_read_into_a_buffer_is_named(tmp_path):
+    """A batch whose second stack has another box, read into a buffer sized from the first (read ahead, or
+    --preread_images): one InputError naming that stack, not an internal error."""
+    write_mrc(tmp_path / "a.mrcs", np.zeros((3, 8, 8), np.float32))
+    write_mrc(tmp_path / "b.mrcs", np.zeros((3, 10, 10), np.float32))
+    out = np.empty((4, 8, 8), np.float32)
+    with mrc.StackReader() as reader:
+        with pytest.raises(InputError, match="b.mrcs.*10×10 px.*8×8 px"):
+            reader.read([str(tmp_path / "a.mrcs")] * 2 + [str(tmp_path / "b.mrcs")] * 2, [1, 2, 1, 2], out=out)
+        with pytest.raises(InputError, match="b.mrcs.*10×10 px"):
+            reader.read([str(tmp_path / "b.mrcs")], [1], out=out)

@@ -55,3 +55,16 @@ def to_device(array, xp=np):
     out.set(np.ascontiguousarray(array))
     xp.cuda.get_current_stream().synchronize()
     return out
+
+
+def available_memory_bytes():
+    """The host memory this machine can give without swapping (Linux's MemAvailable), or None where it does not
+    say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

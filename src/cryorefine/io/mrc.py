@@ -147,12 +147,28 @@ class PrereadImages:
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
+        self.images = np.zeros((0, 0, 0), np.float32)
         with StackReader() as reader:  # float16 stacks stay float16: half the memory
             dtype = reader.wire_dtype(paths)
-            parts = [reader.read(paths[s:s + batch_size], indices[s:s + batch_size], dtype=dtype)
-                     for s in range(0, len(paths), batch_size)]
-        self.images = np.concatenate(parts) if parts else np.zeros((0, 0, 0), np.float32)
+            for s in range(0, len(paths), batch_size):
+                if s == 0:  # the box comes with the first batch; the rest is read into its place (no second copy)
+                    first = reader.read(paths[:batch_size], indices[:batch_size], dtype=dtype)
+                    self.images = np.empty((len(paths),) + first.shape[1:], dtype)
+                    self.images[:first.shape[0]] = first
+                    del first
+                else:
+                    reader.read(paths[s:s + batch_size], indices[s:s + batch_size], out=self.images[s:s + batch_size])
         self._copies = _Pieces(READ_THREADS if threads is None else threads)
+
+    @staticmethod
+    def held_bytes(paths):
+        """The bytes PrereadImages of these images would hold (their stacks' box, in the dtype they are held in)."""
+        paths = [str(p) for p in paths]
+        if not paths:
+            return 0
+        with StackReader() as reader:
+            box = reader.handle(paths[0]).data.shape[-2:]
+            return len(paths) * int(np.prod(box)) * reader.wire_dtype(paths).itemsize
 
     @property
     def nbytes(self):
@@ -264,10 +280,10 @@ class StackReader:
                                  f"{stack.shape[0]} images; fix rlnImageName in the STAR file")
             if result is None:
                 shape = (len(paths),) + stack.shape[1:]
-                if out is not None and (out.shape[0] < len(paths) or out.shape[1:] != shape[1:]):
+                if out is not None and out.shape[0] < len(paths):
                     raise ValueError(f"read buffer {out.shape} {out.dtype} cannot take {shape}")
                 result = np.empty(shape, dtype) if out is None else out[:len(paths)]
-            elif stack.shape[1:] != result.shape[1:]:
+            if stack.shape[1:] != result.shape[1:]:  # another stack of the batch, or a buffer sized from other images
                 raise InputError(f"{path}: images are {stack.shape[2]}×{stack.shape[1]} px but others in the "
                                  f"set are {result.shape[2]}×{result.shape[1]} px; mixed box sizes cannot be "
                                  f"refined together")

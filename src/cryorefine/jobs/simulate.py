@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cryorefine.core import arrays
 from cryorefine.errors import InputError
 
 STACK_NAME = "particles.mrcs"
@@ -304,18 +305,6 @@ STAR_ROW_BYTES = 250  # about a particle's row of particles.star
 HOST_BYTES_PER_PARTICLE = 1100
 
 
-def available_memory_bytes():
-    """The memory this machine can give without swapping (Linux's MemAvailable), or None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _check_room(options, box, out_dir):
     """InputError when the particles would not fit: the stack and STAR file in the free space of the disk that will
     hold `out_dir` (the stack is a memory map of its whole size, and a write past the disk's end would kill the
@@ -332,7 +321,7 @@ def _check_room(options, box, out_dir):
     if need > free:
         raise InputError(f"--n {n}: {n} particles of {box} px take about {need / 1e9:.3g} GB but {free / 1e9:.3g} GB "
                          f"are free in {existing}; give fewer particles{'' if options.float16 else ' or --float16'}")
-    memory = available_memory_bytes()
+    memory = arrays.available_memory_bytes()
     if memory is not None and n * HOST_BYTES_PER_PARTICLE > memory:
         raise InputError(f"--n {n}: the table of {n} particles takes about {n * HOST_BYTES_PER_PARTICLE / 1e9:.3g} GB "
                          f"of memory but {memory / 1e9:.3g} GB are available; give fewer particles")
