@@ -176,6 +176,11 @@ def test_preread_images_that_would_not_fit_the_memory_are_read_from_the_stacks_w
     room = load_particles(star)  # just enough memory: held
     monkeypatch.setattr(arrays, "available_memory_bytes", lambda: int(need / share) + 1)
     assert room.image_reader(np.arange(9)).nbytes == need
+    shared = load_particles(star)  # the same memory for two MPI workers of one node, each holding its own: not held
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        assert isinstance(shared.image_reader(np.arange(9), sharers=2), StackReader)
+    assert any("each of this node's 2 workers" in r.getMessage() for r in caplog.records)
 
 
 def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):

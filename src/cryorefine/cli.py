@@ -208,7 +208,8 @@ def _refine_options(command):
                           "(under MPI once per node)."),
         click.option("--preread_images", is_flag=True,
                      help="Read the images once into memory (each MPI worker its half set); where they would take "
-                          "more than 80% of the available memory, they are read batch by batch with a warning."),
+                          "more than 80% of the available memory (shared among a node's workers), they are read "
+                          "batch by batch with a warning."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
                     help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per worker '
                          'of a node in turn) [default: when CuPy sees a GPU].'),

@@ -149,10 +149,12 @@ class ParticleSet:
         for start in range(0, idx.size, batch_size):
             yield np.sort(idx[start:start + batch_size])
 
-    def image_reader(self, preread_indices=None):
+    def image_reader(self, preread_indices=None, sharers=1):
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
         were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls
-        (read again, for all particles asked for so far, when a call asks for particles it lacks)."""
+        (read again, for all particles asked for so far, when a call asks for particles it lacks). Images that
+        would take more than PREREAD_SHARE_OF_AVAILABLE_MEMORY of the available memory, divided among `sharers`
+        (the MPI workers of this node, each holding its own), are not held: a warning, and a StackReader."""
         if preread_indices is not None and not self.preread_refused:
             wanted = np.unique(np.asarray(preread_indices, dtype=np.int64))
             if not np.isin(wanted, self.preread_indices).all():
@@ -160,12 +162,13 @@ class ParticleSet:
                 self.preread = None  # let the old copy go before the new one is read
                 need = mrc.PrereadImages.held_bytes(self.stack_paths[held])
                 available = arrays.available_memory_bytes()
-                if available is not None and need > PREREAD_SHARE_OF_AVAILABLE_MEMORY * available:
+                if available is not None and need * sharers > PREREAD_SHARE_OF_AVAILABLE_MEMORY * available:
                     # not fatal: the run goes on, reading each batch from the stacks as without the option
+                    each = f" for each of this node's {sharers} workers" if sharers > 1 else ""
                     logging.getLogger("cryorefine").warning(
-                        "--preread_images: the %d images take %.3g GB but this machine has %.3g GB of memory "
+                        "--preread_images: the %d images take %.3g GB%s but this machine has %.3g GB of memory "
                         "available; they are read from their stacks batch by batch instead", held.size, need / 1e9,
-                        available / 1e9)
+                        each, available / 1e9)
                     self.preread_refused = True
                     self.preread_indices = np.zeros(0, np.int64)
                 else:
