@@ -140,6 +140,13 @@ def resolve_stack_path(stack, star_dir):
     return beside if beside.exists() else p
 
 
+def _held_shape_and_dtype(reader, paths):
+    """The shape and dtype of the images `paths` held in memory: the first stack's box (a stack of another box
+    is named when it is read), in the dtype they travel in (`StackReader.wire_dtype`)."""
+    box = tuple(reader.handle(paths[0]).data.shape[-2:]) if paths else (0, 0)
+    return (len(paths),) + box, reader.wire_dtype(paths)
+
+
 class PrereadImages:
     """Images of some particles read once into memory (--preread_images); reads like a StackReader."""
 
@@ -147,28 +154,19 @@ class PrereadImages:
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
-        self.images = np.zeros((0, 0, 0), np.float32)
         with StackReader() as reader:  # float16 stacks stay float16: half the memory
-            dtype = reader.wire_dtype(paths)
+            # one array of them all, each batch read into its place (no second copy)
+            self.images = np.empty(*_held_shape_and_dtype(reader, paths))
             for s in range(0, len(paths), batch_size):
-                if s == 0:  # the box comes with the first batch; the rest is read into its place (no second copy)
-                    first = reader.read(paths[:batch_size], indices[:batch_size], dtype=dtype)
-                    self.images = np.empty((len(paths),) + first.shape[1:], dtype)
-                    self.images[:first.shape[0]] = first
-                    del first
-                else:
-                    reader.read(paths[s:s + batch_size], indices[s:s + batch_size], out=self.images[s:s + batch_size])
+                reader.read(paths[s:s + batch_size], indices[s:s + batch_size], out=self.images[s:s + batch_size])
         self._copies = _Pieces(READ_THREADS if threads is None else threads)
 
     @staticmethod
     def held_bytes(paths):
-        """The bytes PrereadImages of these images would hold (their stacks' box, in the dtype they are held in)."""
-        paths = [str(p) for p in paths]
-        if not paths:
-            return 0
+        """The bytes PrereadImages of these images would hold."""
         with StackReader() as reader:
-            box = reader.handle(paths[0]).data.shape[-2:]
-            return len(paths) * int(np.prod(box)) * reader.wire_dtype(paths).itemsize
+            shape, dtype = _held_shape_and_dtype(reader, [str(p) for p in paths])
+        return int(np.prod(shape)) * dtype.itemsize
 
     @property
     def nbytes(self):
