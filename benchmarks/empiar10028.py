@@ -24,9 +24,10 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
 4. report     per job: particle-iterations per second of each stage (image preparation, coarse
               diff2, weights, fine diff2, weighted sums + back-projection, reduction, M-step, I/O),
               the GPU arena's high water per allocator scope, the FLOP/s of the diff2 stages against
-              the FP32 peak measured on the card, and the job's time extrapolated to 105,247
-              particles × 25 iterations; printed as Markdown and written as JSON (--json) with the
-              device, versions, date and command.
+              the FP32 peak measured on the card, each iteration's E-step against the cheapest
+              local-search iteration's (by HEALPix order; the target is at most 1.5×), and the job's
+              time extrapolated to 105,247 particles × 25 iterations; printed as Markdown and written
+              as JSON (--json) with the device, versions, date and command.
 
 Warm-up: on the GPU each job first runs for 3 iterations on 200 of the particles, so that the
 kernels are compiled before the measurement (CuPy keeps compiled kernels on disk, so a machine
@@ -290,10 +291,32 @@ def summarise(job, n_particles, peak_flops):
         per_iteration += [per_iteration[-1]] * max(FULL_ITERATIONS - n_its, 0)
     extrapolated = start * scale + sum(per_iteration[:FULL_ITERATIONS])
     return {"stages": rows, "achieved_flops": achieved, "start_seconds": start, "outside_iterations": outside,
+            "estep_relative_to_cheapest_local": relative_to_cheapest_local(its),
             "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
             "extrapolation": f"{FULL_PARTICLES} particles × {FULL_ITERATIONS} iterations from {n_particles} "
                              f"particles × {n_its} measured iterations"
                              + ("" if n_its >= FULL_ITERATIONS else "; later iterations as the last measured one")}
+
+
+def relative_to_cheapest_local(its):
+    """The 1.5× target: each iteration's E-step against that of the cheapest local-search iteration (one job,
+    one particle count: per particle alike), as ranges per HEALPix order and search, the last iteration apart (an
+    auto-refine's final one, at the whole box). None without a local-search iteration."""
+    local = [it for it in its if it["local_searches"]]
+    if not local:
+        return None
+    cheapest = min(local, key=lambda it: it["seconds"]["expectation"])
+    base = cheapest["seconds"]["expectation"]
+    groups = {}
+    for it in its:
+        last = it is its[-1]
+        key = "last" if last else f"order {it['healpix_order']} {'local' if it['local_searches'] else 'global'}"
+        groups.setdefault(key, []).append((it["iteration"], it["seconds"]["expectation"] / base))
+    rows = [{"group": key, "iterations": [i for i, _ in v], "min": min(r for _, r in v), "max": max(r for _, r in v)}
+            for key, v in groups.items()]
+    worst = max(its, key=lambda it: it["seconds"]["expectation"])
+    return {"cheapest_iteration": cheapest["iteration"], "cheapest_seconds": base, "groups": rows,
+            "worst_iteration": worst["iteration"], "worst_ratio": worst["seconds"]["expectation"] / base}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -370,6 +393,12 @@ def format_report(results):
         if job.get("warmup_seconds") is not None:
             lines.append(f"\nwarm-up before the measurement (kernel compilation; CuPy caches kernels on disk, so "
                          f"later runs on this machine skip most of it): {job['warmup_seconds']:.0f} s")
+        rel = s.get("estep_relative_to_cheapest_local")
+        if rel:
+            ranges = (f"{g['group']} {g['min']:.2f}" + (f"–{g['max']:.2f}×" if g["max"] > g["min"] else "×")
+                      for g in rel["groups"])
+            lines.append(f"\nE-step against the cheapest local-search iteration ({rel['cheapest_iteration']}, "
+                         f"{rel['cheapest_seconds']:.2f} s; the target: at most 1.5×): " + ", ".join(ranges))
         if s.get("outside_iterations"):
             lines.append("\noutside the iterations (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                                       s["outside_iterations"].items()))

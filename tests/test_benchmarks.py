@@ -79,6 +79,32 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run):
         assert "later iterations as the last measured one" in summary["extrapolation"]
 
 
+def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, monkeypatch):
+    """The 1.5× target's table: ratios to the cheapest local iteration, by HEALPix order and search, the last
+    iteration apart; none without local searches (the tiny run's two iterations are global)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("empiar10028", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    _, _, results = tiny_run
+    assert results["jobs"]["refine"]["summary"]["estep_relative_to_cheapest_local"] is None
+
+    def it(number, order, local, seconds):
+        return {"iteration": number, "healpix_order": order, "local_searches": local,
+                "seconds": {"expectation": seconds}}
+
+    its = [it(1, 2, False, 3.0), it(2, 3, False, 4.0), it(3, 4, True, 2.5), it(4, 4, True, 2.0), it(5, 5, True, 3.0),
+           it(6, 5, True, 6.0)]
+    rel = script.relative_to_cheapest_local(its)
+    assert rel["cheapest_iteration"] == 4 and rel["cheapest_seconds"] == 2.0
+    assert rel["worst_iteration"] == 6 and rel["worst_ratio"] == 3.0
+    groups = {g["group"]: (g["iterations"], g["min"], g["max"]) for g in rel["groups"]}
+    assert groups == {"order 2 global": ([1], 1.5, 1.5), "order 3 global": ([2], 2.0, 2.0),
+                      "order 4 local": ([3, 4], 1.0, 1.25), "order 5 local": ([5], 1.5, 1.5), "last": ([6], 3.0, 3.0)}
+
+
 @pytest.mark.mpi
 def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     """benchmarks/mpi_scaling.py in its tiny numpy mode: one process and `mpiexec -n 3` on the same Class3D job, the
