@@ -421,12 +421,11 @@ class Sampling:
             psi = self.psi_deg(xp)
             n_psi = psi.shape[0]
             return xp.repeat(d[:, 0], n_psi), xp.repeat(d[:, 1], n_psi), xp.tile(psi, d.shape[0])
-        if directions_deg is not None:
-            o = xp.asarray(index, dtype=xp.int64).reshape(-1)
-            d = directions_deg[o // self.n_psi]
-            return d[:, 0], d[:, 1], (o % self.n_psi) * self.psi_step_deg
-        o = np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
-        d = self._directions[o // self.n_psi]
+        if directions_deg is None:  # gathered on the host
+            table, o = self._directions, np.asarray(_to_numpy(index), dtype=np.int64).reshape(-1)
+        else:  # where the caller's table is
+            table, o = directions_deg, xp.asarray(index, dtype=xp.int64).reshape(-1)
+        d = table[o // self.n_psi]
         return xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp.asarray((o % self.n_psi) * self.psi_step_deg)
 
     def translations_px(self, xp=np):

@@ -375,7 +375,7 @@ class MpiRunner:
 
         node = (self.workers.Split_type(MPI.COMM_TYPE_SHARED)
                 if self.config.scratch_dir or self.config.preread_images else None)
-        self.node_workers = 1 if node is None else node.Get_size()  # --preread_images: they share the host's memory
+        node_workers = 1 if node is None else node.Get_size()  # --preread_images: they share the host's memory
         with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node) as particles:
             while True:
                 kind, payload = self.objects.bcast(None, root=0)
@@ -384,9 +384,9 @@ class MpiRunner:
                 plan, model, previous = payload
                 plan, model = self._with_held_maps(plan, model)
                 with backend.iteration_scope():
-                    self._iteration(job, backend, particles, settings, plan, model, previous)
+                    self._iteration(job, backend, particles, settings, plan, model, previous, node_workers)
 
-    def _iteration(self, job, backend, particles, settings, plan, model, previous):
+    def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers):
         comm, worker = self.comm, self.rank - 1
         n_units = len(plan.units)
         mine = units_of_worker(worker, self.n_workers, n_units)
@@ -398,7 +398,7 @@ class MpiRunner:
             comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
 
         preread = np.concatenate([plan.units[u].members for u in mine]) if self.config.preread_images else None
-        with particles.image_reader(preread, sharers=self.node_workers) as reader:
+        with particles.image_reader(preread, sharers=node_workers) as reader:
             sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
