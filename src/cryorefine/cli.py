@@ -190,8 +190,8 @@ def _refine_options(command):
         click.option("--dont_combine_weights_via_disc", is_flag=True,
                     help="Accepted for RELION command lines: sums are never combined through files."),
         click.option("--batch", default=None, type=int,
-                     help="Particles per E-step batch [default: --pool, else 128 on the CPU and on the GPU 512 images "
-                          "of 360 px or as many as hold as many pixels (32 to 512)]."),
+                     help="Particles per E-step batch [default: --pool, else 128 on the CPU and on the GPU 1024 images "
+                          "of 360 px or as many as hold as many pixels (32 to 1024)]."),
         click.option("--pool", default=None, type=int, help="RELION's particles per batch: --batch unless that is given."),
         click.option("--j", "threads", default=None, type=int,
                      help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) "

@@ -18,13 +18,14 @@ MAX_HEALPIX_ORDER = 8  # RELION's finest angular sampling, 0.23° (order 0: 60°
 MAX_OVERSAMPLING = 4
 MAX_PADDING_FACTOR = 4.0
 # particles per E-step batch when --batch and --pool are not given: on the CPU a fixed count; on the GPU as many
-# images as hold this many pixels (512 of 360 px), between the two bounds. Per-batch work (launches, host tables,
+# images as hold this many pixels (1,024 of 360 px), between the two bounds. Per-batch work (launches, host tables,
 # transfers) is then a small share of an iteration: the converged auto-refine of 10,000 particles of 360 px took
-# 204 s with batches of 128 and 152 s with 512 on the H100 (benchmarks/README.md); the two pinned read-ahead buffers
-# of the images stay at ~0.5 GB whatever the box
+# 204 s with batches of 128 and 152 s with 512 on the H100, and its iterations 70.9 s with 512, 52.7–53.0 s with
+# 1,024 and 49.8 s with 2,048 on the H200 (benchmarks/README.md); the two pinned read-ahead buffers of the images
+# stay at ~1 GB whatever the box
 CPU_BATCH_PARTICLES = 128
-GPU_BATCH_PIXELS = 512 * 360 * 360
-GPU_BATCH_PARTICLES = (32, 512)
+GPU_BATCH_PIXELS = 1024 * 360 * 360
+GPU_BATCH_PARTICLES = (32, 1024)
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class RefineConfig:
 
 def default_batch_size(box_px: int, on_gpu: bool) -> int:
     """Particles per E-step batch when none is given: CPU_BATCH_PARTICLES on the CPU; on the GPU the images that hold
-    GPU_BATCH_PIXELS pixels, within GPU_BATCH_PARTICLES (512 at 360 px, 253 at 512 px, 103 at 800 px)."""
+    GPU_BATCH_PIXELS pixels, within GPU_BATCH_PARTICLES (1,024 at 360 px, 506 at 512 px, 207 at 800 px)."""
     if not on_gpu:
         return CPU_BATCH_PARTICLES
     low, high = GPU_BATCH_PARTICLES

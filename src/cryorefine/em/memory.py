@@ -46,7 +46,7 @@ PREPARED_BYTES_PER_PIXEL = 20.0
 #: engine's
 PREPARED_SHARE = 0.25
 #: the share of the free device memory the two device buffers of the images' overlapped uploads may take
-#: (`gpu.staging.UploadSlots`; 0.53 GB for batches of 512 float32 images of 360 px); past it, images are
+#: (`gpu.staging.UploadSlots`; 1.06 GB for batches of 1,024 float32 images of 360 px); past it, images are
 #: uploaded where they are prepared, as the preparation's part of the wait
 UPLOAD_SLOTS_SHARE = 0.05
 
