@@ -62,6 +62,20 @@ __device__ __forceinline__ void cr_coarse_write(float acc, int b, int t, int n, 
     out[((size_t)b * n_total + n_offset + n) * T + t] = v;
 }
 
+// The two outputs of an mma fragment's row m, columns n and n + 1 (acc0, acc1): nothing beyond the rows M and the
+// columns N (the tensor-core kernels' epilogues).
+__device__ __forceinline__ void cr_coarse_write_pair(float acc0, float acc1, int m, int n, int M, int N, int T,
+                                                     const float* __restrict__ row_term,
+                                                     const float* __restrict__ pair_term, int mode, int n_total,
+                                                     int n_offset, float* __restrict__ out)
+{
+    const int b = m / T;  // unconditional: the unrolled callers' rows share it
+    const int t = m - b * T;
+    if (m < M && n < N) cr_coarse_write(acc0, b, t, n, N, T, row_term, pair_term, mode, n_total, n_offset, out);
+    if (m < M && n + 1 < N)
+        cr_coarse_write(acc1, b, t, n + 1, N, T, row_term, pair_term, mode, n_total, n_offset, out);
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 coarse_diff2(const float* __restrict__ A, const float* __restrict__ B, int lda, int ldb, int K, int M, int N,
              int T, const float* __restrict__ row_term, const float* __restrict__ pair_term, int mode,

@@ -148,25 +148,14 @@ coarse_diff2_tf32(const float* __restrict__ A, const float* __restrict__ B, int 
 
     // epilogue, as coarse_diff2's: accumulator r of tile (i, j) holds row group (+8 for r ≥ 2), column 2·tig (+1)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int m = m0 + wm + i * 16 + group + half * 8;
-            if (m >= M) continue;
-            const int b = m / T;
-            const int t = m - b * T;
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int n = n0 + wn + j * 8 + tig * 2 + c;
-                    if (n < N)
-                        cr_coarse_write(acc[i][j][half * 2 + c], b, t, n, N, T, row_term, pair_term, mode, n_total,
-                                        n_offset, out);
-                }
-            }
-        }
-    }
+            for (int j = 0; j < 4; ++j)
+                cr_coarse_write_pair(acc[i][j][half * 2], acc[i][j][half * 2 + 1], m0 + wm + i * 16 + group + half * 8,
+                                     n0 + wn + j * 8 + tig * 2, M, N, T, row_term, pair_term, mode, n_total, n_offset,
+                                     out);
 #endif
 }
 

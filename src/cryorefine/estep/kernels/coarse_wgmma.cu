@@ -184,20 +184,11 @@ coarse_diff2_wgmma(const float* __restrict__ A, const float* __restrict__ B, int
     // epilogue: accumulator 4·j + 2·half + c holds row 16·(warp in group) + group + 8·half of the warp group's 64,
     // column 8·j + 2·tig + c
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int m = m0 + wg * 64 + (warp & 3) * 16 + group + half * 8;
-        if (m >= M) continue;
-        const int b = m / T;
-        const int t = m - b * T;
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int n = n0 + j * 8 + tig * 2 + c;
-                if (n < N) cr_coarse_write(acc[4 * j + 2 * half + c], b, t, n, N, T, row_term, pair_term, mode,
-                                           n_total, n_offset, out);
-            }
-        }
-    }
+        for (int j = 0; j < 16; ++j)
+            cr_coarse_write_pair(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1],
+                                 m0 + wg * 64 + (warp & 3) * 16 + group + half * 8, n0 + j * 8 + tig * 2, M, N, T,
+                                 row_term, pair_term, mode, n_total, n_offset, out);
 #endif
 }
