@@ -35,6 +35,18 @@ def test_each_particle_finds_its_own_pose_among_the_units():
                                                                           psi[members[3]]))
 
 
+def test_the_poses_take_the_grid_samplings_call_for_matrices():
+    """The GPU engine asks a local search's sampling for matrices with its device table of directions
+    (`Sampling.orientation_matrices(xp, index, directions_deg)`); --skip_align's poses stand in for a Sampling
+    there, so they take the same call and give their own poses' matrices."""
+    rng = np.random.default_rng(1)
+    rot, tilt, psi = random_poses(rng, 12)
+    poses = GivenPoses.of(rot, tilt, psi, np.arange(12))
+    index = np.array([[7, 2], [2, 11]])
+    got = poses.orientation_matrices(np, index.reshape(-1), poses.directions_deg(np))
+    assert np.allclose(got, euler_to_matrix(rot[[7, 2, 2, 11]], tilt[[7, 2, 2, 11]], psi[[7, 2, 2, 11]]))
+
+
 def test_the_numpy_engine_keeps_poses_and_origins_and_picks_the_class():
     """Noise-free projections of two different maps at random poses and sub-pixel origins: with GivenPoses the
     engine returns each particle's own pose and origin, and the class of the map it came from."""

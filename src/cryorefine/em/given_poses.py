@@ -78,10 +78,13 @@ class GivenPoses:
 
     # ------------------------------------------------------------------ the grid
     def orientations_deg(self, xp=np, index=None):
-        pick = slice(None) if index is None else np.asarray(index, dtype=np.int64).reshape(-1)
+        """The poses of `index` (host or device ints; all by default), as arrays of `xp`."""
+        pick = slice(None) if index is None else _host_ints(index)
         return xp.asarray(self.rot_deg[pick]), xp.asarray(self.tilt_deg[pick]), xp.asarray(self.psi_deg[pick])
 
-    def orientation_matrices(self, xp=np, index=None):
+    def orientation_matrices(self, xp=np, index=None, directions_deg=None):
+        """Sampling's call: `directions_deg`, the device table of a grid's directions, has nothing to give here (the
+        poses are the unit's own), and an `index` on the device is gathered on the host, as the children are."""
         return euler_to_matrix(*self.orientations_deg(xp, index), xp=xp)
 
     def directions_deg(self, xp=np):
@@ -96,8 +99,7 @@ class GivenPoses:
 
     def fine_orientations_deg(self, orientation_index, oversampling=None, xp=np):
         """The 'children' of orientations: the orientations themselves, (n, 1) each."""
-        o = np.asarray(orientation_index.get() if hasattr(orientation_index, "get") else orientation_index,
-                       dtype=np.int64).reshape(-1)
+        o = _host_ints(orientation_index)
         return tuple(xp.asarray(a[o][:, None]) for a in (self.rot_deg, self.tilt_deg, self.psi_deg))
 
     # ------------------------------------------------------------------ each particle its own pose
@@ -126,3 +128,8 @@ class GivenPoses:
         not used."""
         index = self.index_of(prior_rot_deg, prior_tilt_deg, prior_psi_deg)
         return LocalOrientations(np.arange(index.size + 1, dtype=np.int64), index, np.zeros(index.size))
+
+
+def _host_ints(index):
+    """`index` (numpy or CuPy) as a flat host int64 array: the unit's poses are kept on the host."""
+    return np.asarray(index.get() if hasattr(index, "get") else index, dtype=np.int64).reshape(-1)
