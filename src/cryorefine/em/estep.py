@@ -239,24 +239,27 @@ def empty_sums(unit, xp=np, real_dtype=np.float64):
                               real_dtype=real_dtype)
 
 
-def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free_bytes=None):
-    """RELION's initial noise spectra from the masked images at their stored origins (`free_bytes`: as
-    `noise_batch_sums` takes it)."""
+def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free_bytes=None, stages=None):
+    """RELION's initial noise spectra from the masked images at their stored origins (`free_bytes`, `stages`: as
+    `noise_batch_sums` takes them)."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     for _, sums in noise_batch_sums(particles, settings, n_optics, enumerate(particles.batches(batch_size)), xp,
-                                    free_bytes):
+                                    free_bytes, stages):
         noise.add_batch_sums(*sums)
     return noise.sigma2()
 
 
-def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, free_bytes=None):
+def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, free_bytes=None, stages=None):
     """(batch number, NoiseEstimate.batch_sums) of each (number, particle indices) of `numbered_batches`: what
     the initial noise spectra add up, one batch at a time (batches may be shared out, and added up elsewhere in
     their order). `free_bytes`: a callable giving the device's free bytes (a backend's `free_device_bytes`); a
     batch is then prepared in parts of as many images as they leave room for (`em.memory.images_per_preparation`,
-    as the E-step's batches are), its sums joined; None (the host): the whole batch at once."""
+    as the E-step's batches are), its sums joined; None (the host): the whole batch at once. `stages`: a dict to
+    which the seconds spent waiting for the image reads ("read_wait") and preparing the images and their sums
+    ("images") are added, as the E-step's stages of those names."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
     numbers = deque()
+    stages = {} if stages is None else stages
 
     def batches():
         for number, indices in numbered_batches:
@@ -264,7 +267,9 @@ def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, fre
             yield indices
 
     with mrc.StackReader() as reader:
+        tic = time.perf_counter()
         for indices, images in particles.read_ahead(batches(), reader, xp):
+            tic = add_seconds(stages, "read_wait", tic)
             free = None if free_bytes is None else free_bytes()
             per_part = indices.size if free is None else memory.images_per_preparation(free, settings.ori_size_px)
             parts = []
@@ -275,7 +280,10 @@ def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, fre
                 parts.append(noise.batch_sums(batch.images_ft, batch.optics_index))
                 del batch  # its device arrays go before the next part's (the GPU arena is a stack)
             del images
-            yield numbers.popleft(), _joined_noise_sums(parts)
+            sums = _joined_noise_sums(parts)
+            add_seconds(stages, "images", tic)
+            yield numbers.popleft(), sums
+            tic = time.perf_counter()
 
 
 def _joined_noise_sums(parts):

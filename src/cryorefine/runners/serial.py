@@ -12,7 +12,7 @@ import numpy as np
 from cryorefine.data import scratch_copy
 from cryorefine.em import mstep
 from cryorefine.em.estep import BatchInputs, empty_sums, initial_noise_spectra, run_batches, sums_wait_on_host
-from cryorefine.em.loop import StepOutcome
+from cryorefine.em.loop import StepOutcome, log_stages
 
 log = logging.getLogger("cryorefine")
 
@@ -30,9 +30,12 @@ class SerialRunner:
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass over all images, prepared on the backend (the device's arena is open)."""
+        stages = {}
         with self.backend.iteration_scope():
-            return initial_noise_spectra(particles, settings, n_optics, self.batch_size_for(settings.ori_size_px),
-                                         self.backend.array_module, self.backend.free_device_bytes)
+            spectra = initial_noise_spectra(particles, settings, n_optics, self.batch_size_for(settings.ori_size_px),
+                                            self.backend.array_module, self.backend.free_device_bytes, stages)
+        log_stages("initial noise spectra", stages)
+        return spectra
 
     @contextlib.contextmanager
     def session(self):
