@@ -1,4 +1,7 @@
-"""The initial noise pass prepares a batch in parts where the device's free memory is short."""
+"""The initial noise pass: a batch prepared in parts where the device's free memory is short, and its waits for the
+image reads told apart from the preparation."""
+
+import time
 
 import numpy as np
 
@@ -31,8 +34,6 @@ def test_a_batch_prepared_in_parts_gives_the_spectra_of_the_whole_batch(tmp_path
 def test_the_noise_pass_tells_its_waits_for_the_reads_apart_from_the_preparation(tmp_path):
     """The start's noise pass reads every image once: the seconds spent waiting for the reads and those spent
     preparing the images are added up apart, under the E-step's stage names."""
-    import time
-
     star, _ = make_particle_set(tmp_path, n=12, box=32, pixel_size=2.0, seed=4)
     particles = load_particles(star)
     settings = ImageSettings(32, 2.0, 50.0, do_ctf=True)
