@@ -46,7 +46,9 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # coefficient at the current size (the fine pass, the sums, the back-projection); the last two scale with the FP32
 # peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_estep_fit.py` (its docstring names
 # the runs) to the local iterations (orders 4–8 and the final one) of three converged 10,000-particle auto-refines of
-# the 360 px stand-in with the GPU's default batches of 512, on two H100 machines: estimate / measured 0.83–1.22
+# the 360 px stand-in with the GPU's default batches of 512, on two H100 machines: estimate / measured 0.83–1.22.
+# With batches of 1,024 (the default since) they give 0.75–1.01 on a 5,000-particle H100 run
+# (results/refine_5k_h100_batch1024.json); not fitted again, a refit needing two particle counts on one card
 LOCAL_ESTEP_FIXED_SECONDS = 0.3
 LOCAL_ESTEP_SECONDS_PER_PARTICLE = 2.31e-5
 LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 1.43e-11
