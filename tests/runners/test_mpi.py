@@ -1,6 +1,7 @@
 """`mpiexec -n N cryorefine refine`: the same maps as one process, clean failures (CPU engine)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def test_maps_do_not_depend_on_the_number_of_ranks(data):
                for ranks in (1, 3, 5)}
     for ranks, result in results.items():
         assert result.returncode == 0, (ranks, result.stderr[-2000:])
+        # the noise pass's seconds, the workers' added up under MPI: one line, from the master alone
+        told = re.findall(r"initial noise spectra(?:, the workers' seconds added)?: \d+\.\d s", result.stderr)
+        assert len(told) == 1 and ("workers'" in told[0]) == (ranks > 1), (ranks, result.stderr[-2000:])
     import starfile
 
     model = starfile.read(data / "n1" / "run_it002_half1_model.star")

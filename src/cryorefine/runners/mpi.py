@@ -59,7 +59,7 @@ from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em import mstep
 from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
-from cryorefine.em.loop import StepOutcome
+from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
@@ -70,7 +70,7 @@ TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indic
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds of its parts
-TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums) of the initial noise pass
+TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI message or reduction (128 MB)
@@ -237,21 +237,28 @@ class MpiRunner:
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
         on its engine and sends each batch's sums here, where they are added in batch order (bit for bit as one
-        process adds them)."""
+        process adds them). The workers' seconds waiting for their reads and preparing their images, added up,
+        are logged in one line."""
         from mpi4py import MPI
 
         comm = self.comm
         self.objects.bcast(("noise", (settings, n_optics)), root=0)
         noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
         pending, status = {}, MPI.Status()
+        worker_stages = {}  # rank -> that worker's seconds so far, by stage
         for number in range(-(-len(particles) // self.config.batch_size_for(settings.ori_size_px))):
             while number not in pending:
                 while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
                     self._raise_worker_failure()
                     time.sleep(0.0005)  # poll gently, as the E-step's master does
-                received, sums = comm.recv(source=status.Get_source(), tag=TAG_NOISE)
+                source = status.Get_source()
+                received, sums, worker_stages[source] = comm.recv(source=source, tag=TAG_NOISE)
                 pending[received] = sums
             noise.add_batch_sums(*pending.pop(number))
+        totals = {}
+        for stages in worker_stages.values():
+            add_counts(totals, stages)
+        log_stages("initial noise spectra, the workers' seconds added", totals)
         return noise.sigma2()
 
     # ------------------------------------------------------------------ master
@@ -364,10 +371,11 @@ class MpiRunner:
         mine = ((number, indices) for number, indices in enumerate(particles.batches(self.config.batch_size_for(
             settings.ori_size_px)))
                 if number % self.n_workers == worker)
+        stages = {}
         with backend.iteration_scope():
             for number, sums in noise_batch_sums(particles, settings, n_optics, mine, backend.array_module,
-                                                 backend.free_device_bytes):
-                self.comm.send((number, sums), dest=0, tag=TAG_NOISE)
+                                                 backend.free_device_bytes, stages):
+                self.comm.send((number, sums, dict(stages)), dest=0, tag=TAG_NOISE)
 
     def _iterations(self, job, backend, particles, settings):
         """The E- and M-steps of the run, from the stack copies under --scratch_dir if asked."""
