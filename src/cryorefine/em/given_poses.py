@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cryorefine.core.arrays import to_host
 from cryorefine.core.euler import euler_to_matrix
 from cryorefine.core.sampling import LocalOrientations
 
@@ -111,7 +112,7 @@ class GivenPoses:
     def index_of(self, rot_deg, tilt_deg, psi_deg):
         """The orientation index of each pose (B,) (host arrays): the unit's particle with exactly that pose, else
         the nearest orientation."""
-        rot, tilt, psi = (np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.float64).reshape(-1)
+        rot, tilt, psi = (np.asarray(to_host(a), dtype=np.float64).reshape(-1)
                           for a in (rot_deg, tilt_deg, psi_deg))
         table = self._index_of_pose
         out = np.array([table.get(p, -1) for p in zip(rot.tolist(), tilt.tolist(), psi.tolist())], dtype=np.int64)
@@ -132,4 +133,4 @@ class GivenPoses:
 
 def _host_ints(index):
     """`index` (numpy or CuPy) as a flat host int64 array: the unit's poses are kept on the host."""
-    return np.asarray(index.get() if hasattr(index, "get") else index, dtype=np.int64).reshape(-1)
+    return np.asarray(to_host(index), dtype=np.int64).reshape(-1)
