@@ -274,3 +274,26 @@ def test_cupy_matches_numpy():
     np.testing.assert_allclose(cp.asnumpy(got), want, atol=1e-12)
     got32 = ctf_2d(90, 1.3, **params, xp=cp)
     assert got32.dtype == cp.float32
+
+
+def test_the_per_image_coefficients_stay_on_the_host():
+    """On a GPU the per-image numbers (wavelength, astigmatism, phase offset, envelope) and the amplitude-contrast
+    check are worked out on the host and uploaded once: the array module given is asked only for the
+    image-sized arithmetic. (A device reduction for the check was compiled anew by CuPy for each batch size.)"""
+    image_sized = ("asarray", "arange", "where", "sin", "exp", "abs", "float64")
+
+    class ImageArithmeticOnly:
+        def __getattr__(self, name):
+            if name not in image_sized:
+                raise AssertionError(f"ctf_2d asked the array module for {name}")
+            return getattr(np, name)
+
+    rng = np.random.default_rng(3)
+    params = dict(defocus_u_angstrom=rng.uniform(5000, 30000, 4), defocus_v_angstrom=rng.uniform(5000, 30000, 4),
+                  defocus_angle_deg=rng.uniform(-180, 180, 4), voltage_kv=300.0, cs_mm=2.7, amplitude_contrast=0.1,
+                  phase_shift_deg=rng.uniform(0, 90, 4), bfactor=rng.uniform(0, 100, 4), scale=0.8)
+    got = ctf_2d(48, 1.3, **params, intact_until_first_peak=True, xp=ImageArithmeticOnly(), dtype=np.float64)
+    want = ctf_2d(48, 1.3, **params, intact_until_first_peak=True, dtype=np.float64)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="amplitude_contrast"):
+        ctf_2d(48, 1.3, **{**params, "amplitude_contrast": 1.2}, xp=ImageArithmeticOnly())

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cryorefine.core.arrays import to_host
+
 # RELION's constant: λ[Å] = 12.2643247 / sqrt(V · (1 + 0.978466e-6 · V)), V in volts.
 _WAVELENGTH_NUMERATOR = 12.2643247
 _RELATIVISTIC_PER_VOLT = 0.978466e-6
@@ -54,25 +56,30 @@ def ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom,
     in [0, 1]. Computed in float64, returned as `dtype`. Flags as relion_refine's
     --ctf_phase_flipped (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
     """
-    params = [xp.asarray(p, dtype=xp.float64).reshape(-1) for p in (
+    # the per-image coefficients on the host (B numbers each): on the device each would be a kernel of its own,
+    # and the range check a device reduction that CuPy compiles anew for every new batch size
+    params = [np.asarray(to_host(p), dtype=np.float64).reshape(-1) for p in (
         pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg, voltage_kv,
         cs_mm, amplitude_contrast, phase_shift_deg, bfactor, scale)]
-    params = xp.broadcast_arrays(*params)
-    pix, du, dv, ang, kv, cs, q0, phase, bfac, scl = (p[:, None, None] for p in params)
-    if bool(xp.any((q0 < 0.0) | (q0 > 1.0))):
+    pix, du, dv, ang, kv, cs, q0, phase, bfac, scl = np.broadcast_arrays(*params)
+    if np.any((q0 < 0.0) | (q0 > 1.0)):
         raise ValueError("amplitude_contrast must lie in [0, 1]")
 
-    lam = electron_wavelength_angstrom(kv, xp)
+    lam = electron_wavelength_angstrom(kv)
     inv_box2 = 1.0 / (size_px * pix) ** 2  # (integer frequency)² -> (1/Å)²
-    alpha = xp.deg2rad(ang)
-    c, s = xp.cos(alpha), xp.sin(alpha)
+    alpha = np.deg2rad(ang)
+    c, s = np.cos(alpha), np.sin(alpha)
     # γ = k_xx·kx² + k_xy·kx·ky + k_yy·ky² + k_4·|k|⁴ − offset, with k integer frequencies.
     k1 = -np.pi * lam * inv_box2
-    k_xx = k1 * (du * c * c + dv * s * s)
-    k_xy = k1 * 2.0 * (du - dv) * c * s
-    k_yy = k1 * (du * s * s + dv * c * c)
-    k_4 = 0.5 * np.pi * (cs * 1e7) * lam ** 3 * inv_box2 ** 2
-    offset = xp.deg2rad(phase) + xp.arctan(q0 / xp.sqrt(1.0 - q0 * q0))
+    coefficients = np.stack([
+        k1 * (du * c * c + dv * s * s),  # k_xx
+        k1 * 2.0 * (du - dv) * c * s,  # k_xy
+        k1 * (du * s * s + dv * c * c),  # k_yy
+        0.5 * np.pi * (cs * 1e7) * lam ** 3 * inv_box2 ** 2,  # k_4
+        np.deg2rad(phase) + np.arctan(q0 / np.sqrt(1.0 - q0 * q0)),  # offset
+        -0.25 * inv_box2 * bfac,  # the envelope's exponent per |k|²
+        scl])
+    k_xx, k_xy, k_yy, k_4, offset, envelope, scl = (k[:, None, None] for k in xp.asarray(coefficients))
 
     ky, kx = _half_frequencies(size_px, xp)
     k2 = kx * kx + ky * ky
@@ -80,7 +87,7 @@ def ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom,
     ctf = -xp.sin(gamma)
     if intact_until_first_peak:
         ctf = xp.where(xp.abs(gamma) < 0.5 * np.pi, 1.0, ctf)
-    ctf = ctf * xp.exp((-0.25 * inv_box2 * bfac) * k2)
+    ctf = ctf * xp.exp(envelope * k2)
     if abs_value:
         ctf = xp.abs(ctf)
     elif only_flip_phases:
