@@ -57,7 +57,8 @@ def ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom,
     --ctf_phase_flipped (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
     """
     # the per-image coefficients on the host (B numbers each): on the device each would be a kernel of its own,
-    # and the range check a device reduction that CuPy compiles anew for every new batch size
+    # and the range check a reduction over the batch, which CuPy compiles again for each power-of-two class of
+    # batch sizes (benchmarks/README.md, "A first run on a machine")
     params = [np.asarray(to_host(p), dtype=np.float64).reshape(-1) for p in (
         pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg, voltage_kv,
         cs_mm, amplitude_contrast, phase_shift_deg, bfactor, scale)]
