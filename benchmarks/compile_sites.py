@@ -10,35 +10,52 @@ import pstats
 import sys
 from collections import defaultdict
 
-stats = pstats.Stats(sys.argv[1]).stats
-roots = [k for k in stats if k[0].endswith("cuda/compiler.py")]
-for r in sorted(roots, key=lambda k: -stats[k][3])[:6]:
-    print("compiler function", r[2], "calls", stats[r][1], "cumulative", round(stats[r][3], 2))
-root = max(roots, key=lambda k: stats[k][3])
-memo, busy = {}, set()
 
+def compile_sites(stats):
+    """(the compiler's cumulative seconds, {package frame: seconds}) of a pstats table, or None without CuPy's
+    compiler in it."""
+    roots = [k for k in stats if k[0].endswith("cuda/compiler.py")]
+    if not roots:
+        return None
+    root = max(roots, key=lambda k: stats[k][3])
+    memo, busy = {}, set()
 
-def split(key):
-    if key in memo:
+    def split(key):
+        if key in memo:
+            return memo[key]
+        if "/cryorefine/" in key[0] and "site-packages" not in key[0]:
+            return {f"{key[0].split('/cryorefine/')[-1]}:{key[1]} {key[2]}": 1.0}
+        if key in busy:  # a cycle of callers: its share goes to the other callers
+            return {}
+        busy.add(key)
+        callers = stats[key][4]
+        total = sum(v[3] for v in callers.values())
+        out = defaultdict(float)
+        if not callers or total <= 0:
+            out[f"(no package frame) {key[0].split('/')[-1]}:{key[2]}"] = 1.0
+        else:
+            for caller, v in callers.items():
+                for frame, share in split(caller).items():
+                    out[frame] += share * v[3] / total
+        busy.discard(key)
+        memo[key] = dict(out)
         return memo[key]
-    if "/cryorefine/" in key[0] and "site-packages" not in key[0]:
-        return {f"{key[0].split('/cryorefine/')[-1]}:{key[1]} {key[2]}": 1.0}
-    if key in busy:
-        return {}
-    busy.add(key)
-    callers = stats[key][4]
-    total = sum(v[3] for v in callers.values())
-    out = defaultdict(float)
-    if not callers or total <= 0:
-        out[f"(no package frame) {key[0].split('/')[-1]}:{key[2]}"] = 1.0
-    else:
-        for c, v in callers.items():
-            for frame, f in split(c).items():
-                out[frame] += f * v[3] / total
-    busy.discard(key)
-    memo[key] = dict(out)
-    return memo[key]
+
+    seconds = stats[root][3]
+    return seconds, {frame: share * seconds for frame, share in split(root).items()}
 
 
-for frame, f in sorted(split(root).items(), key=lambda kv: -kv[1])[:30]:
-    print(f"{f * stats[root][3]:7.2f} s  {frame}")
+def main(path):
+    stats = pstats.Stats(path).stats
+    for r in sorted((k for k in stats if k[0].endswith("cuda/compiler.py")), key=lambda k: -stats[k][3])[:6]:
+        print("compiler function", r[2], "calls", stats[r][1], "cumulative", round(stats[r][3], 2))
+    found = compile_sites(stats)
+    if found is None:
+        print(f"{path}: CuPy's compiler does not appear in this profile (its kernels came from the cache)")
+        return
+    for frame, seconds in sorted(found[1].items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{seconds:7.2f} s  {frame}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
