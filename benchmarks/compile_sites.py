@@ -11,13 +11,18 @@ import sys
 from collections import defaultdict
 
 
+def compiler_functions(stats):
+    """The pstats keys of CuPy's compiler functions, the most cumulative time first."""
+    return sorted((k for k in stats if k[0].endswith("cuda/compiler.py")), key=lambda k: -stats[k][3])
+
+
 def compile_sites(stats):
     """(the compiler's cumulative seconds, {package frame: seconds}) of a pstats table, or None without CuPy's
     compiler in it."""
-    roots = [k for k in stats if k[0].endswith("cuda/compiler.py")]
+    roots = compiler_functions(stats)
     if not roots:
         return None
-    root = max(roots, key=lambda k: stats[k][3])
+    root = roots[0]
     memo, busy = {}, set()
 
     def split(key):
@@ -47,7 +52,7 @@ def compile_sites(stats):
 
 def main(path):
     stats = pstats.Stats(path).stats
-    for r in sorted((k for k in stats if k[0].endswith("cuda/compiler.py")), key=lambda k: -stats[k][3])[:6]:
+    for r in compiler_functions(stats)[:6]:
         print("compiler function", r[2], "calls", stats[r][1], "cumulative", round(stats[r][3], 2))
     found = compile_sites(stats)
     if found is None:
