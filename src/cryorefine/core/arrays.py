@@ -22,6 +22,11 @@ def to_host(array):
     return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
 
 
+def host_flat(array, dtype):
+    """`array` (numpy, CuPy or a sequence) as a flat host array of `dtype`: indices and angles the host works on."""
+    return np.asarray(to_host(array), dtype=dtype).reshape(-1)
+
+
 def host_buffer(shape, dtype, xp=np):
     """An empty host array for data bound for `xp`'s device: page-locked (pinned) for CuPy, where uploads
     then run at the bus's full speed without a staging copy; plain numpy otherwise."""

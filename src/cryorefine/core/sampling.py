@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import to_host
+from .arrays import host_flat
 from .euler import euler_to_matrix, matrix_to_euler
 from .symmetry import SymmetryGroup, asymmetric_unit_mask, symmetry_group
 
@@ -423,7 +423,7 @@ class Sampling:
             n_psi = psi.shape[0]
             return xp.repeat(d[:, 0], n_psi), xp.repeat(d[:, 1], n_psi), xp.tile(psi, d.shape[0])
         if directions_deg is None:  # gathered on the host
-            table, o = self._directions, np.asarray(to_host(index), dtype=np.int64).reshape(-1)
+            table, o = self._directions, host_flat(index, np.int64)
         else:  # where the caller's table is
             table, o = directions_deg, xp.asarray(index, dtype=xp.int64).reshape(-1)
         d = table[o // self.n_psi]
@@ -456,7 +456,7 @@ class Sampling:
         (0.5 + i)·step/2^k.
         """
         k = self._k(oversampling)
-        o = np.asarray(to_host(orientation_index), dtype=np.int64).reshape(-1)
+        o = host_flat(orientation_index, np.int64)
         idir, ipsi = o // self.n_psi, o % self.n_psi
         n_dc, n_pc = 4 ** k, 2 ** k
         fine_pix = self.direction_ipix[idir][:, None] * n_dc + _morton_offsets(k)[None, :]
@@ -475,7 +475,7 @@ class Sampling:
         Child it = ix·2^k + iy with offsets −step/2 + (0.5 + i)·step/2^k in x (outer), y (inner).
         """
         k = self._k(oversampling)
-        t = np.asarray(to_host(translation_index), dtype=np.int64).reshape(-1)
+        t = host_flat(translation_index, np.int64)
         n_sub = 2 ** k
         step = self.offset_step_px
         sub = -0.5 * step + (0.5 + np.arange(n_sub)) * step / n_sub
@@ -489,7 +489,7 @@ class Sampling:
 
     def fine_samples(self, coarse_index, oversampling: int | None = None, xp=np) -> FineSamples:
         """Children of coarse samples s = o·n_trans + t (fine sample f = io·n_ft + it)."""
-        s = np.asarray(to_host(coarse_index), dtype=np.int64).reshape(-1)
+        s = host_flat(coarse_index, np.int64)
         o, t = s // self.n_translations, s % self.n_translations
         rot, tilt, psi = self.fine_orientations_deg(o, oversampling, xp)
         return FineSamples(rot, tilt, psi, self.fine_translations_px(t, oversampling, xp))
@@ -530,8 +530,7 @@ class Sampling:
         psi is < sigma_cutoff·sigma_psi_deg. A sigma ≤ 0 keeps every sample with a flat prior.
         If nothing is in range, the nearest sample alone is kept.
         """
-        pr, pt, pp = (np.asarray(to_host(a), dtype=np.float64).reshape(-1)
-                      for a in (prior_rot_deg, prior_tilt_deg, prior_psi_deg))
+        pr, pt, pp = (host_flat(a, np.float64) for a in (prior_rot_deg, prior_tilt_deg, prior_psi_deg))
         n = pr.size
         if sigma_dir_deg > 0:
             dir_offsets, dirs, dir_lp = self._local_directions(pr, pt, sigma_dir_deg, sigma_cutoff)

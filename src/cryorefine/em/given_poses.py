@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cryorefine.core.arrays import to_host
+from cryorefine.core.arrays import host_flat
 from cryorefine.core.euler import euler_to_matrix
 from cryorefine.core.sampling import LocalOrientations
 
@@ -80,7 +80,7 @@ class GivenPoses:
     # ------------------------------------------------------------------ the grid
     def orientations_deg(self, xp=np, index=None):
         """The poses of `index` (host or device ints; all by default), as arrays of `xp`."""
-        pick = slice(None) if index is None else _host_ints(index)
+        pick = slice(None) if index is None else host_flat(index, np.int64)
         return xp.asarray(self.rot_deg[pick]), xp.asarray(self.tilt_deg[pick]), xp.asarray(self.psi_deg[pick])
 
     def orientation_matrices(self, xp=np, index=None, directions_deg=None):
@@ -100,7 +100,7 @@ class GivenPoses:
 
     def fine_orientations_deg(self, orientation_index, oversampling=None, xp=np):
         """The 'children' of orientations: the orientations themselves, (n, 1) each."""
-        o = _host_ints(orientation_index)
+        o = host_flat(orientation_index, np.int64)
         return tuple(xp.asarray(a[o][:, None]) for a in (self.rot_deg, self.tilt_deg, self.psi_deg))
 
     # ------------------------------------------------------------------ each particle its own pose
@@ -112,8 +112,7 @@ class GivenPoses:
     def index_of(self, rot_deg, tilt_deg, psi_deg):
         """The orientation index of each pose (B,) (host arrays): the unit's particle with exactly that pose, else
         the nearest orientation."""
-        rot, tilt, psi = (np.asarray(to_host(a), dtype=np.float64).reshape(-1)
-                          for a in (rot_deg, tilt_deg, psi_deg))
+        rot, tilt, psi = (host_flat(a, np.float64) for a in (rot_deg, tilt_deg, psi_deg))
         table = self._index_of_pose
         out = np.array([table.get(p, -1) for p in zip(rot.tolist(), tilt.tolist(), psi.tolist())], dtype=np.int64)
         missing = np.flatnonzero(out < 0)
@@ -129,8 +128,3 @@ class GivenPoses:
         not used."""
         index = self.index_of(prior_rot_deg, prior_tilt_deg, prior_psi_deg)
         return LocalOrientations(np.arange(index.size + 1, dtype=np.int64), index, np.zeros(index.size))
-
-
-def _host_ints(index):
-    """`index` (numpy or CuPy) as a flat host int64 array: the unit's poses are kept on the host."""
-    return np.asarray(to_host(index), dtype=np.int64).reshape(-1)
