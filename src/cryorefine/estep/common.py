@@ -261,7 +261,9 @@ def significance_cut(packed, counts, total, adaptive_fraction, max_significants,
         n_sig = xp.maximum(counts, 1)
     else:
         cum = xp.cumsum(sorted_w, axis=1)
-        n_sig = xp.sum(cum < adaptive_fraction * total[:, None], axis=1) + 1
+        # counted as int64: CuPy sums booleans with a reduction it compiles for each power-of-two class of the
+        # row length (the candidates' width, new with the data), int64 with CUB's precompiled one
+        n_sig = xp.sum((cum < adaptive_fraction * total[:, None]).astype(xp.int64), axis=1) + 1
         del cum
         n_sig = xp.minimum(n_sig, xp.maximum(counts, 1))
     if max_significants > 0:

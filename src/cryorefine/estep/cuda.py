@@ -110,7 +110,7 @@ def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_signifi
     threshold, n_sig = significance_cut(packed_w, counts, total, adaptive_fraction, max_significants, cp)
     keep = significant_mask(packed_w, threshold[:, None])
     del packed_w, threshold
-    per_particle = cp.asnumpy(keep.sum(axis=1)).astype(np.int64)
+    per_particle = cp.asnumpy(keep.astype(cp.int64).sum(axis=1))  # int64 sums: see `significance_cut`
     b_idx, at = cp.nonzero(keep)
     return b_idx, packed_s[b_idx, at].astype(cp.int64), per_particle, n_sig
 
