@@ -216,9 +216,11 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     if images is None:
         images = particles.read_images(indices, reader, check_finite=False)
     images = to_device(images, xp)
-    finite = xp.isfinite(images).reshape(indices.size, -1).all(axis=1)
-    if not bool(finite.all()):  # the reader's check names the image
-        first = int(to_host(xp.flatnonzero(~finite))[0])
+    # one flag per image, looked at on the host: on the GPU a reduction over the batch's length would be compiled
+    # again for each power-of-two class of batch sizes
+    finite = to_host(xp.isfinite(images).reshape(indices.size, -1).all(axis=1))
+    if not finite.all():  # the reader's check names the image
+        first = int(np.flatnonzero(~finite)[0])
         i = indices[first]
         mrc.require_finite(to_host(images[first:first + 1]), particles.stack_paths[i], [particles.stack_indices[i]])
     factor = avg_norm_correction / np.asarray(norm, dtype=np.float64)
