@@ -358,9 +358,10 @@ def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
         assert sum(got_w[c].sum() for c in set(got_w) - set(want_w)) < 1e-3
 
 
-def test_the_fine_kernels_of_the_next_oversampling_are_compiled_ahead(cp):
-    """With next_oversampling the engine compiles the fine kernels of that order on a thread at set-up: once it
-    ends, loading them takes no compiler time; a local search or no next order starts none."""
+def test_the_fine_kernels_are_compiled_ahead(cp):
+    """At set-up the engine compiles this iteration's fine kernels on a thread, and with next_oversampling those
+    of that order: once the threads end, loading them takes no compiler time; a local search or no next order
+    starts no thread for a next order."""
     import time
 
     from cryorefine.estep.cuda import CupyEngine
@@ -369,17 +370,19 @@ def test_the_fine_kernels_of_the_next_oversampling_are_compiled_ahead(cp):
     _, setup, _ = random_problem(3, 32, 2, next_oversampling=2)
     engine = CupyEngine()
     engine.setup(setup)
-    thread = engine.compiled_ahead[2]
-    thread.join(timeout=300)
-    assert not thread.is_alive()
-    tic = time.perf_counter()
-    kernel_module(fine_kernel_names(64, 16), engine.device_id)
-    assert time.perf_counter() - tic < 0.5
+    now, ahead = fine_kernel_names(engine.n_fo, engine.n_ft), fine_kernel_names(64, 16)
+    assert set(engine.compiled_ahead) == {now, ahead}
+    for names in (now, ahead):
+        engine.compiled_ahead[names].join(timeout=300)
+        assert not engine.compiled_ahead[names].is_alive()
+        tic = time.perf_counter()
+        kernel_module(names, engine.device_id)
+        assert time.perf_counter() - tic < 0.5
     for kw in (dict(), dict(next_oversampling=2, local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0)):
         _, setup, _ = random_problem(3, 32, 2, **kw)
         other = CupyEngine()
         other.setup(setup)
-        assert other.compiled_ahead == {}
+        assert set(other.compiled_ahead) == {fine_kernel_names(other.n_fo, other.n_ft)}
 
 
 def test_sub_batches_chunks_and_arena_give_the_same_result(cp):

@@ -179,7 +179,7 @@ class CupyEngine:
         self.stage_flops = {"coarse": 0.0, "fine": 0.0}
         self.plan = None  # estep.cuda_plan.BatchPlan of the iteration
         self.setup_ = None
-        self.compiled_ahead = {}  # oversampling order -> the thread compiling its fine kernels (`_compile_ahead`)
+        self.compiled_ahead = {}  # fine kernels' names -> the thread compiling them (`_compile_ahead`)
         self.tables = None  # estep.common.IterationTables of the iteration
         self.pdf_class_d = self.pdf_direction_d = None  # the class and direction sums of the half, on the device
 
@@ -202,16 +202,22 @@ class CupyEngine:
         return free_device_bytes(self.arena)
 
     def _compile_ahead(self, setup):
-        """With `setup.next_oversampling`: compile the fine kernels of that order on a background thread (once per
-        engine and order), so that a later switch does not wait for the compiler (tens of seconds for a new set of
-        fine kernels on a machine that never compiled them); this iteration's kernels load meanwhile."""
+        """Compile on background threads (once per engine and set of kernels) the fine kernels of this iteration,
+        which its fine pass asks for only after the coarse pass and the weights, and with `setup.next_oversampling`
+        those of that order, so that a later switch does not wait for the compiler: each set is several seconds
+        of compiling on a machine that never compiled it (the first run of a version), and nothing to wait for
+        once CuPy's cache holds it. `kernel_module` makes a caller asking for a set being compiled wait for it."""
+        wanted = [(self.n_fo, self.n_ft)]
         k = setup.next_oversampling
-        if k is None or setup.local_searches or k in self.compiled_ahead:
-            return
-        names = fine_kernel_names(8 ** int(k), 4 ** int(k))
-        self.compiled_ahead[k] = threading.Thread(target=kernel_module, args=(names, self.device_id), daemon=True,
-                                                  name=f"compile fine kernels, oversampling {k}")
-        self.compiled_ahead[k].start()
+        if k is not None and not setup.local_searches:
+            wanted.append((8 ** int(k), 4 ** int(k)))
+        for nfo, nft in wanted:
+            names = fine_kernel_names(nfo, nft)
+            if names not in self.compiled_ahead:
+                self.compiled_ahead[names] = threading.Thread(
+                    target=kernel_module, args=(names, self.device_id), daemon=True,
+                    name=f"compile fine kernels of {nfo} orientations x {nft} translations")
+                self.compiled_ahead[names].start()
 
     # ------------------------------------------------------------------ iteration set-up
     def setup(self, setup: IterationSetup):
