@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -138,11 +139,16 @@ class CudaBackend:
     def run_scope(self):
         import cupy
 
-        from cryorefine.estep.kernels import first_use_notice, mark_kernels_warm
+        from cryorefine.estep.kernels import first_use_notice, kernel_module, mark_kernels_warm
         from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
 
         with cupy.cuda.Device(self.device_id):
             first_use_notice()
+            # the kernels' module (all but the fine pass's instances) compiles on a thread of its own from here, on
+            # a version's first run while the particles are read and the noise spectra added up; the first
+            # iteration that asks for it waits for that one compilation (none once CuPy's cache holds it)
+            threading.Thread(target=kernel_module, args=((), self.device_id), daemon=True,
+                             name=f"compile GPU kernels, GPU {self.device_id}").start()
             if not self.use_arena:
                 yield self
             else:
