@@ -358,6 +358,24 @@ def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
         assert sum(got_w[c].sum() for c in set(got_w) - set(want_w)) < 1e-3
 
 
+def test_the_fine_pass_limit_cuts_a_particle_s_samples_alike_on_both_engines(cp, monkeypatch, fine_slices):
+    """With room for a fine table of 2^10 cells a particle (6 coarse samples of 8 × 4 children here), the broader
+    particles keep their 6 most probable samples on either engine, the sharper ones all of theirs."""
+    from cryorefine.estep import common
+
+    _, setup, batch = random_problem(7, 32, 12)
+    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 10)
+    limit = common.fine_pass_limit(setup)
+    ref, want, gpu, got = run_both(cp, setup, batch)
+    assert 0 < limit and (want.n_significant == limit).sum() >= 3 and (want.n_significant < limit).sum() >= 3
+    np.testing.assert_array_equal(got.n_significant, want.n_significant)
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got.pmax, want.pmax, rtol=2e-3, atol=1e-4)
+    sw, sg = ref.sums(), gpu.sums()
+    assert np.max(np.abs(cp.asnumpy(sg.data[0]) - sw.data[0])) / np.max(np.abs(sw.data[0])) < 1e-3
+
+
 def test_the_fine_kernels_are_compiled_ahead(cp):
     """At set-up the engine compiles this iteration's fine kernels on a thread, and with next_oversampling those
     of that order: once the threads end, loading them takes no compiler time; a local search or no next order

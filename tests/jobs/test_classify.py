@@ -398,3 +398,26 @@ def test_more_classes_than_particles_is_said(tmp_path, caplog):
     assert code == 0
     lines = [r.getMessage() for r in caplog.records if "--K 5 with 4 particles" in r.getMessage()]
     assert len(lines) == 1 and "give --K 4 or fewer" in lines[0], lines
+
+
+def test_a_posterior_broader_than_the_fine_pass_holds_is_cut_and_said(tmp_path, caplog, monkeypatch):
+    """With room for a fine table of 2^14 cells a particle (RELION's 8 × 4 children a coarse sample), the
+    mixture's first iteration keeps at most the limit's samples a particle, writes those counts, and says how many
+    particles reached it."""
+    from cryorefine.core.sampling import Sampling
+    from cryorefine.estep import common
+
+    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 14)
+    sampling = Sampling(healpix_order=1, offset_range_px=3, offset_step_px=1)
+    n_pairs, n_t = 2 * sampling.n_orientations, sampling.n_translations
+    limit = max(n for n in range(1, 200) if min(n, n_pairs) * 8 * min(n, n_t) * 4 <= 1 << 14)
+    make_mixture(tmp_path, 10)
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / "run", "--iter", 1, *CLASSIFY_ARGS, "--relion_oversampling")
+    assert code == 0
+    counts = starfile.read(tmp_path / "run_it001_data.star")["particles"]["rlnNrOfSignificantSamples"].to_numpy()
+    assert counts.max() <= limit and (counts == limit).any(), (counts, limit)
+    lines = [r.getMessage() for r in caplog.records if "the fine pass's limit" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"{np.count_nonzero(counts == limit)} of 20 particles reached the fine pass's limit of {limit} " in lines[0]

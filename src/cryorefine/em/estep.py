@@ -32,7 +32,7 @@ import numpy as np
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.sampling import healpix_pixels
 from cryorefine.em import memory
-from cryorefine.estep.common import local_orientations
+from cryorefine.estep.common import fine_pass_limit, local_orientations
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.images import NoiseEstimate, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
@@ -82,6 +82,26 @@ def in_direction_order(units, rot_deg, tilt_deg):
             unit = dataclasses.replace(unit, members=members[np.argsort(curve, kind="stable")])
         out.append(unit)
     return out
+
+
+def fine_pass_limits_reached(units, n_significant):
+    """Where units' fine passes kept fewer significant coarse samples than --maxsig allows
+    (`estep.common.fine_pass_limit`: their tables would not fit otherwise) and some particles reached that limit:
+    (limit, fine samples a coarse sample, particles at the limit, particles of those units), per limit.
+    `n_significant` holds every particle's count (rlnNrOfSignificantSamples) after the E-step."""
+    n_significant = np.asarray(n_significant)
+    by_limit = {}
+    for unit in units:
+        limit = fine_pass_limit(unit.setup)
+        if limit <= 0 or 0 < unit.setup.max_significants <= limit:
+            continue
+        sampling = unit.setup.sampling
+        reached, members = by_limit.setdefault((limit, sampling.n_fine_orientations() * sampling.n_fine_translations()),
+                                               (set(), set()))
+        members.update(np.asarray(unit.members).tolist())
+        reached.update(np.asarray(unit.members)[n_significant[unit.members] >= limit].tolist())
+    return [(limit, children, len(reached), len(members))
+            for (limit, children), (reached, members) in sorted(by_limit.items()) if reached]
 
 
 def add_seconds(stages, name, tic):

@@ -30,7 +30,7 @@ import numpy as np
 
 from cryorefine.data import load_particles
 from cryorefine.em import schedule
-from cryorefine.em.estep import add_seconds, in_direction_order, keep_norms_unless_refined
+from cryorefine.em.estep import add_seconds, fine_pass_limits_reached, in_direction_order, keep_norms_unless_refined
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunReports, RunState
 from cryorefine.errors import InputError
 from cryorefine.images import ImageSettings
@@ -194,6 +194,13 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 changes = schedule.hidden_variable_changes(previous, state.particles,
                                                            state.model.pixel_size_angstrom, config.symmetry)
                 state.model = outcome.model
+                for limit, children, n_reached, n_particles in fine_pass_limits_reached(
+                        plan.units, state.particles.n_significant):
+                    log.warning("iteration %d: %d of %d particles reached the fine pass's limit of %d significant "
+                                "coarse samples (%d fine samples each; a broad coarse posterior), each keeping its %d "
+                                "most probable; --maxsig sets a limit of its own, a smaller --oversampling (in a "
+                                "classification, --relion_oversampling) gives fewer fine samples", iteration,
+                                n_reached, n_particles, limit, children, limit)
                 job.update(state, plan, changes)
                 timings = {"plan": plan_seconds, "expectation": outcome.expectation_seconds,
                            "maximization": outcome.maximization_seconds + time.perf_counter() - tic}

@@ -213,6 +213,49 @@ def groups_by_size(sizes, limit):
     return groups
 
 
+#: The most cells one particle's fine pass may span: the numpy engine's table of a particle's significant (class,
+#: orientation) pairs' fine orientations by its significant translations' fine translations holds about ten float64
+#: temporaries of this size (1.3 GB); the GPU engine's samples (the significant coarse samples' children) are fewer.
+FINE_CELLS_PER_PARTICLE = 1 << 24
+
+
+def fine_pass_limit(setup, cells=None):
+    """The most significant coarse samples a particle may take into the fine pass of `setup` (an
+    engine.IterationSetup) so that its table stays within `cells` (FINE_CELLS_PER_PARTICLE where None), whatever
+    the samples are; 0 where every coarse
+    sample fits. N samples span at most min(N, K·R) (class, orientation) pairs and min(N, T) translations, each with
+    its fine children. Binds only where the coarse posterior is broad: a classification's finer pass (64 × 16
+    children a sample) of an order-2 grid at 29 translations takes up to 564 samples, RELION's oversampling (8 × 4)
+    all of an order-2 grid."""
+    cells = FINE_CELLS_PER_PARTICLE if cells is None else cells
+    sampling = setup.sampling
+    n_pairs = len(setup.log_pdf_class) * sampling.n_orientations
+    n_translations = sampling.n_translations
+    n_fine_o, n_fine_t = sampling.n_fine_orientations(), sampling.n_fine_translations()
+
+    def table_cells(n):
+        return min(n, n_pairs) * n_fine_o * min(n, n_translations) * n_fine_t
+
+    n_samples = n_pairs * n_translations
+    if table_cells(n_samples) <= cells:
+        return 0
+    low, high = 1, n_samples  # the table of `low` samples fits (or low is 1), that of `high` does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if table_cells(middle) <= cells else (low, middle)
+    return low
+
+
+def significants_limit(setup):
+    """The most significant coarse samples a particle keeps in `setup`'s coarse pass: --maxsig (setup's
+    max_significants), or fewer where the fine pass's table would not fit (`fine_pass_limit`); ≤ 0: no limit. Both
+    engines cut with it, so that they keep the same samples."""
+    limit = fine_pass_limit(setup)
+    if limit <= 0:
+        return setup.max_significants
+    return limit if setup.max_significants <= 0 else min(limit, setup.max_significants)
+
+
 def significant_samples(weights, adaptive_fraction, max_significants, xp):
     """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
 

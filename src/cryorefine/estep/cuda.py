@@ -46,7 +46,7 @@ from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
 from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
-                                      significance_cut, significant_mask)
+                                      significance_cut, significant_mask, significants_limit)
 from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
                                        plan_batches)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
@@ -526,7 +526,7 @@ class CupyEngine:
             n_sig = cp.ones(b_count, dtype=cp.int64)
         else:
             b_idx, flat_idx, per_particle, n_sig = coarse_significant(cp, d2, prior_ko, prior_t, s.adaptive_fraction,
-                                                                      s.max_significants, self.device_id)
+                                                                      significants_limit(s), self.device_id)
             del d2, prior_ko, prior_t
         t_idx = flat_idx % n_t
         rest = flat_idx // n_t

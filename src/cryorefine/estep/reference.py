@@ -29,7 +29,8 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import FineBlocks, IterationTables, local_orientations, significant_mask, significant_samples
+from cryorefine.estep.common import (FineBlocks, IterationTables, local_orientations, significant_mask,
+                                      significant_samples, significants_limit)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
@@ -358,7 +359,7 @@ class NumpyEngine:
         """Mask of the fewest samples holding adaptive_fraction of each row's mass, and their count
         (`common.significant_samples`: the rows' candidates sorted, not whole rows)."""
         s = self.setup_
-        return significant_samples(weights, s.adaptive_fraction, s.max_significants, np)
+        return significant_samples(weights, s.adaptive_fraction, significants_limit(s), np)
 
     def _fine_table(self, ko):
         """The fine orientations of the distinct significant (class, orientation) pairs ko = k·R + o of a
