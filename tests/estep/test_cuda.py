@@ -359,11 +359,11 @@ def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
 
 
 def test_the_fine_pass_limit_cuts_a_particle_s_samples_alike_on_both_engines(cp, monkeypatch, fine_slices):
-    """With room for a fine table of 2^10 cells a particle (6 coarse samples of 8 × 4 children here), the broader
-    particles keep their 6 most probable samples on either engine, the sharper ones all of theirs."""
+    """A finer pass with room for a table of 2^10 cells a particle (6 coarse samples of 8 × 4 children here): the
+    broader particles keep their 6 most probable samples on either engine, the sharper ones all of theirs."""
     from cryorefine.estep import common
 
-    _, setup, batch = random_problem(7, 32, 12)
+    _, setup, batch = random_problem(7, 32, 12, fine_pass_raised=True)
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 10)
     limit = common.fine_pass_limit(setup)
     ref, want, gpu, got = run_both(cp, setup, batch)

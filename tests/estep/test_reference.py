@@ -358,34 +358,39 @@ def test_the_likelihood_size_leaves_the_coefficients_beyond_it_out_of_the_poster
     assert not np.allclose(whole_changed.pmax, whole.pmax, rtol=1e-6)
 
 
-def _table_cells(n, n_pairs, n_translations, children_o, children_t):
-    """The worst fine table of n significant coarse samples: as many distinct (class, orientation) pairs and
-    translations as they can span, each with its children."""
-    return min(n, n_pairs) * children_o * min(n, n_translations) * children_t
+def _fits(n, n_pairs, n_translations, children_o, children_t, samples, cells, raised):
+    """Whether n significant coarse samples fit: their fine samples, and in a raised pass the worst table they can
+    span (as many distinct (class, orientation) pairs and translations as they can, each with its children)."""
+    table = min(n, n_pairs) * children_o * min(n, n_translations) * children_t
+    return n * children_o * children_t <= samples and (not raised or table <= cells)
 
 
-@pytest.mark.parametrize("order, offset_range, oversampling, k_classes, cells", [
-    (2, 6, 2, 1, 1 << 24),  # a classification's finer pass on the built-in example's grid
-    (2, 6, 1, 1, 1 << 24),  # RELION's oversampling: the whole grid fits
-    (1, 3, 1, 2, 1 << 14),  # fewer samples than translations
-    (1, 3, 2, 3, 1 << 20)])
-def test_the_fine_pass_limit_is_the_most_samples_whose_table_fits(order, offset_range, oversampling, k_classes,
-                                                                  cells):
-    from cryorefine.estep.common import fine_pass_limit
+@pytest.mark.parametrize("order, offset_range, oversampling, k_classes, samples, cells, raised", [
+    (2, 6, 2, 1, 1 << 25, 1 << 24, True),  # a classification's finer pass on the built-in example's grid
+    (2, 6, 1, 1, 1 << 25, 1 << 24, True),  # the same grid at RELION's oversampling fits whole
+    (1, 3, 1, 2, 1 << 25, 1 << 14, True),  # fewer samples than translations
+    (1, 3, 2, 3, 1 << 25, 1 << 20, True),
+    (2, 6, 2, 1, 1 << 25, 1 << 24, False),  # not raised: the fine samples alone
+    (1, 3, 1, 2, 1 << 12, 1 << 24, False)])
+def test_the_fine_pass_limit_is_the_most_samples_that_fit(monkeypatch, order, offset_range, oversampling,
+                                                          k_classes, samples, cells, raised):
+    from cryorefine.estep import common
 
+    monkeypatch.setattr(common, "FINE_SAMPLES_PER_PARTICLE", samples)
+    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", cells)
     sampling = Sampling(healpix_order=order, offset_range_px=offset_range, offset_step_px=offset_range / 3,
                         oversampling=oversampling)
     setup = IterationSetup(projectors=None, sigma2_noise=np.ones((1, 3)), sampling=sampling, ori_size_px=N,
                            current_size_px=N, coarse_size_px=N, pixel_size_angstrom=2.0,
-                           log_pdf_class=np.zeros(k_classes))
+                           log_pdf_class=np.zeros(k_classes), fine_pass_raised=raised)
     n_pairs, n_t = k_classes * sampling.n_orientations, sampling.n_translations
-    table = lambda n: _table_cells(n, n_pairs, n_t, 8 ** oversampling, 4 ** oversampling)  # noqa: E731
-    limit = fine_pass_limit(setup, cells)
-    if table(n_pairs * n_t) <= cells:
+    fits = lambda n: _fits(n, n_pairs, n_t, 8 ** oversampling, 4 ** oversampling, samples, cells, raised)  # noqa: E731
+    limit = common.fine_pass_limit(setup)
+    if fits(n_pairs * n_t):
         assert limit == 0
     else:
         assert 1 <= limit < n_pairs * n_t
-        assert table(limit) <= cells < table(limit + 1)
+        assert fits(limit) and not fits(limit + 1)
 
 
 @pytest.mark.parametrize("maxsig, want", [(-1, "limit"), (0, "limit"), (5, 5), (10 ** 9, "limit")])
@@ -394,16 +399,17 @@ def test_maxsig_and_the_fine_pass_limit_keep_the_smaller(monkeypatch, problem, m
 
     _, _, projector, sampling, sigma2 = problem
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 12)
-    setup = setup_for(projector, sampling, sigma2, max_significants=maxsig)
+    setup = setup_for(projector, sampling, sigma2, max_significants=maxsig, fine_pass_raised=True)
     limit = common.fine_pass_limit(setup)
     assert limit > 5
     assert common.significants_limit(setup) == (limit if want == "limit" else want)
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 40)  # every sample fits: --maxsig alone
     assert common.significants_limit(setup) == maxsig
+    assert common.significants_limit(replace(setup, fine_pass_raised=False)) == maxsig  # RELION's sampling
 
 
 def test_a_broad_posterior_keeps_the_fine_pass_limit_s_most_probable_samples(monkeypatch, problem):
-    """Where the fine pass's table would not fit, a particle keeps the most probable coarse samples that fit, as
+    """Where a finer pass's table would not fit, a particle keeps the most probable coarse samples that fit, as
     --maxsig with that number would: the same results and sums."""
     from cryorefine.estep import common
 
@@ -412,11 +418,10 @@ def test_a_broad_posterior_keeps_the_fine_pass_limit_s_most_probable_samples(mon
     batch = make_batch(images, np.ones((4, N, N // 2 + 1)), rng.uniform(-1, 1, (4, 2)))
     broad = sigma2 * 1e6  # a nearly flat posterior: most coarse samples are significant
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 12)
-    limit = common.fine_pass_limit(setup_for(projector, sampling, broad))
+    limit = common.fine_pass_limit(setup_for(projector, sampling, broad, fine_pass_raised=True))
     limited = NumpyEngine()
-    limited.setup(setup_for(projector, sampling, broad))
+    limited.setup(setup_for(projector, sampling, broad, fine_pass_raised=True))
     got = limited.run(batch)
-    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 40)
     as_maxsig = NumpyEngine()
     as_maxsig.setup(setup_for(projector, sampling, broad, max_significants=limit))
     want = as_maxsig.run(batch)

@@ -401,23 +401,47 @@ def test_more_classes_than_particles_is_said(tmp_path, caplog):
 
 
 def test_a_posterior_broader_than_the_fine_pass_holds_is_cut_and_said(tmp_path, caplog, monkeypatch):
-    """With room for a fine table of 2^14 cells a particle (RELION's 8 × 4 children a coarse sample), the
-    mixture's first iteration keeps at most the limit's samples a particle, writes those counts, and says how many
-    particles reached it."""
-    from cryorefine.core.sampling import Sampling
+    """With room for 704 fine samples a particle (22 coarse samples of RELION's 8 × 4 children), the mixture's first
+    iteration keeps at most 22 samples a particle, writes those counts, and says how many particles reached it."""
     from cryorefine.estep import common
 
-    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 14)
-    sampling = Sampling(healpix_order=1, offset_range_px=3, offset_step_px=1)
-    n_pairs, n_t = 2 * sampling.n_orientations, sampling.n_translations
-    limit = max(n for n in range(1, 200) if min(n, n_pairs) * 8 * min(n, n_t) * 4 <= 1 << 14)
+    monkeypatch.setattr(common, "FINE_SAMPLES_PER_PARTICLE", 704)
     make_mixture(tmp_path, 10)
     with caplog.at_level("WARNING", logger="cryorefine"):
         code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
                        tmp_path / "run", "--iter", 1, *CLASSIFY_ARGS, "--relion_oversampling")
     assert code == 0
     counts = starfile.read(tmp_path / "run_it001_data.star")["particles"]["rlnNrOfSignificantSamples"].to_numpy()
-    assert counts.max() <= limit and (counts == limit).any(), (counts, limit)
+    assert counts.max() <= 22 and (counts == 22).any(), counts
     lines = [r.getMessage() for r in caplog.records if "the fine pass's limit" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert f"{np.count_nonzero(counts == limit)} of 20 particles reached the fine pass's limit of {limit} " in lines[0]
+    assert f"{np.count_nonzero(counts == 22)} of 20 particles reached the fine pass's limit of 22 " in lines[0]
+    assert "--relion_oversampling" not in lines[0]
+
+
+def test_a_finer_pass_is_limited_by_its_table_and_relion_s_sampling_is_not(tmp_path, caplog, monkeypatch):
+    """The stalling mixture of the test above, with room for a finer-pass table of only 2^12 cells a particle (2
+    coarse samples of 64 × 16 children): the iterations at RELION's sampling keep all their samples and say
+    nothing; from the raise on, no particle keeps more than 2, and the warning names --relion_oversampling."""
+    from cryorefine.estep import common
+    from cryorefine.io.star import read_star
+
+    monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 12)
+    make_mixture(tmp_path, 20)
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
+                       tmp_path / "run", "--iter", 6, *CLASSIFY_ARGS, "--tau2_fudge", 4)
+    assert code == 0
+    orders = [int(read_star(tmp_path / f"run_it{i:03d}_optimiser.star")["optimiser_general"]
+                  ["rlnAdaptiveOversampleOrder"]) for i in range(1, 7)]
+    assert 2 in orders, orders
+    limited = {int(r.getMessage().split()[1].rstrip(":")) for r in caplog.records
+               if "the fine pass's limit of 2 " in r.getMessage() and "--relion_oversampling" in r.getMessage()}
+    for i, order in enumerate(orders, start=1):
+        counts = starfile.read(tmp_path / f"run_it{i:03d}_data.star")["particles"]["rlnNrOfSignificantSamples"]
+        if order == 2:
+            assert counts.max() <= 2
+            assert (i in limited) == (counts == 2).any()
+        else:
+            assert i not in limited and counts.max() > 2
+    assert limited

@@ -86,8 +86,8 @@ def in_direction_order(units, rot_deg, tilt_deg):
 
 def fine_pass_limits_reached(units, n_significant):
     """Where units' fine passes kept fewer significant coarse samples than --maxsig allows
-    (`estep.common.fine_pass_limit`: their tables would not fit otherwise) and some particles reached that limit:
-    (limit, fine samples a coarse sample, particles at the limit, particles of those units), per limit.
+    (`estep.common.fine_pass_limit`) and some particles reached that limit: (limit, fine samples a coarse sample,
+    whether the pass was a classification's finer one, particles at the limit, particles of those units), per limit.
     `n_significant` holds every particle's count (rlnNrOfSignificantSamples) after the E-step."""
     n_significant = np.asarray(n_significant)
     by_limit = {}
@@ -96,12 +96,11 @@ def fine_pass_limits_reached(units, n_significant):
         if limit <= 0 or 0 < unit.setup.max_significants <= limit:
             continue
         sampling = unit.setup.sampling
-        reached, members = by_limit.setdefault((limit, sampling.n_fine_orientations() * sampling.n_fine_translations()),
-                                               (set(), set()))
+        key = (limit, sampling.n_fine_orientations() * sampling.n_fine_translations(), unit.setup.fine_pass_raised)
+        reached, members = by_limit.setdefault(key, (set(), set()))
         members.update(np.asarray(unit.members).tolist())
         reached.update(np.asarray(unit.members)[n_significant[unit.members] >= limit].tolist())
-    return [(limit, children, len(reached), len(members))
-            for (limit, children), (reached, members) in sorted(by_limit.items()) if reached]
+    return [(*key, len(reached), len(members)) for key, (reached, members) in sorted(by_limit.items()) if reached]
 
 
 def add_seconds(stages, name, tic):

@@ -213,36 +213,41 @@ def groups_by_size(sizes, limit):
     return groups
 
 
-#: The most cells one particle's fine pass may span: the numpy engine's table of a particle's significant (class,
-#: orientation) pairs' fine orientations by its significant translations' fine translations holds about ten float64
-#: temporaries of this size (1.3 GB); the GPU engine's samples (the significant coarse samples' children) are fewer.
+#: The most fine samples (significant coarse samples × their children) one particle may take into the fine pass: the
+#: GPU engine plans its fine pass in groups of particles of up to this many (estep.cuda_plan), a group holding at
+#: least one particle. At RELION's 8 × 4 children a coarse sample, a million significant samples.
+FINE_SAMPLES_PER_PARTICLE = 1 << 25
+
+#: A classification's finer pass (IterationSetup.fine_pass_raised): the most cells of one particle's fine table. The
+#: numpy engine's table of a particle's significant (class, orientation) pairs' fine orientations by its significant
+#: translations' fine translations holds about ten float64 temporaries of this size (1.3 GB).
 FINE_CELLS_PER_PARTICLE = 1 << 24
 
 
-def fine_pass_limit(setup, cells=None):
+def fine_pass_limit(setup):
     """The most significant coarse samples a particle may take into the fine pass of `setup` (an
-    engine.IterationSetup) so that its table stays within `cells` (FINE_CELLS_PER_PARTICLE where None), whatever
-    the samples are; 0 where every coarse
-    sample fits. N samples span at most min(N, K·R) (class, orientation) pairs and min(N, T) translations, each with
-    its fine children. Binds only where the coarse posterior is broad: a classification's finer pass (64 × 16
-    children a sample) of an order-2 grid at 29 translations takes up to 564 samples, RELION's oversampling (8 × 4)
-    all of an order-2 grid."""
-    cells = FINE_CELLS_PER_PARTICLE if cells is None else cells
+    engine.IterationSetup), whatever the samples are; 0 where every coarse sample fits. N samples have N times
+    their children in fine samples (at most FINE_SAMPLES_PER_PARTICLE); in a classification's finer pass, whose 64 ×
+    16 children a sample are 32 times RELION's, they also span a table of at most min(N, K·R) (class, orientation)
+    pairs by min(N, T) translations, each with its children (at most FINE_CELLS_PER_PARTICLE cells): on the built-in
+    example's order-2 grid at 29 translations, 564 samples. RELION's sampling of the same grid fits whole."""
     sampling = setup.sampling
     n_pairs = len(setup.log_pdf_class) * sampling.n_orientations
     n_translations = sampling.n_translations
     n_fine_o, n_fine_t = sampling.n_fine_orientations(), sampling.n_fine_translations()
 
-    def table_cells(n):
-        return min(n, n_pairs) * n_fine_o * min(n, n_translations) * n_fine_t
+    def fits(n):
+        samples = n * n_fine_o * n_fine_t
+        cells = min(n, n_pairs) * n_fine_o * min(n, n_translations) * n_fine_t
+        return samples <= FINE_SAMPLES_PER_PARTICLE and (not setup.fine_pass_raised or cells <= FINE_CELLS_PER_PARTICLE)
 
     n_samples = n_pairs * n_translations
-    if table_cells(n_samples) <= cells:
+    if fits(n_samples):
         return 0
-    low, high = 1, n_samples  # the table of `low` samples fits (or low is 1), that of `high` does not
+    low, high = 1, n_samples  # `low` samples fit (or low is 1), `high` do not
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if table_cells(middle) <= cells else (low, middle)
+        low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
 

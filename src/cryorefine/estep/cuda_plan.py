@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cryorefine.estep.common import FINE_SAMPLES_PER_PARTICLE
 from cryorefine.estep.kernels import GEMM_BK, GEMM_BN, local_tile, round_up
 
 # fine samples (children) per group of particles, at most (≈ 5.4 GB): broad posteriors (Class3D's early iterations) meet
 # most (class, orientation) pairs in every group, so a group's fixed work (projecting and back-projecting the pairs'
 # slices, the per-particle reductions) falls with its size; 1 << 22 made the iteration at pmax 0.22 of the Class3D
-# stand-in 1.8× slower (benchmarks/README.md)
-FINE_SAMPLES_PER_GROUP_MAX = 1 << 25
+# stand-in 1.8× slower (benchmarks/README.md). A group holds at least one particle, whose fine samples the coarse pass
+# keeps within the same number (common.fine_pass_limit).
+FINE_SAMPLES_PER_GROUP_MAX = FINE_SAMPLES_PER_PARTICLE
 FINE_SAMPLE_BYTES = 160  # device bytes per fine sample at the fine pass's peak
 # a fine slice row of a (class, coarse orientation) pair, bytes per coefficient: its projection (complex64) while the
 # fine diff2 reads it; projection, data (complex64) and weight (float32) while the weighted sums fill the row

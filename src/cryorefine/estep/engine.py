@@ -48,6 +48,9 @@ class IterationSetup:
     do_cc: bool = False  # normalised cross-correlation instead of likelihood (--firstiter_cc)
     adaptive_fraction: float = 0.999
     max_significants: int = -1
+    # the fine pass samples finer than --oversampling (a classification's raise): besides its fine samples, the table
+    # of a particle's fine pass is limited (estep.common.fine_pass_limit)
+    fine_pass_raised: bool = False
     local_searches: bool = False
     sigma_rot_deg: float = 0.0  # local-search prior widths (direction, psi)
     sigma_psi_deg: float = 0.0

@@ -206,6 +206,7 @@ class ClassifyJob:
         ahead = (config.oversampling + 1 if global_search and not (config.relion_oversampling
                                                                    or run.extras.get("finer_sampling_from")) else None)
         run.optimiser = optimiser
+        raised = sampling.oversampling > config.oversampling
         everyone = np.arange(len(run.particles.rot_deg))
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
         poses = run.particles
@@ -215,7 +216,7 @@ class ClassifyJob:
                         else sampling)
             return WorkUnit(name, members, np.asarray(classes, dtype=np.int64),
                             self._setup(model, searched, sizes, likelihood, classes, do_cc, class_prior, optimiser,
-                                        next_oversampling=ahead))
+                                        next_oversampling=ahead, fine_pass_raised=raised))
 
         if do_cc:  # class 1 alone, all particles
             units = [unit("class 1 (cross-correlation)", everyone, [0], False)]
@@ -278,7 +279,7 @@ class ClassifyJob:
         return replace(sampling, oversampling=k) if raised else sampling
 
     def _setup(self, model, sampling, sizes, likelihood_size_px, classes, do_cc, class_prior, optimiser,
-               next_oversampling=None):
+               next_oversampling=None, fine_pass_raised=False):
         """The engine set-up of a unit of `classes`; the class prior is the class distribution where
         `class_prior`, else flat. RELION's prior in global searches is instead the joint distribution of
         classes and directions of the last M-step (pdf_direction); measured on two-state sets
@@ -300,7 +301,8 @@ class ClassifyJob:
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             local_searches=bool(config.skip_align or optimiser.local_searches),
             sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
-            likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling)
+            likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling,
+            fine_pass_raised=fine_pass_raised)
 
     def maximization_groups(self, plan):
         """Every class's map is made apart (under MPI by one of its unit's workers, the classes shared out)."""
