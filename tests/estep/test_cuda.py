@@ -74,7 +74,7 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
 def run_both(cp, setup, batch):
     from cryorefine.estep.cuda import CupyEngine
 
-    ref = NumpyEngine(np.float64)
+    ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
     want = ref.run(batch)
     gpu = CupyEngine(keep_blocks=True)
@@ -201,7 +201,7 @@ def test_coarse_diff2_relative_error_below_1e5(cp, seed, n, kernel):
     gpu.setup(setup)
     gpu.run(batch)
     got = gpu.last_coarse_diff2[0]  # (B, R·T)
-    ref = NumpyEngine(np.float64)
+    ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
     coarse = ref.coarse
     sel = ref._fine_to_coarse_selection()
@@ -243,7 +243,7 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     gpu.setup(setup)
     gpu.run(batch)
     got = gpu.last_coarse_diff2[0]  # (B, K, width, T)
-    ref = NumpyEngine(np.float64)
+    ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
     local = local_orientations(setup, batch.prior_rot_deg, batch.prior_tilt_deg, batch.prior_psi_deg)
     orientation, _ = local.padded()
@@ -293,7 +293,7 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     gpu = CupyEngine(keep_blocks=True)
     gpu.setup(setup)
     gpu.run(batch)
-    ref = NumpyEngine(np.float64)
+    ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
     b_blk, k_blk, o_blk, t_blk, got = gpu.last_fine[0]
     assert b_blk.size > 5

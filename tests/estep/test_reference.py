@@ -108,7 +108,7 @@ def test_noise_free_particles_at_grid_poses_are_found_exactly(problem):
 
 def test_weights_are_normalised_and_blocks_hold_32_children(problem):
     rng, volume, projector, sampling, sigma2 = problem
-    engine = NumpyEngine()
+    engine = NumpyEngine(keep_blocks=True)
     engine.setup(setup_for(projector, sampling, sigma2 * 1e4, adaptive_fraction=0.999))
     images = noisy_projections(rng, projector, 5, 0.02)
     result = engine.run(make_batch(images, np.ones((5, N, N // 2 + 1)), np.zeros((5, 2))))
@@ -128,7 +128,7 @@ def test_weighted_sums_equal_sample_by_sample_back_projection(problem):
     """The engine's per-orientation sums equal back-projecting every kept fine sample on its own:
     w·CTF·X_shifted/σ² into data and w·CTF²/σ² into weight, X moved by its origin."""
     rng, volume, projector, sampling, sigma2 = problem
-    engine = NumpyEngine()
+    engine = NumpyEngine(keep_blocks=True)
     engine.setup(setup_for(projector, sampling, sigma2 * 10))
     matrices = euler.euler_to_matrix(*rng.uniform(0, 180, (3, 2)))
     ctf = np.broadcast_to(fourier.radius_2d(N) / N + 0.5, (2, N, N // 2 + 1)).copy()
@@ -286,13 +286,13 @@ def test_local_search_scores_each_particle_alone(problem):
     batch = make_batch(images, np.ones((6, N, N // 2 + 1)), rng.uniform(-1, 1, (6, 2)))
     batch.prior_rot_deg[:], batch.prior_tilt_deg[:], batch.prior_psi_deg[:] = rot + 3, tilt - 2, psi + 4
     setup = setup_for(projector, sampling, sigma2 * 100, local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0)
-    engine = NumpyEngine()
+    engine = NumpyEngine(keep_blocks=True)
     engine.setup(setup)
     together = engine.run(batch)
     blocks = engine.last_blocks
     assert 1 < np.mean(together.n_significant)
     for b in range(6):
-        alone_engine = NumpyEngine()
+        alone_engine = NumpyEngine(keep_blocks=True)
         alone_engine.setup(setup)
         one = {f.name: getattr(batch, f.name)[b:b + 1] for f in fields(batch)}
         alone = alone_engine.run(type(batch)(**one))
@@ -432,3 +432,18 @@ def test_a_broad_posterior_keeps_the_fine_pass_limit_s_most_probable_samples(mon
     for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "pmax", "log_likelihood", "n_significant"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
     np.testing.assert_array_equal(limited.sums().data[0], as_maxsig.sums().data[0])
+
+
+def test_fine_blocks_are_kept_only_when_asked(problem):
+    """A job's engine keeps no particle's FineBlocks (a broad posterior's are large); the results are the same."""
+    rng, volume, projector, sampling, sigma2 = problem
+    images = noisy_projections(rng, projector, 3, 0.05)
+    batch = make_batch(images, np.ones((3, N, N // 2 + 1)), np.zeros((3, 2)))
+    results = []
+    for keep in (False, True):
+        engine = NumpyEngine(keep_blocks=keep)
+        engine.setup(setup_for(projector, sampling, sigma2 * 100))
+        results.append(engine.run(batch))
+        assert len(engine.last_blocks) == (3 if keep else 0)
+    for name in ("rot_deg", "pmax", "log_likelihood", "n_significant"):
+        np.testing.assert_array_equal(getattr(results[0], name), getattr(results[1], name))

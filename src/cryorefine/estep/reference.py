@@ -41,14 +41,17 @@ FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fin
 class NumpyEngine:
     """The reference engine for one half set (all classes)."""
 
-    def __init__(self, dtype=np.float64, threads: int = 1):
+    def __init__(self, dtype=np.float64, threads: int = 1, keep_blocks=False):
         self.real = np.dtype(dtype)
         self.threads = max(1, int(threads))  # particles of the fine pass run on this many threads
         self._pool = None
         self.complex = np.result_type(self.real, np.complex64)
         self.setup_ = None
         self.tables = None  # IterationTables of the iteration set up
-        self.last_blocks = []  # FineBlocks of the last batch, for tests and diagnostics
+        # with keep_blocks: every particle's FineBlocks of the last batch (tests, diagnostics), as the GPU engine's; a
+        # particle of a broad posterior has many (100,000 significant samples of 32 children: 26 MB)
+        self.keep_blocks = keep_blocks
+        self.last_blocks = []
         self.fine_table_elements = FINE_TABLE_ELEMENTS_PER_GROUP  # bounds the fine pass's memory
         self.coarse_elements = COARSE_ELEMENTS_PER_CHUNK  # bounds the coarse pass's memory
         self.iteration_slice_elements = ITERATION_SLICE_ELEMENTS  # bounds the fine grid kept per unit (_fine_grid)
@@ -248,7 +251,7 @@ class NumpyEngine:
         wall = time.perf_counter() - tic
         self.stage_seconds["fine"] += wall * seconds[0] / max(seconds.sum(), 1e-12)
         self.stage_seconds["sums"] += wall * seconds[1] / max(seconds.sum(), 1e-12)
-        self.last_blocks = [o.pop("blocks") for o in out]
+        self.last_blocks = [block for block in (o.pop("blocks") for o in out) if block is not None]
         tic = time.perf_counter()
         self._backproject_later(table, slices)
         # power beyond the current size counts as noise (RELION extends the spectra with it)
@@ -457,10 +460,12 @@ class NumpyEngine:
         threshold = positive[cut] if cut < positive.size else 0.0
         w_norm = np.where(significant_mask(w, threshold), w / sum_w, 0.0)
         best_row, best_col = canonical_index(w_norm, np.argmax)
-        blocks = w_norm.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3)[ko_pos, t_pos].reshape(
-            ko_pos.size, n_fo * n_ft)
-        ko_index = u_ko[ko_pos]
-        coarse_index = (table.k[ko_index] * self.n_orient + table.o[ko_index]) * self.n_trans + u_t[t_pos]
+        blocks = None
+        if self.keep_blocks:
+            ko_index = u_ko[ko_pos]
+            coarse_index = (table.k[ko_index] * self.n_orient + table.o[ko_index]) * self.n_trans + u_t[t_pos]
+            blocks = FineBlocks(coarse_index, w_norm.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3)[
+                ko_pos, t_pos].reshape(ko_pos.size, n_fo * n_ft))
         if s.do_cc:
             log_likelihood = -min_diff2
         else:
@@ -475,7 +480,7 @@ class NumpyEngine:
                 "psi_deg": table.psi[best_table_row], "origin_x_px": origin[0], "origin_y_px": origin[1],
                 "class_index": table.k[u_ko[best_row // n_fo]], "pmax": w_norm[best_row, best_col],
                 "log_likelihood": log_likelihood, "wdiff": contribution["wdiff"],
-                "blocks": FineBlocks(coarse_index, blocks)}, contribution, seconds
+                "blocks": blocks}, contribution, seconds
 
     def _particle_sums(self, b, pre, table, rows, u_ko, u_t, proj, proj2, shifted, x2, w, offset_d2):
         """One particle's noise, scale, offset, class and direction sums, its slices to back-project and
