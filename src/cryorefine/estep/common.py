@@ -253,7 +253,7 @@ def fine_pass_limit(setup):
 
 def significants_limit(setup):
     """The most significant coarse samples a particle keeps in `setup`'s coarse pass: --maxsig (setup's
-    max_significants), or fewer where the fine pass's table would not fit (`fine_pass_limit`); ≤ 0: no limit. Both
+    max_significants), or fewer where the fine pass would not hold more (`fine_pass_limit`); ≤ 0: no limit. Both
     engines cut with it, so that they keep the same samples."""
     limit = fine_pass_limit(setup)
     if limit <= 0:
