@@ -419,12 +419,19 @@ def test_a_posterior_broader_than_the_fine_pass_holds_is_cut_and_said(tmp_path, 
     assert "--relion_oversampling" not in lines[0]
 
 
-def test_a_finer_pass_is_limited_by_its_table_and_relion_s_sampling_is_not(tmp_path, caplog, monkeypatch):
+def test_a_finer_pass_is_limited_by_its_table_and_dropped_where_most_particles_reach_it(tmp_path, caplog,
+                                                                                       monkeypatch):
     """The stalling mixture of the test above, with room for a finer-pass table of only 2^12 cells a particle (2
-    coarse samples of 64 × 16 children): the iterations at RELION's sampling keep all their samples and say
-    nothing; from the raise on, no particle keeps more than 2, and the warning names --relion_oversampling."""
+    coarse samples of 64 × 16 children): the iterations at RELION's sampling keep all their samples and say nothing
+    of a limit; the raised iteration keeps at most 2 a particle and says so, and as more than half its particles
+    reached the limit the next iterations sample at --oversampling again, for the rest of the run and through a
+    --continue."""
     from cryorefine.estep import common
     from cryorefine.io.star import read_star
+
+    def orders(last):
+        return [int(read_star(tmp_path / f"run_it{i:03d}_optimiser.star")["optimiser_general"]
+                    ["rlnAdaptiveOversampleOrder"]) for i in range(1, last + 1)]
 
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 12)
     make_mixture(tmp_path, 20)
@@ -432,16 +439,21 @@ def test_a_finer_pass_is_limited_by_its_table_and_relion_s_sampling_is_not(tmp_p
         code = run_cli("classify", "--i", tmp_path / "mix.star", "--ref", tmp_path / "avg.mrc", "--o",
                        tmp_path / "run", "--iter", 6, *CLASSIFY_ARGS, "--tau2_fudge", 4)
     assert code == 0
-    orders = [int(read_star(tmp_path / f"run_it{i:03d}_optimiser.star")["optimiser_general"]
-                  ["rlnAdaptiveOversampleOrder"]) for i in range(1, 7)]
-    assert 2 in orders, orders
-    limited = {int(r.getMessage().split()[1].rstrip(":")) for r in caplog.records
-               if "the fine pass's limit of 2 " in r.getMessage() and "--relion_oversampling" in r.getMessage()}
-    for i, order in enumerate(orders, start=1):
+    got = orders(6)
+    assert got.count(2) == 1 and got.index(2) < 5, got  # raised once, then dropped
+    raised = got.index(2) + 1
+    limited = [r.getMessage() for r in caplog.records if "the fine pass's limit of 2 " in r.getMessage()]
+    dropped = [r.getMessage() for r in caplog.records if "samples at --oversampling again" in r.getMessage()]
+    assert len(limited) == 1 and limited[0].startswith(f"iteration {raised}: ") and "--relion_oversampling" in limited[0]
+    assert len(dropped) == 1 and dropped[0].startswith(f"from iteration {raised + 1} on"), dropped
+    for i, order in enumerate(got, start=1):
         counts = starfile.read(tmp_path / f"run_it{i:03d}_data.star")["particles"]["rlnNrOfSignificantSamples"]
         if order == 2:
-            assert counts.max() <= 2
-            assert (i in limited) == (counts == 2).any()
+            assert counts.max() <= 2 and 2 * (counts == 2).sum() > counts.size
         else:
-            assert i not in limited and counts.max() > 2
-    assert limited
+            assert counts.max() > 2
+    caplog.clear()
+    with caplog.at_level("INFO", logger="cryorefine"):
+        assert run_cli("classify", "--continue", tmp_path / "run_it006_optimiser.star", "--iter", 7) == 0
+    assert orders(7)[-1] == 1
+    assert not [r for r in caplog.records if "samples one order finer" in r.getMessage()]

@@ -53,7 +53,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
-from cryorefine.em.estep import WorkUnit
+from cryorefine.em.estep import WorkUnit, fine_pass_limits_reached
 from cryorefine.em.given_poses import GivenPoses
 from cryorefine.em.references import lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
@@ -203,8 +203,9 @@ class ClassifyJob:
         if global_search and not do_cc:
             sampling = self._fine_sampling(run, iteration, sampling, likelihood or sizes.current_size_px, model)
         # the order `_fine_sampling` may raise the fine pass to later: the GPU engine compiles its kernels ahead
-        ahead = (config.oversampling + 1 if global_search and not (config.relion_oversampling
-                                                                   or run.extras.get("finer_sampling_from")) else None)
+        ahead = (config.oversampling + 1 if global_search and not (
+            config.relion_oversampling or run.extras.get("finer_sampling_from")
+            or run.extras.get("finer_sampling_dropped")) else None)
         run.optimiser = optimiser
         raised = sampling.oversampling > config.oversampling
         everyone = np.arange(len(run.particles.rot_deg))
@@ -246,8 +247,9 @@ class ClassifyJob:
         raised = int(run.extras.get("finer_sampling_from", 0))
         # a --firstiter_cc iteration's pmax (1) says nothing of the likelihood's posteriors
         pmax = None if config.firstiter_cc and iteration == 2 else model.ave_pmax
-        why = None if raised or config.relion_oversampling else schedule.classification_sampling_raised(
-            run.extras["class_changes"], pmax, step, ceiling)
+        stopped = raised or config.relion_oversampling or run.extras.get("finer_sampling_dropped")
+        why = None if stopped else schedule.classification_sampling_raised(run.extras["class_changes"], pmax, step,
+                                                                           ceiling)
         if why:
             raised = run.extras["finer_sampling_from"] = iteration
             if why == schedule.RAISED_AT_STALL:
@@ -396,9 +398,26 @@ class ClassifyJob:
             model.ori_size_px, model.pixel_size_angstrom, data_vs_prior=model.ssnr[0][k:k + 1],
             iteration=plan.iteration, ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
             check_high_res_side=False).resolution_angstrom for k in range(model.n_classes)]
+        self._drop_finer_sampling_where_too_broad(run, plan)
         self._append(run, "class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
         self._append(run, "class_changes", changes.classes)
         self._append(run, "class_resolutions", np.asarray(per_class))
+
+    @staticmethod
+    def _drop_finer_sampling_where_too_broad(run, plan):
+        """Where more than half the particles of a finer-sampled iteration reached the finer pass's limit
+        (`estep.common.fine_pass_limit`), their coarse posteriors are too broad for it (the raise asked for an
+        average pmax of at least 0.5): the next iterations sample at --oversampling again, and for the rest of the
+        run."""
+        raised = [r for r in fine_pass_limits_reached(plan.units, run.particles.n_significant) if r[2]]
+        n_reached, n_particles = sum(r[3] for r in raised), sum(r[4] for r in raised)
+        if not raised or 2 * n_reached <= n_particles:
+            return
+        run.extras["finer_sampling_from"] = 0
+        run.extras["finer_sampling_dropped"] = plan.iteration
+        log.warning("from iteration %d on the fine pass samples at --oversampling again (RELION's): %d of %d "
+                    "particles reached the finer pass's limit in iteration %d, their coarse posteriors too broad "
+                    "for it", plan.iteration + 1, n_reached, n_particles, plan.iteration)
 
     @staticmethod
     def _append(run, name, value):
