@@ -84,10 +84,20 @@ def in_direction_order(units, rot_deg, tilt_deg):
     return out
 
 
+@dataclass(frozen=True)
+class FinePassLimitReached:
+    """Particles of an iteration's units that reached their fine pass's limit (`estep.common.fine_pass_limit`)."""
+
+    limit: int  # significant coarse samples a particle kept at most
+    children: int  # fine samples a coarse sample
+    raised: bool  # a classification's finer pass (IterationSetup.fine_pass_raised)
+    n_reached: int  # particles at the limit
+    n_particles: int  # particles of the units with that limit
+
+
 def fine_pass_limits_reached(units, n_significant):
     """Where units' fine passes kept fewer significant coarse samples than --maxsig allows
-    (`estep.common.fine_pass_limit`) and some particles reached that limit: (limit, fine samples a coarse sample,
-    whether the pass was a classification's finer one, particles at the limit, particles of those units), per limit.
+    (`estep.common.fine_pass_limit`) and some particles reached that limit: a FinePassLimitReached per limit.
     `n_significant` holds every particle's count (rlnNrOfSignificantSamples) after the E-step."""
     n_significant = np.asarray(n_significant)
     by_limit = {}
@@ -100,7 +110,8 @@ def fine_pass_limits_reached(units, n_significant):
         reached, members = by_limit.setdefault(key, (set(), set()))
         members.update(np.asarray(unit.members).tolist())
         reached.update(np.asarray(unit.members)[n_significant[unit.members] >= limit].tolist())
-    return [(*key, len(reached), len(members)) for key, (reached, members) in sorted(by_limit.items()) if reached]
+    return [FinePassLimitReached(*key, len(reached), len(members))
+            for key, (reached, members) in sorted(by_limit.items()) if reached]
 
 
 def add_seconds(stages, name, tic):

@@ -194,14 +194,13 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 changes = schedule.hidden_variable_changes(previous, state.particles,
                                                            state.model.pixel_size_angstrom, config.symmetry)
                 state.model = outcome.model
-                for limit, children, raised, n_reached, n_particles in fine_pass_limits_reached(
-                        plan.units, state.particles.n_significant):
+                for reached in fine_pass_limits_reached(plan.units, state.particles.n_significant):
                     log.warning("iteration %d: %d of %d particles reached the fine pass's limit of %d significant "
                                 "coarse samples (%d fine samples each; a broad coarse posterior), each keeping its %d "
-                                "most probable; --maxsig sets a limit of its own%s", iteration, n_reached,
-                                n_particles, limit, children, limit,
+                                "most probable; --maxsig sets a limit of its own%s", iteration, reached.n_reached,
+                                reached.n_particles, reached.limit, reached.children, reached.limit,
                                 ", --relion_oversampling keeps RELION's sampling, 32 times fewer fine samples"
-                                if raised else "")
+                                if reached.raised else "")
                 job.update(state, plan, changes)
                 timings = {"plan": plan_seconds, "expectation": outcome.expectation_seconds,
                            "maximization": outcome.maximization_seconds + time.perf_counter() - tic}

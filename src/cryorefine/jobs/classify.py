@@ -409,8 +409,8 @@ class ClassifyJob:
         (`estep.common.fine_pass_limit`), their coarse posteriors are too broad for it (the raise asked for an
         average pmax of at least 0.5): the next iterations sample at --oversampling again, and for the rest of the
         run."""
-        raised = [r for r in fine_pass_limits_reached(plan.units, run.particles.n_significant) if r[2]]
-        n_reached, n_particles = sum(r[3] for r in raised), sum(r[4] for r in raised)
+        raised = [r for r in fine_pass_limits_reached(plan.units, run.particles.n_significant) if r.raised]
+        n_reached, n_particles = sum(r.n_reached for r in raised), sum(r.n_particles for r in raised)
         if not raised or 2 * n_reached <= n_particles:
             return
         run.extras["finer_sampling_from"] = 0
