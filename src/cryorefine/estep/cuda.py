@@ -35,7 +35,6 @@ space and the current image sizes (`estep.cuda_plan.plan_batches`); the choices 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -113,16 +112,6 @@ def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_signifi
     per_particle = cp.asnumpy(keep.astype(cp.int64).sum(axis=1))  # int64 sums: see `significance_cut`
     b_idx, at = cp.nonzero(keep)
     return b_idx, packed_s[b_idx, at].astype(cp.int64), per_particle, n_sig
-
-
-@functools.lru_cache(maxsize=None)
-def _shift_kernel(cp):
-    """x·exp(iθ), θ = scale·(sx·kx + sy·ky) in float64, as complex64: images moved by shifts (numpy twin
-    `Coefficients.phase`), broadcasting its inputs."""
-    return cp.ElementwiseKernel(
-        "float32 xr, float32 xi, float64 sx, float64 sy, float32 kx, float32 ky, float64 scale", "complex64 out",
-        "double s, c; sincos(scale * (sx * (double)kx + sy * (double)ky), &s, &c); "
-        "out = complex<float>((float)(xr * c - xi * s), (float)(xr * s + xi * c))", "cryorefine_shift_images")
 
 
 class _PairGroups:
@@ -572,15 +561,19 @@ class CupyEngine:
         else:
             scale_a, pair_a = minv_c * ctf_c, 0.5 * minv_c * ctf_c * ctf_c
             row_term = 0.5 * cp.sum(minv_c.astype(cp.float64) * (x_c.real ** 2 + x_c.imag ** 2), axis=1)
-        x_s = (x_c * scale_a).astype(cp.complex64)
+        x_s = cp.ascontiguousarray(x_c * scale_a, dtype=cp.complex64)
         shifts = cp.asarray(pre["residual"])[:, None, :] + cp.asarray(self.translations)[None, :, :]  # (B, T, 2)
+        shifts = cp.ascontiguousarray(shifts, dtype=cp.float64)
         # the moved images coefficient-major, translations padded to the kernel's tile: (B, Kc, ldt)
         tile_r, tile_t, name = local_tile(n_t)
         ldt = round_up(n_t, tile_t)
-        moved = cp.zeros((b_count, kc, ldt), dtype=cp.complex64)
-        _shift_kernel(cp)(x_s.real[:, :, None], x_s.imag[:, :, None], shifts[:, None, :, 0], shifts[:, None, :, 1],
-                          self.kx_c[None, :, None], self.ky_c[None, :, None], -2.0 * np.pi / s.ori_size_px,
-                          moved[:, :, :n_t])
+        moved = cp.empty((b_count, kc, ldt), dtype=cp.complex64)
+        module = kernel_module(device_id=self.device_id)
+        if b_count:
+            module.get_function("local_shift_images")(
+                ((kc * ldt + 255) // 256, b_count), (256,),
+                (x_s, shifts, self.kx_c, self.ky_c, np.float64(-2.0 * np.pi / s.ori_size_px), _i32(n_t), _i32(ldt),
+                 _i32(kc), moved))
         pair_a = cp.ascontiguousarray(pair_a, dtype=cp.float32)
         row_term = cp.ascontiguousarray(row_term, dtype=cp.float64)
         del x_s, shifts
@@ -591,7 +584,7 @@ class CupyEngine:
         counts = local.counts()
         tiles = local_tiles(counts, tile_r, xp=cp)
         diff2 = cp.zeros((b_count, self.n_classes, width, n_t), dtype=cp.float32)
-        kernel = kernel_module(device_id=self.device_id).get_function(name)
+        kernel = module.get_function(name)
         grid = (int(tiles[0].size), ldt // tile_t, 1)
         n_orient = int(counts.sum())
         for k in range(self.n_classes):

@@ -153,3 +153,27 @@ __device__ __forceinline__ void local_diff2_tile(
 LOCAL_DIFF2_INSTANCE(16)
 LOCAL_DIFF2_INSTANCE(32)
 LOCAL_DIFF2_INSTANCE(64)
+
+// The moved images of local_diff2_t*: moved[(b·kc + c)·ldt + t] = xs[b, c]·e^{iθ},
+// θ = scale·(sx·kx[c] + sy·ky[c]) with (sx, sy) = shifts[b, t] (px, float64); the phase and the product in
+// float64, the result rounded to float32 (numpy twin `Coefficients.phase`, then complex64); translations
+// n_t … ldt − 1 are zeros. Grid (ceil(kc·ldt / blockDim.x), particles): one output a thread.
+extern "C" __global__ void local_shift_images(const float2* __restrict__ xs, const double* __restrict__ shifts,
+                                              const float* __restrict__ kx, const float* __restrict__ ky,
+                                              double scale, int n_t, int ldt, int kc, float2* __restrict__ moved)
+{
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= kc * ldt) return;
+    const long long b = blockIdx.y;
+    const int c = j / ldt, t = j - c * ldt;
+    float2* out = moved + b * kc * ldt + j;
+    if (t >= n_t) {
+        *out = make_float2(0.f, 0.f);
+        return;
+    }
+    const float2 x = xs[b * kc + c];
+    const double* s = shifts + (b * n_t + t) * 2;
+    double sn, cs;
+    sincos(scale * (s[0] * (double)kx[c] + s[1] * (double)ky[c]), &sn, &cs);
+    *out = make_float2((float)(x.x * cs - x.y * sn), (float)(x.x * sn + x.y * cs));
+}
