@@ -15,14 +15,14 @@ those. Local: the last three constants (the fixed cost stays: runs of one partic
 per-particle one). Global: the fixed cost and the floor, from iterations where the floor is the larger (runs of
 two particle counts or more are needed).
 
-The constants in jobs/plan.py are this script's fits to runs on the H100 SXM of the reference (2026-11-26). Local
-searches, after the reports left the E-step's interpreter (their iterations took 15–30 % less):
+The constants in jobs/plan.py are this script's fits to runs on the H100 SXM of the reference (2026-11-27). Local
+searches, with the GPU's default batches of 1,024, runs of two particle counts:
 
-    python benchmarks/plan_estep_fit.py benchmarks/results/refine_10k_h100_coefficient_tiles.json \\
-        benchmarks/results/refine_10k_h100_batch512_first.json benchmarks/results/refine_10k_h100_batch512_second.json
+    python benchmarks/plan_estep_fit.py benchmarks/results/refine_10k_h100_local_shift.json \
+        benchmarks/results/empiar10028_refine_20k_h100_converged_1ea15a4.json
 
-(69 iterations on two machines, estimate / measured 0.83–1.22; the constants before, fitted to the runs 8d39878 and
-project_chunk_barriers, gave 1.05–1.55 on them.) Global searches:
+(46 iterations on two machines, estimate / measured 0.80–1.16; the constants before, fitted on 2026-11-26 to three
+10,000-particle runs in batches of 512, gave 1.06–1.56 on them.) Global searches:
 
     python benchmarks/plan_estep_fit.py benchmarks/results/class3d_10k_h100_weights_fused.json \\
         benchmarks/results/empiar10028_class3d_105k_h100_fused_weights.json

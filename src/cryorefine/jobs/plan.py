@@ -45,14 +45,14 @@ COARSE_SHARE_OF_ESTEP = 0.35  # coarse pass / whole E-step on the GPU at 256–3
 # s in all), one per particle (its image read and prepared at the whole box), one per interpolation and one per
 # coefficient at the current size (the fine pass, the sums, the back-projection); the last two scale with the FP32
 # peak against REFERENCE_TFLOPS. The last three are fitted by `benchmarks/plan_estep_fit.py` (its docstring names
-# the runs) to the local iterations (orders 4–8 and the final one) of three converged 10,000-particle auto-refines of
-# the 360 px stand-in with the GPU's default batches of 512, on two H100 machines: estimate / measured 0.83–1.22.
-# With batches of 1,024 (the default since) they give 0.75–1.01 on a 5,000-particle H100 run
-# (results/refine_5k_h100_batch1024.json); not fitted again, a refit needing two particle counts on one card
+# the runs) to the local iterations (orders 4–8 and the final one) of two converged auto-refines of the 360 px
+# stand-in on the H100 SXM, 10,000 and 20,000 particles in the GPU's default batches of 1,024: estimate / measured
+# 0.80–1.16 (the constants before, fitted to runs of 512-particle batches, gave 1.06–1.56 on them). The fit puts the
+# per-particle cost at 0: at these sizes the per-coefficient term carries it.
 LOCAL_ESTEP_FIXED_SECONDS = 0.3
-LOCAL_ESTEP_SECONDS_PER_PARTICLE = 2.31e-5
-LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 1.43e-11
-LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 5.72e-9
+LOCAL_ESTEP_SECONDS_PER_PARTICLE = 0.0
+LOCAL_ESTEP_SECONDS_PER_INTERPOLATION = 1.77e-11
+LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT = 4.24e-9
 REFERENCE_TFLOPS = 66.9  # what GpuSpec.detect reports on the H100 SXM of the fit (132 SMs × 128 lanes × 2 × 1.98 GHz)
 # a global search's E-step: a fixed cost per iteration, plus per particle the coarse pass's arithmetic / its share,
 # or a floor however small the images. The fixed cost and the floor are fitted by `benchmarks/plan_estep_fit.py`
