@@ -275,6 +275,32 @@ def test_local_coarse_diff2_matches_float64_projections(cp, do_cc, offset_range,
     np.testing.assert_array_equal(np.argmin(got.reshape(7, -1), axis=1), np.argmin(want.reshape(7, -1), axis=1))
 
 
+def test_local_shift_images_matches_the_numpy_phase(cp):
+    """local_shift_images (a local search's images moved by its translations) against `Coefficients.phase` in
+    float64, rounded to complex64 as the kernel rounds: 9 translations in a tile of 16 (the rest zeros), 7
+    particles launched as the engine launches parts beyond the grid's y limit, 4 and then 3 (views of the arrays)."""
+    from cryorefine.estep.kernels import kernel_module
+
+    rng = np.random.default_rng(5)
+    n, n_particles, n_t, ldt = 40, 7, 9, 16
+    coef = Coefficients.create(n)
+    kc = coef.positions.size
+    x = (rng.normal(size=(n_particles, kc)) + 1j * rng.normal(size=(n_particles, kc))).astype(np.complex64)
+    shifts = rng.uniform(-4, 4, size=(n_particles, n_t, 2))
+    moved = cp.full((n_particles, kc, ldt), np.nan, dtype=cp.complex64)
+    x_d, shifts_d = cp.asarray(x), cp.asarray(shifts)
+    kx, ky = cp.asarray(coef.kx, dtype=cp.float32), cp.asarray(coef.ky, dtype=cp.float32)
+    for b0, b1 in ((0, 4), (4, 7)):
+        kernel_module().get_function("local_shift_images")(
+            ((kc * ldt + 255) // 256, b1 - b0), (256,),
+            (x_d[b0:b1], shifts_d[b0:b1], kx, ky, np.float64(-2.0 * np.pi / n), np.int32(n_t), np.int32(ldt),
+             np.int32(kc), moved[b0:b1]))
+    got = cp.asnumpy(moved)
+    want = x[:, None, :].astype(np.complex128) * coef.phase(shifts, n, np.complex128)  # (B, T, Kc)
+    np.testing.assert_allclose(got[:, :, :n_t], want.transpose(0, 2, 1), rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.all(got[:, :, n_t:] == 0)
+
+
 @pytest.fixture(params=["slices projected once a pair", "slices projected in every block"])
 def fine_slices(request, monkeypatch):
     """Both ways of the fine pass to a block's child slices (`estep.cuda._PairGroups.project_once`), whatever the

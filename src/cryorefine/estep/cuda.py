@@ -569,11 +569,12 @@ class CupyEngine:
         ldt = round_up(n_t, tile_t)
         moved = cp.empty((b_count, kc, ldt), dtype=cp.complex64)
         module = kernel_module(device_id=self.device_id)
-        if b_count:
+        for b0 in range(0, b_count, MAX_GRID_Y):  # a particle a grid row, in parts of the grid's y limit
+            b1 = min(b0 + MAX_GRID_Y, b_count)
             module.get_function("local_shift_images")(
-                ((kc * ldt + 255) // 256, b_count), (256,),
-                (x_s, shifts, self.kx_c, self.ky_c, np.float64(-2.0 * np.pi / s.ori_size_px), _i32(n_t), _i32(ldt),
-                 _i32(kc), moved))
+                ((kc * ldt + 255) // 256, b1 - b0), (256,),
+                (x_s[b0:b1], shifts[b0:b1], self.kx_c, self.ky_c, np.float64(-2.0 * np.pi / s.ori_size_px), _i32(n_t),
+                 _i32(ldt), _i32(kc), moved[b0:b1]))
         pair_a = cp.ascontiguousarray(pair_a, dtype=cp.float32)
         row_term = cp.ascontiguousarray(row_term, dtype=cp.float64)
         del x_s, shifts
