@@ -203,9 +203,7 @@ class ClassifyJob:
         if global_search and not do_cc:
             sampling = self._fine_sampling(run, iteration, sampling, likelihood or sizes.current_size_px, model)
         # the order `_fine_sampling` may raise the fine pass to later: the GPU engine compiles its kernels ahead
-        ahead = (config.oversampling + 1 if global_search and not (
-            config.relion_oversampling or run.extras.get("finer_sampling_from")
-            or run.extras.get("finer_sampling_dropped")) else None)
+        ahead = config.oversampling + 1 if global_search and not self._finer_sampling_settled(run) else None
         run.optimiser = optimiser
         raised = sampling.oversampling > config.oversampling
         everyone = np.arange(len(run.particles.rot_deg))
@@ -228,6 +226,12 @@ class ClassifyJob:
             units = [unit("all classes", everyone, list(range(k_classes)), True)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
 
+    def _finer_sampling_settled(self, run):
+        """Whether the fine pass's order is settled for the rest of the run: raised already, dropped for good
+        (`_drop_finer_sampling_where_too_broad`), or RELION's throughout (--relion_oversampling)."""
+        return bool(self.config.relion_oversampling or run.extras.get("finer_sampling_from")
+                    or run.extras.get("finer_sampling_dropped"))
+
     def _fine_sampling(self, run, iteration, sampling, compared_size_px, model):
         """`sampling` at one order of oversampling finer from the iteration `schedule.classification_sampling_raised`
         says on (not with --relion_oversampling); says so once, with its reason, and warns once where the step used
@@ -247,9 +251,8 @@ class ClassifyJob:
         raised = int(run.extras.get("finer_sampling_from", 0))
         # a --firstiter_cc iteration's pmax (1) says nothing of the likelihood's posteriors
         pmax = None if config.firstiter_cc and iteration == 2 else model.ave_pmax
-        stopped = raised or config.relion_oversampling or run.extras.get("finer_sampling_dropped")
-        why = None if stopped else schedule.classification_sampling_raised(run.extras["class_changes"], pmax, step,
-                                                                           ceiling)
+        why = None if self._finer_sampling_settled(run) else schedule.classification_sampling_raised(
+            run.extras["class_changes"], pmax, step, ceiling)
         if why:
             raised = run.extras["finer_sampling_from"] = iteration
             if why == schedule.RAISED_AT_STALL:
