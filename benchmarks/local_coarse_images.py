@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench_common import half_plane_coefficients
+from bench_common import half_plane_coefficients, launch_ms
 
 BATCH, N_TRANSLATIONS, PADDED_TRANSLATIONS, ORI_SIZE_PX = 1024, 9, 16, 360
 SIZES_PX = (360, 214, 100)
@@ -19,16 +19,9 @@ REPEATS = 5
 
 
 def timed(cp, label, fn):
-    """fn() once, then the mean of REPEATS calls in milliseconds; prints the line and returns fn's result."""
-    fn()
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(REPEATS):
-        out = fn()
-    stop.record()
-    stop.synchronize()
-    print(f"{label:40s} {cp.cuda.get_elapsed_time(start, stop) / REPEATS:8.3f} ms", flush=True)
+    """fn's result; prints the mean milliseconds of REPEATS calls after a warm one (`bench_common.launch_ms`)."""
+    out = fn()
+    print(f"{label:40s} {launch_ms(cp, fn, (), REPEATS):8.3f} ms", flush=True)
     return out
 
 
