@@ -276,6 +276,68 @@ def test_threads_change_nothing(problem):
     assert sa.sigma2_offset_angstrom2 == sb.sigma2_offset_angstrom2
 
 
+def test_rows_taken_a_chunk_at_a_time_change_nothing(monkeypatch, problem):
+    """A particle's fine pass takes its table's rows in chunks (to bound memory): one row a chunk gives the
+    results and sums of whole tables."""
+    from cryorefine.estep import reference
+
+    rng, volume, projector, sampling, sigma2 = problem
+    images = noisy_projections(rng, projector, 4, 0.05)
+    batch = make_batch(images, np.ones((4, N, N // 2 + 1)), rng.uniform(-1, 1, (4, 2)))
+    outputs = []
+    for elements in (1 << 30, 1):
+        monkeypatch.setattr(reference, "ROW_CHUNK_ELEMENTS", elements)
+        engine = NumpyEngine()
+        engine.setup(setup_for(projector, sampling, sigma2 * 1e4, scale_correction=np.ones(1)))
+        outputs.append((engine.run(batch), engine.sums()))
+    (a, sa), (b, sb) = outputs
+    assert (a.n_significant > 50).all()  # broad enough for many rows a particle
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "pmax", "log_likelihood", "norm_correction"):
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12)
+    np.testing.assert_allclose(sa.data[0], sb.data[0], rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(sa.weight[0], sb.weight[0], rtol=1e-10, atol=1e-14)
+    for name in ("sigma2_noise", "scale_xa", "scale_aa", "pdf_direction"):  # sums of differences: to their scale
+        want = getattr(sb, name)
+        np.testing.assert_allclose(getattr(sa, name), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_flat_posterior_s_fine_pass_holds_the_grid_and_a_table_a_thread(monkeypatch, threads):
+    """A flat posterior puts every (class, orientation, translation) into each particle's fine table. The fine
+    pass then holds the unit's fine grid (projections and slices) and, per particle under way, its slices and its
+    (rows × columns) tables, but no further copies of them: its peak stays within twice their sum (the chunks of
+    rows taken small here, so that they count for little)."""
+    import tracemalloc
+
+    from cryorefine.estep import reference
+
+    monkeypatch.setattr(reference, "ROW_CHUNK_ELEMENTS", 1 << 14)
+    rng = np.random.default_rng(5)
+    projectors = [Projector(blob_volume(rng)) for _ in range(2)]
+    sampling = Sampling(healpix_order=1, offset_range_px=6, offset_step_px=2)
+    n = 8
+    batch = make_batch(noisy_projections(rng, projectors[0], n, 0.05), np.ones((n, N, N // 2 + 1)), np.zeros((n, 2)))
+    setup = IterationSetup(projectors=projectors, sigma2_noise=np.full((1, N // 2 + 1), 1e6), sampling=sampling,
+                           ori_size_px=N, current_size_px=N, coarse_size_px=N, pixel_size_angstrom=2.0,
+                           log_pdf_class=np.log([0.5, 0.5]), sigma_offset_px=30.0)
+    engine = NumpyEngine(threads=threads)
+    engine.setup(setup)
+    n_coef, t = engine.fine.positions.size, engine.tables
+    rows = 2 * sampling.n_orientations * t.n_fine_orientations
+    grid = rows * n_coef * (16 + 16 + 8)  # projections, data, weight
+    per_particle = rows * n_coef * 16 + rows * sampling.n_translations * t.n_fine_translations * 8
+    tracemalloc.start()
+    try:
+        result = engine.run(batch)
+        engine.sums()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (result.n_significant > 0.99 * 2 * sampling.n_orientations * sampling.n_translations).all()  # flat
+    print(f"peak {peak / 1e6:.0f} MB, grid {grid / 1e6:.0f} MB, a particle {per_particle / 1e6:.0f} MB")
+    assert peak < 2 * (grid + (threads + 1) * per_particle)
+
+
 def test_local_search_scores_each_particle_alone(problem):
     """A local search scores each particle on its own orientations: a batch gives each particle the poses,
     weights and sums it gets in a batch of its own."""

@@ -12,7 +12,12 @@ One batch of particles at a time, vectorised over particles × orientations × t
    sample (`FineBlocks`: one base index per block, Zhang 2018);
 4. weighted sums: best pose, pmax, log-likelihood, noise spectra, norm and scale sums, offset
    and class/direction sums, and the back-projection of w·CTF·X/σ² and w·CTF²/σ² per orientation
-   (summed over the particles of a group first, back-projected once per orientation).
+   (summed over the unit's particles per fine orientation where that grid fits, else over a group's,
+   and back-projected once per orientation).
+
+Memory stays bounded however broad the posterior: coarse samples in chunks of particles, the fine pass in
+groups of particles, each particle's table rows a chunk at a time, and its (rows × columns) tables of diff2
+and weights computed in place.
 
 Precision is selectable: float64 for the oracle (the GPU parity tests), float32 (the command
 line's default) as the GPU engine computes.
@@ -21,6 +26,7 @@ line's default) as the GPU engine computes.
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -36,6 +42,7 @@ from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
 COARSE_ELEMENTS_PER_CHUNK = 1 << 22  # coarse samples × particles scored at once (~0.2 GB of float64 temporaries)
 FINE_TABLE_ELEMENTS_PER_GROUP = 1 << 24  # rows × coefficients of a group's fine table (the default; ~400 MB at float32)
+ROW_CHUNK_ELEMENTS = 1 << 18  # rows × coefficients a particle's fine pass takes at once (4 MB of complex128)
 
 
 class NumpyEngine:
@@ -231,8 +238,12 @@ class NumpyEngine:
         table = self._fine_table(ko_flat)
         phase_res = self.fine.phase(pre["residual"], s.ori_size_px, self.complex)
         pre = dict(pre, x_res=pre["x"] * phase_res, x_nomask_res=pre["x_nomask"] * phase_res)
-        n_rows, n_coef = table.proj.shape
-        slices = {"data": np.zeros((n_rows, n_coef), self.complex), "weight": np.zeros((n_rows, n_coef), self.real)}
+        # the particles' slices go straight into the fine grid's where it is kept, else into the group's own
+        if table.keys is None:
+            shape = (table.n_rows, self.fine.positions.size)
+            slices = {"data": np.zeros(shape, self.complex), "weight": np.zeros(shape, self.real)}
+        else:
+            slices = self._fine_grid()
         ko_of_table = np.searchsorted(table.ko, ko_flat)
         starts = np.searchsorted(b_idx, np.arange(b_count + 1))
         self.stage_seconds["fine"] += time.perf_counter() - tic
@@ -244,7 +255,8 @@ class NumpyEngine:
         tic = time.perf_counter()
         out, seconds = [], np.zeros(2)
         for result, contribution, particle_seconds in self._map(particle, range(b_count)):
-            self._add_particle_sums(contribution, slices)  # in particle order: the same sums on any thread count
+            # in particle order: the same sums on any thread count
+            self._add_particle_sums(contribution, slices, table.keys)
             out.append(result)
             seconds += particle_seconds
         # the wall time of the particles' passes, shared between the two stages as their thread time is
@@ -253,7 +265,8 @@ class NumpyEngine:
         self.stage_seconds["sums"] += wall * seconds[1] / max(seconds.sum(), 1e-12)
         self.last_blocks = [block for block in (o.pop("blocks") for o in out) if block is not None]
         tic = time.perf_counter()
-        self._backproject_later(table, slices)
+        if table.keys is None:  # else the grid's slices are back-projected once, when the sums are asked for
+            self._backproject(table, slices)
         # power beyond the current size counts as noise (RELION extends the spectra with it)
         sums = self.sums_
         n_shells = sums.sigma2_noise.shape[1]
@@ -270,22 +283,6 @@ class NumpyEngine:
     def sums(self):
         self._backproject_grid()
         return self.sums_
-
-    def _backproject_later(self, table, slices):
-        """Add a group's slices to those of the whole fine grid, back-projected once when the sums are asked
-        for (one back-projection per fine orientation and unit instead of one per group); when the grid's
-        slices would not fit in `iteration_slice_elements` (local searches of fine grids), back-project now."""
-        n_fo = self.tables.n_fine_orientations
-        grid = self._fine_grid()
-        if grid is None:
-            self._backproject(table, slices)
-            return
-        rows = np.flatnonzero(slices["weight"].any(axis=1))
-        pair = rows // n_fo
-        keys = (table.k[pair] * self.n_orient + table.o[pair]) * n_fo + rows % n_fo
-        grid["data"][keys] += slices["data"][rows]
-        grid["weight"][keys] += slices["weight"][rows]
-        grid["touched"][keys] = True
 
     def _fine_grid(self):
         """Per fine orientation of the whole grid (class, orientation, child; local searches leave most
@@ -321,12 +318,20 @@ class NumpyEngine:
         self.stage_seconds["sums"] += time.perf_counter() - tic
 
     def _map(self, function, items):
-        """function over items, in order; on `threads` threads when there are several."""
+        """function over items, in order; on `threads` threads when there are several, with at most one item more
+        than threads under way or done and not yet taken (each holds a particle's slices)."""
         if self.threads == 1:
-            return map(function, items)
+            yield from map(function, items)
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cryorefine-fine")
-        return self._pool.map(function, items)
+        pending = deque()
+        for item in items:
+            if len(pending) > self.threads:
+                yield pending.popleft().result()
+            pending.append(self._pool.submit(function, item))
+        while pending:
+            yield pending.popleft().result()
 
     # ------------------------------------------------------------------ pieces
     def _fine_to_coarse_selection(self):
@@ -376,24 +381,23 @@ class NumpyEngine:
         k_rows = np.repeat(k_of, n_fo)
         grid = self._fine_grid()
         if grid is None:  # the grid does not fit: the group's own projections
-            proj = np.empty((k_rows.size, self.fine.positions.size), self.complex)
+            source = np.empty((k_rows.size, self.fine.positions.size), self.complex)
             missing, keys = np.arange(k_rows.size), None
         else:  # the projections of the fine grid, each made once per unit
-            proj = grid["proj"]
+            source = grid["proj"]
             keys = (k_rows * self.n_orient + np.repeat(o_of, n_fo)) * n_fo + np.tile(np.arange(n_fo), ko.size)
             missing = np.flatnonzero(~grid["projected"][keys])
         for k, projector in enumerate(s.projectors):
             rows = missing[k_rows[missing] == k]
             if rows.size:
-                proj[rows if keys is None else keys[rows]] = self._project(projector, mats[rows], self.fine)
+                source[rows if keys is None else keys[rows]] = self._project(projector, mats[rows], self.fine)
         if keys is not None:
             grid["projected"][keys[missing]] = True
-            proj = proj[keys]
         prior = np.asarray(s.log_pdf_class, dtype=np.float64)[k_of]
         if s.log_pdf_direction is not None:
             prior = prior + np.asarray(s.log_pdf_direction)[k_of, o_of // self.n_psi]
-        return _FineTable(ko=ko, k=k_of, o=o_of, rot=rot, tilt=tilt, psi=psi, mats=mats,
-                          proj=proj, proj2=(proj.real ** 2 + proj.imag ** 2).astype(self.real), prior=prior)
+        return _FineTable(ko=ko, k=k_of, o=o_of, rot=rot, tilt=tilt, psi=psi, mats=mats, source=source, keys=keys,
+                          prior=prior)
 
     def _fine_particle(self, b, pre, table, ko_pos_all, t_all, olp):
         """One particle's fine pass over its dense table: its results, its share of the sums (to add with
@@ -405,25 +409,35 @@ class NumpyEngine:
         u_t, t_pos = np.unique(t_all, return_inverse=True)  # coarse translations
         n_ko, n_t = u_ko.size, u_t.size
         rows = (u_ko[:, None] * n_fo + np.arange(n_fo)).reshape(-1)
-        proj, proj2 = table.proj[rows], table.proj2[rows]
         optics = pre["optics"][b]
         ctf = pre["ctf"][b]
         shifts = self.fine_translations[u_t].reshape(-1, 2)  # (T, 2) fine translations (px)
         phases = self.phase_t.reshape(self.n_trans, n_ft, -1)[u_t].reshape(n_t * n_ft, -1)
         shifted = pre["x_res"][b] * phases  # (T, K)
         x2 = pre["x"][b].real ** 2 + pre["x"][b].imag ** 2
-        # diff2 (R, T)
+        # diff2 (R, T) from Σ_c weight·|P|² and Re Σ_c image_t·conj(P) per row, the rows a chunk at a time
         if s.do_cc:
-            cross = _real_cross(shifted * ctf, proj).T.astype(np.float64)
-            norm_p = np.sqrt(np.maximum(proj2 @ (ctf ** 2), 1e-300))
-            norm_x = np.sqrt(max(float(x2.sum()), 1e-300))
-            diff2 = -cross / (norm_p[:, None] * norm_x)
+            image, power_weight = shifted * ctf, ctf ** 2
         else:
             minv = self.minv_fine[optics]
+            image, power_weight = shifted * (minv * ctf).astype(self.real), (minv * ctf ** 2).astype(self.real)
+        cross = np.empty((rows.size, image.shape[0]))
+        power = np.empty(rows.size)
+        for chunk in self._row_chunks(rows.size):
+            proj, proj2 = table.projections(rows[chunk])
+            cross[chunk] = _real_cross(image, proj).T
+            power[chunk] = proj2 @ power_weight
+        del image
+        # diff2 in the buffer of the cross terms: a particle's tables of (R, T) cells are its largest arrays
+        diff2 = cross
+        if s.do_cc:
+            norm_p = np.sqrt(np.maximum(power, 1e-300))
+            norm_x = np.sqrt(max(float(x2.sum()), 1e-300))
+            np.negative(diff2, out=diff2)
+            diff2 /= norm_p[:, None] * norm_x
+        else:
             a = 0.5 * float(np.sum(minv * x2))
-            c = 0.5 * (proj2 @ (minv * ctf ** 2).astype(self.real)).astype(np.float64)
-            cross = _real_cross(shifted * (minv * ctf).astype(self.real), proj).T.astype(np.float64)
-            diff2 = a + c[:, None] - cross
+            np.subtract(a + 0.5 * power[:, None], diff2, out=diff2)
         in_block = np.zeros((n_ko, n_t), bool)
         in_block[ko_pos, t_pos] = True
         centre = pre["old"][b] if s.local_searches else 0.0
@@ -434,8 +448,7 @@ class NumpyEngine:
         col_prior = -offset_d2 / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
         prior = row_prior[:, None] + col_prior[None, :]
         considered = np.repeat(np.repeat(in_block, n_fo, axis=0), n_ft, axis=1) & np.isfinite(prior)
-        score = np.where(considered, diff2, np.inf)
-        min_diff2 = float(score.min())
+        min_diff2 = float(np.min(diff2, where=considered, initial=np.inf))
         # RELION's order of samples: block by block (class, orientation, translation), children inside
         canonical = (n_ko, n_t, n_fo, n_ft)
 
@@ -444,21 +457,33 @@ class NumpyEngine:
             i, j, jo, jt = np.unravel_index(flat, canonical)
             return i * n_fo + jo, j * n_ft + jt
 
+        # the weights, in place: prior's buffer holds log w, then w, then the kept w / Σw
         if s.do_cc:
-            w = np.zeros_like(diff2)
-            w[canonical_index(score, np.argmin)] = 1.0
+            diff2[~considered] = np.inf
+            best = canonical_index(diff2, np.argmin)
+            w = prior
+            w[...] = 0.0
+            w[best] = 1.0
             sum_w, top = 1.0, 0.0
         else:
-            log_w = np.where(considered, prior - (diff2 - min_diff2), -np.inf)
+            diff2 -= min_diff2
+            log_w = np.subtract(prior, diff2, out=prior)  # prior − (diff2 − min diff2)
+            log_w[~considered] = -np.inf
             top = float(log_w.max())
-            w = np.exp(log_w - top)
+            log_w -= top
+            w = np.exp(log_w, out=log_w)
             sum_w = float(w.sum())
+        del diff2, cross, considered
         # the fewest fine samples holding adaptive_fraction of the mass
-        positive = np.sort(w[w > 0])[::-1]
+        positive = w[w > 0]
+        positive[::-1].sort()  # descending
         cum = np.cumsum(positive)
         cut = int(np.searchsorted(cum, s.adaptive_fraction * sum_w, side="left"))
         threshold = positive[cut] if cut < positive.size else 0.0
-        w_norm = np.where(significant_mask(w, threshold), w / sum_w, 0.0)
+        del positive, cum
+        w_norm = w
+        w_norm[~significant_mask(w, threshold)] = 0.0
+        w_norm /= sum_w
         best_row, best_col = canonical_index(w_norm, np.argmax)
         blocks = None
         if self.keep_blocks:
@@ -471,8 +496,8 @@ class NumpyEngine:
         else:
             log_likelihood = np.log(sum_w) + top - min_diff2 - self.logsigma2[optics]
         t_fine = time.perf_counter()
-        contribution = self._particle_sums(b, pre, table, rows, u_ko, u_t, proj, proj2, shifted, x2,
-                                           w_norm.astype(self.real), offset_d2)
+        contribution = self._particle_sums(b, pre, table, rows, u_ko, u_t, shifted, x2,
+                                           w_norm.astype(self.real, copy=False), offset_d2)
         seconds = (t_fine - tic, time.perf_counter() - t_fine)
         best_table_row = rows[best_row]
         origin = pre["old"][b] + shifts[best_col]
@@ -482,9 +507,10 @@ class NumpyEngine:
                 "log_likelihood": log_likelihood, "wdiff": contribution["wdiff"],
                 "blocks": blocks}, contribution, seconds
 
-    def _particle_sums(self, b, pre, table, rows, u_ko, u_t, proj, proj2, shifted, x2, w, offset_d2):
-        """One particle's noise, scale, offset, class and direction sums, its slices to back-project and
-        its Σ w·|X − CTF·P|² (for the norm correction)."""
+    def _particle_sums(self, b, pre, table, rows, u_ko, u_t, shifted, x2, w, offset_d2):
+        """One particle's noise, scale, offset, class and direction sums, its slices to back-project (added by
+        `_add_particle_sums`) and its Σ w·|X − CTF·P|² (for the norm correction). The rows that kept weight are
+        taken a chunk at a time."""
         s = self.setup_
         sums = self.sums_
         out = {"optics": pre["optics"][b]}
@@ -497,32 +523,44 @@ class NumpyEngine:
         k_used = np.repeat(table.k[u_ko], n_fo)[used]
         # Σ_t w·X_t per used row, of the masked image (noise, scale) and of the unmasked one (back-projection)
         phases = self.phase_t.reshape(self.n_trans, self.tables.n_fine_translations, -1)[u_t].reshape(w.shape[1], -1)
-        per_row = _real_weighted(w[used], np.concatenate([shifted, pre["x_nomask_res"][b] * phases], axis=1))
+        images = np.concatenate([shifted, pre["x_nomask_res"][b] * phases], axis=1)
         n_coef = shifted.shape[1]
-        per_row_masked, per_row_unmasked = per_row[:, :n_coef], per_row[:, n_coef:]
-        proj_used = proj[used]
+        store = (self.minv_store[optics] * ctf).astype(self.real)
+        # per class: Re Σ_r (Σ_t w X_t)·conj(P_r) and Σ_r w_r|P_r|², per coefficient
+        classes = np.unique(k_used)
+        cross_k = np.zeros((classes.size, n_coef))
+        power_k = np.zeros((classes.size, n_coef))
+        data = np.empty((used.size, n_coef), self.complex)
+        for chunk in self._row_chunks(used.size):
+            r = used[chunk]
+            proj, proj2 = table.projections(rows[r])
+            per_row = _real_weighted(w[r], images)
+            masked = per_row[:, :n_coef]
+            cross_rows = masked.real * proj.real + masked.imag * proj.imag  # (rows, K)
+            power_rows = w_row[r, None] * proj2
+            # the rows run class by class (the table's pairs are sorted by class · R + orientation)
+            bounds = np.searchsorted(k_used[chunk], classes, side="right")
+            for i, (first, stop) in enumerate(zip(np.concatenate([[0], bounds[:-1]]), bounds)):
+                if stop > first:
+                    cross_k[i] += cross_rows[first:stop].sum(axis=0)
+                    power_k[i] += power_rows[first:stop].sum(axis=0)
+            # the back-projection: Σ_t w·X_t (unmasked image) per row, times CTF/σ²
+            data[chunk] = per_row[:, n_coef:] * store
         # Σ_{r,t} w |X_t − CTF·P_r|² per coefficient = Σw·|X|² + CTF²·Σ_r w_r|P_r|² − 2·CTF·Re Σ_r (Σ_t w X_t)·conj(P_r)
-        cross_rows = per_row_masked.real * proj_used.real + per_row_masked.imag * proj_used.imag  # (R_used, K)
-        cross = cross_rows.sum(axis=0)
-        proj_power = w_row[used] @ proj2[used]
+        cross, proj_power = cross_k.sum(axis=0), power_k.sum(axis=0)
         wd2 = np.maximum(total * x2 + ctf ** 2 * proj_power - 2.0 * ctf * cross, 0.0)  # ≥ 0 but for rounding
         n_shells = sums.sigma2_noise.shape[1]
         out["sigma2_noise"] = np.bincount(np.minimum(self.fine.shell, n_shells - 1), weights=wd2, minlength=n_shells)
         out["scale_xa"], out["scale_aa"] = 0.0, 0.0
         if self.tables.scale_use is not None:
             scale = self.scale[optics]
-            for k in np.unique(k_used):
-                r = k_used == k
+            for i, k in enumerate(classes):
                 use = self.tables.scale_use[k]
-                xa = np.sum(use * ctf * cross_rows[r].sum(axis=0))
-                aa = np.sum(use * ctf ** 2 * (w_row[used[r]] @ proj2[used[r]]))
-                out["scale_xa"] += xa / scale
-                out["scale_aa"] += aa / scale ** 2
-        # the back-projection: Σ_t w·X_t (unmasked image) per row, times CTF/σ²; weight Σ_t w · CTF²/σ²
-        store = (self.minv_store[optics] * ctf).astype(self.real)
-        out["rows"] = rows[used]
-        out["data"] = per_row_unmasked * store
-        out["weight"] = w_row[used, None] * (store * ctf)
+                out["scale_xa"] += np.sum(use * ctf * cross_k[i]) / scale
+                out["scale_aa"] += np.sum(use * ctf ** 2 * power_k[i]) / scale ** 2
+        # the slices: data as above; weight Σ_t w · CTF²/σ², the row's weight times one spectrum
+        out["rows"], out["data"] = rows[used], data
+        out["row_weight"], out["weight_spectrum"] = w_row[used], store * ctf
         # offsets (Å²), classes, directions
         out["sigma2_offset_angstrom2"] = float(w_col @ offset_d2) * s.pixel_size_angstrom ** 2
         w_ko = w_row.reshape(-1, n_fo).sum(axis=1)
@@ -534,7 +572,9 @@ class NumpyEngine:
         out["wdiff"] = float(wd2.sum())
         return out
 
-    def _add_particle_sums(self, c, slices):
+    def _add_particle_sums(self, c, slices, keys):
+        """Add a particle's sums (`_particle_sums`) to the unit's, and its slices to `slices`: the group's rows, or
+        the fine grid's where `keys` (the table's rows in the grid) is given."""
         sums = self.sums_
         sums.sigma2_noise[c["optics"]] += c["sigma2_noise"]
         sums.scale_xa[c["optics"]] += c["scale_xa"]
@@ -542,8 +582,17 @@ class NumpyEngine:
         sums.sigma2_offset_angstrom2 += c["sigma2_offset_angstrom2"]
         sums.pdf_class += c["pdf_class"]
         sums.pdf_direction += c["pdf_direction"]
-        slices["data"][c["rows"]] += c["data"]
-        slices["weight"][c["rows"]] += c["weight"]
+        rows = c["rows"] if keys is None else keys[c["rows"]]
+        for chunk in self._row_chunks(rows.size):
+            slices["data"][rows[chunk]] += c["data"][chunk]
+            slices["weight"][rows[chunk]] += c["row_weight"][chunk, None] * c["weight_spectrum"]
+        if keys is not None and c["weight_spectrum"].any():
+            slices["touched"][rows] = True
+
+    def _row_chunks(self, n_rows):
+        """Slices of n_rows rows of K coefficients, at most ROW_CHUNK_ELEMENTS elements each (one row at least)."""
+        step = max(1, ROW_CHUNK_ELEMENTS // max(self.fine.positions.size, 1))
+        return [slice(start, start + step) for start in range(0, n_rows, step)]
 
     def _backproject(self, table, slices):
         """Back-project the summed slices of every fine orientation that received weight."""
@@ -590,6 +639,15 @@ class _FineTable:
     tilt: np.ndarray
     psi: np.ndarray
     mats: np.ndarray  # (U·n_fo, 3, 3)
-    proj: np.ndarray  # (U·n_fo, K) projections at the current size
-    proj2: np.ndarray  # (U·n_fo, K) |projection|²
+    source: np.ndarray  # projections at the current size: the table's rows, or the fine grid's (`keys`)
+    keys: np.ndarray | None  # (U·n_fo,) the table's rows in `source` when it is the fine grid's
     prior: np.ndarray  # (U,) log prior of the class and direction
+
+    @property
+    def n_rows(self):
+        return self.mats.shape[0]
+
+    def projections(self, rows):
+        """The projections of the table's `rows` (K coefficients each) and their |P|², copies of those rows alone."""
+        proj = self.source[rows if self.keys is None else self.keys[rows]]
+        return proj, proj.real ** 2 + proj.imag ** 2
