@@ -1,7 +1,9 @@
 // Atomic adds shared by the kernels that accumulate complex sums (fine.cu, backproject.cu).
 //
-// -DSCALAR_ATOMICS: scalar atomics only; -DUNPAIRED_ATOMICS: no float4 for x-neighbour voxels
-// (benchmarks/backproject_atomics.py compares the three).
+// -DSCALAR_ATOMICS: scalar atomics only; -DUNPAIRED_ATOMICS: no float4 for x-neighbour voxels;
+// -DINTERLEAVED_VOXELS: a volume of one float4 (re, im, weight, 0) a voxel in `data`, `weight` unused, so that an x
+// edge's two voxels share one 32-byte sector (benchmarks/backproject_atomics.py compares the four; the package's
+// volumes are not laid out so).
 
 // (re, im) added at `at` (two consecutive floats, 8-byte aligned): one vector atomic on Hopper and later
 // (compute capability 9.0 has float2 atomicAdd in global memory), two scalar ones before or with
@@ -22,6 +24,11 @@ __device__ __forceinline__ void atomic_add_complex(float* at, float re, float im
 // each.
 __device__ __forceinline__ void atomic_add_x_pair(float* data, float* weight, size_t i, float4 d, float2 wsum)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(INTERLEAVED_VOXELS)
+    atomicAdd(reinterpret_cast<float4*>(data + 4 * i), make_float4(d.x, d.y, wsum.x, 0.f));
+    atomicAdd(reinterpret_cast<float4*>(data + 4 * (i + 1)), make_float4(d.z, d.w, wsum.y, 0.f));
+    return;
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(SCALAR_ATOMICS) && !defined(UNPAIRED_ATOMICS)
     if ((i & 1) == 0) {
         atomicAdd(reinterpret_cast<float4*>(data + 2 * i), d);
