@@ -1,19 +1,21 @@
-"""Back-projection with its atomic adds five ways, side by side on one GPU (Hopper).
+"""Back-projection with its atomic adds six ways, side by side on one GPU (Hopper).
 
     python benchmarks/backproject_atomics.py [--size 214] [--particles 500] [--rows 40]
 
-The kernels of the package (`backproject_slices`) are compiled four times: as they are (one float4 atomic for the
+The kernels of the package (`backproject_slices`) are compiled five times: as they are (one float4 atomic for the
 data and one float2 for the weights of an x edge's two voxels where they are aligned, `atomic_add_x_pair`), with
 -DUNPAIRED_ATOMICS (one float2 atomic per voxel's complex sum and a scalar one for its weight), with -DSCALAR_ATOMICS
-(scalar atomics only) and with -DINTERLEAVED_VOXELS (a volume of one float4 of re, im, weight and 0 a voxel, so that
-an x edge's data and weights share one 32-byte sector). The first is run twice: with the rows in groups of 8 (the
-engine's groups, a coarse orientation's children: a coefficient that stays in one voxel cube from row to row is
-summed in registers and goes to memory once) and a row at a time, as the unpaired and scalar ones; the interleaved
-one in groups of 8. Each back-projects the same slices: --particles clusters of --rows orientations within about a
-degree of each other (as a late local search's significant orientations are), in groups of 8 children within about
-0.1° (HEALPix order 9's step is 0.11°), every coefficient of a --size px image (the E-step's disc) with a positive
-weight, into one class's padded (×2) volume. Prints each variant's kernel time (median of 5) and the largest
-difference of its sums from the first's, relative to the largest sum.
+(scalar atomics only), with -DINTERLEAVED_VOXELS (a volume of one float4 of re, im, weight and 0 a voxel, so that
+an x edge's data and weights share one 32-byte sector) and with -DGROUPED_VOXELS (x-runs of four voxels, their data
+then their weights, 48 bytes: 12 bytes a voxel as now, an even x edge's data and weights mostly on one line). The
+first is run twice: with the rows in groups of 8 (the engine's groups, a coarse orientation's children: a
+coefficient that stays in one voxel cube from row to row is summed in registers and goes to memory once) and a row
+at a time, as the unpaired and scalar ones; the interleaved and grouped ones in groups of 8. Each back-projects the
+same slices: --particles clusters of --rows orientations within about a degree of each other (as a late local
+search's significant orientations are), in groups of 8 children within about 0.1° (HEALPix order 9's step is
+0.11°), every coefficient of a --size px image (the E-step's disc) with a positive weight, into one class's padded
+(×2) volume. Prints each variant's kernel time (median of 5) and the largest difference of its sums from the
+first's, relative to the largest sum.
 """
 
 import argparse
@@ -60,13 +62,19 @@ def main():
                                ("float2 atomics", ("-DUNPAIRED_ATOMICS",), 1),
                                ("scalar atomics", ("-DSCALAR_ATOMICS",), 1),
                                ("interleaved voxels (re, im, weight, 0), groups of 8", ("-DINTERLEAVED_VOXELS",),
-                                GROUP)):
+                                GROUP),
+                               ("four voxels' data then their weights, groups of 8", ("-DGROUPED_VOXELS",), GROUP)):
         fn = cp.RawModule(code=kernel_source(), options=COMPILE_OPTIONS + extra).get_function("backproject_slices")
-        interleaved = "-DINTERLEAVED_VOXELS" in extra
+        interleaved, grouped = "-DINTERLEAVED_VOXELS" in extra, "-DGROUPED_VOXELS" in extra
+        n_voxels = d * d * w
         times = []
         for _ in range(6):
-            vol = cp.zeros(d * d * w * (4 if interleaved else 2), dtype=cp.float32)
-            vol_w = cp.zeros(1 if interleaved else d * d * w, dtype=cp.float32)
+            if interleaved:
+                vol, vol_w = cp.zeros(n_voxels * 4, dtype=cp.float32), cp.zeros(1, dtype=cp.float32)
+            elif grouped:
+                vol, vol_w = cp.zeros(-(-n_voxels // 4) * 12 + 12, dtype=cp.float32), cp.zeros(1, dtype=cp.float32)
+            else:
+                vol, vol_w = cp.zeros(n_voxels * 2, dtype=cp.float32), cp.zeros(n_voxels, dtype=cp.float32)
             cp.cuda.Device().synchronize()
             tic = time.perf_counter()
             fn(((n_coef + 127) // 128, min(n_rows // group, 65535)), (128,),
@@ -77,6 +85,9 @@ def main():
             times.append(time.perf_counter() - tic)
         if interleaved:  # the data (re, im) and weights of each voxel, as the other layouts hold them
             vol, vol_w = vol.reshape(-1, 4)[:, :2].reshape(-1), vol.reshape(-1, 4)[:, 2].copy()
+        elif grouped:
+            runs = vol[:-12].reshape(-1, 12)
+            vol, vol_w = runs[:, :8].reshape(-1)[:2 * n_voxels], runs[:, 8:].reshape(-1)[:n_voxels]
         results[name] = (float(np.median(times[1:])), vol, vol_w)
         print(f"{name}: {results[name][0] * 1e3:.1f} ms for {n_rows} slices of {n_coef} coefficients "
               f"({n_rows * n_coef / results[name][0] / 1e9:.2f} G coefficients/s)")
