@@ -156,6 +156,44 @@ def test_weighted_sums_equal_sample_by_sample_back_projection(problem):
     np.testing.assert_allclose(sums.weight[0], expected.weight, rtol=1e-8, atol=1e-10 * expected.weight.max())
 
 
+def test_scale_sums_equal_sample_by_sample_sums_per_class(problem):
+    """The scale sums (RELION's per-group scale correction) equal their definition summed sample by sample: w·Σ
+    use·CTF·Re(X_shifted·conj(P)) and w·Σ use·CTF²·|P|², P the kept sample's projection of its own class and `use`
+    that class's coefficients whose data-vs-prior ratio exceeds 3."""
+    rng, volume, projector, sampling, sigma2 = problem
+    projectors = [projector, Projector(blob_volume(rng))]
+    dvp = np.array([np.full(N // 2 + 1, 10.0), np.where(np.arange(N // 2 + 1) < N // 4, 10.0, 0.0)])
+    engine = NumpyEngine(keep_blocks=True)
+    engine.setup(replace(setup_for(projector, sampling, sigma2 * 30, scale_correction=np.ones(1), data_vs_prior=dvp),
+                         projectors=projectors, log_pdf_class=np.log([0.5, 0.5])))
+    matrices = euler.euler_to_matrix(*rng.uniform(0, 180, (3, 3)))
+    ctf = np.broadcast_to(fourier.radius_2d(N) / N + 0.5, (3, N, N // 2 + 1)).copy()
+    images = projector.project(matrices, N) * ctf + fourier.rfft2_centered(rng.normal(size=(3, N, N)) * 0.02)
+    residual = rng.uniform(-0.5, 0.5, (3, 2))
+    engine.run(make_batch(images, ctf, rng.uniform(-1, 1, (3, 2)), residual))
+    sums = engine.sums()
+    coef = engine.fine
+    use = engine.tables.scale_use
+    xa = aa = 0.0
+    classes_seen = set()
+    n_block = sampling.n_orientations * sampling.n_translations
+    for b, blocks in enumerate(engine.last_blocks):
+        rot, tilt, psi, tx, ty = sampling.fine_samples_flat(blocks.coarse_index % n_block)
+        for i, f in zip(*np.nonzero(blocks.weights)):
+            k = blocks.coarse_index[i] // n_block
+            classes_seen.add(int(k))
+            w = blocks.weights[i, f]
+            mat = euler.euler_to_matrix(rot[i, f], tilt[i, f], psi[i, f])[None]
+            p = coef.gather(projectors[k].project(mat, N))[0]
+            x = coef.gather(fourier.phase_shift_2d(images[b], residual[b, 0] + tx[i, f], residual[b, 1] + ty[i, f], N))
+            c = coef.gather(ctf[b])
+            xa += w * np.sum(use[k] * c * (x.real * p.real + x.imag * p.imag))
+            aa += w * np.sum(use[k] * c ** 2 * (p.real ** 2 + p.imag ** 2))
+    assert classes_seen == {0, 1} and not use[1].all()  # both classes kept samples, with different coefficients
+    np.testing.assert_allclose(sums.scale_xa[0], xa, rtol=1e-9)
+    np.testing.assert_allclose(sums.scale_aa[0], aa, rtol=1e-9)
+
+
 def test_single_precision_engine_agrees_with_double(problem):
     rng, volume, projector, sampling, sigma2 = problem
     images = noisy_projections(rng, projector, 6, 0.05)
@@ -278,25 +316,31 @@ def test_threads_change_nothing(problem):
 
 def test_rows_taken_a_chunk_at_a_time_change_nothing(monkeypatch, problem):
     """A particle's fine pass takes its table's rows in chunks (to bound memory): one row a chunk gives the
-    results and sums of whole tables."""
+    results and sums of whole tables, two classes' rows in one chunk or in many."""
     from cryorefine.estep import reference
 
     rng, volume, projector, sampling, sigma2 = problem
     images = noisy_projections(rng, projector, 4, 0.05)
     batch = make_batch(images, np.ones((4, N, N // 2 + 1)), rng.uniform(-1, 1, (4, 2)))
+    second = Projector(blob_volume(rng))
     outputs = []
     for elements in (1 << 30, 1):
         monkeypatch.setattr(reference, "ROW_CHUNK_ELEMENTS", elements)
         engine = NumpyEngine()
-        engine.setup(setup_for(projector, sampling, sigma2 * 1e4, scale_correction=np.ones(1)))
+        setup = setup_for(projector, sampling, sigma2 * 1e4, scale_correction=np.ones(1),
+                          data_vs_prior=np.array([np.full(N // 2 + 1, 10.0), np.linspace(10.0, 0.0, N // 2 + 1)]))
+        engine.setup(replace(setup, projectors=[projector, second], log_pdf_class=np.log([0.6, 0.4])))
         outputs.append((engine.run(batch), engine.sums()))
     (a, sa), (b, sb) = outputs
     assert (a.n_significant > 50).all()  # broad enough for many rows a particle
-    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "pmax", "log_likelihood", "norm_correction"):
+    assert sb.scale_xa.any() and sb.scale_aa.any() and (sb.pdf_class > 0.1).all()  # the scale sums, both classes
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "class_index", "pmax", "log_likelihood",
+                 "norm_correction"):
         np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12)
-    np.testing.assert_allclose(sa.data[0], sb.data[0], rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(sa.weight[0], sb.weight[0], rtol=1e-10, atol=1e-14)
-    for name in ("sigma2_noise", "scale_xa", "scale_aa", "pdf_direction"):  # sums of differences: to their scale
+    for k in range(2):
+        np.testing.assert_allclose(sa.data[k], sb.data[k], rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(sa.weight[k], sb.weight[k], rtol=1e-10, atol=1e-14)
+    for name in ("sigma2_noise", "scale_xa", "scale_aa", "pdf_class", "pdf_direction"):  # sums of differences
         want = getattr(sb, name)
         np.testing.assert_allclose(getattr(sa, name), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
