@@ -72,12 +72,12 @@ SET_B_MAP = REPO / "examples" / "ribosome_7p6z_10A_64px.mrc"
 
 
 def test_cpu_classification_of_set_b_holds_its_classes_to_the_tenth_iteration(tmp_path):
-    """Set B at SNR 0.2, 1,000 particles, 10 iterations, seeds 1–3 (CI-sized: ~150 s a seed on 2 cores). Iteration
-    10 had 98.5 / 70.7 / 75.1 % in the right class with RELION's sampling kept (--relion_oversampling);
-    99.0 / 92.5 / 92.9 % when the fine pass was sampled one order finer only once the classes stalled (iteration 4);
-    99.4 / 96.9 / 97.5 % with the finer pass from iteration 2, while the resolution can still grow
-    (benchmarks/README.md; the GPU gave the CPU's figures to the tenth of a percent for the first two). The bound
-    is the issue's, 94 %."""
+    """Set B at SNR 0.2, 1,000 particles, 10 iterations, seeds 1–3 (CI-sized: 190–210 s a seed on 2 cores in the
+    whole suite, 2026-11-27). Iteration 10 had 98.5 / 70.7 / 75.1 % in the right class with RELION's sampling kept
+    (--relion_oversampling); 99.0 / 92.5 / 92.9 % when the fine pass was sampled one order finer only once the
+    classes stalled (iteration 4); 99.4 / 96.9 / 97.5 % with the finer pass from iteration 2, while the resolution
+    can still grow (benchmarks/README.md; the GPU gave the CPU's figures to the tenth of a percent for the first
+    two). The bound is the issue's, 94 %."""
     report = classify_accuracy(tmp_path, "--cpu", "--map", SET_B_MAP, "--snr", 0.2, "--iter", 10)
     for seed, r in per_seed(report).items():
         assert r["final"] >= 0.94, f"seed {seed}: {100 * r['final']:.1f} % in the right class at iteration 10"
