@@ -539,11 +539,10 @@ class NumpyEngine:
             cross_rows = masked.real * proj.real + masked.imag * proj.imag  # (rows, K)
             power_rows = w_row[r, None] * proj2
             # the rows run class by class (the table's pairs are sorted by class · R + orientation)
-            bounds = np.searchsorted(k_used[chunk], classes, side="right")
-            for i, (first, stop) in enumerate(zip(np.concatenate([[0], bounds[:-1]]), bounds)):
-                if stop > first:
-                    cross_k[i] += cross_rows[first:stop].sum(axis=0)
-                    power_k[i] += power_rows[first:stop].sum(axis=0)
+            present, first = np.unique(k_used[chunk], return_index=True)
+            at = np.searchsorted(classes, present)
+            cross_k[at] += np.add.reduceat(cross_rows, first, axis=0)
+            power_k[at] += np.add.reduceat(power_rows, first, axis=0)
             # the back-projection: Σ_t w·X_t (unmasked image) per row, times CTF/σ²
             data[chunk] = per_row[:, n_coef:] * store
         # Σ_{r,t} w |X_t − CTF·P_r|² per coefficient = Σw·|X|² + CTF²·Σ_r w_r|P_r|² − 2·CTF·Re Σ_r (Σ_t w X_t)·conj(P_r)
