@@ -21,15 +21,7 @@ from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import Sampling
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
-
-
-def blob_map(rng, box):
-    z, y, x = np.mgrid[:box, :box, :box] - box // 2
-    out = np.zeros((box,) * 3)
-    for _ in range(6):
-        c = rng.uniform(-box / 5, box / 5, 3)
-        out += np.exp(-((x - c[0]) ** 2 + (y - c[1]) ** 2 + (z - c[2]) ** 2) / (2 * (box / 12) ** 2))
-    return out
+from estep_throughput import blob_volume
 
 
 def main():
@@ -41,7 +33,7 @@ def main():
     args = parser.parse_args()
     box, n = args.box, args.particles
     rng = np.random.default_rng(3)
-    projectors = [Projector(blob_map(rng, box)) for _ in range(args.classes)]
+    projectors = [Projector(blob_volume(rng, box).astype(np.float64)) for _ in range(args.classes)]
     sampling = Sampling(healpix_order=1, offset_range_px=6, offset_step_px=2)
     images = (projectors[0].project(euler.euler_to_matrix(*rng.uniform(0, 180, (3, n))), box)
               + fourier.rfft2_centered(rng.normal(size=(n, box, box))))
