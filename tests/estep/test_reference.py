@@ -361,11 +361,9 @@ def test_a_flat_posterior_s_fine_pass_holds_the_grid_and_a_table_a_thread(monkey
     sampling = Sampling(healpix_order=1, offset_range_px=6, offset_step_px=2)
     n = 8
     batch = make_batch(noisy_projections(rng, projectors[0], n, 0.05), np.ones((n, N, N // 2 + 1)), np.zeros((n, 2)))
-    setup = IterationSetup(projectors=projectors, sigma2_noise=np.full((1, N // 2 + 1), 1e6), sampling=sampling,
-                           ori_size_px=N, current_size_px=N, coarse_size_px=N, pixel_size_angstrom=2.0,
-                           log_pdf_class=np.log([0.5, 0.5]), sigma_offset_px=30.0)
+    flat = setup_for(projectors[0], sampling, np.full((1, N // 2 + 1), 1e6))
     engine = NumpyEngine(threads=threads)
-    engine.setup(setup)
+    engine.setup(replace(flat, projectors=projectors, log_pdf_class=np.log([0.5, 0.5]), sigma_offset_px=30.0))
     n_coef, t = engine.fine.positions.size, engine.tables
     rows = 2 * sampling.n_orientations * t.n_fine_orientations
     grid = rows * n_coef * (16 + 16 + 8)  # projections, data, weight
