@@ -209,6 +209,23 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     assert "model_class_1" in model
 
 
+def test_firstiter_cc_iteration_updates_the_average_norm_its_particles_are_divided_by(refined, tmp_path):
+    """RELION's default command line has --firstiter_cc with --norm: the cross-correlation iteration sets every
+    particle's norm correction (here about a third of 1), and the model's average must follow them, as RELION's
+    maximizationOtherParameters does in that iteration too; left at 1, the next iterations divided the images by a
+    third of their scale and their posteriors spread (pmax 0.15 where the run without CC had 0.80)."""
+    folder, _ = refined
+    code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
+                   "--o", tmp_path / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--zero_mask",
+                   "--offset_range", 3, "--offset_step", 1, "--iter", 1, "--firstiter_cc", "--norm")
+    assert code == 0
+    norms = starfile.read(tmp_path / "run_it001_data.star")["particles"]["rlnNormCorrection"].to_numpy()
+    assert abs(norms.mean() - 1.0) > 0.05  # the test means something only where the particles' norms moved
+    for h in (1, 2):
+        average = starfile.read(tmp_path / f"run_it001_half{h}_model.star")["model_general"]["rlnNormCorrectionAverage"]
+        assert average == pytest.approx(norms.mean(), rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------------ --sym
 
 D2_ARGS = ("--ini_high", 50, "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask",

@@ -202,10 +202,16 @@ class HalfSums:
 
 def maximize_other_parameters(model, config, sums, do_cc):
     """RELION's maximizationOtherParameters from a list of WeightedSums (two halves, or one set):
-    noise spectra, σ offsets (at least 2 Å²), average norm (--norm) and scales (--scale), with CC
-    (--firstiter_cc) only the log-likelihood and average pmax. Changes `model`."""
+    noise spectra, σ offsets (at least 2 Å²), average norm (--norm) and scales (--scale). With CC
+    (--firstiter_cc) the noise spectra and scales stay, as in RELION; the σ offsets and the average norm are
+    updated all the same (the particles' own norm corrections are, and the next iteration divides by their
+    average). Changes `model`."""
     box = model.ori_size_px
     total = sum(s.n_particles for s in sums)
+    offset2 = sum(s.sigma2_offset_angstrom2 for s in sums) / (2.0 * total)
+    model.sigma_offset_angstrom = math.sqrt(max(offset2, MIN_SIGMA2_OFFSET_ANGSTROM2))
+    if config.do_norm:
+        model.avg_norm_correction = sum(s.norm_correction for s in sums) / total
     if not do_cc:
         sigma2_sum = sum(s.sigma2_noise for s in sums)
         sumw = sum(s.sumw_group for s in sums)
@@ -213,10 +219,6 @@ def maximize_other_parameters(model, config, sums, do_cc):
         new = sigma2_sum / (2.0 * np.maximum(sumw, 1e-300)[:, None] * np.maximum(per_shell, 1.0)[None, :])
         keep = new > 1e-14
         model.sigma2_noise = np.where(keep, new, model.sigma2_noise)
-        offset2 = sum(s.sigma2_offset_angstrom2 for s in sums) / (2.0 * total)
-        model.sigma_offset_angstrom = math.sqrt(max(offset2, MIN_SIGMA2_OFFSET_ANGSTROM2))
-        if config.do_norm:
-            model.avg_norm_correction = sum(s.norm_correction for s in sums) / total
         if config.do_scale and sums[0].scale_aa is not None:
             xa = sum(s.scale_xa for s in sums)
             aa = sum(s.scale_aa for s in sums)
