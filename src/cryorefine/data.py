@@ -327,6 +327,7 @@ def load_particles(star_path, check_stacks=True):
                      dtype=object)
     if check_stacks:
         _check_stacks(star_path, paths, indices)
+    _names_from_project_directory(table, parsed, resolved)
 
     optics = star.optics
     group_numbers = optics["rlnOpticsGroup"].to_numpy()
@@ -371,6 +372,19 @@ def load_particles(star_path, check_stacks=True):
         norm_correction=col("rlnNormCorrection", 1.0),
         random_subset=col("rlnRandomSubset", 0).astype(np.int64),
         class_number=col("rlnClassNumber", 1).astype(np.int64))
+
+
+def _names_from_project_directory(table, parsed, resolved):
+    """rlnImageName of the particles whose stacks were found beside the STAR file rather than from the project (the
+    current) directory, rewritten with the path that was found, so that the STAR files a run writes elsewhere name
+    images RELION finds from the project directory, as its own do. The image numbers keep their text."""
+    moved = {stack: path for stack, path in resolved.items() if Path(path) != Path(stack)}
+    if not moved:
+        return
+    names = table["rlnImageName"].astype(str).tolist()
+    table["rlnImageName"] = [name if stack not in moved else
+                             (f"{name.partition('@')[0]}@{moved[stack]}" if "@" in name else moved[stack])
+                             for name, (_, stack) in zip(names, parsed)]
 
 
 def _optional(row, column, kind):

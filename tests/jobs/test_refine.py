@@ -207,6 +207,21 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     assert fsc[0] >= max(fsc[1], fsc[2]) - 0.01
     model = starfile.read(tmp_path / "run_model.star")
     assert "model_class_1" in model
+    # every optimiser.star, the final run_optimiser.star among them (RELION's output node), names files that exist
+    assert (tmp_path / "run_optimiser.star").is_file() and (tmp_path / "run_sampling.star").is_file()
+    for optimiser in sorted(tmp_path.glob("*_optimiser.star")):
+        general = starfile.read(optimiser, always_dict=True)["optimiser_general"]
+        for label in ("rlnModelStarFile", "rlnModelStarFile2", "rlnExperimentalDataStarFile",
+                      "rlnOrientSamplingStarFile"):
+            named = str(general.get(label, ""))
+            empty = label == "rlnModelStarFile2" and named in ("", '""', "nan")  # a single model: RELION's ""
+            assert empty or Path(named).is_file(), (optimiser, label, named)
+    final = starfile.read(tmp_path / "run_optimiser.star", always_dict=True)["optimiser_general"]
+    assert final["rlnModelStarFile"] == f"{tmp_path / 'run'}_model.star"
+    # the input names its stack beside itself (particles.mrcs); the run's particles name it from the project (the
+    # current) directory, where RELION looks
+    stacks = {name.partition("@")[2] for name in starfile.read(tmp_path / "run_data.star")["particles"]["rlnImageName"]}
+    assert stacks == {str(folder / "sim" / "particles.mrcs")}
 
 
 def test_firstiter_cc_iteration_updates_the_average_norm_its_particles_are_divided_by(refined, tmp_path):

@@ -15,8 +15,10 @@ initial reference is used as given: like RELION, nothing is symmetrised before t
 
 Outputs per iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc,
 run_itNNN_half{1,2}_model.star, run_itNNN_optimiser.star, run_itNNN_sampling.star (with
-rlnSymmetryGroup and the unit's directions), run_itNNN_report.png; at the end run_data.star,
-run_class001.mrc, run_half{1,2}_class001_unfil.mrc, run_model.star and run_report.png (the final
+rlnSymmetryGroup and the unit's directions), run_itNNN_report.png; the final iteration also
+run_itNNN_model.star (the joined halves, which its optimiser.star names) and, as RELION names its
+final files, run_data.star, run_class001.mrc, run_half{1,2}_class001_unfil.mrc, run_model.star,
+run_sampling.star, run_optimiser.star (naming those three) and run_report.png (the final
 iteration's report, in place of its run_itNNN_report.png).
 """
 
@@ -331,7 +333,12 @@ class RefineJob:
                        partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
             writes += [partial(copy_atomically, f"{root}_half{h}_class001.mrc",
                                f"{out_root}_half{h}_class001_unfil.mrc") for h in (1, 2)]
-            writes.append(partial(write_star, model_star_blocks(model, optimiser, config, None,
-                                                                [f"{out_root}_class001.mrc"], names, counts),
-                                  f"{out_root}_model.star"))
+            # the joined model, which the final iteration's optimiser.star names, and RELION's final files without
+            # an iteration number: their optimiser.star names run_model.star, run_data.star and run_sampling.star
+            joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts)
+            writes += [partial(write_star, joined, f"{root}_model.star"),
+                       partial(write_star, joined, f"{out_root}_model.star"),
+                       partial(copy_atomically, f"{root}_sampling.star", f"{out_root}_sampling.star"),
+                       partial(write_optimiser_star, f"{out_root}_optimiser.star",
+                               optimiser_star_blocks(optimiser, model, config, str(out_root)), list(argv))]
         return writes
