@@ -252,9 +252,10 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
 
 
 def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
-    """The options of the run that `continue_from` (a run_itNNN_optimiser.star) belongs to, with the few that
-    --continue may change (--o, --iter, the engine); other options given on the command line are named in a
-    warning and ignored, as RELION does."""
+    """The options of the run that `continue_from` (a run_itNNN_optimiser.star) belongs to, with those that
+    --continue may change: --o, --iter, the engine, and those of RELION's parseContinue that this run reads afresh
+    each iteration (`CONTINUE_CHANGES`); other options given on the command line are named in a warning and
+    ignored."""
     import logging
     from dataclasses import replace
 
@@ -267,10 +268,20 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
                          if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
     ignored = [o for o in from_command_line
                if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory", "--j",
-                            "--dont_check_norm", "--pipeline_control", "--skip_gridding")]
+                            "--dont_check_norm", "--pipeline_control", "--skip_gridding") and o not in CONTINUE_CHANGES]
     if ignored:
         logging.getLogger("cryorefine").warning(
-            "--continue keeps the options of the run it continues; ignored here: %s", " ".join(ignored))
+            "--continue keeps the run's sampling and the other options it was started with; ignored here: %s",
+            " ".join(ignored))
+    changes = {}
+    for option in from_command_line:
+        if option in CONTINUE_CHANGES:
+            field, param = CONTINUE_CHANGES[option]
+            value = ctx.params[param]
+            changes[field] = _pool_batch(value) if option == "--pool" else value
+    if changes:
+        logging.getLogger("cryorefine").info("--continue: %s changed from the run's own", ", ".join(
+            o for o in from_command_line if o in CONTINUE_CHANGES))
     if "--gpu" in from_command_line or "--cpu" in from_command_line:
         engine = engine_options(gpu, force_cpu, free_gpu_memory)
     else:  # the run's own engine, where it can run
@@ -279,7 +290,26 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
                   "free_gpu_memory_mb": free_gpu_memory}
     return replace(config, output_root=out or config.output_root,
-                   max_iterations=max_iterations or config.max_iterations, **engine)
+                   max_iterations=max_iterations or config.max_iterations, **engine, **changes).check()
+
+
+#: RELION's parseContinue reads these again from a --continue command line; here each is a RefineConfig field
+#: (and the command's parameter) that the run reads afresh every iteration
+CONTINUE_CHANGES = {
+    "--tau2_fudge": ("tau2_fudge", "tau2_fudge"),
+    "--particle_diameter": ("particle_diameter_angstrom", "particle_diameter"),
+    "--solvent_mask": ("solvent_mask", "solvent_mask"),
+    "--solvent_mask2": ("solvent_mask2", "solvent_mask2"),
+    "--solvent_correct_fsc": ("solvent_correct_fsc", "solvent_correct_fsc"),
+    "--flatten_solvent": ("flatten_solvent", "flatten_solvent"),
+    "--maxsig": ("max_significants", "maxsig"),
+    "--strict_highres_exp": ("strict_highres_exp_angstrom", "strict_highres_exp"),
+    "--norm": ("do_norm", "norm"),
+    "--scale": ("do_scale", "scale"),
+    "--pool": ("batch_size", "pool"),
+    "--preread_images": ("preread_images", "preread_images"),
+    "--scratch_dir": ("scratch_dir", "scratch_dir"),
+}
 
 
 @cli.command()

@@ -121,13 +121,13 @@ def test_real_relion31_particles_run_two_iterations(real_data, tmp_path):
 
 def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_path, caplog):
     """--continue from iteration 2 reproduces iteration 3 of the uninterrupted run bit for bit; an option of
-    the run given again (here --tau2_fudge) is ignored with a warning that names it."""
+    the run's sampling given again (here --healpix_order) is ignored with a warning that names it."""
     folder, _ = refined
     with caplog.at_level("WARNING"):
         code = run_cli("refine", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
-                       "--iter", 3, "--tau2_fudge", 4)
+                       "--iter", 3, "--healpix_order", 1)
     assert code == 0
-    assert "ignored here: --tau2_fudge" in caplog.text
+    assert "ignored here: --healpix_order" in caplog.text
     for suffix in ("half1_class001.mrc", "half2_class001.mrc"):
         assert (tmp_path / f"run_it003_{suffix}").read_bytes() == (folder / "out" / f"run_it003_{suffix}").read_bytes()
     continued = starfile.read(tmp_path / "run_it003_data.star")["particles"]
@@ -135,6 +135,22 @@ def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(refined, tmp_
     for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnMaxValueProbDistribution"):
         np.testing.assert_array_equal(continued[column], original[column])
     assert not (tmp_path / "run_it002_data.star").exists()  # it went on from iteration 3
+
+
+def test_continue_takes_the_options_relion_reads_again(refined, tmp_path, caplog):
+    """RELION's --continue reads --tau2_fudge, --particle_diameter, masks and a few more from its command line again
+    (parseContinue): the continued iteration uses them."""
+    folder, _ = refined
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code = run_cli("refine", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
+                       "--iter", 3, "--tau2_fudge", 3, "--particle_diameter", 300)
+    assert code == 0
+    assert "--continue: --particle_diameter, --tau2_fudge changed" in caplog.text
+    model = starfile.read(tmp_path / "run_it003_half1_model.star")["model_general"]
+    optimiser = starfile.read(tmp_path / "run_it003_optimiser.star", always_dict=True)["optimiser_general"]
+    assert model["rlnTau2FudgeFactor"] == 3.0 and optimiser["rlnParticleDiameter"] == 300.0
+    original = starfile.read(folder / "out" / "run_it003_optimiser.star", always_dict=True)["optimiser_general"]
+    assert original["rlnParticleDiameter"] == 320.0
 
 
 def test_the_iteration_line_names_the_translations_searched(refined, tmp_path, caplog):
