@@ -79,6 +79,15 @@ def test_unknown_option_is_refused_by_name(capsys, tmp_path):
     assert_one_line_error(code, err, "--maxsig")
 
 
+def test_a_relion_option_not_implemented_is_not_taken_for_a_typo(capsys, tmp_path):
+    """--relax_sym is RELION's, not a misspelt --sym: no guess; a near miss (--healpix_ordr) gets one."""
+    code, _, err = run(capsys, "refine", "--i", str(tmp_path / "p.star"), "--relax_sym", "C2")
+    assert_one_line_error(code, err, "--relax_sym")
+    assert "not implemented" in err and "Did you mean" not in err
+    code, _, err = run(capsys, "refine", "--i", str(tmp_path / "p.star"), "--healpix_ordr", "3")
+    assert_one_line_error(code, err, "Did you mean --healpix_order?")
+
+
 def test_truncated_mrc(tmp_path, capsys):
     write_mrc(tmp_path / "s.mrcs", np.ones((5, 16, 16), np.float32))
     raw = (tmp_path / "s.mrcs").read_bytes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -183,12 +184,18 @@ def _refine_options(command):
         click.option("--scale", is_flag=True, help="Refine per-group intensity scales."),
         click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
                     help="Join the half sets below this resolution (Å)."),
-        click.option("--random_seed", default=0, show_default=True, type=int, help="Random seed."),
+        click.option("--random_seed", default=0, show_default=True, type=int,
+                     help="Random seed (-1: from the clock, as RELION; the seed taken is saved with the run)."),
         click.option("--auto_refine", is_flag=True, help="Accepted for RELION command lines: refine always auto-refines."),
         click.option("--split_random_halves", is_flag=True,
                     help="Accepted for RELION command lines: refine always uses gold-standard halves."),
         click.option("--dont_combine_weights_via_disc", is_flag=True,
                     help="Accepted for RELION command lines: sums are never combined through files."),
+        click.option("--no_parallel_disc_io", is_flag=True,
+                     help="Accepted for RELION command lines: how the stacks are read does not change with it."),
+        click.option("--ctf_corrected_ref", is_flag=True,
+                     help="Accepted for RELION 3.1 command lines: the reference is always taken as CTF-corrected (a "
+                          "map, not an average of CTF-affected images), as RELION 4 and later do."),
         click.option("--batch", default=None, type=int,
                      help="Particles per E-step batch [default: --pool, else 128 on the CPU and on the GPU 1024 images "
                           "of 360 px or as many as hold as many pixels (32 to 1024)]."),
@@ -228,7 +235,8 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
            auto_resol_angles, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, strict_highres_exp, coarse_size, norm, scale,
-           low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc, batch,
+           low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc,
+           no_parallel_disc_io, ctf_corrected_ref, batch,
            pool, threads, dont_check_norm, pipeline_control, precision, preread_images, scratch_dir, gpu, force_cpu,
            free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
@@ -248,7 +256,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
             config = _refine_config(**locals())
         reports = _run_job(job, job.RefineJob.min_mpi_ranks, config, continue_from, control)
-        _report_end(reports, config.output_root)
+        _report_end(reports, config.output_root, control)
 
 
 def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
@@ -270,7 +278,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
                if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory", "--j",
                             "--dont_check_norm", "--pipeline_control", "--skip_gridding") and o not in CONTINUE_CHANGES]
     if ignored:
-        logging.getLogger("cryorefine").warning(
+        _command_line_log().warning(
             "--continue keeps the run's sampling and the other options it was started with; ignored here: %s",
             " ".join(ignored))
     changes = {}
@@ -280,7 +288,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
             value = ctx.params[param]
             changes[field] = _pool_batch(value) if option == "--pool" else value
     if changes:
-        logging.getLogger("cryorefine").info("--continue: %s changed from the run's own", ", ".join(
+        _command_line_log().info("--continue: %s changed from the run's own", ", ".join(
             o for o in from_command_line if o in CONTINUE_CHANGES))
     if "--gpu" in from_command_line or "--cpu" in from_command_line:
         engine = engine_options(gpu, force_cpu, free_gpu_memory)
@@ -347,7 +355,7 @@ def _classify(n_classes, continue_from, options, control):
         config = _continued_config(continue_from, options["out"], options["max_iterations"], options["gpu"],
                                    options["force_cpu"], options["free_gpu_memory"])
         reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, continue_from, control)
-        _report_classes(reports, config.output_root)
+        _report_classes(reports, config.output_root, control)
         return
     ctx = click.get_current_context()
     given = {p.opts[0] for p in ctx.command.params
@@ -359,14 +367,14 @@ def _classify(n_classes, continue_from, options, control):
     unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order", "--auto_ignore_angles",
                              "--auto_resol_angles"})
     if unused:
-        logging.getLogger("cryorefine").warning("classification keeps its sampling and has no half sets; "
+        _command_line_log().warning("classification keeps its sampling and has no half sets; "
                                                 "ignored: %s", " ".join(unused))
     for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
     config = _classify_config(n_classes, options)
     reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, None, control)
-    _report_classes(reports, options["out"])
+    _report_classes(reports, options["out"], control)
 
 
 def _run_job(job, min_mpi_ranks, config, resume_from, control):
@@ -378,6 +386,10 @@ def _run_job(job, min_mpi_ranks, config, resume_from, control):
     runner = runners.for_config(config, min_mpi_ranks, on_abort=on_abort)
     return job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=resume_from,
                    stop_requested=control.abort_requested if control else None)
+
+
+#: the exit status of a job stopped by RELION_JOB_ABORT_NOW, RELION's own (pipeline_control.h)
+ABORTED_EXIT_CODE = 2
 
 
 @contextlib.contextmanager
@@ -400,8 +412,23 @@ def _pipeline(folder):
         if master and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             control.finished(FAILURE)
         raise
+    if master and control.abort_requested():  # RELION's GUI asked the job to stop: it ends as RELION's does
+        control.finished(ABORTED)
+        sys.exit(ABORTED_EXIT_CODE)
     if master:
-        control.finished(ABORTED if control.abort_requested() else SUCCESS)
+        control.finished(SUCCESS)
+
+
+def _command_line_log():
+    """The logger of what the command line itself makes of its options: under mpirun said once, by the master."""
+    import logging
+
+    from cryorefine.runners.mpi import rank_from_environment
+
+    log = logging.getLogger("cryorefine.command_line")
+    if rank_from_environment() > 0:
+        log.setLevel(logging.ERROR)
+    return log
 
 
 def _one_blas_thread():
@@ -418,7 +445,7 @@ def _host_threads(threads, dont_check_norm):
     """--j: the CPU engine's threads (config.threads, checked here first); --dont_check_norm: noted."""
     import logging
 
-    log = logging.getLogger("cryorefine")
+    log = _command_line_log()
     if threads is not None and threads < 1:
         raise InputError(f"--j {threads}: out of range; give 1 thread or more")
     if dont_check_norm:
@@ -429,15 +456,17 @@ def _unchanged_options(skip_gridding, ctf_intact_without_ctf):
     """One INFO line for each option that changes nothing here."""
     import logging
 
-    log = logging.getLogger("cryorefine")
+    log = _command_line_log()
     if skip_gridding:
         log.info("--skip_gridding: accepted; changes nothing here (the reconstruction never runs gridding iterations)")
     if ctf_intact_without_ctf:
         log.info("--ctf_intact_first_peak: changes nothing without --ctf")
 
 
-def _report_classes(reports, out):
+def _report_classes(reports, out, control=None):
     if reports is None:  # an MPI worker: the master reports
+        return
+    if _report_abort(reports, out, control):
         return
     last = reports[-1] if reports else None
     if last:
@@ -534,7 +563,8 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         oversampling=oversampling, tau2_fudge=tau2_fudge,
         adaptive_fraction=adaptive_fraction, max_significants=maxsig, strict_highres_exp_angstrom=strict_highres_exp,
         max_coarse_size_px=coarse_size, do_norm=norm, do_scale=scale,
-        low_resol_join_halves_angstrom=low_resol_join_halves, random_seed=random_seed,
+        low_resol_join_halves_angstrom=low_resol_join_halves,
+        random_seed=int(time.time()) % 2 ** 31 if random_seed == -1 else random_seed,
         batch_size=batch if batch is not None else _pool_batch(pool),
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
@@ -560,7 +590,7 @@ def parse_gpu_ids(text):
         ids.append(int(devices[0]))
         unused += devices[1:]
     if unused:
-        logging.getLogger("cryorefine").info(
+        _command_line_log().info(
             "--gpu %s: each process drives one GPU here (the first of its group); not used: %s; run more MPI "
             "workers to use them", text, ", ".join(unused))
     return tuple(ids)
@@ -577,13 +607,26 @@ def engine_options(gpu, force_cpu, free_gpu_memory):
     if force_cpu or (gpu is None and not cupy_available()):  # the reserve is kept for `plan`, which plans a GPU run
         return {"engine": "numpy", "free_gpu_memory_mb": free_gpu_memory}
     if not cupy_available():
-        raise InputError(f"--gpu {gpu}: no usable CUDA device (CuPy missing or no GPU); install "
+        raise InputError(f"--gpu {gpu!r}: no usable CUDA device (CuPy missing or no GPU); install "
                          f"cryorefine[cuda13] (or [cuda12]) on a GPU node, or run with --cpu")
     return {"engine": "cuda", "gpu_ids": parse_gpu_ids(gpu or ""), "free_gpu_memory_mb": free_gpu_memory}
 
 
-def _report_end(reports, out):
+def _report_abort(reports, out, control):
+    """True, after one line, where RELION's GUI asked the job to stop (RELION_JOB_ABORT_NOW)."""
+    if control is None or not control.abort_requested():
+        return False
+    from cryorefine.io.pipeline import ABORT_NOW
+
+    last = f"; last outputs: {out}_it{reports[-1].iteration:03d}_*" if reports else ""
+    click.echo(f"aborted: {ABORT_NOW} in {control.folder} after {len(reports)} iterations{last}")
+    return True
+
+
+def _report_end(reports, out, control=None):
     if reports is None:  # an MPI worker: the master reports
+        return
+    if _report_abort(reports, out, control):
         return
     if not reports:
         click.echo("nothing to do: the run had already reached --iter")
@@ -627,21 +670,59 @@ def main(argv=None):
         named = " and ".join(f"`cryorefine {name}`" for name in takers)
         where = (f"{named} take{'s' if len(takers) == 1 else ''} it, `cryorefine {_command(exc)}` does not" if takers
                  else "this option is not implemented")
-        _fail(f"{exc.format_message()} ({where}; see `cryorefine {_command(exc)} --help`)", 2, debug)
+        _fail(f"{_no_such_option(exc)} ({where}; see `cryorefine {_command(exc)} --help`)", 2, debug, args)
     except click.exceptions.UsageError as exc:
-        _fail(f"{exc.format_message()} (see `cryorefine {_command(exc)} --help`)", 2, debug)
+        _fail(f"{exc.format_message()} (see `cryorefine {_command(exc)} --help`)", 2, debug, args)
     except click.exceptions.Abort:
-        _fail("aborted", 130, False)
+        _fail("aborted", 130, False, args)
     except InputError as exc:
-        _fail(str(exc), 2, debug)
+        _fail(str(exc), 2, debug, args)
     except MemoryError as exc:
-        _fail(f"out of memory: {exc}; use a smaller batch or box", 3, debug)
+        _fail(f"out of memory: {exc}; use a smaller batch or box", 3, debug, args)
     except Exception as exc:  # the last line of defence: one line, and the traceback with --debug
         disk_full = disk_full_message(exc)
         if disk_full:
-            _fail(disk_full, 3, debug)
-        _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug)
+            _fail(disk_full, 3, debug, args)
+        _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug, args)
     return 0
+
+
+def _no_such_option(exc):
+    """Click's message for an unknown option, with its guess only where the name is a near miss of an option's (a
+    typo): RELION options that are not implemented here (--relax_sym, --ctf_corrected_ref …) are not typos of the
+    options they share words with (--sym, --solvent_correct_fsc …)."""
+    import difflib
+
+    close = [name for name in (exc.possibilities or [])
+             if difflib.SequenceMatcher(None, exc.option_name, name).ratio() >= NEAR_MISS_RATIO]
+    return f"No such option: {exc.option_name}" + (f". Did you mean {close[0]}?" if close else "")
+
+
+#: difflib's similarity from which an unknown option is taken for a typo of a known one (--healpix_ordr: 0.97;
+#: --relax_sym against --sym: 0.62)
+NEAR_MISS_RATIO = 0.8
+
+
+def _pipeline_failure(args):
+    """RELION_JOB_EXIT_FAILURE in the folder of --pipeline_control, read from the raw arguments: an error before
+    the command's own handling (`_pipeline`), such as an option it does not know, must end the job for RELION's GUI
+    too, which waits for that file (the master writes it; a folder that cannot hold it is passed over)."""
+    folder = None
+    for i, arg in enumerate(args):
+        if arg == "--pipeline_control" and i + 1 < len(args):
+            folder = args[i + 1]
+        elif str(arg).startswith("--pipeline_control="):
+            folder = str(arg).partition("=")[2]
+    if not folder:
+        return
+    from cryorefine.io.pipeline import FAILURE, PipelineControl
+    from cryorefine.runners.mpi import rank_from_environment
+
+    if rank_from_environment() == 0:
+        try:
+            PipelineControl(folder).finished(FAILURE)
+        except OSError:
+            pass
 
 
 def _commands_taking(option_name):
@@ -655,7 +736,8 @@ def _command(exc):
     return ctx.command_path.split(" ", 1)[1] if ctx and " " in ctx.command_path else ""
 
 
-def _fail(message, code, debug):
+def _fail(message, code, debug, args=()):
+    _pipeline_failure(args)
     if debug:
         raise
     from cryorefine.runners.mpi import launched_with_mpi, rank_from_environment

@@ -112,7 +112,7 @@ class RefineConfig:
             ("--batch", self.batch_size, self.batch_size is None or self.batch_size >= 1, "1 or more particles"),
             ("--free_gpu_memory", self.free_gpu_memory_mb, self.free_gpu_memory_mb >= 0, "0 MB or more"),
             ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
-            ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more"),
+            ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more, or -1 for a seed from the clock"),
             ("--j", self.threads, self.threads is None or self.threads >= 1, "1 thread or more"),
             ("--sigma_ang", self.sigma_ang_deg, self.sigma_ang_deg is None or self.sigma_ang_deg > 0,
              "more than 0 degrees (the σ of local searches, ±3σ around the poses)"),

@@ -44,14 +44,28 @@ def test_bad_input_leaves_the_failure_file(tmp_path):
     assert not list(job.glob("run_*"))
 
 
-def test_abort_now_stops_the_run_before_its_next_iteration(tmp_path):
+def test_abort_now_stops_the_run_before_its_next_iteration(tmp_path, capsys):
+    """The job stops, says so (not that it had nothing to do), and exits with RELION's status for an abort."""
     job = tmp_path / "Refine3D" / "job021"
     job.mkdir(parents=True)
     (job / ABORT_NOW).touch()
     code = run_cli("refine", *small_set(tmp_path), "--o", job / "run", "--iter", 2, "--pipeline_control", job)
-    assert code == 0
+    assert code == 2
     assert exit_files(job) == [ABORTED]
     assert not list(job.glob("run_it*"))
+    assert f"aborted: {ABORT_NOW}" in capsys.readouterr().out
+
+
+def test_an_option_refused_before_the_job_starts_leaves_the_failure_file(tmp_path):
+    """RELION's GUI waits for an exit file: an option the command does not know (here RELION 5's --blush) or a
+    malformed value ends the job there too."""
+    for extra in (("--blush",), ("--iter", "many")):
+        job = tmp_path / "Refine3D" / f"job{len(extra)}"
+        job.mkdir(parents=True)
+        code = run_cli("refine", *small_set(tmp_path), "--o", job / "run", "--pipeline_control", job, *extra)
+        assert code == 2
+        assert exit_files(job) == [FAILURE], extra
+        assert not list(job.glob("run_*"))
 
 
 def test_a_new_end_replaces_the_exit_file_of_an_earlier_one(tmp_path):

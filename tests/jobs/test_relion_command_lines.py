@@ -166,3 +166,19 @@ def test_the_lines_are_parsed_as_relion_means_them():
     kept = [w for w in original if w not in ("--gpu", "4:5:6:7", "--scratch_dir", "/ssd/scheres")]
     assert [w for w in args[1:-2] if w not in ("--cpu", "--scratch_dir", "/tmp/scratch")] == kept
     assert as_cryorefine(CLASS3D_JOB016, "/s")[0] == "classify"
+
+
+def test_relion_31_gui_flags_and_a_clock_seed_are_taken(project, monkeypatch, tmp_path):
+    """RELION 3.1's GUI also writes --no_parallel_disc_io and --ctf_corrected_ref (both change nothing here), and
+    --random_seed -1 asks for a seed from the clock: the run takes one and saves it for --continue."""
+    from cryorefine.io import resume
+
+    monkeypatch.chdir(project)
+    line = REFINE3D_JOB019.replace("Refine3D/job019/", "Refine3D/job031/") + (
+        " --no_parallel_disc_io --ctf_corrected_ref --random_seed -1")
+    (project / "Refine3D" / "job031").mkdir()
+    assert run_cli(*as_cryorefine(line, tmp_path / "scratch")) == 0
+    seed = resume.load_config_values(project / "Refine3D" / "job031" / "run_it001_optimiser.star")["random_seed"]
+    assert seed > 0
+    optimiser = starfile.read(project / "Refine3D" / "job031" / "run_it001_optimiser.star")
+    assert int(optimiser["rlnRandomSeed"]) == seed
