@@ -63,6 +63,10 @@ class ParticleSet:
     norm_correction: np.ndarray
     random_subset: np.ndarray  # 0 where the file has none
     class_number: np.ndarray
+    # RELION's groups of the intensity scale (--scale): one per rlnGroupName, else per micrograph, else per optics
+    # group (`scale_groups_of`); names in order of first appearance, and each particle's, 0-based
+    scale_group_names: list = field(default_factory=list)
+    scale_group_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     preread: object = field(default=None, init=False, repr=False)  # mrc.PrereadImages once read
     preread_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), init=False, repr=False)
     preread_refused: bool = field(default=False, init=False, repr=False)  # the images would not fit the memory
@@ -119,6 +123,15 @@ class ParticleSet:
         """The optics groups' names and their numbers of particles, in group order."""
         names = [g.name for g in self.optics_groups]
         return names, [int((self.optics_index == i).sum()) for i in range(len(names))]
+
+    @property
+    def n_scale_groups(self):
+        return len(self.scale_group_names)
+
+    def scale_group_names_and_counts(self):
+        """The intensity groups' names and their numbers of particles, in group order (model.star's model_groups)."""
+        counts = np.bincount(self.scale_group_index, minlength=self.n_scale_groups)
+        return list(self.scale_group_names), [int(c) for c in counts]
 
     def require_ctf(self):
         missing = [] if "rlnDefocusU" in self.star.particles.columns else ["rlnDefocusU"]
@@ -371,7 +384,34 @@ def load_particles(star_path, check_stacks=True):
         origin_x_angstrom=col("rlnOriginXAngst", 0.0), origin_y_angstrom=col("rlnOriginYAngst", 0.0),
         norm_correction=col("rlnNormCorrection", 1.0),
         random_subset=col("rlnRandomSubset", 0).astype(np.int64),
-        class_number=col("rlnClassNumber", 1).astype(np.int64))
+        class_number=col("rlnClassNumber", 1).astype(np.int64),
+        **scale_groups_of(table, [g.name for g in groups], optics_index))
+
+
+def scale_groups_of(table, optics_names, optics_index):
+    """RELION's intensity groups (Experiment::read): a group per rlnGroupName where the table has it, else per
+    micrograph (rlnMicrographName less its pipeline prefix, `Dir/jobNNN/`); without either, a group per optics
+    group. Returns ParticleSet's `scale_group_names` and `scale_group_index` (numbered in order of appearance)."""
+    if "rlnGroupName" in table.columns:
+        keys = table["rlnGroupName"].astype(str).tolist()
+    elif "rlnMicrographName" in table.columns:
+        keys = [_without_pipeline_prefix(name) for name in table["rlnMicrographName"].astype(str)]
+    else:
+        keys = [optics_names[i] for i in optics_index]
+    names, index = {}, np.empty(len(keys), dtype=np.int64)
+    for i, key in enumerate(keys):
+        index[i] = names.setdefault(key, len(names))
+    return {"scale_group_names": list(names), "scale_group_index": index}
+
+
+def _without_pipeline_prefix(name):
+    """`MotionCorr/job002/Movies/a.mrc` -> `Movies/a.mrc` (RELION's decomposePipelineFileName); other names as they
+    are."""
+    parts = name.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if len(part) >= 6 and part.startswith("job") and part[3:6].isdigit():
+            return "/".join(parts[i + 1:])
+    return name
 
 
 def _names_from_project_directory(table, parsed, resolved):

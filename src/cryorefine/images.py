@@ -264,6 +264,7 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
         images_ft_unmasked=ft_nomask,
         ctf=ctf,
         optics_index=particles.optics_index[indices],
+        scale_group_index=particles.scale_group_index[indices],
         old_origin_px=np.stack([ox, oy], axis=1),
         residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
         prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,

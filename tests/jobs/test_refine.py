@@ -153,6 +153,40 @@ def test_continue_takes_the_options_relion_reads_again(refined, tmp_path, caplog
     assert original["rlnParticleDiameter"] == 320.0
 
 
+def test_scale_is_estimated_per_micrograph_as_relion_groups_particles(refined, tmp_path):
+    """RELION's intensity groups are the micrographs (rlnMicrographName less its job prefix) unless rlnGroupName
+    says otherwise: with the images of one micrograph at 0.6 of their amplitude, --scale gives that group the smaller
+    scale, model_groups has a row per micrograph, and the particles carry their group's rlnGroupNumber."""
+    import mrcfile
+    import pandas as pd
+
+    folder, _ = refined
+    star = starfile.read(folder / "sim" / "particles.star")
+    particles = star["particles"]
+    n = len(particles)
+    dim = np.arange(n) >= n // 2  # the second half of the file: micrograph b
+    with mrcfile.open(folder / "sim" / "particles.mrcs") as m:
+        images, voxel = m.data.copy(), m.voxel_size.copy()
+    images[dim] *= 0.6
+    with mrcfile.new(tmp_path / "scaled.mrcs") as m:
+        m.set_data(images.astype(np.float32))
+        m.voxel_size = voxel
+    particles["rlnImageName"] = [f"{i + 1:06d}@{tmp_path / 'scaled.mrcs'}" for i in range(n)]
+    particles["rlnMicrographName"] = np.where(dim, "MotionCorr/job002/Movies/b.mrc", "MotionCorr/job002/Movies/a.mrc")
+    starfile.write({"optics": star["optics"], "particles": pd.DataFrame(particles)}, tmp_path / "two.star")
+    code = run_cli("refine", "--i", tmp_path / "two.star", "--ref", folder / "truth.mrc", "--o", tmp_path / "run",
+                   "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask",
+                   "--offset_range", 3, "--offset_step", 1, "--iter", 3, "--scale")
+    assert code == 0
+    groups = starfile.read(tmp_path / "run_it003_half1_model.star")["model_groups"]
+    assert list(groups["rlnGroupName"]) == ["Movies/a.mrc", "Movies/b.mrc"]
+    assert list(groups["rlnGroupNrParticles"]) == [int((~dim).sum()), int(dim.sum())]
+    scale = groups["rlnGroupScaleCorrection"].to_numpy()
+    assert scale[1] < 0.8 * scale[0], scale  # 0.6 of the amplitude: about 0.75 against 1.25
+    data = starfile.read(tmp_path / "run_it003_data.star")["particles"]
+    np.testing.assert_array_equal(data["rlnGroupNumber"].to_numpy(), np.where(dim, 2, 1))
+
+
 def test_the_iteration_line_names_the_translations_searched(refined, tmp_path, caplog):
     """The log's line per iteration says the offsets searched, as RELION's says its offset range and step: here
     the command line's 3 px by 1 px of 12 Å, a disc of 29 translations."""

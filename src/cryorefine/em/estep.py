@@ -266,7 +266,7 @@ def empty_sums(unit, xp=np, real_dtype=np.float64):
     grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
     n_optics, n_shells = np.asarray(s.sigma2_noise).shape
     return WeightedSums.zeros(grid.shape, len(unit.classes), n_optics, n_shells, s.sampling.n_directions, xp=xp,
-                              real_dtype=real_dtype)
+                              real_dtype=real_dtype, n_scale_groups=s.n_scale_groups)
 
 
 def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free_bytes=None, stages=None):

@@ -166,6 +166,11 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
             if state.particles.rot_deg.size != len(particles):
                 raise InputError(f"{resume_from}: the run had {state.particles.rot_deg.size} particles, the STAR "
                                  f"file has {len(particles)}; continue with the same --i")
+            scales = state.model.scale_correction
+            if scales is not None and np.size(scales) != particles.n_scale_groups:  # a run saved before its groups
+                log.warning("%s: %d intensity scales saved for %d groups of the particles; the scales start again "
+                            "from 1", resume_from, np.size(scales), particles.n_scale_groups)
+                state.model.scale_correction = np.ones(particles.n_scale_groups)
             job.resume(state, particles, resume.iteration_root(resume_from))
             clock.mark("saved state read (--continue)")
         else:

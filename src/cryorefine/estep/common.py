@@ -114,7 +114,7 @@ class IterationTables:
     fine_translations: np.ndarray  # (T, n_fine_translations, 2) float64 their children (px)
     n_fine_orientations: int  # children of a coarse orientation
     n_fine_translations: int  # children of a coarse translation
-    scale: np.ndarray  # (n_optics,) float64 scale corrections (ones without)
+    scale: np.ndarray | None  # (n_scale_groups,) float64 intensity scale corrections (None without --scale)
     scale_use: np.ndarray | None  # (K, n_fine) bool: coefficients in the scale sums (data_vs_prior > 3), or None
 
     @classmethod
@@ -141,8 +141,7 @@ class IterationTables:
         translations = np.asarray(sampling.translations_px(), dtype=np.float64)
         n_trans = translations.shape[0]
         fine_translations = np.asarray(sampling.fine_translations_px(np.arange(n_trans)), dtype=np.float64)
-        scale = (np.ones(sigma2.shape[0]) if s.scale_correction is None
-                 else np.asarray(s.scale_correction, np.float64))
+        scale = None if s.scale_correction is None else np.asarray(s.scale_correction, np.float64)
         scale_use = None
         if s.data_vs_prior is not None and s.scale_correction is not None:
             dvp = np.asarray(s.data_vs_prior)

@@ -260,7 +260,8 @@ class CupyEngine:
             self.n_shells = t.n_shells
             self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
                                             data=[self.bp_data[k] for k in range(self.n_classes)],
-                                            weight=[self.bp_weight[k] for k in range(self.n_classes)])
+                                            weight=[self.bp_weight[k] for k in range(self.n_classes)],
+                                            n_scale_groups=s.n_scale_groups)
             # a local search plans each batch again from its particles' neighbourhoods (`_local_batch_size`)
             self.plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
                                      1 if s.local_searches else self.n_orient, self.n_trans, self.n_classes, 1 << 30,
@@ -363,6 +364,7 @@ class CupyEngine:
         cp = self.cp
         tic = time.perf_counter()
         optics = np.asarray(batch.optics_index)[rows]
+        groups = np.asarray(batch.scale_group_index)[rows]
         b_count = rows.size
         # rows are consecutive: slice (no host copy), send the half transforms as they are, gather on the device
         take = slice(int(rows[0]), int(rows[-1]) + 1)
@@ -372,12 +374,13 @@ class CupyEngine:
             device = cp.asarray(array[take])  # numpy (uploaded) or already on the device
             return device.reshape(b_count, -1)[:, pos].astype(dtype)
 
-        scale = cp.asarray(self.scale[optics][:, None], dtype=cp.float32)
+        ctf = coefficients(batch.ctf, cp.float32)
         pre = {
             "x": coefficients(batch.images_ft, cp.complex64),
             "x_nomask": coefficients(batch.images_ft_unmasked, cp.complex64),
-            "ctf": coefficients(batch.ctf, cp.float32) * scale,
+            "ctf": ctf if self.scale is None else ctf * cp.asarray(self.scale[groups][:, None], dtype=cp.float32),
             "optics": optics,
+            "group": groups,
             "optics_d": cp.asarray(optics, dtype=cp.int32),
             "residual": np.asarray(batch.residual_origin_px, dtype=np.float64)[rows],
             "old": np.asarray(batch.old_origin_px, dtype=np.float64)[rows],
@@ -864,9 +867,10 @@ class CupyEngine:
         wdiff_total = noise_h.sum(axis=1) + beyond.sum(axis=1)
         sums.sumw_group += np.bincount(optics, minlength=sums.sumw_group.size)
         if self.scale_use is not None:
-            scale = self.scale[optics]
-            sums.scale_xa += np.bincount(optics, weights=cp.asnumpy(xa) / scale, minlength=sums.scale_xa.size)
-            sums.scale_aa += np.bincount(optics, weights=cp.asnumpy(aa) / scale ** 2, minlength=sums.scale_aa.size)
+            groups = pre["group"]
+            scale = self.scale[groups]
+            sums.scale_xa += np.bincount(groups, weights=cp.asnumpy(xa) / scale, minlength=sums.scale_xa.size)
+            sums.scale_aa += np.bincount(groups, weights=cp.asnumpy(aa) / scale ** 2, minlength=sums.scale_aa.size)
         w3 = w_blocks.reshape(-1, nfo, nft)
         sums.sigma2_offset_angstrom2 += float(cp.sum(w3 * d2_off[:, None, :])) * s.pixel_size_angstrom ** 2
         w_per_block = w3.sum(axis=(1, 2))

@@ -54,7 +54,7 @@ class IterationSetup:
     local_searches: bool = False
     sigma_rot_deg: float = 0.0  # local-search prior widths (direction, psi)
     sigma_psi_deg: float = 0.0
-    scale_correction: np.ndarray | None = None  # (n_optics,)
+    scale_correction: np.ndarray | None = None  # (n_scale_groups,) per intensity group; None without --scale
     data_vs_prior: np.ndarray | None = None  # (K, ori_size//2+1), for the scale sums
     padding_factor: float = 2.0
     avg_norm_correction: float = 1.0  # the model's average norm correction (images were scaled by avg/norm)
@@ -62,6 +62,12 @@ class IterationSetup:
     # an oversampling order a later iteration may switch to (a classification's raise): the GPU engine compiles its
     # fine-pass kernels for it in the background (None: none expected)
     next_oversampling: int | None = None
+
+    @property
+    def n_scale_groups(self):
+        """The intensity groups the scale sums are kept for: one per scale (--scale); None (one per optics group)
+        without."""
+        return None if self.scale_correction is None else int(np.size(self.scale_correction))
 
 
 @dataclass
@@ -81,6 +87,11 @@ class Batch:
     old_class: np.ndarray  # (B,) 0-based
     norm_correction: np.ndarray  # (B,) the norm correction applied to the images
     power_beyond_current: np.ndarray  # (B, ori_size//2+1) per shell, the masked image's power at |k| > current/2
+    scale_group_index: np.ndarray | None = None  # (B,) int: the intensity group of --scale (None: the optics group)
+
+    def __post_init__(self):
+        if self.scale_group_index is None:
+            self.scale_group_index = self.optics_index
 
 
 @dataclass
@@ -147,17 +158,19 @@ class WeightedSums:
     pdf_class: np.ndarray = _per_class(factory=lambda: np.zeros(1))  # (K,)
     pdf_direction: np.ndarray | None = _per_class()  # (K, n_directions)
     norm_correction: float = 0.0  # Σ new norm corrections
-    scale_xa: np.ndarray | None = None  # (n_optics,)
-    scale_aa: np.ndarray | None = None  # (n_optics,)
+    scale_xa: np.ndarray | None = None  # (n_scale_groups,) per intensity group (`data.scale_groups_of`)
+    scale_aa: np.ndarray | None = None  # (n_scale_groups,)
     log_likelihood: float = 0.0
     sum_pmax: float = 0.0
     n_particles: int = 0
 
     @classmethod
     def zeros(cls, volume_shape, n_classes, n_optics, n_shells, n_directions, xp=np, data=None, weight=None,
-              real_dtype=np.float64):
+              real_dtype=np.float64, n_scale_groups=None):
         """Empty sums of `n_classes` classes; the volumes (complex data and real weights of `volume_shape`,
-        `real_dtype` and its complex) are made with `xp` unless an engine gives its own (lists of K arrays)."""
+        `real_dtype` and its complex) are made with `xp` unless an engine gives its own (lists of K arrays); the
+        scale sums per intensity group (`n_scale_groups`, default one per optics group)."""
+        n_scale = n_optics if n_scale_groups is None else n_scale_groups
         real = np.dtype(real_dtype)
         complex_ = complex_dtype_for(real)
         return cls(data=data if data is not None else [xp.zeros(volume_shape, complex_) for _ in range(n_classes)],
@@ -165,7 +178,7 @@ class WeightedSums:
                                                              for _ in range(n_classes)],
                    sigma2_noise=np.zeros((n_optics, n_shells)), sumw_group=np.zeros(n_optics),
                    pdf_class=np.zeros(n_classes), pdf_direction=np.zeros((n_classes, n_directions)),
-                   scale_xa=np.zeros(n_optics), scale_aa=np.zeros(n_optics))
+                   scale_xa=np.zeros(n_scale), scale_aa=np.zeros(n_scale))
 
     @property
     def n_classes(self):

@@ -95,7 +95,8 @@ class NumpyEngine:
                                for _ in range(self.n_classes)]
         self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
                                         data=[b.data for b in self.backprojectors],
-                                        weight=[b.weight for b in self.backprojectors])
+                                        weight=[b.weight for b in self.backprojectors],
+                                        n_scale_groups=s.n_scale_groups)
 
     def _project(self, projector, matrices, coefficients):
         out = []
@@ -109,12 +110,14 @@ class NumpyEngine:
         """The E-step of one batch (`estep.engine.Engine.run`); `local`: its local-search neighbourhoods when the
         caller computed them ahead, else they are computed here."""
         optics = np.asarray(batch.optics_index)
+        groups = np.asarray(batch.scale_group_index)
         ctf_plain = self.fine.gather(np.asarray(batch.ctf)).astype(self.real)
         pre = {
             "x": self.fine.gather(np.asarray(batch.images_ft)).astype(self.complex),
             "x_nomask": self.fine.gather(np.asarray(batch.images_ft_unmasked)).astype(self.complex),
-            "ctf": ctf_plain * self.scale[optics][:, None].astype(self.real),
+            "ctf": ctf_plain if self.scale is None else ctf_plain * self.scale[groups][:, None].astype(self.real),
             "optics": optics,
+            "group": groups,
             "residual": np.asarray(batch.residual_origin_px, dtype=np.float64),
             "old": np.asarray(batch.old_origin_px, dtype=np.float64),
             "norm": np.asarray(batch.norm_correction, dtype=np.float64),
@@ -551,8 +554,9 @@ class NumpyEngine:
         n_shells = sums.sigma2_noise.shape[1]
         out["sigma2_noise"] = np.bincount(np.minimum(self.fine.shell, n_shells - 1), weights=wd2, minlength=n_shells)
         out["scale_xa"], out["scale_aa"] = 0.0, 0.0
+        out["group"] = pre["group"][b]
         if self.tables.scale_use is not None:
-            scale = self.scale[optics]
+            scale = self.scale[out["group"]]
             for i, k in enumerate(classes):
                 use = self.tables.scale_use[k]
                 out["scale_xa"] += np.sum(use * ctf * cross_k[i]) / scale
@@ -576,8 +580,8 @@ class NumpyEngine:
         the fine grid's where `keys` (the table's rows in the grid) is given."""
         sums = self.sums_
         sums.sigma2_noise[c["optics"]] += c["sigma2_noise"]
-        sums.scale_xa[c["optics"]] += c["scale_xa"]
-        sums.scale_aa[c["optics"]] += c["scale_aa"]
+        sums.scale_xa[c["group"]] += c["scale_xa"]
+        sums.scale_aa[c["group"]] += c["scale_aa"]
         sums.sigma2_offset_angstrom2 += c["sigma2_offset_angstrom2"]
         sums.pdf_class += c["pdf_class"]
         sums.pdf_direction += c["pdf_direction"]

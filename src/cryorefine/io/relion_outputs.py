@@ -71,13 +71,15 @@ NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not lim
 def model_star_blocks(model, optimiser, config, half: int | None,
                       reference_image_names: list[str], optics_group_names: list[str],
                       optics_group_counts: list[int], *, fourier_completeness=None,
-                      orientability_contribution=None, pdf_direction=None) -> dict:
+                      orientability_contribution=None, pdf_direction=None, scale_groups=None) -> dict:
     """Blocks of RELION's model.star for one half (1 or 2) or for the joined/classification model (None).
 
     Spectra of half h come from row h−1 of `model.tau2`, `model.ssnr`, `model.reference_sigma2`
-    (row 0 when half is None); `model.fsc_halves` is the same in both halves' files. One intensity
-    group per optics group: model_groups has a row per entry of `optics_group_names` with its
-    particle count and `model.scale_correction`. Optional arrays, each (K, N//2+1) for the half
+    (row 0 when half is None); `model.fsc_halves` is the same in both halves' files. The noise
+    spectra are per optics group (model_optics_group_N, `optics_group_names`), the intensity groups
+    RELION's (`scale_groups`: their names and particle counts, as `data.ParticleSet
+    .scale_group_names_and_counts`; default one per optics group): model_groups has a row per group
+    with its particle count and `model.scale_correction`. Optional arrays, each (K, N//2+1) for the half
     written: `fourier_completeness` (rlnFourierCompleteness, 0 if None),
     `orientability_contribution` (rlnSpectralOrientabilityContribution, 0 if None);
     `pdf_direction` (K, n_directions) writes model_pdf_orient_class_N. A spectrum array that is
@@ -97,8 +99,10 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     counts = [int(c) for c in optics_group_counts]
     if len(counts) != len(groups):
         raise ValueError(f"{len(groups)} optics group names but {len(counts)} particle counts")
-    n_groups = len(groups)
-    sigma2_noise = _array_or_zeros(model.sigma2_noise, (n_groups, n_shells), "sigma2_noise")
+    n_optics = len(groups)
+    sigma2_noise = _array_or_zeros(model.sigma2_noise, (n_optics, n_shells), "sigma2_noise")
+    scale_names, scale_counts = (groups, counts) if scale_groups is None else scale_groups
+    n_groups = len(scale_names)
     scale = _array_or_value(model.scale_correction, (n_groups,), 1.0, "scale_correction")
     tau2 = _half_spectra(model.tau2, row, n_classes, n_shells, "tau2")
     ssnr = _half_spectra(model.ssnr, row, n_classes, n_shells, "ssnr")
@@ -123,7 +127,7 @@ def model_star_blocks(model, optimiser, config, half: int | None,
         "rlnNrClasses": n_classes,
         "rlnNrBodies": 1,
         "rlnNrGroups": n_groups,
-        "rlnNrOpticsGroups": n_groups,
+        "rlnNrOpticsGroups": n_optics,
         "rlnTau2FudgeFactor": _f(config.tau2_fudge),
         "rlnNormCorrectionAverage": _f(model.avg_norm_correction),
         "rlnSigmaOffsetsAngst": _f(model.sigma_offset_angstrom),
@@ -179,12 +183,12 @@ def model_star_blocks(model, optimiser, config, half: int | None,
 
     blocks["model_groups"] = pd.DataFrame({
         "rlnGroupNumber": np.arange(1, n_groups + 1),
-        "rlnGroupName": groups,
-        "rlnGroupNrParticles": np.asarray(counts, dtype=np.int64),
+        "rlnGroupName": [str(n) for n in scale_names],
+        "rlnGroupNrParticles": np.asarray(scale_counts, dtype=np.int64),
         "rlnGroupScaleCorrection": _fcol(scale),
     })
 
-    for g in range(n_groups):
+    for g in range(n_optics):
         used = np.flatnonzero(sigma2_noise[g] > 0)  # RELION writes only the shells with noise power
         blocks[f"model_optics_group_{g + 1}"] = pd.DataFrame({
             "rlnSpectralIndex": used.astype(np.int64),
@@ -438,11 +442,14 @@ def _direction_text(sampling) -> str:
 
 # ------------------------------------------------------------------------------- data.star
 
-def particle_table(table, state, halves, pixel_size_angstrom):
+def particle_table(table, state, halves, pixel_size_angstrom, group_number=None):
     """The particle table `table` (a DataFrame of the input STAR file) with the run's per-particle values of
-    `state` (poses in RELION's columns, origins in Å, class numbers from 1) and `halves` (rlnRandomSubset;
-    None: no half sets, the column is left as the input has it)."""
+    `state` (poses in RELION's columns, origins in Å, class numbers from 1), `halves` (rlnRandomSubset;
+    None: no half sets, the column is left as the input has it) and `group_number` (rlnGroupNumber, the intensity
+    group from 1, which RELION sets as it reads the particles and writes; None: as the input has it)."""
     table = table.copy()
+    if group_number is not None:
+        table["rlnGroupNumber"] = np.asarray(group_number, dtype=np.int64)
     table["rlnAngleRot"] = state.rot_deg
     table["rlnAngleTilt"] = state.tilt_deg
     table["rlnAnglePsi"] = state.psi_deg

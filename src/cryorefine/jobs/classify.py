@@ -163,7 +163,8 @@ class ClassifyJob:
         n_dir = 1 if config.skip_align else schedule.sampling_from_optimiser(optimiser, config).n_directions
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
                            padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
-                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics),
+                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
+                           scale_correction=np.ones(particles.n_scale_groups),
                            pdf_direction=np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir)))
         model.maps = [maps]
         model.sigma2_noise = noise_spectra(particles, settings, n_optics)
@@ -450,14 +451,17 @@ class ClassifyJob:
         root = f"{out_root}_it{plan.iteration:03d}"
         pixel = model.pixel_size_angstrom
         particles = self.particles
-        table = particle_table(particles.star.particles, snapshot, None, pixel)  # no half sets
+        table = particle_table(particles.star.particles, snapshot, None, pixel,  # no half sets
+                               group_number=particles.scale_group_index + 1)
         names, counts = particles.optics_names_and_counts()
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
         writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
         writes += [
             partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
-                                                  pdf_direction=model.pdf_direction), f"{root}_model.star"),
+                                                  pdf_direction=model.pdf_direction,
+                                                  scale_groups=particles.scale_group_names_and_counts()),
+                    f"{root}_model.star"),
             partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
             InOwnProcess(partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
                                  class_distributions=np.array(run.extras["class_distributions"]),

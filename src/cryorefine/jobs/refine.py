@@ -98,7 +98,8 @@ class RefineJob:
         optimiser, sched = schedule.initial_schedule(config)
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
                            padding_factor=config.padding_factor, pdf_class=np.ones(1),
-                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM, scale_correction=np.ones(n_optics))
+                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
+                           scale_correction=np.ones(particles.n_scale_groups))
         first = lowpass_to_ini_high(self.reference.astype(np.float64), config, box, pixel)
         model.maps = [[first.copy()], [first.copy()]]
         model.sigma2_noise = noise_spectra(particles, settings, n_optics)
@@ -310,12 +311,15 @@ class RefineJob:
         pixel = model.pixel_size_angstrom
         particles = self.particles
         names, counts = particles.optics_names_and_counts()
-        table = particle_table(particles.star.particles, snapshot, self.halves, pixel)
+        groups = particles.scale_group_names_and_counts()
+        table = particle_table(particles.star.particles, snapshot, self.halves, pixel,
+                               group_number=particles.scale_group_index + 1)
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
         for h in (1, 2):
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
                        partial(write_star, model_star_blocks(model, optimiser, config, h,
-                                                             [f"{root}_half{h}_class001.mrc"], names, counts),
+                                                             [f"{root}_half{h}_class001.mrc"], names, counts,
+                                                             scale_groups=groups),
                                f"{root}_half{h}_model.star")]
         writes += [partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
                    InOwnProcess(partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
@@ -335,7 +339,8 @@ class RefineJob:
                                f"{out_root}_half{h}_class001_unfil.mrc") for h in (1, 2)]
             # the joined model, which the final iteration's optimiser.star names, and RELION's final files without
             # an iteration number: their optimiser.star names run_model.star, run_data.star and run_sampling.star
-            joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts)
+            joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
+                                       scale_groups=groups)
             writes += [partial(write_star, joined, f"{root}_model.star"),
                        partial(write_star, joined, f"{out_root}_model.star"),
                        partial(copy_atomically, f"{root}_sampling.star", f"{out_root}_sampling.star"),
