@@ -200,9 +200,12 @@ def test_the_iteration_line_names_the_translations_searched(refined, tmp_path, c
     assert len(lines) == 1 and "offsets 36.00 Å by 12.00 Å (29 translations)" in lines[0], lines
 
 
-def test_continue_needs_its_files(tmp_path):
+def test_continue_needs_its_files(tmp_path, capsys):
+    """An optimiser.star without the files cryorefine saves beside it (one of RELION's own runs, say) is refused with
+    what to do instead."""
     (tmp_path / "run_it002_optimiser.star").write_text("data_optimiser_general\n_rlnCurrentIteration 2\n")
     assert run_cli("refine", "--continue", tmp_path / "run_it002_optimiser.star") == 2
+    assert "start a new run with its run_itNNN_data.star as --i" in capsys.readouterr().err
     assert run_cli("refine", "--continue", tmp_path / "nothing.star") == 2
 
 

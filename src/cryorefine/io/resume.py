@@ -46,7 +46,9 @@ def load(optimiser_star):
     if not Path(optimiser_star).is_file():
         raise InputError(f"{optimiser_star}: file not found; give a run_itNNN_optimiser.star of an earlier run")
     if not path.is_file():
-        raise InputError(f"{path}: not found; --continue needs the files an iteration writes beside its optimiser.star")
+        raise InputError(f"{path}: not found; --continue needs the files a cryorefine iteration writes beside its "
+                         f"optimiser.star (to go on from a run of RELION's own, start a new run with its "
+                         f"run_itNNN_data.star as --i and its map as --ref)")
     try:
         with np.load(path) as data:
             arrays = {name: data[name] for name in data.files}
