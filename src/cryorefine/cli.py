@@ -284,9 +284,8 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     changes = {}
     for option in from_command_line:
         if option in CONTINUE_CHANGES:
-            field, param = CONTINUE_CHANGES[option]
-            value = ctx.params[param]
-            changes[field] = _pool_batch(value) if option == "--pool" else value
+            value = ctx.params[option[2:]]
+            changes[CONTINUE_CHANGES[option]] = _pool_batch(value) if option == "--pool" else value
     if changes:
         _command_line_log().info("--continue: %s changed from the run's own", ", ".join(
             o for o in from_command_line if o in CONTINUE_CHANGES))
@@ -301,23 +300,14 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
                    max_iterations=max_iterations or config.max_iterations, **engine, **changes).check()
 
 
-#: RELION's parseContinue reads these again from a --continue command line; here each is a RefineConfig field
-#: (and the command's parameter) that the run reads afresh every iteration
-CONTINUE_CHANGES = {
-    "--tau2_fudge": ("tau2_fudge", "tau2_fudge"),
-    "--particle_diameter": ("particle_diameter_angstrom", "particle_diameter"),
-    "--solvent_mask": ("solvent_mask", "solvent_mask"),
-    "--solvent_mask2": ("solvent_mask2", "solvent_mask2"),
-    "--solvent_correct_fsc": ("solvent_correct_fsc", "solvent_correct_fsc"),
-    "--flatten_solvent": ("flatten_solvent", "flatten_solvent"),
-    "--maxsig": ("max_significants", "maxsig"),
-    "--strict_highres_exp": ("strict_highres_exp_angstrom", "strict_highres_exp"),
-    "--norm": ("do_norm", "norm"),
-    "--scale": ("do_scale", "scale"),
-    "--pool": ("batch_size", "pool"),
-    "--preread_images": ("preread_images", "preread_images"),
-    "--scratch_dir": ("scratch_dir", "scratch_dir"),
-}
+#: RELION's parseContinue reads these again from a --continue command line: each option's RefineConfig field, which
+#: the run reads afresh every iteration (the command's parameter is the option's name)
+CONTINUE_CHANGES = {"--tau2_fudge": "tau2_fudge", "--particle_diameter": "particle_diameter_angstrom",
+                    "--solvent_mask": "solvent_mask", "--solvent_mask2": "solvent_mask2",
+                    "--solvent_correct_fsc": "solvent_correct_fsc", "--flatten_solvent": "flatten_solvent",
+                    "--maxsig": "max_significants", "--strict_highres_exp": "strict_highres_exp_angstrom",
+                    "--norm": "do_norm", "--scale": "do_scale", "--pool": "batch_size",
+                    "--preread_images": "preread_images", "--scratch_dir": "scratch_dir"}
 
 
 @cli.command()
