@@ -264,7 +264,6 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     --continue may change: --o, --iter, the engine, and those of RELION's parseContinue that this run reads afresh
     each iteration (`CONTINUE_CHANGES`); other options given on the command line are named in a warning and
     ignored."""
-    import logging
     from dataclasses import replace
 
     from cryorefine.config import RefineConfig
@@ -337,8 +336,6 @@ def classify(n_classes, continue_from, **options):
 
 
 def _classify(n_classes, continue_from, options, control):
-    import logging
-
     from cryorefine.jobs import classify as job
 
     if continue_from:
@@ -357,8 +354,8 @@ def _classify(n_classes, continue_from, options, control):
     unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order", "--auto_ignore_angles",
                              "--auto_resol_angles"})
     if unused:
-        _command_line_log().warning("classification keeps its sampling and has no half sets; "
-                                                "ignored: %s", " ".join(unused))
+        _command_line_log().warning("classification keeps its sampling and has no half sets; ignored: %s",
+                                    " ".join(unused))
     for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
@@ -433,8 +430,6 @@ def _one_blas_thread():
 
 def _host_threads(threads, dont_check_norm):
     """--j: the CPU engine's threads (config.threads, checked here first); --dont_check_norm: noted."""
-    import logging
-
     log = _command_line_log()
     if threads is not None and threads < 1:
         raise InputError(f"--j {threads}: out of range; give 1 thread or more")
@@ -444,8 +439,6 @@ def _host_threads(threads, dont_check_norm):
 
 def _unchanged_options(skip_gridding, ctf_intact_without_ctf):
     """One INFO line for each option that changes nothing here."""
-    import logging
-
     log = _command_line_log()
     if skip_gridding:
         log.info("--skip_gridding: accepted; changes nothing here (the reconstruction never runs gridding iterations)")
@@ -568,8 +561,6 @@ def parse_gpu_ids(text):
     devices of that worker's threads, split by ','. A worker here drives one GPU: the first of its group (the
     others are named in one INFO line). "" (--gpu alone, or not given) is RELION's automatic assignment: () here,
     device 0 for one process, and under mpirun each worker its own (`runners.mpi.device_of_worker`)."""
-    import logging
-
     ids, unused = [], []
     for group in str(text).split(":"):
         devices = [d.strip() for d in group.split(",") if d.strip()]
