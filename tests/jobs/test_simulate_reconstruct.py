@@ -180,9 +180,11 @@ def test_star_file_layout_and_distributions(simulated):
     group = particles.optics_groups[0]
     assert (group.voltage_kv, group.cs_mm, group.amplitude_contrast) == (300.0, 2.7, 0.1)
     table = particles.star.particles
-    assert table["rlnImageName"].iloc[0] == "000001@particles.mrcs"
-    assert table["rlnImageName"].iloc[-1] == "003000@particles.mrcs"
+    written = starfile.read(simulated / "particles.star")["particles"]["rlnImageName"]  # the stack beside the file
+    assert written.iloc[0] == "000001@particles.mrcs" and written.iloc[-1] == "003000@particles.mrcs"
     assert set(particles.stack_paths) == {str(simulated / "particles.mrcs")}
+    # read, the names give the stack from the project (current) directory, as the run's own files will
+    assert table["rlnImageName"].iloc[-1] == f"003000@{simulated / 'particles.mrcs'}"
     for column in ("rlnPhaseShift", "rlnCtfBfactor"):
         assert (table[column] == 0).all()
     assert (particles.class_number == 1).all() and (table["rlnOpticsGroup"] == 1).all()
