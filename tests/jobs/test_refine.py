@@ -235,7 +235,8 @@ def converge_at_iteration_two(monkeypatch):
 
 def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch):
     """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co.; the
-    files that repeat the final iteration's (run_data.star, the unfiltered half maps) hold the same bytes."""
+    files that repeat the final iteration's (run_data.star, run_model.star, the unfiltered half maps) hold the same
+    bytes."""
     converge_at_iteration_two(monkeypatch)
     folder, truth = refined
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
@@ -247,7 +248,7 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
         assert (tmp_path / name).is_file(), name
     assert not (tmp_path / "run_it003_data.star").exists()  # it stopped after the final iteration
     # the converged run's particles and unfiltered half maps are the final iteration's, byte for byte
-    for name, final_iteration in (("run_data.star", "run_it002_data.star"),
+    for name, final_iteration in (("run_data.star", "run_it002_data.star"), ("run_model.star", "run_it002_model.star"),
                                   ("run_half1_class001_unfil.mrc", "run_it002_half1_class001.mrc"),
                                   ("run_half2_class001_unfil.mrc", "run_it002_half2_class001.mrc")):
         assert (tmp_path / name).read_bytes() == (tmp_path / final_iteration).read_bytes(), name

@@ -342,7 +342,7 @@ class RefineJob:
             joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
                                        scale_groups=groups)
             writes += [partial(write_star, joined, f"{root}_model.star"),
-                       partial(write_star, joined, f"{out_root}_model.star"),
+                       partial(copy_atomically, f"{root}_model.star", f"{out_root}_model.star"),
                        partial(copy_atomically, f"{root}_sampling.star", f"{out_root}_sampling.star"),
                        partial(write_optimiser_star, f"{out_root}_optimiser.star",
                                optimiser_star_blocks(optimiser, model, config, str(out_root)), list(argv))]
