@@ -197,9 +197,11 @@ def _refine_options(command):
                      help="Accepted for RELION 3.1 command lines: the reference is always taken as CTF-corrected (a "
                           "map, not an average of CTF-affected images), as RELION 4 and later do."),
         click.option("--batch", default=None, type=int,
-                     help="Particles per E-step batch [default: --pool, else 128 on the CPU and on the GPU 1024 images "
+                     help="Particles per E-step batch [default: 128 on the CPU and on the GPU 1024 images "
                           "of 360 px or as many as hold as many pixels (32 to 1024)]."),
-        click.option("--pool", default=None, type=int, help="RELION's particles per batch: --batch unless that is given."),
+        click.option("--pool", default=None, type=int,
+                     help="RELION's images a CPU thread takes at once: written to the optimiser file as RELION's; the "
+                          "E-step's batches do not follow it (--batch sets them) [default: 1]."),
         click.option("--j", "threads", default=None, type=int,
                      help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) "
                           "[default: the cores present, shared among the MPI ranks on a node]."),
@@ -284,7 +286,7 @@ def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_g
     for option in from_command_line:
         if option in CONTINUE_CHANGES:
             value = ctx.params[option[2:]]
-            changes[CONTINUE_CHANGES[option]] = _pool_batch(value) if option == "--pool" else value
+            changes[CONTINUE_CHANGES[option]] = value
     if changes:
         _command_line_log().info("--continue: %s changed from the run's own", ", ".join(
             o for o in from_command_line if o in CONTINUE_CHANGES))
@@ -305,7 +307,7 @@ CONTINUE_CHANGES = {"--tau2_fudge": "tau2_fudge", "--particle_diameter": "partic
                     "--solvent_mask": "solvent_mask", "--solvent_mask2": "solvent_mask2",
                     "--solvent_correct_fsc": "solvent_correct_fsc", "--flatten_solvent": "flatten_solvent",
                     "--maxsig": "max_significants", "--strict_highres_exp": "strict_highres_exp_angstrom",
-                    "--norm": "do_norm", "--scale": "do_scale", "--pool": "batch_size",
+                    "--norm": "do_norm", "--scale": "do_scale", "--pool": "pooled_particles",
                     "--preread_images": "preread_images", "--scratch_dir": "scratch_dir"}
 
 
@@ -518,13 +520,6 @@ def config_from_arguments(command, arguments):
     return _refine_config(**options)
 
 
-def _pool_batch(pool):
-    """RELION's --pool as the batch size (when --batch is not given), checked under its own name."""
-    if pool is not None and pool < 1:
-        raise InputError(f"--pool {pool}: out of range; give 1 or more particles")
-    return pool
-
-
 def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
                    pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
                    max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
@@ -548,7 +543,7 @@ def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firsti
         max_coarse_size_px=coarse_size, do_norm=norm, do_scale=scale,
         low_resol_join_halves_angstrom=low_resol_join_halves,
         random_seed=int(time.time()) % 2 ** 31 if random_seed == -1 else random_seed,
-        batch_size=batch if batch is not None else _pool_batch(pool),
+        batch_size=batch, pooled_particles=1 if pool is None else pool,
         dtype="float64" if precision == "double" else "float32",
         max_iterations=50 if max_iterations is None else max_iterations,
         preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,

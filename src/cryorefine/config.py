@@ -17,7 +17,7 @@ from cryorefine.errors import InputError
 MAX_HEALPIX_ORDER = 8  # RELION's finest angular sampling, 0.23° (order 0: 60°)
 MAX_OVERSAMPLING = 4
 MAX_PADDING_FACTOR = 4.0
-# particles per E-step batch when --batch and --pool are not given: on the CPU a fixed count; on the GPU as many
+# particles per E-step batch when --batch is not given (RELION's --pool is not a batch: see `pooled_particles`): on the CPU a fixed count; on the GPU as many
 # images as hold this many pixels (1,024 of 360 px), between the two bounds. Per-batch work (launches, host tables,
 # transfers) is then a small share of an iteration: the converged auto-refine of 10,000 particles of 360 px took
 # 204 s with batches of 128 and 152 s with 512 on the H100, and its iterations 70.9 s with 512, 52.7–53.0 s with
@@ -72,7 +72,11 @@ class RefineConfig:
     n_classes: int = 1
     width_mask_edge_px: float = 5.0
     incr_size_px: int = 10  # RELION's --incr_size
-    batch_size: int | None = None  # --batch (or --pool); None: `batch_size_for`'s rule
+    batch_size: int | None = None  # --batch; None: `batch_size_for`'s rule
+    # --pool: RELION's images a CPU thread takes at once, written to the optimiser file as RELION does; the E-step's
+    # batches never follow it (RELION's GUI writes 3, its tutorial 30: as GPU batches they made four GPUs 3x slower
+    # than one), the GPU's come from the memory plan and the CPU engine's threads share each batch's particles
+    pooled_particles: int = 1
     preread_images: bool = False  # --preread_images: read the images once into memory
     scratch_dir: str | None = None  # --scratch_dir: the stacks copied to this (local) disk for the run
     engine: str = "numpy"  # "numpy" or "cuda"
@@ -82,7 +86,7 @@ class RefineConfig:
     threads: int | None = None  # --j: the CPU engine's threads (None: this machine's cores, shared among its ranks)
 
     def batch_size_for(self, box_px: int, on_gpu: bool | None = None) -> int:
-        """Particles per E-step batch for images of `box_px`: --batch (or --pool) as given, else the default
+        """Particles per E-step batch for images of `box_px`: --batch as given, else the default
         (`default_batch_size`) of the GPU or the CPU (`on_gpu`; None: this config's engine)."""
         if self.batch_size is not None:
             return self.batch_size
@@ -110,6 +114,7 @@ class RefineConfig:
             ("--pad", self.padding_factor, 1 <= self.padding_factor <= MAX_PADDING_FACTOR,
              f"1 to {MAX_PADDING_FACTOR:g} (RELION: 2)"),
             ("--batch", self.batch_size, self.batch_size is None or self.batch_size >= 1, "1 or more particles"),
+            ("--pool", self.pooled_particles, self.pooled_particles >= 1, "1 or more particles"),
             ("--free_gpu_memory", self.free_gpu_memory_mb, self.free_gpu_memory_mb >= 0, "0 MB or more"),
             ("--K", self.n_classes, self.n_classes >= 1, "1 class or more"),
             ("--random_seed", self.random_seed, self.random_seed >= 0, "0 or more, or -1 for a seed from the clock"),

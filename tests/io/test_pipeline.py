@@ -24,14 +24,17 @@ def test_a_finished_run_leaves_the_success_file_and_honours_pool(tmp_path):
                    "--dont_check_norm", "--pipeline_control", job)
     assert code == 0
     assert exit_files(job) == [SUCCESS]
-    assert resume.load_config_values(job / "run_it001_optimiser.star")["batch_size"] == 3  # --pool: particles per batch
+    saved = resume.load_config_values(job / "run_it001_optimiser.star")
+    assert saved["pooled_particles"] == 3  # RELION's images per thread, written as RELION writes it
+    assert saved["batch_size"] is None  # not the E-step's batch: that comes from the engine's own rule
 
 
-def test_batch_wins_over_pool(tmp_path):
+def test_batch_sets_the_batches_and_pool_does_not(tmp_path):
     code = run_cli("classify", *small_set(tmp_path), "--o", tmp_path / "c" / "run", "--iter", 1, "--K", 1,
                    "--pool", 3, "--batch", 2)
     assert code == 0
-    assert resume.load_config_values(tmp_path / "c" / "run_it001_optimiser.star")["batch_size"] == 2
+    saved = resume.load_config_values(tmp_path / "c" / "run_it001_optimiser.star")
+    assert (saved["batch_size"], saved["pooled_particles"]) == (2, 3)
 
 
 def test_bad_input_leaves_the_failure_file(tmp_path):

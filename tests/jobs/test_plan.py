@@ -155,6 +155,17 @@ def test_a_batch_holds_no_more_than_a_unit_of_particles(capsys, particles):
     assert classify["particles_per_batch"] == 10
 
 
+@pytest.mark.parametrize("pool", [3, 30])
+def test_relion_s_pool_does_not_change_the_gpu_batches(capsys, particles, pool):
+    """RELION's GUI writes --pool 3 (its tutorial 30): images a CPU thread takes at once, not the GPU's batch. The
+    plan of a line with it is the plan without it, batches and all (as a batch, --pool 3 gave 3 of the 5)."""
+    without = plan_json(capsys, particles, "--ini_high", 40)
+    with_pool = plan_json(capsys, particles, "--ini_high", 40, "--pool", pool)
+    assert [m["particles_per_batch"] for m in with_pool["moments"]] == [m["particles_per_batch"]
+                                                                          for m in without["moments"]]
+    assert with_pool == without
+
+
 def test_the_upload_buffers_are_planned_in_the_stack_s_own_precision(capsys, particles, tmp_path):
     """The overlapped uploads' two device buffers hold the images as they travel: a float16 stack's take half the
     bytes of a float32 one's, and `plan`'s ITERATION scope is smaller by that half (the rest of the plan is the
