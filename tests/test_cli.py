@@ -202,3 +202,69 @@ def test_relion_gpu_strings_give_one_device_per_worker():
     assert parse_gpu_ids("2,3") == (2,)
     with pytest.raises(click.UsageError):
         parse_gpu_ids("0:gpu1")
+
+
+def small_refine_inputs(folder):
+    """A tiny particle set, its reference and the options of a quick CPU refinement."""
+    path, images = make_particle_set(folder, n=6)
+    write_mrc(folder / "ref.mrc", np.ones((16, 16, 16), np.float32), pixel_size=1.5, stack=False)
+    return ["--i", str(path), "--ref", str(folder / "ref.mrc"), "--ini_high", "10", "--cpu"]
+
+
+def earlier_run_files(out):
+    """The files an earlier converged run of 18 iterations left under out/run (their content does not matter)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for iteration in (1, 2, 18):
+        for suffix in ("optimiser.star", "resume.npz", "half1_class001.mrc"):
+            (out / f"run_it{iteration:03d}_{suffix}").write_text("earlier run")
+    for name in ("run_class001.mrc", "run_data.star", "run_model.star", "run_optimiser.star"):
+        (out / name).write_text("earlier run")
+    return sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize("command", ["refine", "classify"])
+def test_a_new_run_on_the_root_of_an_earlier_run_is_refused_naming_it_and_the_way_on(tmp_path, capsys, command):
+    """--o out/run over another run's files: one line naming the folder, the run found and --continue of its last
+    iteration, exit 2, before any work (its files untouched, no file of the new run)."""
+    out = tmp_path / "out"
+    before = earlier_run_files(out)
+    code, stdout, err = run(capsys, command, *small_refine_inputs(tmp_path), "--o", str(out / "run"), "--iter", "1")
+    assert_one_line_error(code, err, f"--o {out / 'run'}", f"{out} holds iterations 1–18 and the final files",
+                          "of an earlier run", f"--continue {out / 'run'}_it018_optimiser.star", "a new --o",
+                          "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert all((out / name).read_text() == "earlier run" for name in before)
+    assert stdout == ""
+
+
+def test_a_root_with_only_the_final_files_of_a_run_is_refused_without_a_continue_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run_data.star").write_text("earlier run")
+    code, _, err = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(out / "run"), "--iter", "1")
+    assert_one_line_error(code, err, "the final files (run_data.star) of an earlier run", "a new --o")
+    assert "--continue" not in err
+
+
+def test_overwrite_removes_the_earlier_runs_files_and_a_new_root_beside_them_is_free(tmp_path, capsys):
+    """--overwrite: the earlier run's files with that root are gone, the new run's are there; another root in the
+    same folder (out/other) is not another run's and is neither refused nor touched."""
+    out = tmp_path / "out"
+    earlier_run_files(out)
+    (out / "notes.txt").write_text("mine")
+    inputs = small_refine_inputs(tmp_path)
+    code, stdout, _ = run(capsys, "refine", *inputs, "--o", str(out / "other"), "--iter", "1")
+    assert code == 0 and (out / "other_it001_optimiser.star").is_file()
+    code, stdout, _ = run(capsys, "refine", *inputs, "--o", str(out / "run"), "--iter", "1", "--overwrite")
+    assert code == 0
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"run_it002_optimiser.star", "run_it018_optimiser.star", "run_it018_resume.npz",
+                        "run_class001.mrc", "run_data.star", "run_model.star", "run_optimiser.star"}
+    assert {"run_it001_optimiser.star", "run_it001_resume.npz", "notes.txt", "other_it001_optimiser.star"} <= names
+    assert (out / "run_it001_half1_class001.mrc").read_bytes() != b"earlier run"
+
+
+def test_overwrite_is_in_the_help_of_refine_and_classify(capsys):
+    for command in ("refine", "classify"):
+        code, stdout, _ = run(capsys, command, "--help")
+        assert code == 0 and "--overwrite" in stdout

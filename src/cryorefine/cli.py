@@ -140,6 +140,9 @@ def _refine_options(command):
         click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC)."),
         click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
                     help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o may change)."),
+        click.option("--overwrite", is_flag=True,
+                     help="Remove the files of an earlier run with this --o root before starting (without it, a new "
+                          "run on such a root is refused: continue that run with --continue, or give a new --o)."),
         click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box]."),
         click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å)."),
         click.option("--sym", default="C1", show_default=True, help="Point group symmetry."),
@@ -232,9 +235,9 @@ def _refine_options(command):
 
 @cli.command()
 @_refine_options
-def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
-           solvent_mask, solvent_mask2, solvent_correct_fsc, ctf_intact_first_peak, skip_gridding, auto_ignore_angles,
-           auto_resol_angles, pad,
+def refine(star, out, ref, continue_from, overwrite, particle_diameter, ini_high, sym, ctf, firstiter_cc,
+           flatten_solvent, zero_mask, solvent_mask, solvent_mask2, solvent_correct_fsc, ctf_intact_first_peak,
+           skip_gridding, auto_ignore_angles, auto_resol_angles, pad,
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, strict_highres_exp, coarse_size, norm, scale,
            low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc,
@@ -257,7 +260,7 @@ def refine(star, out, ref, continue_from, particle_diameter, ini_high, sym, ctf,
                 if not value:
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
             config = _refine_config(**locals())
-        reports = _run_job(job, job.RefineJob.min_mpi_ranks, config, continue_from, control)
+        reports = _run_job(job, job.RefineJob.min_mpi_ranks, config, continue_from, control, overwrite)
         _report_end(reports, config.output_root, control)
 
 
@@ -362,19 +365,20 @@ def _classify(n_classes, continue_from, options, control):
         if not options[key]:
             raise click.UsageError(f"Missing option '{name}'.")
     config = _classify_config(n_classes, options)
-    reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, None, control)
+    reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, None, control, options["overwrite"])
     _report_classes(reports, options["out"], control)
 
 
-def _run_job(job, min_mpi_ranks, config, resume_from, control):
-    """`job.run` (jobs.refine or jobs.classify) with the runner this process was started for."""
+def _run_job(job, min_mpi_ranks, config, resume_from, control, overwrite=False):
+    """`job.run` (jobs.refine or jobs.classify) with the runner this process was started for (`overwrite`:
+    --overwrite, an earlier run's files under the output root removed rather than refused)."""
     from cryorefine import runners
     from cryorefine.io.pipeline import FAILURE
 
     on_abort = (lambda: control.finished(FAILURE)) if control else None
     runner = runners.for_config(config, min_mpi_ranks, on_abort=on_abort)
     return job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=resume_from,
-                   stop_requested=control.abort_requested if control else None)
+                   stop_requested=control.abort_requested if control else None, overwrite=overwrite)
 
 
 #: the exit status of a job stopped by RELION_JOB_ABORT_NOW, RELION's own (pipeline_control.h)

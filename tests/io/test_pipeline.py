@@ -80,3 +80,15 @@ def test_a_new_end_replaces_the_exit_file_of_an_earlier_one(tmp_path):
 
 def test_threads_must_be_at_least_one(tmp_path):
     assert run_cli("refine", *small_set(tmp_path), "--o", tmp_path / "run", "--j", 0) == 2
+
+
+def test_a_job_folder_holding_an_earlier_run_is_refused_with_the_failure_file(tmp_path):
+    """RELION's GUI runs a job again in its folder only with --continue: a new run there is refused, and the GUI
+    still gets its exit file; the earlier run's files stay."""
+    job = tmp_path / "Refine3D" / "job022"
+    assert run_cli("refine", *small_set(tmp_path), "--o", job / "run", "--iter", 1) == 0
+    before = {p.name: p.read_bytes() for p in job.glob("run_*")}
+    code = run_cli("refine", *small_set(tmp_path), "--o", job / "run", "--iter", 1, "--pipeline_control", job)
+    assert code == 2
+    assert exit_files(job) == [FAILURE]
+    assert {p.name: p.read_bytes() for p in job.glob("run_*")} == before

@@ -34,7 +34,7 @@ from cryorefine.em.estep import add_seconds, fine_pass_limits_reached, in_direct
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunReports, RunState
 from cryorefine.errors import InputError
 from cryorefine.images import ImageSettings
-from cryorefine.io import resume
+from cryorefine.io import resume, run_files
 from cryorefine.io.background import BackgroundWriter
 
 log = logging.getLogger("cryorefine")
@@ -131,13 +131,14 @@ class Runner(Protocol):
         """The E-step of every unit of `plan` (results through `store(indices, BatchResult)`) and `job.maximize`."""
 
 
-def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
+def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
     """Run `job` to its end with `runner`; its `RunReports` (None on an MPI worker).
 
     `progress(done, total)` is called as batches finish; `resume_from` is a run_itNNN_optimiser.star:
     the run goes on from iteration NNN + 1 exactly as it would have. `stop_requested()` is asked before
     each iteration: when it says so, the run ends there (its last iteration's files stay valid for
-    --continue).
+    --continue). A new run (no `resume_from`) refuses an output root that holds an earlier run's files, or with
+    `overwrite` (--overwrite) removes them first (`io.run_files`).
     """
     if not runner.leads:  # an MPI worker: serves the master's E- and M-steps until the run ends
         runner.serve(job)
@@ -154,6 +155,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
 
     with runner.session() as session, contextlib.ExitStack() as stack:
         clock.mark("device and workers set up")
+        if resume_from is None:
+            run_files.check_no_earlier_run(config.output_root, overwrite, log)
         particles, settings = job.load()
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))

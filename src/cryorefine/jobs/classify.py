@@ -71,10 +71,10 @@ from cryorefine.report import write_classification_report
 log = logging.getLogger("cryorefine.classify")
 
 
-def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
+def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
     """Run a 3D classification of config.n_classes classes with `runner`; the IterationReports (None on an MPI
     worker). `resume_from`: a run_itNNN_optimiser.star of an earlier run, continued from the iteration after it."""
-    return loop.run(ClassifyJob(config), runner, argv, progress, resume_from, stop_requested)
+    return loop.run(ClassifyJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
 
 
 def initial_references(config, box, pixel):

@@ -54,10 +54,10 @@ log = logging.getLogger("cryorefine.refine")
 INITIAL_SIGMA_OFFSET_ANGSTROM = 10.0  # RELION's --offset
 
 
-def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None):
+def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
     """Run a refinement with `runner` (runners.serial or runners.mpi); the IterationReports (None on an MPI
     worker). `resume_from`: a run_itNNN_optimiser.star, continued from the iteration after it."""
-    return loop.run(RefineJob(config), runner, argv, progress, resume_from, stop_requested)
+    return loop.run(RefineJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
 
 
 class RefineJob:

@@ -1,0 +1,114 @@
+"""The files a run leaves under its output root (--o, e.g. out/run): an earlier run's, found before a new run
+starts on that root (refused, or removed with --overwrite), and the iteration a stopped run can be continued from.
+
+A run's files are out/run_itNNN_* (every iteration's) and the files a converged refinement writes without an
+iteration number (out/run_data.star, out/run_class001.mrc, …).
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryorefine.errors import InputError
+from cryorefine.io.resume import SUFFIX as RESUME_SUFFIX
+
+#: a converged refinement's files without an iteration number (`jobs.refine`), after the root
+FINAL_SUFFIXES = ("_data.star", "_model.star", "_class001.mrc", "_half1_class001_unfil.mrc",
+                  "_half2_class001_unfil.mrc", "_sampling.star", "_optimiser.star", "_report.png")
+#: the final files by which an earlier run is known (its other final files come with them)
+FINAL_SIGNS = ("_data.star", "_model.star", "_class001.mrc")
+ITERATION_PATTERN = "_it[0-9][0-9][0-9]_*"
+
+
+@dataclass(frozen=True)
+class EarlierRun:
+    """The files of a run found under an output root: its iterations (ascending) and all its files."""
+
+    root: str
+    iterations: tuple
+    files: tuple  # Path of every file of the run under the root
+
+    def describe(self) -> str:
+        """What was found, e.g. "iterations 1–18 and the final files (run_class001.mrc …) of an earlier run"."""
+        name = Path(self.root).name
+        parts = []
+        if self.iterations:
+            first, last = self.iterations[0], self.iterations[-1]
+            parts.append(f"iteration {first}" if first == last else f"iterations {first}–{last}")
+        finals = [f"{name}{suffix}" for suffix in FINAL_SIGNS if Path(f"{self.root}{suffix}").is_file()]
+        if finals:
+            parts.append(f"the final files ({', '.join(finals)})")
+        return f"{' and '.join(parts)} of an earlier run"
+
+    def last_optimiser_star(self) -> Path | None:
+        """The optimiser.star of its last iteration that --continue can start from, None where none can."""
+        for iteration in reversed(self.iterations):
+            star = optimiser_star(self.root, iteration)
+            if star.is_file() and resume_file(self.root, iteration).is_file():
+                return star
+        return None
+
+
+def optimiser_star(root: str, iteration: int) -> Path:
+    """<root>_itNNN_optimiser.star."""
+    return Path(f"{root}_it{iteration:03d}_optimiser.star")
+
+
+def resume_file(root: str, iteration: int) -> Path:
+    """<root>_itNNN_resume.npz, what --continue reads beside the optimiser.star."""
+    return Path(f"{root}_it{iteration:03d}{RESUME_SUFFIX}")
+
+
+def earlier_run(root: str) -> EarlierRun | None:
+    """The files of a run under `root` (out/run), None where there are none."""
+    root_path = Path(root)
+    folder, name = root_path.parent, root_path.name
+    if not folder.is_dir():
+        return None
+    numbered = re.compile(re.escape(name) + r"_it(\d{3})_")
+    iteration_files = [p for p in folder.glob(glob.escape(name) + ITERATION_PATTERN) if p.is_file()]
+    iterations = sorted({int(numbered.match(p.name).group(1)) for p in iteration_files})
+    if not iterations and not any(Path(f"{root}{suffix}").is_file() for suffix in FINAL_SIGNS):
+        return None
+    finals = [Path(f"{root}{suffix}") for suffix in FINAL_SUFFIXES if Path(f"{root}{suffix}").is_file()]
+    return EarlierRun(str(root), tuple(iterations), tuple(sorted(iteration_files) + finals))
+
+
+def check_no_earlier_run(root: str, overwrite: bool, log) -> None:
+    """Before a new run (not --continue) on `root`: an InputError where an earlier run's files are there, naming
+    the folder, that run and the way on; with `overwrite` (--overwrite) its files are removed instead."""
+    found = earlier_run(root)
+    if found is None:
+        return
+    if overwrite:
+        for path in found.files:
+            path.unlink(missing_ok=True)
+        log.info("--overwrite: removed the %d files of %s under %s", len(found.files), found.describe(), root)
+        return
+    star = found.last_optimiser_star()
+    go_on = f"continue it with --continue {star}, " if star is not None else ""
+    raise InputError(f"--o {root}: {Path(root).parent} holds {found.describe()} with this root; {go_on}give a new "
+                     f"--o, or add --overwrite to remove that run's files first")
+
+
+def last_complete_iteration(root: str, iterations, continued_from: str | None = None) -> tuple | None:
+    """(iteration, its optimiser.star) of the last of this run's `iterations` whose files --continue reads are
+    on disk; else the run's starting point `continued_from` (an optimiser.star); None where there is none."""
+    for iteration in sorted(iterations, reverse=True):
+        star = optimiser_star(root, iteration)
+        if star.is_file() and resume_file(root, iteration).is_file():
+            return iteration, star
+    if continued_from is not None:
+        return iteration_of(continued_from), Path(continued_from)
+    return None
+
+
+def iteration_of(optimiser_star_path) -> int:
+    """NNN of run_itNNN_optimiser.star."""
+    match = re.search(r"_it(\d{3})_optimiser\.star$", str(optimiser_star_path))
+    if match is None:
+        raise InputError(f"{optimiser_star_path}: --continue takes a run_itNNN_optimiser.star file")
+    return int(match.group(1))
