@@ -1,6 +1,7 @@
 """The command line as a user meets it: output of `info`, and one-line errors with exit code 2."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,63 @@ def test_overwrite_is_in_the_help_of_refine_and_classify(capsys):
     for command in ("refine", "classify"):
         code, stdout, _ = run(capsys, command, "--help")
         assert code == 0 and "--overwrite" in stdout
+
+
+def test_the_end_line_of_a_run_stopped_by_iter_names_its_own_last_maps_and_says_not_converged(tmp_path, capsys):
+    code, stdout, _ = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "out" / "run"),
+                          "--iter", "2")
+    assert code == 0
+    root = tmp_path / "out" / "run_it002"
+    assert stdout.strip().splitlines()[-1].startswith("not converged after 2 iterations (--iter); resolution ")
+    for name in ("half1_class001.mrc", "half2_class001.mrc"):
+        assert f"{root}_{name}" in stdout and Path(f"{root}_{name}").is_file()
+    assert f"--continue {root}_optimiser.star" in stdout
+    assert "run_class001.mrc" not in stdout
+
+
+def test_a_continued_run_says_where_it_went_on_from_and_names_no_map_it_did_not_write(tmp_path, capsys, caplog):
+    """--continue from iteration 1 on a root where a map of an earlier converged run lies (run_class001.mrc): the
+    run says it went on from iteration 1, and its end line counts the iteration it ran, names its number and this
+    run's maps, not that map."""
+    out = tmp_path / "out"
+    assert run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(out / "run"), "--iter", "1")[0] == 0
+    (out / "run_class001.mrc").write_text("an earlier run's map")
+    with caplog.at_level("INFO", logger="cryorefine"):
+        code, stdout, _ = run(capsys, "refine", "--continue", str(out / "run_it001_optimiser.star"), "--iter", "2")
+    assert code == 0
+    assert "continued from iteration 1" in caplog.text
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("not converged after 1 iteration (iteration 2, continued from iteration 1)"), last
+    assert f"{out / 'run_it002'}_half1_class001.mrc" in last and "run_class001.mrc" not in last
+
+
+def test_the_end_line_of_a_converged_run_names_its_final_map(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    from cryorefine.em import schedule
+
+    original = schedule.check_convergence
+
+    def converge_at_two(optimiser, state, **kwargs):
+        optimiser = original(optimiser, state, **kwargs)
+        return replace(optimiser, has_converged=True, do_join_halves=True) if optimiser.iteration == 2 else optimiser
+
+    monkeypatch.setattr(schedule, "check_convergence", converge_at_two)
+    code, stdout, _ = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "run"),
+                          "--iter", "5")
+    assert code == 0
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("converged after 2 iterations; final resolution ") and \
+        last.endswith(f"map: {tmp_path / 'run'}_class001.mrc"), last
+    assert (tmp_path / "run_class001.mrc").is_file()
+
+
+def test_the_end_line_of_a_continued_classification_counts_its_iterations(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(capsys, "classify", *small_refine_inputs(tmp_path), "--K", "1", "--o", str(out / "run"),
+               "--iter", "1")[0] == 0
+    code, stdout, _ = run(capsys, "classify", "--continue", str(out / "run_it001_optimiser.star"), "--iter", "3")
+    assert code == 0
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("2 iterations (iterations 2–3, continued from iteration 1); resolution "), last
+    assert last.endswith(f"maps: {out / 'run'}_it003_class*.mrc")

@@ -459,7 +459,7 @@ def _report_classes(reports, out, control=None):
         return
     last = reports[-1] if reports else None
     if last:
-        click.echo(f"{len(reports)} iterations; resolution {last.resolution_angstrom:.2f} Å; maps: "
+        click.echo(f"{_iterations_run(reports)}; resolution {last.resolution_angstrom:.2f} Å; maps: "
                    f"{out}_it{last.iteration:03d}_class*.mrc")
 
 
@@ -612,10 +612,22 @@ def _report_end(reports, out, control=None):
         click.echo("nothing to do: the run had already reached --iter")
         return
     last = reports[-1]
-    click.echo(f"{len(reports)} iterations; final resolution {last.resolution_angstrom:.2f} Å; map: {out}_class001.mrc"
-               if Path(f"{out}_class001.mrc").exists() else
-               f"stopped after {len(reports)} iterations (--iter) at {last.resolution_angstrom:.2f} Å; "
-               f"last outputs: {out}_it{last.iteration:03d}_*")
+    root = f"{out}_it{last.iteration:03d}"
+    click.echo(f"converged after {_iterations_run(reports)}; final resolution {last.resolution_angstrom:.2f} Å; "
+               f"map: {out}_class001.mrc" if reports.finished else
+               f"not converged after {_iterations_run(reports)} (--iter); resolution {last.resolution_angstrom:.2f} Å; "
+               f"last maps: {root}_half1_class001.mrc, {root}_half2_class001.mrc; go on with --continue "
+               f"{root}_optimiser.star and a larger --iter")
+
+
+def _iterations_run(reports) -> str:
+    """ "N iterations", with the iterations' numbers and where the run went on from after --continue."""
+    count = f"{len(reports)} iteration{'' if len(reports) == 1 else 's'}"
+    if reports.continued_from is None:
+        return count
+    first, last = reports[0].iteration, reports[-1].iteration
+    numbers = f"iteration {last}" if first == last else f"iterations {first}–{last}"
+    return f"{count} ({numbers}, continued from iteration {reports.continued_from})"
 
 
 def _progress_bar():

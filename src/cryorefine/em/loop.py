@@ -175,6 +175,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                             "from 1", resume_from, np.size(scales), particles.n_scale_groups)
                 state.model.scale_correction = np.ones(particles.n_scale_groups)
             job.resume(state, particles, resume.iteration_root(resume_from))
+            reports.continued_from = state.optimiser.iteration
+            log.info("continued from iteration %d (%s)", state.optimiser.iteration, resume_from)
             clock.mark("saved state read (--continue)")
         else:
             state = job.start(particles, settings, noise_spectra)
@@ -233,6 +235,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                     log.info("  M-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}" for name, seconds
                                                                    in outcome.maximization_stages.items()))
                 if job.finished(state, plan):
+                    reports.finished = True
                     break
             end = StageClock(reports.end_seconds)
             writer.wait()

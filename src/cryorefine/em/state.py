@@ -147,9 +147,12 @@ class IterationReport:
 class RunReports(list):
     """A run's IterationReports in order, with the time outside them in named stages (seconds): `start_seconds`
     from the run's set-up to its first iteration's plan, `end_seconds` after its last report (the last files
-    written, the device and the workers let go)."""
+    written, the device and the workers let go). `finished`: the job's final iteration ran (a refinement converged
+    and wrote its final files); `continued_from`: the iteration a --continue went on from (None: a new run)."""
 
     def __init__(self):
         super().__init__()
         self.start_seconds = {}
         self.end_seconds = {}
+        self.finished = False
+        self.continued_from = None
