@@ -207,6 +207,22 @@ def test_preread_images_copy_random_batches_in_parts(tmp_path, monkeypatch):
                 np.testing.assert_array_equal(got, stack[held[pick]])
 
 
+def test_preread_images_read_the_images_they_do_not_hold_from_their_stacks(tmp_path):
+    """Under MPI a worker holds its own share and may take over a batch of another's: a batch of held images, of
+    images not held, and of both mixed, in any order, is the stack's images (held ones copied, the others read)."""
+    rng = np.random.default_rng(8)
+    stack = rng.normal(size=(30, 6, 6)).astype(np.float32)
+    write_mrc(tmp_path / "s.mrcs", stack)
+    path = str(tmp_path / "s.mrcs")
+    held = np.arange(5, 15)
+    with mrc.PrereadImages([path] * held.size, held + 1) as reader:
+        for pick in (np.arange(5, 9), np.arange(20, 26), np.array([3, 7, 21, 6, 29, 5]), rng.permutation(30)):
+            out = np.full((pick.size, 6, 6), np.nan, np.float32)
+            got = reader.read([path] * pick.size, pick + 1, out=out)
+            np.testing.assert_array_equal(got, stack[pick])
+        np.testing.assert_array_equal(reader.read([path] * 3, np.array([1, 2, 6])), stack[[0, 1, 5]])
+
+
 def test_preread_images_hold_one_copy_of_the_images_and_read_them_batch_by_batch(tmp_path):
     """--preread_images reads each batch into its place: the peak of the memory numpy takes is the held images and
     one batch, not two copies of them (batches joined at the end), and the images are those of the stacks."""

@@ -148,7 +148,8 @@ def _held_shape_and_dtype(reader, paths):
 
 
 class PrereadImages:
-    """Images of some particles read once into memory (--preread_images); reads like a StackReader."""
+    """Images of some particles read once into memory (--preread_images); reads like a StackReader. Images it does
+    not hold (under MPI, a batch a worker takes over from another's share) are read from their stacks."""
 
     def __init__(self, paths, indices_1based, batch_size=1024, threads=None):
         paths = [str(p) for p in paths]
@@ -160,6 +161,7 @@ class PrereadImages:
             for s in range(0, len(paths), batch_size):
                 reader.read(paths[s:s + batch_size], indices[s:s + batch_size], out=self.images[s:s + batch_size])
         self._copies = _Pieces(READ_THREADS if threads is None else threads)
+        self._stacks = None  # a StackReader for the images not held, opened on the first
 
     @staticmethod
     def held_bytes(paths):
@@ -179,8 +181,12 @@ class PrereadImages:
         self.close()
 
     def close(self):
-        """The copying threads end (the images stay, for the next iteration's `with`)."""
+        """The copying threads end, and the stacks read for images not held close (the images stay, for the next
+        iteration's `with`)."""
         self._copies.close()
+        if self._stacks is not None:
+            self._stacks.close()
+            self._stacks = None
 
     def wire_dtype(self, paths):
         """The dtype the images are held in (see StackReader.wire_dtype)."""
@@ -190,11 +196,23 @@ class PrereadImages:
         """As StackReader.read (the images were checked for NaN/Inf when they were read in). Into `out` of the
         images' dtype, runs of consecutive images are copied as blocks, a large batch in parts at once (`_Pieces`):
         numpy's gather of whole images (`take`) copies at a fraction of memcpy's speed."""
-        rows = np.array([self._row[(str(p), int(i))] for p, i in zip(paths, np.asarray(indices_1based))],
-                        dtype=np.int64)
+        paths = [str(p) for p in paths]
+        indices = np.asarray(indices_1based)
+        rows = np.array([self._row.get((p, int(i)), -1) for p, i in zip(paths, indices)], dtype=np.int64)
         if out is None:
             out = np.empty((rows.size,) + self.images.shape[1:], dtype)
         target = out[:len(rows)]
+        missing = np.flatnonzero(rows < 0)
+        if missing.size:  # not held: from their stacks, the held ones copied below
+            if self._stacks is None:
+                self._stacks = StackReader()
+            target[missing] = self._stacks.read([paths[m] for m in missing], indices[missing],
+                                                check_finite=check_finite, dtype=target.dtype)
+            if missing.size == rows.size:
+                return target
+            held = np.flatnonzero(rows >= 0)
+            target[held] = self.read([paths[h] for h in held], indices[held], dtype=target.dtype)
+            return target
         if out.dtype != self.images.dtype:
             target[...] = self.images[rows]
             return target

@@ -5,11 +5,14 @@ file). The set-up's initial noise pass over all images is shared out: worker w p
 w, w + W, … on its engine and the master adds their sums in batch order. For each iteration's
 E-step the master broadcasts the plan (the work units) and the model and hands out (work unit,
 batch of particle indices) on request, storing each batch's per-particle results as they come
-back. Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
+back. Each unit's particles are cut into one share per worker of the unit (contiguous blocks of
+particle indices, `shares_of_unit`): a worker is handed its own share's batches first, then helps the
+worker with most left, so that the workers end together and `--preread_images` holds each image
+once among them (each worker its share; a batch taken over from another's is read from the stacks). Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
 the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
 next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
-device each when CuPy sees one, else numpy; `--preread_images` keeps its units' images in memory)
+device each when CuPy sees one, else numpy; `--preread_images` keeps its shares' images in memory)
 and asks for the next batch before it starts on the current one.
 
 At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
@@ -58,7 +61,7 @@ import numpy as np
 from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em import mstep
-from cryorefine.em.estep import BatchInputs, add_counts, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
+from cryorefine.em.estep import BatchInputs, add_counts, add_seconds, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
 from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
@@ -127,6 +130,33 @@ def holder_of_unit(unit, n_workers):
 def workers_of_unit(unit, n_workers, n_units):
     """The workers that serve a unit, its holder first."""
     return [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+
+
+def shares_of_unit(members, n_workers):
+    """A unit's particles split into `n_workers` shares, one per worker of the unit in its order (`workers_of_unit`):
+    contiguous blocks of particle indices (of the stacks' order, which reads them as blocks). A worker is handed
+    the batches of its own share first and prereads it alone (--preread_images); the master and the workers
+    compute the same split."""
+    return np.array_split(np.sort(np.asarray(members)), max(1, n_workers))
+
+
+def batch_queues(particles, unit_members, n_workers, batch_size):
+    """One deque of batches per worker of a unit, each of its share (`shares_of_unit`) in the unit's order."""
+    members = np.asarray(unit_members)
+    queues = []
+    for share in shares_of_unit(members, n_workers):
+        queues.append(deque(particles.batches(batch_size, members[np.isin(members, share)])))
+    return queues
+
+
+def next_batch(queues, worker):
+    """The next batch for `worker` (its place in the unit's workers) from the unit's queues (`batch_queues`): its
+    own share's next batch, else the last batch of the share with the most left (its images not preread by this
+    worker), else None."""
+    if queues[worker]:
+        return queues[worker].popleft()
+    donor = max(range(len(queues)), key=lambda w: len(queues[w]))
+    return queues[donor].pop() if queues[donor] else None
 
 
 def makers_of_parts(groups, n_workers, n_units):
@@ -301,9 +331,11 @@ class MpiRunner:
         self.objects.bcast(("iteration", self._without_held_maps(plan, model) + (previous,)), root=0)
         broadcast = time.perf_counter() - tic
         batch_size = self.config.batch_size_for(settings.ori_size_px)
-        queues = [deque(particles.batches(batch_size, unit.members)) for unit in plan.units]
         n_units = len(plan.units)
         served = {w: units_of_worker(w, self.n_workers, n_units) for w in range(self.n_workers)}
+        unit_workers = [workers_of_unit(u, self.n_workers, n_units) for u in range(n_units)]
+        queues = [batch_queues(particles, unit.members, len(unit_workers[u]), batch_size)
+                  for u, unit in enumerate(plan.units)]
         workers_left, outstanding = self.n_workers, 0
         status = MPI.Status()
         while workers_left or outstanding:
@@ -319,12 +351,17 @@ class MpiRunner:
                 if progress:
                     progress(indices.size, len(particles))
                 continue
-            unit = next((u for u in served[source - 1] if queues[u]), None)
-            if unit is None:
-                comm.send(None, dest=source, tag=TAG_WORK)
+            worker = source - 1
+            work = None
+            for unit in served[worker]:  # a unit's batches come together: the next unit once this one has none
+                batch = next_batch(queues[unit], unit_workers[unit].index(worker))
+                if batch is not None:
+                    work = (unit, batch)
+                    break
+            comm.send(work, dest=source, tag=TAG_WORK)
+            if work is None:
                 workers_left -= 1
             else:
-                comm.send((unit, queues[unit].popleft()), dest=source, tag=TAG_WORK)
                 outstanding += 1
         stages, flops = {"broadcast": broadcast}, {}
         for worker_stages, worker_flops in comm.gather(({}, {}), root=0)[1:]:  # the workers' E-steps are over
@@ -405,8 +442,13 @@ class MpiRunner:
         def on_result(u, indices, result):
             comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
 
-        preread = np.concatenate([plan.units[u].members for u in mine]) if self.config.preread_images else None
+        preread = None
+        if self.config.preread_images:  # this worker's own shares: the workers together hold each image once
+            preread = np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
+        reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
+            if preread is not None:
+                add_seconds(stages, "preread", reading)  # the first iteration reads them in
             sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
@@ -430,6 +472,11 @@ class MpiRunner:
             self.objects.send((new_model, {"sums to their makers": received, "M-step on the workers":
                                            time.perf_counter() - tic - received}), dest=0, tag=TAG_MODEL)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out
+
+    def _share(self, members, unit, n_units):
+        """This worker's share of a unit's particles (`shares_of_unit`)."""
+        workers = workers_of_unit(unit, self.n_workers, n_units)
+        return shares_of_unit(members, len(workers))[workers.index(self.rank - 1)]
 
     # ------------------------------------------------------------------ maps
     def _without_held_maps(self, plan, model):

@@ -11,7 +11,8 @@ import numpy as np
 
 from cryorefine.data import scratch_copy
 from cryorefine.em import mstep
-from cryorefine.em.estep import BatchInputs, empty_sums, initial_noise_spectra, run_batches, sums_wait_on_host
+from cryorefine.em.estep import (BatchInputs, add_seconds, empty_sums, initial_noise_spectra, run_batches,
+                                  sums_wait_on_host)
 from cryorefine.em.loop import StepOutcome, log_stages
 
 log = logging.getLogger("cryorefine")
@@ -65,7 +66,10 @@ class SerialRunner:
 
         with self.backend.iteration_scope():
             preread = np.arange(len(particles)) if self.preread_images else None
+            reading = time.perf_counter()
             with particles.image_reader(preread) as reader:
+                if preread is not None:
+                    add_seconds(stages, "preread", reading)  # the first iteration reads them in
                 sums = run_batches(self.backend, plan.units, work, particles, settings, inputs, reader, on_result,
                                    stages, flops, park_finished=sums_wait_on_host(self.backend, plan.units))
             sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module, self.backend.sums_dtype)
