@@ -5,7 +5,11 @@ The inputs are the EMPIAR-10028 stand-in of empiar10028.py (a 7P6Z ribosome dens
 benchmark (empiar10028.JOB_ARGUMENTS) and runs through the command line, as a user would:
 
     1 GPU      python -m cryorefine classify|refine ... --gpu 0               (one process)
-    W GPUs     mpirun -n W+1 python -m cryorefine ... --gpu 0:1:…:W-1          (a master and W workers)
+    W GPUs     mpirun -n W+1 python -m cryorefine ... --gpu 0:1:…:W-1 --j 4 --pool 30 --preread_images
+               --dont_combine_weights_via_disc                                 (a master and W workers)
+
+The MPI runs carry the flags RELION's GUI and tutorial write (--gui_flags; '' for none), as users launch them;
+the one-process run is the plain line it is compared with.
 
 Before the measurements the Class3D job runs on 200 of the particles for 3 iterations, so that CuPy
 compiles the kernels and caches them on disk for every later process (--no-warmup: measure a cold start).
@@ -86,7 +90,7 @@ def command_of(job, star, reference, out, workers, args, iterations=None, mpi=Fa
         engine = ["--gpu", ":".join(str(w % args.gpus) for w in range(workers))]
     if workers == 1 and not mpi:
         return cryorefine + arguments + engine
-    return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine]
+    return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine, *args.gui_flags.split()]
 
 
 def run_one(job, star, reference, workers, args, iterations=None, folder=None):
@@ -203,6 +207,10 @@ def main(argv=None):
     parser.add_argument("--mpirun", default=None,
                         help="the launcher and its options (default: Open MPI's `mpirun --allow-run-as-root --bind-to "
                              "none` on the GPU machine; with numpy the mpiexec beside Python, pip's mpich)")
+    parser.add_argument("--gui_flags", default="--j 4 --pool 30 --preread_images --dont_combine_weights_via_disc",
+                        help="RELION's flags added to the MPI runs' line, as its GUI and tutorial write them "
+                             "(default: %(default)s; '' for none)")
+    parser.add_argument("--float16", action="store_true", help="the stand-in's stack in float16 (MRC mode 12)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
     args = parser.parse_args(argv)
@@ -215,7 +223,7 @@ def main(argv=None):
     # the stand-in's settings, as empiar10028.py takes them
     stand_in = argparse.Namespace(engine=args.engine, model=args.model, n=args.n or
                                   (120 if tiny else 20_000), box=32 if tiny else 360, angpix=12.0 if tiny else 1.34,
-                                  snr=1.0 if tiny else 0.05, seed=0, density_oversample=2, float16=False)
+                                  snr=1.0 if tiny else 0.05, seed=0, density_oversample=2, float16=args.float16)
     args.iterations = args.iterations or (2 if tiny else None)
     args.work.mkdir(parents=True, exist_ok=True)
     if tiny:
