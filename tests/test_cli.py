@@ -329,3 +329,72 @@ def test_the_end_line_of_a_continued_classification_counts_its_iterations(tmp_pa
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("2 iterations (iterations 2–3, continued from iteration 1); resolution "), last
     assert last.endswith(f"maps: {out / 'run'}_it003_class*.mrc")
+
+
+def interrupt_at(monkeypatch, iteration, interruption=KeyboardInterrupt):
+    """Ctrl-C (KeyboardInterrupt) as a refinement plans `iteration`."""
+    from cryorefine.jobs.refine import RefineJob
+
+    original = RefineJob.plan
+
+    def plan(self, run_state, planned):
+        if planned == iteration:
+            raise interruption()
+        return original(self, run_state, planned)
+
+    monkeypatch.setattr(RefineJob, "plan", plan)
+
+
+def test_ctrl_c_names_the_last_complete_iteration_and_the_continue_line_that_resumes_it(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """Ctrl-C in iteration 3: one line naming iteration 2 and the exact --continue line, exit 130; that line
+    resumes the run; Ctrl-C in the first iteration of that continued run names the file it went on from."""
+    star = tmp_path / "out" / "run_it002_optimiser.star"
+    interrupt_at(monkeypatch, 3)
+    code, _, err = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "out" / "run"),
+                       "--iter", "5")
+    assert code == 130
+    assert err.strip() == (f"cryorefine: error: interrupted (Ctrl-C); iteration 2 is the last complete one: resume "
+                           f"with `cryorefine refine --continue {star}`")
+    assert star.is_file() and not (tmp_path / "out" / "run_it003_optimiser.star").exists()
+    code, _, err = run(capsys, "refine", "--continue", str(star), "--o", str(tmp_path / "again" / "run"))
+    assert code == 130 and f"iteration 2 is the last complete one: resume with `cryorefine refine --continue {star}`" \
+        in err
+    monkeypatch.undo()
+    code, stdout, _ = run(capsys, "refine", "--continue", str(star), "--iter", "3")
+    assert code == 0 and "continued from iteration 2" in stdout
+
+
+def test_ctrl_c_before_the_first_iteration_is_complete_says_there_is_nothing_to_continue_from(tmp_path, capsys,
+                                                                                             monkeypatch):
+    interrupt_at(monkeypatch, 1)
+    code, _, err = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "run"), "--iter", "2")
+    assert code == 130 and "before iteration 1 was complete: nothing to continue from" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_sigterm_names_the_last_complete_iteration_and_the_continue_line(tmp_path):
+    """SIGTERM (a scheduler's stop) as iteration 3 starts, in a process of its own: the same line as Ctrl-C, exit
+    code 143 (128 + SIGTERM), the iteration named complete."""
+    import subprocess
+    import sys
+
+    inputs = small_refine_inputs(tmp_path)
+    script = ("import os, signal, sys\n"
+              "from cryorefine.jobs.refine import RefineJob\n"
+              "from cryorefine.cli import main\n"
+              "original = RefineJob.plan\n"
+              "def plan(self, state, iteration):\n"
+              "    if iteration == 3:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return original(self, state, iteration)\n"
+              "RefineJob.plan = plan\n"
+              "main(sys.argv[1:])\n")
+    done = subprocess.run([sys.executable, "-c", script, "refine", *inputs, "--o", str(tmp_path / "run"),
+                           "--iter", "5"], capture_output=True, text=True, timeout=300)
+    star = tmp_path / "run_it002_optimiser.star"
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"cryorefine: error: interrupted (SIGTERM); iteration 2 is the last complete one: resume with "
+        f"`cryorefine refine --continue {star}`")
+    assert star.is_file()

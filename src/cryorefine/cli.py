@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from cryorefine import __version__
-from cryorefine.errors import InputError, disk_full_message
+from cryorefine.errors import InputError, RunInterrupted, disk_full_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -377,8 +377,34 @@ def _run_job(job, min_mpi_ranks, config, resume_from, control, overwrite=False):
 
     on_abort = (lambda: control.finished(FAILURE)) if control else None
     runner = runners.for_config(config, min_mpi_ranks, on_abort=on_abort)
-    return job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=resume_from,
-                   stop_requested=control.abort_requested if control else None, overwrite=overwrite)
+    with _sigterm_stops_the_run():
+        return job.run(config, runner, argv=sys.argv[1:], progress=_progress_bar(), resume_from=resume_from,
+                       stop_requested=control.abort_requested if control else None, overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run():
+    """SIGTERM raises errors.Terminated in the main thread, as Ctrl-C raises KeyboardInterrupt, so that a run
+    stopped either way says which iteration is complete and how to resume it (`em.loop.interruption_reported`).
+    MPI workers keep the default (the master reports); the previous handler is put back at the end."""
+    import signal
+    import threading
+
+    from cryorefine.errors import Terminated
+    from cryorefine.runners.mpi import rank_from_environment
+
+    if rank_from_environment() > 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 #: the exit status of a job stopped by RELION_JOB_ABORT_NOW, RELION's own (pipeline_control.h)
@@ -667,6 +693,8 @@ def main(argv=None):
         _fail(f"{exc.format_message()} (see `cryorefine {_command(exc)} --help`)", 2, debug, args)
     except click.exceptions.Abort:
         _fail("aborted", 130, False, args)
+    except RunInterrupted as exc:  # Ctrl-C or SIGTERM in a run: the last complete iteration and how to resume
+        _fail(str(exc), exc.exit_code, False, args)
     except InputError as exc:
         _fail(str(exc), 2, debug, args)
     except MemoryError as exc:

@@ -1,5 +1,6 @@
-"""The one exception type for bad input (the CLI prints its message as one line and exits 2), and the one
-line for an output that did not fit on its disk, which one process and an MPI job both print."""
+"""The one exception type for bad input (the CLI prints its message as one line and exits 2), the one
+line for an output that did not fit on its disk, which one process and an MPI job both print, and a run
+stopped by Ctrl-C or SIGTERM."""
 
 import errno
 
@@ -17,3 +18,17 @@ def disk_full_message(exc):
     where = f" writing {exc.filename}" if exc.filename else ""
     return (f"no space left on the device{where}: free space where the run writes (--o), then carry on from its "
             "last complete iteration with --continue (its _optimiser.star)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread during a run as Ctrl-C raises KeyboardInterrupt (the command line installs
+    the handler), so that both stop the run the same way."""
+
+
+class RunInterrupted(Exception):
+    """A run stopped by Ctrl-C or SIGTERM once the files of its iterations were written: the message names the last
+    complete iteration and the --continue line that resumes it; `exit_code`: 130 (Ctrl-C) or 143 (SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

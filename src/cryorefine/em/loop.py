@@ -32,7 +32,7 @@ from cryorefine.data import load_particles
 from cryorefine.em import schedule
 from cryorefine.em.estep import add_seconds, fine_pass_limits_reached, in_direction_order, keep_norms_unless_refined
 from cryorefine.em.state import IterationReport, ModelState, OptimiserState, ParticleState, RunReports, RunState
-from cryorefine.errors import InputError
+from cryorefine.errors import InputError, RunInterrupted, Terminated
 from cryorefine.images import ImageSettings
 from cryorefine.io import resume, run_files
 from cryorefine.io.background import BackgroundWriter
@@ -153,7 +153,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         clock.mark("initial noise spectra")
         return spectra
 
-    with runner.session() as session, contextlib.ExitStack() as stack:
+    with runner.session() as session, interruption_reported(job.kind, config.output_root, reports, resume_from), \
+            contextlib.ExitStack() as stack:
         clock.mark("device and workers set up")
         if resume_from is None:
             run_files.check_no_earlier_run(config.output_root, overwrite, log)
@@ -247,6 +248,24 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
 
 
 INITIAL_MODEL = "initial model (maps, schedule)"
+
+
+@contextlib.contextmanager
+def interruption_reported(kind: str, out_root: str, reports, resume_from: str | None):
+    """Ctrl-C (KeyboardInterrupt) or SIGTERM (errors.Terminated) in the run becomes RunInterrupted, raised once the
+    writer has finished the files of the iterations it was given (its `with` waits for them): the message names
+    the last iteration whose files --continue reads are on disk and the command that resumes it."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        how, exit_code = ("SIGTERM", 143) if isinstance(exc, Terminated) else ("Ctrl-C", 130)
+        complete = run_files.last_complete_iteration(out_root, [r.iteration for r in reports], resume_from)
+        if complete is None:
+            raise RunInterrupted(f"interrupted ({how}) before iteration 1 was complete: nothing to continue from; "
+                                 f"start the run again (with --overwrite where it left files)", exit_code) from None
+        iteration, optimiser_star = complete
+        raise RunInterrupted(f"interrupted ({how}); iteration {iteration} is the last complete one: resume with "
+                             f"`cryorefine {kind} --continue {optimiser_star}`", exit_code) from None
 
 
 class StageClock:
