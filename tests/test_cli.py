@@ -89,6 +89,15 @@ def test_a_relion_option_not_implemented_is_not_taken_for_a_typo(capsys, tmp_pat
     assert_one_line_error(code, err, "Did you mean --healpix_order?")
 
 
+def test_a_typo_of_an_implemented_option_gets_a_hint_and_is_not_called_unimplemented(capsys, tmp_path):
+    """--partcle_diameter is a misspelt --particle_diameter, which refine and classify implement: the hint alone."""
+    for command in ("refine", "classify"):
+        code, _, err = run(capsys, command, "--i", str(tmp_path / "p.star"), "--partcle_diameter", "200")
+        assert_one_line_error(code, err, "No such option: --partcle_diameter. Did you mean --particle_diameter?",
+                              f"see `cryorefine {command} --help`")
+        assert "not implemented" not in err
+
+
 def test_truncated_mrc(tmp_path, capsys):
     write_mrc(tmp_path / "s.mrcs", np.ones((5, 16, 16), np.float32))
     raw = (tmp_path / "s.mrcs").read_bytes()

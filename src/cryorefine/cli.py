@@ -686,9 +686,12 @@ def main(argv=None):
     except click.exceptions.NoSuchOption as exc:
         takers = _commands_taking(exc.option_name)
         named = " and ".join(f"`cryorefine {name}`" for name in takers)
-        where = (f"{named} take{'s' if len(takers) == 1 else ''} it, `cryorefine {_command(exc)}` does not" if takers
-                 else "this option is not implemented")
-        _fail(f"{_no_such_option(exc)} ({where}; see `cryorefine {_command(exc)} --help`)", 2, debug, args)
+        guess = _near_miss(exc)
+        message = f"No such option: {exc.option_name}" + (f". Did you mean {guess}?" if guess else "")
+        # a typo of an option the command has is not called unimplemented: only an option it has nothing near is
+        where = (f"{named} take{'s' if len(takers) == 1 else ''} it, `cryorefine {_command(exc)}` does not; "
+                 if takers else "" if guess else "this option is not implemented; ")
+        _fail(f"{message} ({where}see `cryorefine {_command(exc)} --help`)", 2, debug, args)
     except click.exceptions.UsageError as exc:
         _fail(f"{exc.format_message()} (see `cryorefine {_command(exc)} --help`)", 2, debug, args)
     except click.exceptions.Abort:
@@ -707,15 +710,14 @@ def main(argv=None):
     return 0
 
 
-def _no_such_option(exc):
-    """Click's message for an unknown option, with its guess only where the name is a near miss of an option's (a
-    typo): RELION options that are not implemented here (--relax_sym, --ctf_corrected_ref …) are not typos of the
-    options they share words with (--sym, --solvent_correct_fsc …)."""
+def _near_miss(exc) -> str | None:
+    """The command's option that the unknown one is a near miss of (a typo), else None: RELION options that are not
+    implemented here (--relax_sym …) are not typos of the options they share words with (--sym …)."""
     import difflib
 
     close = [name for name in (exc.possibilities or [])
              if difflib.SequenceMatcher(None, exc.option_name, name).ratio() >= NEAR_MISS_RATIO]
-    return f"No such option: {exc.option_name}" + (f". Did you mean {close[0]}?" if close else "")
+    return close[0] if close else None
 
 
 #: difflib's similarity from which an unknown option is taken for a typo of a known one (--healpix_ordr: 0.97;
