@@ -164,7 +164,8 @@ class ParticleSet:
 
     def image_reader(self, preread_indices=None, sharers=1):
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
-        were given, an in-memory `mrc.PrereadImages` of those particles, kept for the following calls
+        were given, an in-memory `mrc.PrereadImages` of those particles (each image kept as it is first read), kept
+        for the following calls
         (read again, for all particles asked for so far, when a call asks for particles it lacks). Images that
         would take more than PREREAD_SHARE_OF_AVAILABLE_MEMORY of the available memory, divided among `sharers`
         (the MPI workers of this node, each holding its own), are not held: a warning, and a StackReader."""
@@ -185,7 +186,8 @@ class ParticleSet:
                     self.preread_refused = True
                     self.preread_indices = np.zeros(0, np.int64)
                 else:
-                    self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held])
+                    # each image kept as the first iteration reads it (no pause to read them all first)
+                    self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held], read_now=False)
                     self.preread_indices = held
         return self.preread if self.preread is not None else mrc.StackReader()
 

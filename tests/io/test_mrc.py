@@ -223,6 +223,26 @@ def test_preread_images_read_the_images_they_do_not_hold_from_their_stacks(tmp_p
         np.testing.assert_array_equal(reader.read([path] * 3, np.array([1, 2, 6])), stack[[0, 1, 5]])
 
 
+def test_preread_images_kept_as_first_read_come_from_memory_after(tmp_path):
+    """read_now=False (what a run uses): each held image is read from its stack the first time a batch asks for it
+    and from memory after that; images not held always come from the stack (here the stack is changed between the
+    reads to tell the two apart)."""
+    rng = np.random.default_rng(9)
+    first = rng.normal(size=(12, 6, 6)).astype(np.float32)
+    write_mrc(tmp_path / "s.mrcs", first)
+    path = str(tmp_path / "s.mrcs")
+    held = np.arange(8)
+    with mrc.PrereadImages([path] * held.size, held + 1, read_now=False) as reader:
+        np.testing.assert_array_equal(reader.read([path] * 4, np.array([2, 3, 9, 10])), first[[1, 2, 8, 9]])
+    second = first + 100.0
+    write_mrc(tmp_path / "s.mrcs", second)
+    with reader:  # the next iteration
+        pick = np.array([1, 2, 5, 8, 9])  # read before and held; held, not read yet; not held
+        got = reader.read([path] * pick.size, pick + 1, out=np.full((6, 6, 6), np.nan, np.float32))
+        np.testing.assert_array_equal(got, np.concatenate([first[[1, 2]], second[[5, 8, 9]]]))
+        np.testing.assert_array_equal(reader.read([path], np.array([6])), second[[5]])  # held since the last read
+
+
 def test_preread_images_hold_one_copy_of_the_images_and_read_them_batch_by_batch(tmp_path):
     """--preread_images reads each batch into its place: the peak of the memory numpy takes is the held images and
     one batch, not two copies of them (batches joined at the end), and the images are those of the stacks."""

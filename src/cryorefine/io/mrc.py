@@ -148,20 +148,28 @@ def _held_shape_and_dtype(reader, paths):
 
 
 class PrereadImages:
-    """Images of some particles read once into memory (--preread_images); reads like a StackReader. Images it does
-    not hold (under MPI, a batch a worker takes over from another's share) are read from their stacks."""
+    """Images of some particles held in memory (--preread_images); reads like a StackReader.
 
-    def __init__(self, paths, indices_1based, batch_size=1024, threads=None):
+    With `read_now` every image is read in at once; else each is kept as a batch first reads it from its stack (the
+    first iteration's reads, on the read-ahead thread while the GPU works: no pause before it) and copied from
+    memory after that. Images it does not hold (under MPI, a batch a worker takes over from another's share) are
+    read from their stacks every time."""
+
+    def __init__(self, paths, indices_1based, batch_size=1024, threads=None, read_now=True):
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
         with StackReader() as reader:  # float16 stacks stay float16: half the memory
             # one array of them all, each batch read into its place (no second copy)
             self.images = np.empty(*_held_shape_and_dtype(reader, paths))
-            for s in range(0, len(paths), batch_size):
-                reader.read(paths[s:s + batch_size], indices[s:s + batch_size], out=self.images[s:s + batch_size])
+            self._filled = np.zeros(len(paths), dtype=bool)  # the rows read in so far
+            if read_now:
+                for s in range(0, len(paths), batch_size):
+                    reader.read(paths[s:s + batch_size], indices[s:s + batch_size],
+                                out=self.images[s:s + batch_size])
+                self._filled[:] = True
         self._copies = _Pieces(READ_THREADS if threads is None else threads)
-        self._stacks = None  # a StackReader for the images not held, opened on the first
+        self._stacks = None  # a StackReader for the images not (yet) held, opened on the first
 
     @staticmethod
     def held_bytes(paths):
@@ -193,7 +201,7 @@ class PrereadImages:
         return self.images.dtype
 
     def read(self, paths, indices_1based, out=None, check_finite=True, dtype=np.float32):
-        """As StackReader.read (the images were checked for NaN/Inf when they were read in). Into `out` of the
+        """As StackReader.read (held images were checked for NaN/Inf when they were read in). Into `out` of the
         images' dtype, runs of consecutive images are copied as blocks, a large batch in parts at once (`_Pieces`):
         numpy's gather of whole images (`take`) copies at a fraction of memcpy's speed."""
         paths = [str(p) for p in paths]
@@ -202,16 +210,18 @@ class PrereadImages:
         if out is None:
             out = np.empty((rows.size,) + self.images.shape[1:], dtype)
         target = out[:len(rows)]
-        missing = np.flatnonzero(rows < 0)
-        if missing.size:  # not held: from their stacks, the held ones copied below
+        unread = np.flatnonzero((rows < 0) | ~self._filled[np.maximum(rows, 0)])
+        if unread.size:  # from their stacks; those this reader holds are kept, the others copied below
             if self._stacks is None:
                 self._stacks = StackReader()
-            target[missing] = self._stacks.read([paths[m] for m in missing], indices[missing],
-                                                check_finite=check_finite, dtype=target.dtype)
-            if missing.size == rows.size:
-                return target
-            held = np.flatnonzero(rows >= 0)
-            target[held] = self.read([paths[h] for h in held], indices[held], dtype=target.dtype)
+            target[unread] = self._stacks.read([paths[u] for u in unread], indices[unread],
+                                               check_finite=check_finite, dtype=target.dtype)
+            kept = unread[rows[unread] >= 0]
+            self.images[rows[kept]] = target[kept]
+            self._filled[rows[kept]] = True
+            if unread.size < rows.size:
+                held = np.setdiff1d(np.arange(rows.size), unread)
+                target[held] = self.read([paths[h] for h in held], indices[held], dtype=target.dtype)
             return target
         if out.dtype != self.images.dtype:
             target[...] = self.images[rows]

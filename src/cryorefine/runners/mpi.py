@@ -20,7 +20,8 @@ reconstructions: the job names its maps in groups whose sums must be in one proc
 (`Job.maximization_groups`: a refinement's two halves, or its final iteration's joined pair; a
 classification's classes), and each group is made by one of its unit's workers, a unit's groups taken by its
 workers in turn (`makers_of_parts`). The sums of each unit are added up by MPI reductions inside the
-communicator of the unit's workers (in chunks of host buffers, in float64): each class volume onto the worker
+communicator of the unit's workers (in chunks of host buffers; the class volumes in the engine's precision, the
+other sums in float64): each class volume onto the worker
 that makes its map, the other sums onto the unit's first worker (a unit's only worker keeps them where they
 are); a volume whose maker does not serve its unit (the final iteration's second half) crosses to it, and the
 units' other sums (noise spectra, distributions, norms: small) are shared by all. Every worker then runs the
@@ -76,7 +77,7 @@ TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds 
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
-REDUCE_CHUNK_ELEMENTS = 1 << 24  # float64 elements per MPI message or reduction (128 MB)
+REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -443,7 +444,9 @@ class MpiRunner:
             comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
 
         preread = None
-        if self.config.preread_images:  # this worker's own shares: the workers together hold each image once
+        if self.config.preread_images and n_units <= self.n_workers:
+            # this worker's share of its unit: the workers together hold each image once. A classification's seeding
+            # iteration (a unit per class, more than the workers) adds none: the shares stay those of the job's unit
             preread = np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
         reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
@@ -531,8 +534,8 @@ class MpiRunner:
         """{unit: host or device WeightedSums} of this worker after the reduction over each unit's workers: each class
         volume reduced onto the worker that makes its map (`makers`; onto the unit's holder where that worker is not
         one of the unit's, `_sums_of_makers` sends it on), the other sums onto the unit's holder (`holder_of_unit`).
-        A class volume not held here is None; the other sums are whole only on the holder. Reductions add in float64
-        and give the volumes back in the engine's precision (`real_dtype`); a unit's only worker keeps them where
+        A class volume not held here is None; the other sums are whole only on the holder. The volumes are added in
+        the engine's precision (`real_dtype`), the other sums in float64; a unit's only worker keeps them where
         they are, or copies them to the host in that precision when it serves several units."""
         from mpi4py import MPI
 
@@ -548,10 +551,10 @@ class MpiRunner:
             return {u: s}
         unit_workers = workers_of_unit(u, self.n_workers, n_units)
 
-        def reduced(array, root, dtype):
-            """`array` added over the unit's workers onto `root` (its rank in the unit) in float64, in chunks; there
-            of `dtype` (None elsewhere)."""
-            flat = flat_reals(array, np.float64)
+        def reduced(array, root, dtype, wire=np.float64):
+            """`array` added over the unit's workers onto `root` (its rank in the unit) in the reals of `wire`, in
+            chunks; there of `dtype` (None elsewhere)."""
+            flat = flat_reals(array, wire)
             out = np.zeros_like(flat) if unit_comm.Get_rank() == root else None
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
                 stop = min(flat.size, start + REDUCE_CHUNK_ELEMENTS)
@@ -563,9 +566,12 @@ class MpiRunner:
         for c in range(len(s.data)):
             maker = makers[(u, c)]
             root = unit_workers.index(maker) if maker in unit_workers else 0
-            data.append(reduced(s.data[c], root, complex_dtype_for(real_dtype)))
+            # the class volumes in the engine's own precision: each worker's are float32 sums of thousands of
+            # atomic adds, and float64 on the wire doubled the bytes and cost a conversion on each side (the
+            # reduction of Class3D's six volumes grew to 1.3 s a worker an iteration on two H200s)
+            data.append(reduced(s.data[c], root, complex_dtype_for(real_dtype), real_dtype))
             s.data[c] = None
-            weight.append(reduced(s.weight[c], root, np.dtype(real_dtype)))
+            weight.append(reduced(s.weight[c], root, np.dtype(real_dtype), real_dtype))
             s.weight[c] = None
         small = s.without_volumes()
         flats = [reduced(flat, 0, np.float64) for flat in small.pack()]
