@@ -29,10 +29,11 @@ volume, pixel = read_volume(sys.argv[1])
 write_volume(sys.argv[2], downsample_volume(volume, 32), pixel * volume.shape[0] / 32)
 PY
 cryorefine simulate --ref "$out/ribosome_32px.mrc" --n 400 --snr 0.3 --seed 2 --o "$out/sim32"
-# RELION's auto-refine schedule; local searches from HEALPix order 3 (3.75°) keep the late iterations short
+# RELION's auto-refine schedule; local searches from HEALPix order 3 (3.75°) keep the late iterations short;
+# --overwrite: a second `make demo` replaces the first one's run instead of being refused
 cryorefine refine --i "$out/sim32/particles.star" --ref "$out/ribosome_32px.mrc" --o "$out/refine/run" \
     --ini_high 50 --particle_diameter 320 --ctf --flatten_solvent --zero_mask --offset_range 3 --offset_step 1 \
-    --norm --scale --auto_local_healpix_order 3
+    --norm --scale --auto_local_healpix_order 3 --overwrite
 
 echo "== done"
 echo "refined map:      $out/refine/run_class001.mrc (half maps run_half1/2_class001_unfil.mrc)"
