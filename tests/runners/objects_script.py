@@ -1,5 +1,5 @@
 """Run under mpiexec -n 3 by tests/runners/test_mpi.py: objects with arrays of several kinds sent, received,
-broadcast and gathered by all by `ObjectChannel` in small chunks; every rank checks what it got against what it
+broadcast, gathered by all and gathered onto one by `ObjectChannel` in small chunks; every rank checks what it got against what it
 would have sent, and rank 0 prints one line for all: "all ranks ok", or each rank's differences."""
 
 import sys
@@ -76,6 +76,13 @@ def main():
     everyone = ObjectChannel(comm, chunk_bytes=4096).allgather(payload(20 + rank) if rank != 1 else {})
     if not (len(everyone) == 3 and everyone[1] == {} and all(same(payload(20 + r), everyone[r]) for r in (0, 2))):
         problems.append("allgather")
+    # every rank's object onto one rank (the workers' maps onto the master), arrays crossing all at once
+    gathered = ObjectChannel(comm, chunk_bytes=4096).gather(payload(30 + rank) if rank != 0 else None, root=0)
+    if rank == 0:
+        if not (len(gathered) == 3 and gathered[0] is None and all(same(payload(30 + r), gathered[r]) for r in (1, 2))):
+            problems.append("gather")
+    elif gathered is not None:
+        problems.append("gather gave a sender something")
     every = comm.gather(problems, root=0)
     if rank == 0:
         failed = [f"rank {r}: {', '.join(p)}" for r, p in enumerate(every) if p]

@@ -26,8 +26,10 @@ that makes its map, the other sums onto the unit's first worker (a unit's only w
 are); a volume whose maker does not serve its unit (the final iteration's second half) crosses to it, and the
 units' other sums (noise spectra, distributions, norms: small) are shared by all. Every worker then runs the
 job's M-step on the volumes it holds, exchanging what the others need (the FSC's part of a half, the maps it
-made) through `WorkerPeers.gather_all`, so that every worker ends with every map; rank 1 sends the new model to
-the master, whose next broadcast names the maps the workers hold (`HeldMap`) instead of sending them again.
+made) through `WorkerPeers.gather_all`, so that every worker ends with every map; rank 1 sends the new model
+without its maps to the master and every worker a share of the maps, all at once (`maps_of_worker`,
+`ObjectChannel.gather`); the master's next broadcast names the maps the workers hold (`HeldMap`) instead of sending
+them again.
 Plans, models and maps go as pickle protocol 5 with their arrays as raw bytes
 (`runners.objects.ObjectChannel`), of any size. The M-step is the job's own code, so results do not depend on
 the number of ranks beyond the order of floating-point sums.
@@ -73,7 +75,6 @@ from cryorefine.runners.objects import ObjectChannel
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
 TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
-TAG_MODEL = 14  # rank 1 -> master: the model after the M-step, and the seconds of its parts
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
@@ -158,6 +159,13 @@ def next_batch(queues, worker):
         return queues[worker].popleft()
     donor = max(range(len(queues)), key=lambda w: len(queues[w]))
     return queues[donor].pop() if queues[donor] else None
+
+
+def maps_of_worker(maps, worker, n_workers):
+    """[(half, class, map)] of the model's maps (`maps[half][class]`, every worker holds them all after the M-step)
+    that worker `worker` sends to the master: every n_workers-th, so that the maps cross side by side."""
+    flat = [(h, k, m) for h, row in enumerate(maps) if row is not None for k, m in enumerate(row)]
+    return flat[worker::n_workers]
 
 
 def makers_of_parts(groups, n_workers, n_units):
@@ -370,7 +378,14 @@ class MpiRunner:
             add_counts(flops, worker_flops)
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
-        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)  # the workers' M-step, rank 1's
+        # the workers' M-step: the model from rank 1, its maps from every worker at once (`maps_of_worker`)
+        parts = self.objects.gather(None, root=0)
+        new_model, maximization_stages = parts[1][0]
+        maps = [None if row is None else list(row) for row in new_model.maps]
+        for _, share in parts[1:]:
+            for half, klass, volume in share:
+                maps[half][klass] = volume
+        new_model = replace(new_model, maps=maps)
         maximization = time.perf_counter() - tic
         maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
         self.held_maps = new_model.maps  # every worker holds them too
@@ -471,9 +486,11 @@ class MpiRunner:
         with backend.maximization_scope():  # the job moves the sums to the device as they fit
             new_model = job.maximize(model, all_sums, plan, backend, self.peers)
             del all_sums
-        if worker == 0:
-            self.objects.send((new_model, {"sums to their makers": received, "M-step on the workers":
-                                           time.perf_counter() - tic - received}), dest=0, tag=TAG_MODEL)
+        model = None
+        if worker == 0:  # the model without its maps, which every worker sends a share of
+            model = (replace(new_model, maps=[None if row is None else [None] * len(row) for row in new_model.maps]),
+                     {"sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received})
+        self.objects.gather((model, maps_of_worker(new_model.maps, worker, self.n_workers)), root=0)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out
 
     def _share(self, members, unit, n_units):

@@ -16,6 +16,7 @@ import numpy as np
 
 CHUNK_BYTES = 1 << 27  # bytes per message of a buffer (128 MB): well inside MPI's int counts
 ALLGATHER_TAG = 0x0A11  # the arrays of `allgather` (a tag of their own on the channel's communicator)
+GATHER_TAG = 0x0A12  # the arrays of `gather`
 
 
 class ObjectChannel:
@@ -75,6 +76,30 @@ class ObjectChannel:
         for rank in received:  # each pair's messages arrive in the order they were sent
             requests += [comm.Isend(piece, dest=rank, tag=ALLGATHER_TAG) for view in views
                          for piece in self._pieces(view)]
+        MPI.Request.Waitall(requests)
+        return [obj if rank == me else pickle.loads(received[rank][0], buffers=received[rank][1])
+                for rank in range(comm.Get_size())]
+
+    def gather(self, obj, root):
+        """Every rank's `obj` on `root`, in rank order (None elsewhere): the pickles gathered, then every rank's
+        arrays received at once, so that the senders' transfers run side by side rather than one after another."""
+        from mpi4py import MPI
+
+        comm = self.comm
+        me = comm.Get_rank()
+        header, views = _dumps(obj)
+        headers = comm.gather((header, [v.nbytes for v in views]), root=root)
+        if me != root:
+            MPI.Request.Waitall([comm.Isend(piece, dest=root, tag=GATHER_TAG) for view in views
+                                 for piece in self._pieces(view)])
+            return None
+        requests, received = [], {}
+        for rank, (other_header, sizes) in enumerate(headers):
+            if rank != me:
+                buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
+                received[rank] = (other_header, buffers)
+                requests += [comm.Irecv(piece, source=rank, tag=GATHER_TAG)
+                             for buffer in buffers for piece in self._pieces(buffer)]
         MPI.Request.Waitall(requests)
         return [obj if rank == me else pickle.loads(received[rank][0], buffers=received[rank][1])
                 for rank in range(comm.Get_size())]
