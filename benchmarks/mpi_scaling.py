@@ -260,10 +260,14 @@ def main(argv=None):
                                                                                *(argv or sys.argv[1:])]),
                "device": device, "gpus": args.gpus, "n_particles": stand_in.n, "box_px": stand_in.box, "jobs": {}}
     for job in args.jobs:
-        runs = [run_one(job, star, reference, w, args) for w in workers]
-        for run in runs[1:]:
-            run["parity"] = parity(runs[0], run)
-        results["jobs"][job] = runs
+        runs = results["jobs"][job] = []
+        for w in workers:
+            runs.append(run_one(job, star, reference, w, args))
+            if len(runs) > 1:
+                runs[-1]["parity"] = parity(runs[0], runs[-1])
+            if args.json:  # after every run: a run cut short by a time limit leaves the others' figures
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=1))
     report = format_report(results)
     print(report)
     if args.json:
