@@ -191,11 +191,12 @@ def test_mpi_is_recognised_from_the_launchers_environment(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- classify
-def run_classify(ranks, folder, out, *extra, env=None, timeout=600):
+def run_classify(ranks, folder, out, *extra, env=None, timeout=600, engine=("--cpu",)):
     from conftest import CLASSIFY_ARGS
 
+    args = [str(a) for a in CLASSIFY_ARGS if a != "--cpu"] + list(engine)
     command = [sys.executable, "-m", "cryorefine", "classify", "--i", str(folder / "mix.star"),
-               "--ref", str(folder / "avg.mrc"), "--o", str(folder / out / "run"), *map(str, CLASSIFY_ARGS), *extra]
+               "--ref", str(folder / "avg.mrc"), "--o", str(folder / out / "run"), *args, *extra]
     if ranks > 1:
         command = [mpiexec(), "-n", str(ranks), *command]
     environment = dict(os.environ, **(env or {}))
@@ -331,6 +332,31 @@ def test_relion_s_gui_flags_under_mpi_give_the_classes_of_a_run_without_them(mix
     optimiser = starfile.read(mixture / "gui_relion" / "run_it002_optimiser.star")
     assert int(optimiser["rlnMaxNumberOfPooledParticles"]) == 3
     assert "preread" in results["relion"].stderr  # the E-step's stage of reading the shares in
+
+
+@pytest.mark.gpu
+def test_two_gpus_add_their_sums_on_the_devices_as_on_the_host(mixture):
+    """Two workers on two GPUs of one host: the class volumes added up with NCCL on the devices give the class
+    maps and classes of the host path's MPI reduction (CRYOREFINE_DEVICE_REDUCTION=0), to float32 rounding."""
+    import starfile
+
+    from conftest import cupy_or_skip
+    from cryorefine.gpu.collectives import nccl_usable
+
+    cp = cupy_or_skip()
+    if cp.cuda.runtime.getDeviceCount() < 2 or not nccl_usable():
+        pytest.skip("needs two GPUs and CuPy with NCCL")
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    results = {name: run_classify(3, mixture, f"gpus_{name}", "--iter", "3", "--batch", "4", engine=("--gpu", "0:1"),
+                                  env={**root, "CRYOREFINE_DEVICE_REDUCTION": flag})
+               for name, flag in (("device", "1"), ("host", "0"))}
+    for name, result in results.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    got, want = (starfile.read(mixture / f"gpus_{n}" / "run_it003_data.star")["particles"] for n in ("device", "host"))
+    np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
+    for k in (1, 2):
+        a, b = (read_volume(mixture / f"gpus_{n}" / f"run_it003_class{k:03d}.mrc")[0] for n in ("device", "host"))
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), k
 
 
 def test_a_failing_worker_leaves_relions_failure_file(mixture):

@@ -69,6 +69,7 @@ from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
+from cryorefine.gpu.collectives import DeviceReducer, nccl_usable
 from cryorefine.images import NoiseEstimate
 from cryorefine.runners.objects import ObjectChannel
 
@@ -272,6 +273,7 @@ class MpiRunner:
         self.held_maps = []
         # the workers as each other's peers in the M-step
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
+        self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
@@ -409,6 +411,7 @@ class MpiRunner:
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
+        self.exclusive_gpu = config.engine == "cuda" and shared_by == 1  # NCCL takes one GPU a worker
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
@@ -562,15 +565,20 @@ class MpiRunner:
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
         (u, s), = sums.items()
         if n_units not in self._unit_comms:
-            self._unit_comms[n_units] = self.workers.Split(worker % n_units, worker)
-        unit_comm = self._unit_comms[n_units]
+            self._unit_comms[n_units] = self._unit_communicators(worker % n_units, worker)
+        unit_comm, device_reducer = self._unit_comms[n_units]
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
         unit_workers = workers_of_unit(u, self.n_workers, n_units)
 
         def reduced(array, root, dtype, wire=np.float64):
-            """`array` added over the unit's workers onto `root` (its rank in the unit) in the reals of `wire`, in
+            """`array` added over the unit's workers onto `root` (its rank in the unit): on the GPUs where every
+            worker's is a device array of `dtype` (`gpu.collectives`), else on the host in the reals of `wire`, in
             chunks; there of `dtype` (None elsewhere)."""
+            if device_reducer is not None:
+                on_device = unit_comm.allreduce(bool(DeviceReducer.takes(array) and array.dtype == dtype), op=MPI.LAND)
+                if on_device:
+                    return device_reducer.reduce(array, root)
             flat = flat_reals(array, wire)
             out = np.zeros_like(flat) if unit_comm.Get_rank() == root else None
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
@@ -594,6 +602,17 @@ class MpiRunner:
         flats = [reduced(flat, 0, np.float64) for flat in small.pack()]
         small = small.unpack(flats) if unit_comm.Get_rank() == 0 else small
         return {u: replace(small, data=data, weight=weight)}
+
+    def _unit_communicators(self, color, key):
+        """(MPI communicator of the workers of this worker's unit, its NCCL `gpu.collectives.DeviceReducer` or None):
+        the device path where every worker of the unit has a GPU of its own and CuPy has NCCL."""
+        from mpi4py import MPI
+
+        unit_comm = self.workers.Split(color, key)
+        usable = self.exclusive_gpu and unit_comm.Get_size() > 1 and nccl_usable()
+        if not unit_comm.allreduce(usable, op=MPI.LAND):
+            return unit_comm, None
+        return unit_comm, DeviceReducer(unit_comm)
 
     def _sums_of_makers(self, held, plan, makers, real_dtype):
         """Every unit's WeightedSums for this worker's M-step: the class volumes of the maps it makes (those reduced
