@@ -254,6 +254,37 @@ def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture)
     assert not (mixture / "fail" / "run_it002_optimiser.star").exists()
 
 
+def test_a_killed_worker_ends_the_job_and_continue_on_fewer_ranks_finishes_it(mixture):
+    """A worker killed outright (SIGKILL) in iteration 3 of 4: the launcher ends the whole job within seconds; the
+    last completed iteration's files stay, and --continue from them on one worker (mpiexec -n 2) ends with the
+    classes and class maps of the run that was never interrupted (on two workers: to float32 rounding)."""
+    import starfile
+
+    tic = time.monotonic()
+    killed = run_classify(3, mixture, "killed", "--iter", "4", "--batch", "4", env={"CRYOREFINE_FAULT": "2:3:kill"},
+                          timeout=300)
+    assert killed.returncode != 0
+    folder = mixture / "killed"
+    last = sorted(folder.glob("run_it00[0-9]_optimiser.star"))[-1]
+    assert last.name in ("run_it001_optimiser.star", "run_it002_optimiser.star"), last
+    assert not (folder / "run_it003_optimiser.star").exists()
+    whole = run_classify(3, mixture, "whole", "--iter", "4", "--batch", "4")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert time.monotonic() - tic < 240  # the killed job did not hang until the test's time limit
+    command = [sys.executable, "-m", "cryorefine", "classify", "--continue", str(last), "--o",
+               str(mixture / "continued" / "run"), "--iter", "4"]
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    continued = subprocess.run([mpiexec(), "-n", "2", *command], capture_output=True, text=True, timeout=300,
+                               env=environment)
+    assert continued.returncode == 0, continued.stderr[-2000:]
+    got, want = (starfile.read(mixture / name / "run_it004_data.star")["particles"] for name in ("continued", "whole"))
+    np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
+    for k in (1, 2):
+        a, b = (read_volume(mixture / name / f"run_it004_class{k:03d}.mrc")[0] for name in ("continued", "whole"))
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), k
+
+
 def test_workers_take_the_gpus_of_gpu_or_of_their_node_in_turn(monkeypatch):
     """--gpu 0:1 in rank order; --gpu alone or not given (RELION's automatic assignment): the local rank modulo the
     node's GPUs, so that 4 workers on a 4-GPU node take one each (before, all took device 0)."""

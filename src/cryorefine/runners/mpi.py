@@ -44,8 +44,12 @@ job; a worker the master does not hear within FAILURE_GRACE_SECONDS (it waits in
 prints its line and aborts the job itself. A bad input found while
 the master sets the run up ends every rank with exit code 2 and one message from the master.
 
-CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of that iteration:
-the hook the failure tests use.
+A worker killed outright (SIGKILL: the kernel's OOM killer, a node's failure) cannot tell anyone: the launcher
+(mpirun, mpiexec, srun) sees the process end and ends the job within a second or so, with its own message naming
+the process and the signal; the last completed iteration's files stay valid for --continue, on any number of ranks.
+
+CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of that iteration, and
+"RANK:ITERATION:kill" kill itself there: the hooks the failure tests use.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -526,13 +531,15 @@ class MpiRunner:
     def _work(self, iteration):
         """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""
         comm = self.comm
-        fault_rank, _, fault_iteration = os.environ.get("CRYOREFINE_FAULT", "").partition(":")
+        fault_rank, fault_iteration, how = (os.environ.get("CRYOREFINE_FAULT", "").split(":") + ["", "", ""])[:3]
         while True:
             comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
             item = comm.recv(source=0, tag=TAG_WORK)
             if item is None:
                 return
             if fault_rank == str(self.rank) and fault_iteration == str(iteration):
+                if how == "kill":  # as the kernel's OOM killer or a node's failure ends a process: no word from it
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
             yield item
 
