@@ -203,7 +203,8 @@ def one_seed(work, seed, options, extra, engine, states):
     folder.mkdir(exist_ok=True)
     tic = time.perf_counter()
     run_cli("classify", "--i", work / "particles.star", "--ref", work / "ref_lp40.mrc", "--o", folder / "run",
-            "--iter", options.iter, "--random_seed", seed, *CLASSIFY, engine, *extra, log_path=folder / "classify.log")
+            "--iter", options.iter, "--random_seed", seed, *CLASSIFY, engine, *extra, "--overwrite",
+            log_path=folder / "classify.log")
     return {"seed": seed, "wall_seconds": round(time.perf_counter() - tic, 1), **measured(folder, options.iter, states)}
 
 

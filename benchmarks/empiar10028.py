@@ -211,7 +211,8 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
     engine_seconds = time.perf_counter() - tic
     job = classify if command == "classify" else refine
     progress = None if args.keep_maps is None else functools.partial(prune_half_maps, work / name, args.keep_maps)
-    reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress)
+    # the benchmark's own folders: a run again with the same --work replaces the last one's files
+    reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress, overwrite=True)
     if progress is not None:  # the last iteration's maps were written after the last batch
         progress()
     wall = time.perf_counter() - tic

@@ -92,7 +92,7 @@ def refine(work, name, args, extra):
     options = [o.format(mask=work / "mask.mrc") for o in RUNS[name]]
     seconds = run_cli("refine", "--i", work / "sim" / "unaligned.star", "--ref", work / "reference.mrc",
                       "--o", out / "run", "--ini_high", args.ini_high, "--ctf", "--particle_diameter", args.diameter,
-                      "--flatten_solvent", "--zero_mask", "--iter", args.iter, "--cpu", *options, *extra,
+                      "--flatten_solvent", "--zero_mask", "--iter", args.iter, "--cpu", *options, *extra, "--overwrite",
                       log_path=work / f"{name}.log")
     return seconds
 

@@ -130,7 +130,7 @@ def one_group(name, options, extra, work):
     for label, sym, particles in (("sym", group.name, folder / "sim" / "sym.star"),
                                   ("c1", "C1", folder / "sim" / "particles.star")):
         start = time.monotonic()
-        run_cli("refine", "--i", particles, "--o", folder / label / "run", "--sym", sym, *common,
+        run_cli("refine", "--i", particles, "--o", folder / label / "run", "--sym", sym, *common, "--overwrite",
                 log_path=folder / f"refine_{label}.log")
         results[label] = measure(folder / label / "run", truth, group, options.box, pixel, time.monotonic() - start,
                                  options.ini_lowpass)

@@ -219,7 +219,8 @@ def _refine_options(command):
                      help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end "
                           "(under MPI once per node)."),
         click.option("--preread_images", is_flag=True,
-                     help="Read the images once into memory (each MPI worker its half set); where they would take "
+                     help="Keep the images in memory as the first iteration reads them (under MPI each worker its "
+                          "own share of the particles: each image held once among them); where they would take "
                           "more than 80% of the available memory (shared among a node's workers), they are read "
                           "batch by batch with a warning."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
