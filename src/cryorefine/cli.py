@@ -713,17 +713,53 @@ def main(argv=None):
 
 def _near_miss(exc) -> str | None:
     """The command's option that the unknown one is a near miss of (a typo), else None: RELION options that are not
-    implemented here (--relax_sym …) are not typos of the options they share words with (--sym …)."""
+    implemented here (--relax_sym …) are not typos of the options they share words with (--sym …), and an option of
+    the opposite meaning is never offered (--no_norm is not a misspelt --norm: `opposite_meaning`)."""
     import difflib
 
     close = [name for name in (exc.possibilities or [])
-             if difflib.SequenceMatcher(None, exc.option_name, name).ratio() >= NEAR_MISS_RATIO]
+             if difflib.SequenceMatcher(None, exc.option_name, name).ratio() >= NEAR_MISS_RATIO
+             and not opposite_meaning(exc.option_name, name)]
     return close[0] if close else None
 
 
 #: difflib's similarity from which an unknown option is taken for a typo of a known one (--healpix_ordr: 0.97;
 #: --relax_sym against --sym: 0.62)
 NEAR_MISS_RATIO = 0.8
+
+#: words of an option name that negate the rest (--no_norm, --dont_combine_weights_via_disc, --skip_align)
+NEGATING_WORDS = frozenset({"no", "not", "dont", "non", "skip", "without"})
+#: prefixes that negate a word (--ctf_uncorrected_ref against --ctf_corrected_ref)
+NEGATING_PREFIXES = ("un", "non", "dis", "in")
+#: words (or parts of words: lowres, highres) of opposite meaning
+ANTONYMS = (("low", "high"), ("join", "split"), ("min", "max"), ("first", "last"), ("inner", "outer"),
+            ("more", "less"), ("enable", "disable"), ("keep", "drop"))
+
+
+def opposite_meaning(option, other) -> bool:
+    """Whether two option names say opposite things: one carries a negating word the other lacks (no_, dont_ …), or,
+    word for word, a word of one is the other's with a negating prefix (uncorrected, corrected) or with a part
+    swapped for its antonym (lowres, highres; join, split). Such names are near each other in spelling only."""
+    words = [name.lstrip("-").lower().split("_") for name in (option, other)]
+    negations = [sum(word in NEGATING_WORDS for word in name) for name in words]
+    if negations[0] != negations[1]:
+        return True
+    first, second = ([word for word in name if word not in NEGATING_WORDS] for name in words)
+    if len(first) != len(second):
+        return False
+    return any(_opposite_words(a, b) or _opposite_words(b, a) for a, b in zip(first, second) if a != b)
+
+
+def _opposite_words(word, other) -> bool:
+    if any(word == prefix + other for prefix in NEGATING_PREFIXES):
+        return True
+    for one, two in ANTONYMS + tuple((b, a) for a, b in ANTONYMS):
+        start = word.find(one)
+        while start >= 0:
+            if word[:start] + two + word[start + len(one):] == other:
+                return True
+            start = word.find(one, start + 1)
+    return False
 
 
 def _pipeline_failure(args):
