@@ -13,8 +13,9 @@ final 99.2 / 99.8 / 85.5 % (seed 3 still climbing: 65.8, 71.3, 74.0, 80.0, 85.5 
 a seed. The bound, 80 %, is the worst seed less 5 points; a classification that separates nothing scores ~50 %
 and one that puts everything in one class ~51 %, so the test fails when the classes stop separating the states.
 
-CPU, set B: 1,000 particles, 10 iterations, seeds 1–3, at least 94 % in every seed; fails on the code that kept
-RELION's sampling throughout and on the code that sampled finer only once the classes stalled.
+CPU, set B: 1,000 particles, 10 iterations, seed 2, at least 94 %; fails on the code that kept RELION's sampling
+throughout and on the code that sampled finer only once the classes stalled (seed 2 was below the bound on both;
+the three seeds, about 200 s each on 2 cores, run in the benchmark: benchmarks/classify_accuracy.py).
 
 GPU, set B, 15 iterations, seeds 1–3: the issue's bound, at least 94 % at the last iteration in every seed and
 never more than 2 points below that run's best iteration. With the finer pass from iteration 2 the GPU (an H200)
@@ -38,22 +39,22 @@ SCRIPT = REPO / "benchmarks" / "classify_accuracy.py"
 SEEDS = (1, 2, 3)
 
 
-def classify_accuracy(work, *options):
-    """Run the benchmark script on this checkout's code in `work`; its JSON report."""
+def classify_accuracy(work, *options, seeds=SEEDS):
+    """Run the benchmark script on this checkout's code in `work` for `seeds`; its JSON report."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     out = work / "results.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--work", str(work), "--json", str(out),
-                           "--seeds", *(str(s) for s in SEEDS), *(str(o) for o in options)],
+                           "--seeds", *(str(s) for s in seeds), *(str(o) for o in options)],
                           capture_output=True, text=True, env=env, timeout=3600)
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def per_seed(report):
+def per_seed(report, seeds=SEEDS):
     """{seed: (accuracy per iteration, final, best)} of the report's runs, printed."""
     runs = {r["seed"]: r for r in report["runs"]}
-    assert sorted(runs) == list(SEEDS)
+    assert sorted(runs) == list(seeds)
     for seed, r in runs.items():
         assert len(r["accuracy_per_iteration"]) == report["iterations"], f"seed {seed}: iterations missing"
         print(f"seed {seed}: " + " ".join(f"{100 * a:.1f}" for a in r["accuracy_per_iteration"])
@@ -72,14 +73,14 @@ SET_B_MAP = REPO / "examples" / "ribosome_7p6z_10A_64px.mrc"
 
 
 def test_cpu_classification_of_set_b_holds_its_classes_to_the_tenth_iteration(tmp_path):
-    """Set B at SNR 0.2, 1,000 particles, 10 iterations, seeds 1–3 (CI-sized: 190–210 s a seed on 2 cores in the
-    whole suite, 2026-11-27). Iteration 10 had 98.5 / 70.7 / 75.1 % in the right class with RELION's sampling kept
+    """Set B at SNR 0.2, 1,000 particles, 10 iterations, seed 2 (190–210 s on 2 cores in the whole suite). Seeds
+    1–3 had at iteration 10 98.5 / 70.7 / 75.1 % in the right class with RELION's sampling kept
     (--relion_oversampling); 99.0 / 92.5 / 92.9 % when the fine pass was sampled one order finer only once the
     classes stalled (iteration 4); 99.4 / 96.9 / 97.5 % with the finer pass from iteration 2, while the resolution
     can still grow (benchmarks/README.md; the GPU gave the CPU's figures to the tenth of a percent for the first
-    two). The bound is the issue's, 94 %."""
-    report = classify_accuracy(tmp_path, "--cpu", "--map", SET_B_MAP, "--snr", 0.2, "--iter", 10)
-    for seed, r in per_seed(report).items():
+    two). Seed 2 alone fails on both earlier codes; the bound is the issue's, 94 %."""
+    report = classify_accuracy(tmp_path, "--cpu", "--map", SET_B_MAP, "--snr", 0.2, "--iter", 10, seeds=(2,))
+    for seed, r in per_seed(report, seeds=(2,)).items():
         assert r["final"] >= 0.94, f"seed {seed}: {100 * r['final']:.1f} % in the right class at iteration 10"
 
 
