@@ -370,6 +370,62 @@ def _classify(n_classes, continue_from, options, control):
     _report_classes(reports, options["out"], control)
 
 
+@cli.command("relion_refine", context_settings={"ignore_unknown_options": True}, add_help_option=False,
+             options_metavar="")
+@click.argument("arguments", nargs=-1, type=click.UNPROCESSED, metavar="RELION_REFINE_ARGUMENTS...")
+@click.pass_context
+def relion_refine(ctx, arguments):
+    """Run a relion_refine or relion_refine_mpi command line as is: its arguments, the job RELION would run.
+
+    With --auto_refine, `cryorefine refine`; otherwise, with --ref, `cryorefine classify` (3D classification);
+    with --continue, the job of the run it continues (its optimiser.star's rlnDoAutoRefine). Every option then means
+    what it means to that command (see `cryorefine refine --help`, `cryorefine classify --help`). Under mpirun, as
+    those commands. Lines without --ref (2D classification, the initial model) are refused: those jobs are not
+    available yet.
+    """
+    arguments = [str(a) for a in arguments]
+    command = relion_refine_command(arguments)
+    if command is None:
+        click.echo(ctx.get_help())
+        return
+    target = cli.commands[command]
+    # a context of the group's own: errors and --help name `cryorefine refine` / `cryorefine classify`
+    with target.make_context(command, arguments, parent=ctx.parent) as job_ctx:
+        target.invoke(job_ctx)
+
+
+def relion_refine_command(arguments):
+    """The cryorefine command that runs relion_refine's `arguments` (refine or classify), or None for a line that
+    asks for help alone; a line of a job not available here is refused (InputError)."""
+    names = {a.partition("=")[0] for a in arguments if a.startswith("-")}
+    if "--continue" in names:
+        return _continued_command(arguments, "--auto_refine" in names)
+    if "--auto_refine" in names:
+        return "refine"
+    if "--ref" in names:
+        return "classify"
+    if not arguments or names & {"--help", "-h"}:
+        return None
+    raise InputError("relion_refine without --ref or --continue (2D classification, or the initial model with "
+                     "--denovo_3dref): those jobs are not available in cryorefine yet; run them with RELION, and "
+                     "Refine3D or Class3D from their outputs (a line with --ref) with cryorefine")
+
+
+def _continued_command(arguments, auto_refine):
+    """refine or classify, as the run that --continue names was (its optimiser.star's rlnDoAutoRefine, as RELION
+    reads it); where that file cannot be read, as the line says (the command then says what is wrong with it)."""
+    from cryorefine.io.star import read_star
+
+    path = next((arguments[i + 1] for i, a in enumerate(arguments[:-1]) if a == "--continue"),
+                next((a.partition("=")[2] for a in arguments if a.startswith("--continue=")), None))
+    try:
+        general = read_star(path)["optimiser_general"]
+        auto_refine = bool(int(general["rlnDoAutoRefine"]))
+    except (InputError, KeyError, TypeError, ValueError):
+        pass
+    return "refine" if auto_refine else "classify"
+
+
 def _run_job(job, min_mpi_ranks, config, resume_from, control, overwrite=False):
     """`job.run` (jobs.refine or jobs.classify) with the runner this process was started for (`overwrite`:
     --overwrite, an earlier run's files under the output root removed rather than refused)."""
