@@ -381,7 +381,7 @@ def relion_refine(ctx, arguments):
     with --continue, the job of the run it continues (its optimiser.star's rlnDoAutoRefine). Every option then means
     what it means to that command (see `cryorefine refine --help`, `cryorefine classify --help`). Under mpirun, as
     those commands. Lines without --ref (2D classification, the initial model) are refused: those jobs are not
-    available yet.
+    available yet. `cryorefine install-relion-shims DIR` writes relion_refine and relion_refine_mpi that run this.
     """
     arguments = [str(a) for a in arguments]
     command = relion_refine_command(arguments)
@@ -392,6 +392,24 @@ def relion_refine(ctx, arguments):
     # a context of the group's own: errors and --help name `cryorefine refine` / `cryorefine classify`
     with target.make_context(command, arguments, parent=ctx.parent) as job_ctx:
         target.invoke(job_ctx)
+
+
+@cli.command("install-relion-shims")
+@click.argument("folder", type=click.Path(file_okay=False))
+def install_relion_shims(folder):
+    """Write relion_refine and relion_refine_mpi into FOLDER: scripts that run `cryorefine relion_refine` (with this
+    cryorefine's Python). With FOLDER first on the PATH of RELION's GUI (or of a script), its Refine3D and Class3D
+    jobs run cryorefine. Files of those names that these scripts are not (RELION's own) are never overwritten."""
+    from cryorefine.jobs.relion_shims import install
+
+    import shlex
+
+    paths = install(folder)
+    for path in paths:
+        click.echo(f"wrote {path}")
+    folder = Path(folder).resolve()
+    click.echo(f"put {folder} first on the PATH of RELION's GUI (start it after `export PATH={shlex.quote(str(folder))}"
+               f":$PATH`) to run its Refine3D and Class3D jobs with cryorefine")
 
 
 def relion_refine_command(arguments):

@@ -1,18 +1,22 @@
 """`cryorefine relion_refine ARGS…`: a relion_refine / relion_refine_mpi command line run as it is, as the job RELION
-would run from it.
+would run from it, and the `relion_refine` / `relion_refine_mpi` scripts of `cryorefine install-relion-shims DIR`.
 
 The tutorial's four lines (tests/jobs/test_relion_command_lines.py, on its project) go through the drop-in with only
 that test's changes (--gpu -> --cpu, the scratch folder, --iter 1); the program's choice between refine and classify
 is the drop-in's own, and the same files are checked.
 """
 
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 import starfile
 
 import test_relion_command_lines as tutorial
-from test_relion_command_lines import project  # noqa: F401 (a fixture)
+from conftest import run_cli
+from test_relion_command_lines import REFINE3D_JOB019, project  # noqa: F401 (a fixture)
 
 AS_CRYOREFINE = tutorial.as_cryorefine  # that test's rewriting (replaced by the drop-in's in a test below)
 TUTORIAL_RUNS = next(mark for mark in tutorial.test_a_tutorial_command_line_runs_and_reports_success.pytestmark
@@ -91,4 +95,95 @@ def test_options_mean_what_they_mean_to_the_job_run(capsys, tmp_path):
     code, out, _ = run(capsys, "relion_refine", "--auto_refine", "--help")
     assert code == 0 and out.startswith("Usage: cryorefine refine")
     code, out, _ = run(capsys, "relion_refine", "--help")
-    assert code == 0 and out.startswith("Usage: cryorefine relion_refine")
+    assert code == 0 and out.startswith("Usage: cryorefine relion_refine") and "install-relion-shims" in out
+
+
+def shim_environment(folder):
+    """The environment of a process (RELION's GUI) that has `folder` first on PATH, and no Python of its own."""
+    environment = dict(os.environ, PATH=f"{folder}{os.pathsep}/usr/bin:/bin")
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PMI_SIZE"):
+        environment.pop(name, None)
+    return environment
+
+
+def test_install_relion_shims_writes_scripts_that_run_the_drop_in(tmp_path):
+    folder = tmp_path / "relion_bin"
+    done = subprocess.run([sys.executable, "-m", "cryorefine", "install-relion-shims", str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in ("relion_refine", "relion_refine_mpi"):
+        shim = folder / name
+        assert os.access(shim, os.X_OK), name
+        assert str(shim) in done.stdout
+        assert shlex.quote(sys.executable) in shim.read_text()  # the Python that installed them, with its packages
+        # found on PATH, as RELION's GUI finds `which relion_refine_mpi`: it is cryorefine's relion_refine
+        ran = subprocess.run([name, "--help"], capture_output=True, text=True, timeout=120,
+                             env=shim_environment(folder), cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.startswith("Usage: cryorefine relion_refine")
+        ran = subprocess.run([name, "--o", "Class2D/job008/run", "--K", "50", "--pipeline_control", "Class2D/job008/"],
+                             capture_output=True, text=True, timeout=120, env=shim_environment(folder), cwd=tmp_path)
+        assert ran.returncode == 2 and "not available in cryorefine yet" in ran.stderr
+        assert (tmp_path / "Class2D" / "job008" / "RELION_JOB_EXIT_FAILURE").is_file()
+    # installed again over its own scripts: written again
+    again = subprocess.run([sys.executable, "-m", "cryorefine", "install-relion-shims", str(folder)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_shim_runs_a_refine_job(project, tmp_path):  # noqa: F811
+    """The relion_refine_mpi shim on the tutorial's Refine3D line (one process, as the GUI's "MPI procs" 1): a run."""
+    assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
+    words = as_relion_refine(REFINE3D_JOB019.replace("Refine3D/job019/", "Refine3D/job119/"), tmp_path / "scratch")
+    (project / "Refine3D" / "job119").mkdir()
+    ran = subprocess.run(["relion_refine_mpi", *words[1:]], capture_output=True, text=True, timeout=600,
+                         env=shim_environment(tmp_path / "bin"), cwd=project)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert (project / "Refine3D" / "job119" / "RELION_JOB_EXIT_SUCCESS").is_file()
+    assert (project / "Refine3D" / "job119" / "run_it001_half2_model.star").is_file()
+
+
+def test_existing_files_of_another_program_are_not_overwritten(capsys, tmp_path):
+    """RELION's own relion_refine in DIR: refused in one line (exit 2), the file untouched, nothing written."""
+    from test_cli import assert_one_line_error, run
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    relion = folder / "relion_refine_mpi"
+    relion.write_bytes(b"\x7fELF RELION's own program")
+    code, _, err = run(capsys, "install-relion-shims", str(folder))
+    assert_one_line_error(code, err, str(relion), "not written by cryorefine install-relion-shims")
+    assert relion.read_bytes() == b"\x7fELF RELION's own program"
+    assert not (folder / "relion_refine").exists()
+    # a link to RELION's program counts as that program
+    relion.unlink()
+    (tmp_path / "relion_refine").write_text("#!/bin/sh\necho RELION\n")
+    (folder / "relion_refine").symlink_to(tmp_path / "relion_refine")
+    code, _, err = run(capsys, "install-relion-shims", str(folder))
+    assert_one_line_error(code, err, str(folder / "relion_refine"))
+    assert (tmp_path / "relion_refine").read_text() == "#!/bin/sh\necho RELION\n"
+
+
+def mpiexec():
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else None
+
+
+@pytest.mark.mpi
+def test_the_drop_in_under_mpirun(project, tmp_path):  # noqa: F811
+    """`mpirun -n 3 relion_refine_mpi <the tutorial's Refine3D line>`, the shim: the runner `cryorefine refine` uses
+    under MPI (a master and a worker per half set), the half maps written and RELION_JOB_EXIT_SUCCESS."""
+    launcher = mpiexec()
+    if launcher is None:
+        pytest.skip("no mpiexec beside the Python (pip install mpich, part of the test extra)")
+    assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
+    words = as_relion_refine(REFINE3D_JOB019.replace("Refine3D/job019/", "Refine3D/job219/"), tmp_path / "scratch")
+    (project / "Refine3D" / "job219").mkdir()
+    ran = subprocess.run([launcher, "-n", "3", "relion_refine_mpi", *words[1:]], capture_output=True, text=True,
+                         timeout=600, env=shim_environment(tmp_path / "bin"), cwd=project)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    folder = project / "Refine3D" / "job219"
+    assert (folder / "RELION_JOB_EXIT_SUCCESS").is_file()
+    assert (folder / "run_it001_half1_class001.mrc").is_file() and (folder / "run_it001_half2_class001.mrc").is_file()
+    assert "the workers' seconds added" in ran.stderr, ran.stderr[-3000:]  # the MPI runner's line, said once
+    assert ran.stderr.count("iteration 1:") == 1
