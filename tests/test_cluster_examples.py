@@ -47,9 +47,13 @@ def submitted(tmp_path, line):
 
 @pytest.mark.parametrize("line, job", [(REFINE_LINE, "refine"), (CLASS3D_LINE, "classify")])
 def test_the_queue_template_runs_relion_s_line_as_the_matching_cryorefine_job(tmp_path, line, job):
+    """The line goes to `cryorefine relion_refine` as it is, which runs it as the job RELION would run."""
+    from cryorefine.cli import relion_refine_command
+
     args = submitted(tmp_path, line)
     relion_words = shlex.split(line)[2:]  # without `which relion_refine_mpi`
-    assert args == ["-n", "5", "cryorefine", job, *relion_words]
+    assert args == ["-n", "5", "cryorefine", "relion_refine", *relion_words]
+    assert relion_refine_command(args[4:]) == job
 
 
 def test_a_path_to_relion_refine_mpi_is_dropped(tmp_path):
@@ -57,4 +61,4 @@ def test_a_path_to_relion_refine_mpi_is_dropped(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
     args = submitted(tmp_path, CLASS3D_LINE.replace("`which relion_refine_mpi`", str(fake / "relion_refine_mpi")))
-    assert args[:4] == ["-n", "5", "cryorefine", "classify"] and args[4] == "--o"
+    assert args[:4] == ["-n", "5", "cryorefine", "relion_refine"] and args[4] == "--o"

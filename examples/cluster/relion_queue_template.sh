@@ -4,8 +4,8 @@
 # In RELION's GUI (Running tab of Refine3D or Class3D): "Submit to queue?" Yes, "Standard submission script" this
 # file, "Number of MPI procs" = GPUs + 1 (a master and one worker per GPU), "Number of threads" 1 or more (the
 # GPU workers do not need them). "Queue submit command" sbatch. RELION fills in its variables (job name, queue, MPI procs, threads, the command) and
-# submits; the job's relion_refine_mpi line is run by cryorefine instead: `--auto_refine` lines as
-# `cryorefine refine`, the others as `cryorefine classify`. RELION's pipeline sees the job end through the
+# submits; the job's relion_refine_mpi line is run as it is by `cryorefine relion_refine` (`--auto_refine` lines
+# as `cryorefine refine`, the others as `cryorefine classify`). RELION's pipeline sees the job end through the
 # RELION_JOB_EXIT_* file that --pipeline_control (on every GUI line) makes cryorefine write.
 #
 # Leave "Which GPUs to use" empty: each worker then takes a GPU of its own node (local rank modulo the node's
@@ -32,10 +32,4 @@ relion_line=(XXXcommandXXX)
 if [[ ${#relion_line[@]} -gt 0 && ${relion_line[0]} != --* ]]; then
     relion_line=("${relion_line[@]:1}")
 fi
-job=classify
-for word in "${relion_line[@]}"; do
-    if [[ $word == --auto_refine ]]; then
-        job=refine
-    fi
-done
-exec $CRYOREFINE_MPIRUN -n XXXmpinodesXXX $CRYOREFINE "$job" "${relion_line[@]}"
+exec $CRYOREFINE_MPIRUN -n XXXmpinodesXXX $CRYOREFINE relion_refine "${relion_line[@]}"
