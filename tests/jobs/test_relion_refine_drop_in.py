@@ -187,3 +187,20 @@ def test_the_drop_in_under_mpirun(project, tmp_path):  # noqa: F811
     assert (folder / "run_it001_half1_class001.mrc").is_file() and (folder / "run_it001_half2_class001.mrc").is_file()
     assert "the workers' seconds added" in ran.stderr, ran.stderr[-3000:]  # the MPI runner's line, said once
     assert ran.stderr.count("iteration 1:") == 1
+
+
+def test_a_continue_line_runs_the_job_it_continues(project, monkeypatch, tmp_path):  # noqa: F811
+    """RELION's GUI continues a Class3D job with a line of neither --ref nor --K (`--continue … --o …_ct1`): the
+    drop-in goes on with the classification, as RELION does, from its optimiser.star."""
+    monkeypatch.chdir(project)
+    line = tutorial.CLASS3D_JOB035.replace("Class3D/job035/", "Class3D/job335/")
+    (project / "Class3D" / "job335").mkdir()
+    assert run_cli(*as_relion_refine(line, tmp_path / "scratch")) == 0
+    folder = project / "Class3D" / "job335"
+    (folder / "RELION_JOB_EXIT_SUCCESS").unlink()
+    continued = ("--continue Class3D/job335/run_it001_optimiser.star --o Class3D/job335/run_ct1 "
+                 "--dont_combine_weights_via_disc --preread_images  --pool 30 --pad 2  --particle_diameter 200 "
+                 "--j 12 --cpu --iter 2 --pipeline_control Class3D/job335/")
+    assert run_cli("relion_refine", *shlex.split(continued)) == 0
+    assert (folder / "RELION_JOB_EXIT_SUCCESS").is_file()
+    assert (folder / "run_ct1_it002_class004.mrc").is_file() and (folder / "run_ct1_it002_model.star").is_file()
