@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
+
 from cryorefine.core import fourier
 from cryorefine.io.mrc import open_mrc, read_volume, write_volume
 from cryorefine.io.star import read_particle_star, read_star, write_particle_star

@@ -23,7 +23,6 @@ import json
 import sys
 
 import numpy as np
-
 from bench_common import half_plane_coefficients, launch_ms
 
 SHAPES = {  # name: (particles, translations, orientations, coarse size px)
@@ -48,8 +47,15 @@ def measure(cp, name, n_particles, n_translations, n_orientations, size_px, repe
     """The `kernels` of `module` (default: the package's) on one shape; their times, FLOP/s and errors."""
     import functools
 
-    from cryorefine.estep.kernels import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, coarse_shared_bytes,
-                                          kernel_module, round_up)
+    from cryorefine.estep.kernels import (
+        GEMM_BK,
+        GEMM_BM,
+        GEMM_BN,
+        GEMM_THREADS,
+        coarse_shared_bytes,
+        kernel_module,
+        round_up,
+    )
 
     n_coef = int(half_plane_coefficients(size_px, cp)[0].size)
     m, k = n_particles * n_translations, 2 * n_coef

@@ -67,7 +67,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import split_at_double_dash
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,6 +6,7 @@ shape, argsort and unique. Run it on empty caches to see what a first run on a m
     CUPY_CACHE_DIR=$(mktemp -d) CUDA_CACHE_PATH=$(mktemp -d) python benchmarks/first_use_calls.py
 """
 import argparse
+import functools
 import os
 import time
 from pathlib import Path
@@ -50,8 +51,8 @@ def main():
     rng = np.random.default_rng(0)
     for px in (360, 214):
         x = cp.asarray(rng.standard_normal((1024, px, px), dtype=np.float32))
-        timed(cp, dirs, f"rfft2 plan+transform {px} px", lambda: rfft2_forward(x))
-        timed(cp, dirs, f"cupy.fft.irfft2 {px} px", lambda: cp.fft.irfft2(cp.fft.rfft2(x)))
+        timed(cp, dirs, f"rfft2 plan+transform {px} px", functools.partial(rfft2_forward, x))
+        timed(cp, dirs, f"cupy.fft.irfft2 {px} px", lambda x=x: cp.fft.irfft2(cp.fft.rfft2(x)))
         del x
     p = cp.asarray(rng.random((1024, 3000)))
     timed(cp, dirs, "sort axis 1 float64", lambda: cp.sort(-p, axis=1))
@@ -62,7 +63,7 @@ def main():
         prior_ko = cp.zeros((1, 1, r, 1))
         prior_t = cp.zeros((b, 1, 1, t))
         timed(cp, dirs, f"coarse_significant {label}",
-              lambda: coarse_significant(cp, d2, prior_ko, prior_t, 0.999, -1, 0))
+              functools.partial(coarse_significant, cp, d2, prior_ko, prior_t, 0.999, -1, 0))
         del d2, prior_ko, prior_t
     q = cp.asarray(rng.integers(0, 10 ** 6, 10 ** 6))
     timed(cp, dirs, "argsort int64", lambda: cp.argsort(q))

@@ -10,7 +10,6 @@ before `local_shift_images`) and the package's raw kernel, with whether they agr
 from __future__ import annotations
 
 import numpy as np
-
 from bench_common import half_plane_coefficients, launch_ms
 
 BATCH, N_TRANSLATIONS, PADDED_TRANSLATIONS, ORI_SIZE_PX = 1024, 9, 16, 360

@@ -27,7 +27,6 @@ import json
 import sys
 
 import numpy as np
-
 from bench_common import half_plane_coefficients, launch_ms
 
 BOX_PX, BATCH, N_T = 360, 512, 9

@@ -22,7 +22,6 @@ import sys
 import time
 
 import numpy as np
-
 from bench_common import half_plane_coefficients, launch_ms
 
 BOX_PX, PIXEL_ANGSTROM, N_PARTICLES, BATCH, WIDTH = 360, 1.34, 2048, 512, 177

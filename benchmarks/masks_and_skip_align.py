@@ -36,8 +36,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import run_cli
+
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fsc_volumes
 from cryorefine.core.masks import mask_from_map

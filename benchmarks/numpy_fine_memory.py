@@ -15,13 +15,13 @@ import time
 import tracemalloc
 
 import numpy as np
+from estep_throughput import blob_volume
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import Sampling
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
-from estep_throughput import blob_volume
 
 
 def main():

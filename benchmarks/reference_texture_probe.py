@@ -20,8 +20,14 @@ def main():
     import cupy as cp
     from cupy.cuda import runtime, texture
 
-    from cryorefine.estep.kernels import (COMPILE_OPTIONS, KERNEL_DIR, LOCAL_THREADS, kernel_source, local_tile,
-                                          local_tiles)
+    from cryorefine.estep.kernels import (
+        COMPILE_OPTIONS,
+        KERNEL_DIR,
+        LOCAL_THREADS,
+        kernel_source,
+        local_tile,
+        local_tiles,
+    )
 
     once = "--once" in sys.argv
     B = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--b=")), 500))

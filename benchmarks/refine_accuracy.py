@@ -63,8 +63,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import split_at_double_dash
+
 from cryorefine.core import euler, fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
 from cryorefine.io.mrc import read_volume, write_volume

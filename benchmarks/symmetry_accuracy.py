@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
+
 from cryorefine.core import fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
 from cryorefine.core.symmetry import symmetrise_volume, symmetry_group

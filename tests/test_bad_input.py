@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import starfile
-
 from conftest import make_particle_set, write_mrc
+
 from cryorefine.cli import main
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_particle_set, write_mrc
+
 from cryorefine.cli import main
 
 

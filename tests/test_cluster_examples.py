@@ -5,10 +5,8 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 TEMPLATE = REPO / "examples" / "cluster" / "relion_queue_template.sh"

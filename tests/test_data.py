@@ -2,8 +2,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_particle_set, write_mrc
+
 from cryorefine.data import load_particles
 from cryorefine.errors import InputError
 from cryorefine.io.mrc import StackReader
@@ -184,9 +184,10 @@ def test_preread_images_that_would_not_fit_the_memory_are_read_from_the_stacks_w
 
 
 def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
+    from conftest import make_particle_set
+
     from cryorefine.data import load_particles
     from cryorefine.io import mrc
-    from conftest import make_particle_set
 
     star, images = make_particle_set(tmp_path, n=11, box=8)
     particles = load_particles(star)
@@ -205,6 +206,7 @@ def test_read_ahead_uploads_on_its_thread_into_slots_the_caller_has_let_go(tmp_p
     next: an upload into a slot waits for the caller's work on it. A batch larger than the first comes on the
     host; without room, every batch does."""
     from conftest import cupy_or_skip, make_particle_set
+
     from cryorefine.data import load_particles
     from cryorefine.io import mrc
 
@@ -245,6 +247,7 @@ def test_scratch_copy_reads_the_same_images_from_copies_and_removes_them(tmp_pat
 
 def test_refine_with_a_scratch_dir_gives_the_same_map(tmp_path):
     from conftest import run_cli
+
     from cryorefine.io.mrc import read_volume
 
     star, _ = make_particle_set(tmp_path, n=6, box=16, pixel_size=4.0, seed=5)

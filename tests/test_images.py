@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import make_particle_set
 
 from cryorefine.core import fourier
 from cryorefine.core.ctf import ctf_2d
 from cryorefine.data import load_particles
 from cryorefine.images import ImageSettings, background_noise, prepare_batch, prepare_in_parts, roll_each
 from cryorefine.io import mrc
-from conftest import make_particle_set
 
 
 def test_background_noise_is_standard_normal_and_white():

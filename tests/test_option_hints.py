@@ -1,7 +1,6 @@
 """The hint to a misspelt option: a near miss in spelling, never an option of the opposite meaning."""
 
 import pytest
-
 from test_cli import assert_one_line_error, run
 
 # (what was typed, the option of the opposite meaning that is near it in spelling): RELION's --no_norm is not a typo

@@ -136,25 +136,30 @@ def _refine_options(command):
     """The options of `refine`, shared by `plan`."""
     for option in reversed([
         click.option("--i", "star", type=click.Path(dir_okay=False), help="Particle STAR file."),
-        click.option("--o", "out", help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own)."),
+        click.option("--o", "out",
+                     help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own)."),
         click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC)."),
         click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
-                    help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o may change)."),
+                    help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o "
+                         "may change)."),
         click.option("--overwrite", is_flag=True,
                      help="Remove the files of an earlier run with this --o root before starting (without it, a new "
                           "run on such a root is refused: continue that run with --continue, or give a new --o)."),
         click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box]."),
-        click.option("--ini_high", type=float, default=None, help="Low-pass the initial reference to this resolution (Å)."),
+        click.option("--ini_high", type=float, default=None,
+                     help="Low-pass the initial reference to this resolution (Å)."),
         click.option("--sym", default="C1", show_default=True, help="Point group symmetry."),
         click.option("--ctf", is_flag=True, help="Do CTF correction."),
-        click.option("--firstiter_cc", is_flag=True, help="Cross-correlation instead of likelihood in the first iteration."),
+        click.option("--firstiter_cc", is_flag=True,
+                     help="Cross-correlation instead of likelihood in the first iteration."),
         click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter."),
         click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
         click.option("--solvent_mask", default=None, type=click.Path(dir_okay=False),
                      help="With --flatten_solvent: multiply the references by this mask (values 0…1, the particles' "
                           "box) instead of the sphere; the mask of --solvent_correct_fsc."),
         click.option("--solvent_mask2", default=None, type=click.Path(dir_okay=False),
-                     help="With --flatten_solvent: set the region of this mask (1 = in it) to its own average density."),
+                     help="With --flatten_solvent: set the region of this mask (1 = in it) to its own average "
+                          "density."),
         click.option("--solvent_correct_fsc", is_flag=True,
                      help="With --solvent_mask: the half maps' FSC (for τ² and the resolution) between masked maps, "
                           "corrected for the mask by phase randomisation."),
@@ -165,18 +170,22 @@ def _refine_options(command):
                      help="Auto-sampling: changes of the angles do not hold the next sampling step back."),
         click.option("--auto_resol_angles", is_flag=True,
                      help="Auto-sampling: a finer angular step as soon as the resolution asks for it."),
-        click.option("--pad", default=2.0, show_default=True, type=float, help="Padding factor of the Fourier volumes."),
+        click.option("--pad", default=2.0, show_default=True, type=float,
+                     help="Padding factor of the Fourier volumes."),
         click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order."),
         click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
                     help="Local searches from this HEALPix order on."),
-        click.option("--offset_range", default=6.0, show_default=True, type=float, help="Translation search range (px)."),
+        click.option("--offset_range", default=6.0, show_default=True, type=float,
+                     help="Translation search range (px)."),
         click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px)."),
         click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order."),
         click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T."),
-        click.option("--iter", "max_iterations", default=None, type=int, help="At most this many iterations [default: 50]."),
+        click.option("--iter", "max_iterations", default=None, type=int,
+                     help="At most this many iterations [default: 50]."),
         click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
                     help="Fraction of the probability mass kept by the coarse pass."),
-        click.option("--maxsig", default=-1, show_default=True, type=int, help="At most this many significant samples (-1: no limit)."),
+        click.option("--maxsig", default=-1, show_default=True, type=int,
+                     help="At most this many significant samples (-1: no limit)."),
         click.option("--strict_highres_exp", default=-1.0, show_default=True, type=float,
                      help="The E-step compares images up to this resolution (Å) in both passes, as RELION's; the "
                           "sums (reconstruction, noise) keep the current size (-1: no limit)."),
@@ -189,7 +198,8 @@ def _refine_options(command):
                     help="Join the half sets below this resolution (Å)."),
         click.option("--random_seed", default=0, show_default=True, type=int,
                      help="Random seed (-1: from the clock, as RELION; the seed taken is saved with the run)."),
-        click.option("--auto_refine", is_flag=True, help="Accepted for RELION command lines: refine always auto-refines."),
+        click.option("--auto_refine", is_flag=True,
+                     help="Accepted for RELION command lines: refine always auto-refines."),
         click.option("--split_random_halves", is_flag=True,
                     help="Accepted for RELION command lines: refine always uses gold-standard halves."),
         click.option("--dont_combine_weights_via_disc", is_flag=True,
@@ -224,8 +234,8 @@ def _refine_options(command):
                           "more than 80% of the available memory (shared among a node's workers), they are read "
                           "batch by batch with a warning."),
         click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
-                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per worker '
-                         'of a node in turn) [default: when CuPy sees a GPU].'),
+                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU '
+                         'per worker of a node in turn) [default: when CuPy sees a GPU].'),
         click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
         click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
                     help="GPU memory (MB) left outside the engine's arena."),
@@ -400,9 +410,9 @@ def install_relion_shims(folder):
     """Write relion_refine and relion_refine_mpi into FOLDER: scripts that run `cryorefine relion_refine` (with this
     cryorefine's Python). With FOLDER first on the PATH of RELION's GUI (or of a script), its Refine3D and Class3D
     jobs run cryorefine. Files of those names that these scripts are not (RELION's own) are never overwritten."""
-    from cryorefine.jobs.relion_shims import install
-
     import shlex
+
+    from cryorefine.jobs.relion_shims import install
 
     paths = install(folder)
     for path in paths:

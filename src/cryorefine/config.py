@@ -17,7 +17,8 @@ from cryorefine.errors import InputError
 MAX_HEALPIX_ORDER = 8  # RELION's finest angular sampling, 0.23° (order 0: 60°)
 MAX_OVERSAMPLING = 4
 MAX_PADDING_FACTOR = 4.0
-# particles per E-step batch when --batch is not given (RELION's --pool is not a batch: see `pooled_particles`): on the CPU a fixed count; on the GPU as many
+# particles per E-step batch when --batch is not given (RELION's --pool is not a batch: see `pooled_particles`): on
+# the CPU a fixed count; on the GPU as many
 # images as hold this many pixels (1,024 of 360 px), between the two bounds. Per-batch work (launches, host tables,
 # transfers) is then a small share of an iteration: the converged auto-refine of 10,000 particles of 360 px took
 # 204 s with batches of 128 and 152 s with 512 on the H100, and its iterations 70.9 s with 512, 52.7–53.0 s with
@@ -62,7 +63,8 @@ class RefineConfig:
     max_iterations: int = 50
     adaptive_fraction: float = 0.999
     max_significants: int = -1  # --maxsig; -1: no limit
-    strict_highres_exp_angstrom: float = -1.0  # --strict_highres_exp: the E-step's likelihood up to this resolution; ≤ 0: none
+    # --strict_highres_exp: the E-step's likelihood up to this resolution; ≤ 0: none
+    strict_highres_exp_angstrom: float = -1.0
     max_coarse_size_px: int = -1  # --coarse_size: RELION's largest image size of the coarse (first) pass; ≤ 0: none
     do_norm: bool = False
     do_scale: bool = False

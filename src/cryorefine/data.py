@@ -379,7 +379,8 @@ def load_particles(star_path, check_stacks=True):
         star=star, optics_groups=groups, optics_index=optics_index,
         stack_paths=paths.astype(str), stack_indices=indices,
         defocus_u_angstrom=defocus_u,
-        defocus_v_angstrom=table["rlnDefocusV"].to_numpy(np.float64) if "rlnDefocusV" in table.columns else defocus_u.copy(),
+        defocus_v_angstrom=(table["rlnDefocusV"].to_numpy(np.float64) if "rlnDefocusV" in table.columns
+                            else defocus_u.copy()),
         defocus_angle_deg=col("rlnDefocusAngle", 0.0), phase_shift_deg=col("rlnPhaseShift", 0.0),
         ctf_bfactor=col("rlnCtfBfactor", 0.0), ctf_scale=col("rlnCtfScalefactor", 1.0),
         rot_deg=col("rlnAngleRot", 0.0), tilt_deg=col("rlnAngleTilt", 0.0), psi_deg=col("rlnAnglePsi", 0.0),

@@ -125,7 +125,7 @@ __device__ __forceinline__ unsigned long long cr_splitmix64(unsigned long long z
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shifted_kernel(cp):
     """out[b, i, j] = float32(raw[b, (y − ry[b]) mod N, (x − rx[b]) mod N]·factor[b]) (the product in float64),
     (y, x) = (i, j) + N//2 mod N: norm correction, integer re-centring (roll_each) and the transform's ifftshift
@@ -145,7 +145,7 @@ def _shifted_kernel(cp):
         """, "cryorefine_shifted_images")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _masked_noise_kernel(cp):
     """masked_images on ifftshifted images: v·mask + (1 − mask)·noise·std[b] in float64, stored as float32, the
     noise drawn in place (background_noise's SplitMix64 counters and Box–Muller) at the unshifted pixel."""

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cupy_or_skip
 
 from cryorefine.core import fourier
 from cryorefine.core.ctf import ctf_2d, electron_wavelength_angstrom
-from conftest import cupy_or_skip
 
 REAL = Path(__file__).resolve().parents[3] / "shared/data/real"
 

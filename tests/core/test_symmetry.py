@@ -494,6 +494,7 @@ def test_symmetrise_padded_sums_keeps_what_lies_beyond_the_radius_and_c1():
 @pytest.mark.parametrize("name", ["C4", "D3", "I"])
 def test_symmetrise_padded_sums_on_the_device_matches_the_host(name):
     from conftest import cupy_or_skip
+
     from cryorefine.core.projector import BackProjector
     from cryorefine.core.symmetry import symmetrise_padded_sums
 

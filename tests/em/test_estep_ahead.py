@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import make_particle_set
+
 from cryorefine.core.sampling import Sampling
 from cryorefine.data import load_particles
 from cryorefine.em import estep

@@ -11,8 +11,8 @@ import pytest
 
 from cryorefine.config import RefineConfig
 from cryorefine.core.euler import euler_to_matrix
-from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.fourier import soft_spherical_mask
+from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.em import memory
 from cryorefine.em.estep import sums_wait_on_host

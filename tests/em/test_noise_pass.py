@@ -4,8 +4,8 @@ image reads told apart from the preparation."""
 import time
 
 import numpy as np
-
 from conftest import make_particle_set
+
 from cryorefine.data import load_particles
 from cryorefine.em import memory
 from cryorefine.em.estep import initial_noise_spectra, noise_batch_sums

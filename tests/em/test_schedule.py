@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from cryorefine.em import schedule as sch
 from cryorefine.config import RefineConfig
 from cryorefine.core.symmetry import symmetry_group
+from cryorefine.em import schedule as sch
 from cryorefine.em.state import ModelState, OptimiserState
 
 BOX = 64

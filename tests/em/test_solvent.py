@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from conftest import write_mrc
+
 from cryorefine.config import RefineConfig
 from cryorefine.core import fourier
 from cryorefine.em.solvent import SolventMasks, read_mask

@@ -5,6 +5,7 @@ All tests need a CUDA device and CuPy (marker `gpu`); they skip without one.
 
 import numpy as np
 import pytest
+from conftest import cupy_or_skip, run_cli, significance_by_full_sort
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
@@ -13,7 +14,6 @@ from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.kernels import COARSE_KERNELS, coarse_kernel_name
 from cryorefine.estep.reference import NumpyEngine
-from conftest import cupy_or_skip, run_cli, significance_by_full_sort
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,8 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
                          + np.arange(n // 2 + 1)[None, :] / n) if ctf else np.ones((n_particles, n, n // 2 + 1)))
     ctf_values = np.broadcast_to(ctf_values, images.shape).copy()
     images = images * ctf_values
-    real = fourier.irfft2_centered(images, n) + rng.normal(scale=noise * np.std(volume.sum(0)), size=(n_particles, n, n))
+    real = fourier.irfft2_centered(images, n) + rng.normal(scale=noise * np.std(volume.sum(0)),
+                                                           size=(n_particles, n, n))
     images = fourier.rfft2_centered(real)
     power = np.mean(np.abs(images) ** 2, axis=0)
     shells = fourier.shell_index_2d(n)
@@ -576,6 +577,7 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
     against numpy (float64) on fresh random images, origins and CTFs, from stacks of float32, float16 (read as they
     are stored) and float64 images: the transforms to float32's precision, the CTFs (float64 both) to float64's."""
     from conftest import make_particle_set
+
     from cryorefine.data import load_particles
     from cryorefine.images import ImageSettings, prepare_batch
     from cryorefine.io import mrc
@@ -605,7 +607,6 @@ def test_classification_on_the_gpu_separates_the_mixture_and_agrees_with_the_cpu
     """The CI separation test (150 + 150 particles of two maps, K = 2, 10 iterations) on the GPU engine:
     ≥ 95 % in the class of their map, and ≥ 95 % of the class assignments equal to the CPU engine's."""
     import starfile
-
     from conftest import CLASSIFY_ARGS, make_mixture
 
     make_mixture(tmp_path, 150)
@@ -654,10 +655,11 @@ def test_preparing_many_batches_on_the_arena_does_not_grow_the_stack(cp, tmp_pat
     each batch, so 30 batches of 4 particles peak far below 2 batches of 60 (a batch's arrays kept
     until the next one, or left under it, would pile up to more)."""
     from conftest import make_particle_set
+
     from cryorefine.data import load_particles
+    from cryorefine.em.estep import initial_noise_spectra
     from cryorefine.gpu.allocator import DeviceArena, Scope
     from cryorefine.images import ImageSettings
-    from cryorefine.em.estep import initial_noise_spectra
 
     star, _ = make_particle_set(tmp_path, n=120, box=64, pixel_size=2.0, seed=1)
     particles = load_particles(star)
@@ -678,6 +680,7 @@ def test_the_noise_pass_in_parts_on_the_device_gives_the_spectra_of_whole_batche
     """Where the device's free memory is short, the initial noise pass prepares each batch in parts (as the E-step
     does): the spectra are those of whole batches, on the device as on the host."""
     from conftest import make_particle_set
+
     from cryorefine.data import load_particles
     from cryorefine.em import memory
     from cryorefine.em.estep import initial_noise_spectra

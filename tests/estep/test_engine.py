@@ -14,8 +14,8 @@ import types
 
 import numpy as np
 import pytest
-
 from conftest import cupy_or_skip
+
 from cryorefine.core import euler, fourier
 from cryorefine.core.arrays import to_host
 from cryorefine.core.projector import Projector

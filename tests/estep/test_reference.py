@@ -4,6 +4,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 import pytest
+from conftest import significance_by_full_sort
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
@@ -11,8 +12,6 @@ from cryorefine.core.sampling import Sampling
 from cryorefine.estep.common import Coefficients
 from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
-
-from conftest import significance_by_full_sort
 
 N = 16
 
@@ -142,7 +141,8 @@ def test_weighted_sums_equal_sample_by_sample_back_projection(problem):
     minv = engine.minv_store[0]
     n_samples = 0
     for b, blocks in enumerate(engine.last_blocks):
-        rot, tilt, psi, tx, ty = sampling.fine_samples_flat(blocks.coarse_index % (sampling.n_orientations * sampling.n_translations))
+        per_class = sampling.n_orientations * sampling.n_translations
+        rot, tilt, psi, tx, ty = sampling.fine_samples_flat(blocks.coarse_index % per_class)
         for i, f in zip(*np.nonzero(blocks.weights)):
             w = blocks.weights[i, f]
             shifted = fourier.phase_shift_2d(images[b], residual[b, 0] + tx[i, f], residual[b, 1] + ty[i, f], N)

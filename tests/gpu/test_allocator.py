@@ -6,10 +6,10 @@ import pickle
 
 import numpy as np
 import pytest
+from conftest import cupy_or_skip
 
 from cryorefine.errors import InputError
 from cryorefine.gpu.allocator import MB, ArenaOutOfMemory, Block, Scope, StackArena, describe_usage
-from conftest import cupy_or_skip
 
 
 def _aligned(nbytes, alignment=256):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import cupy_or_skip
 
 from cryorefine.core import reconstruct
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.gpu.bin_sums import bin_sums
-from conftest import cupy_or_skip
 
 pytestmark = pytest.mark.gpu
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import cupy_or_skip
 
 from cryorefine.core import fourier
 from cryorefine.gpu import shell_sums
-from conftest import cupy_or_skip
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
 import mrcfile
 import numpy as np
 import pytest
-
 from conftest import write_mrc
+
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 

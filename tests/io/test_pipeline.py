@@ -1,8 +1,8 @@
 """RELION's pipeliner protocol (--pipeline_control) and the RELION options a GUI command line carries."""
 
 import numpy as np
-
 from conftest import make_particle_set, run_cli, write_mrc
+
 from cryorefine.io import resume
 from cryorefine.io.pipeline import ABORT_NOW, ABORTED, FAILURE, SUCCESS, PipelineControl
 

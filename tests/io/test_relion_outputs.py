@@ -11,9 +11,9 @@ import starfile
 
 from cryorefine.config import RefineConfig
 from cryorefine.core.sampling import Sampling
+from cryorefine.em.state import ModelState, OptimiserState
 from cryorefine.io import relion_outputs as ro
 from cryorefine.io.star import read_star, write_star
-from cryorefine.em.state import ModelState, OptimiserState
 
 # Labels RELION 3.0 wrote that RELION 3.1+ renamed (we write the new ones).
 RENAMED_30_TO_31 = {

@@ -188,7 +188,7 @@ def test_fixed_point_rows_are_the_columns_rounded():
     for x, y, line in zip(a, b, lines):
         for field, v in zip(line.split("\t"), (x, y)):
             if abs(abs(v) * 1e10 % 1.0 - 0.5) > 0.01:
-                assert field.strip() == ("%.10f" % v).replace("-0.0000000000", "0.0000000000")
+                assert field.strip() == f"{v:.10f}".replace("-0.0000000000", "0.0000000000")
             assert abs(float(field) - v) <= 0.5e-10 + 1e-12
     assert len({len(f) for line in lines for f in line.split("\t")[:1]}) == 1  # right-aligned, one width
     with pytest.raises(ValueError):

@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import starfile
-
 from conftest import CLASSIFY_ARGS, make_mixture, make_particle_set, run_cli, write_mrc
+
 
 @pytest.fixture(scope="module")
 def classified(tmp_path_factory):
@@ -75,7 +75,8 @@ def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(classified, t
     code = run_cli("classify", "--continue", out / "run_it001_optimiser.star", "--o", tmp_path / "run", "--iter", 2)
     assert code == 0
     for k in (1, 2):
-        assert (tmp_path / f"run_it002_class{k:03d}.mrc").read_bytes() == (out / f"run_it002_class{k:03d}.mrc").read_bytes()
+        name = f"run_it002_class{k:03d}.mrc"
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
     continued = starfile.read(tmp_path / "run_it002_data.star")["particles"]
     original = starfile.read(out / "run_it002_data.star")["particles"]
     for column in ("rlnClassNumber", "rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst",
@@ -95,10 +96,11 @@ def test_continue_refuses_a_run_of_the_other_kind(classified, capsys):
 
 
 def test_classify_with_c4_symmetry_gives_c4_symmetric_classes(tmp_path):
+    from conftest import EXAMPLE_MAP
+
     from cryorefine.core.fourier import downsample_volume
     from cryorefine.core.symmetry import symmetrise_volume, symmetry_group
     from cryorefine.io.mrc import read_volume, write_volume
-    from conftest import EXAMPLE_MAP
 
     write_volume(tmp_path / "map.mrc", downsample_volume(read_volume(EXAMPLE_MAP)[0], 32), 12.0)
     assert run_cli("simulate", "--ref", tmp_path / "map.mrc", "--n", 80, "--snr", 0.5, "--seed", 3, "--sym", "C4",
@@ -251,6 +253,7 @@ def test_skip_align_on_the_gpu_matches_the_cpu(tmp_path):
     the GPU engine: the same classes for ≥ 99 % of the particles, class maps with FSC ≥ 0.99 between the
     engines up to the reported resolution, and the STAR file's poses kept by both."""
     from conftest import cupy_or_skip
+
     from cryorefine.core.fsc import fsc_volumes
     from cryorefine.io.mrc import read_volume
 
@@ -444,7 +447,8 @@ def test_a_finer_pass_is_limited_by_its_table_and_dropped_where_most_particles_r
     raised = got.index(2) + 1
     limited = [r.getMessage() for r in caplog.records if "the fine pass's limit of 2 " in r.getMessage()]
     dropped = [r.getMessage() for r in caplog.records if "samples at --oversampling again" in r.getMessage()]
-    assert len(limited) == 1 and limited[0].startswith(f"iteration {raised}: ") and "--relion_oversampling" in limited[0]
+    assert len(limited) == 1 and limited[0].startswith(f"iteration {raised}: ")
+    assert "--relion_oversampling" in limited[0]
     assert len(dropped) == 1 and dropped[0].startswith(f"from iteration {raised + 1} on"), dropped
     for i, order in enumerate(got, start=1):
         counts = starfile.read(tmp_path / f"run_it{i:03d}_data.star")["particles"]["rlnNrOfSignificantSamples"]

@@ -5,12 +5,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import starfile
+from conftest import run_cli
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.fourier import downsample_volume
 from cryorefine.core.fsc import fsc_volumes
 from cryorefine.io.mrc import read_volume, write_volume
-from conftest import run_cli
 
 EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 BOX, PIXEL = 32, 12.0
@@ -376,6 +376,7 @@ def test_d2_refinement_on_the_gpu_matches_the_cpu(d2_refined, tmp_path):
     """The D2 run above (numpy engine) again with the GPU engine: maps agree (FSC ≥ 0.99 to the reported
     resolution), are D2-symmetric, and ≥ 80 % of the poses are within 1° of the CPU's (modulo D2)."""
     from conftest import cupy_or_skip
+
     from cryorefine.core.symmetry import symmetry_group
     from cryorefine.em import schedule
 
@@ -403,7 +404,7 @@ def test_d2_refinement_on_the_gpu_matches_the_cpu(d2_refined, tmp_path):
     assert np.mean(angles <= 1.0) >= 0.8
 
 
-# ------------------------------------------------------------------ --solvent_mask, --solvent_mask2, --solvent_correct_fsc
+# ------------------------------------------------------------- --solvent_mask, --solvent_mask2, --solvent_correct_fsc
 
 @pytest.fixture(scope="module")
 def masked(tmp_path_factory, refined):

@@ -19,7 +19,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import starfile
-
 from conftest import EXAMPLE_MAP, run_cli
 
 REFINE3D_JOB019 = (

@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import starfile
-
 import test_relion_command_lines as tutorial
 from conftest import run_cli
 from test_relion_command_lines import REFINE3D_JOB019, project  # noqa: F401 (a fixture)
@@ -45,7 +44,8 @@ def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
     from cryorefine.cli import relion_refine_command
     from cryorefine.errors import InputError
 
-    assert relion_refine_command(["--o", "a/run", "--auto_refine", "--split_random_halves", "--ref", "r.mrc"]) == "refine"
+    line = ["--o", "a/run", "--auto_refine", "--split_random_halves", "--ref", "r.mrc"]
+    assert relion_refine_command(line) == "refine"
     assert relion_refine_command(["--o", "a/run", "--ref=r.mrc", "--K", "4"]) == "classify"
     assert relion_refine_command(["--ref", "r.mrc"]) == "classify"  # RELION: a 3D classification of one class
     assert relion_refine_command([]) is None and relion_refine_command(["--help"]) is None

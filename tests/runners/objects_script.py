@@ -1,5 +1,6 @@
 """Run under mpiexec -n 3 by tests/runners/test_mpi.py: objects with arrays of several kinds sent, received,
-broadcast, gathered by all and gathered onto one by `ObjectChannel` in small chunks; every rank checks what it got against what it
+broadcast, gathered by all and gathered onto one by `ObjectChannel` in small chunks; every rank checks what it got
+against what it
 would have sent, and rank 0 prints one line for all: "all ranks ok", or each rank's differences."""
 
 import sys

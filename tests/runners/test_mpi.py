@@ -370,8 +370,8 @@ def test_two_gpus_add_their_sums_on_the_devices_as_on_the_host(mixture):
     """Two workers on two GPUs of one host: the class volumes added up with NCCL on the devices give the class
     maps and classes of the host path's MPI reduction (CRYOREFINE_DEVICE_REDUCTION=0), to float32 rounding."""
     import starfile
-
     from conftest import cupy_or_skip
+
     from cryorefine.gpu.collectives import nccl_usable
 
     cp = cupy_or_skip()

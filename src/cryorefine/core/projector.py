@@ -34,8 +34,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from cryorefine.core import fourier
-from cryorefine.core import reconstruct
+from cryorefine.core import fourier, reconstruct
 from cryorefine.core.grid import PaddedGrid, complex_dtype_for, map_slabs, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import padded_forward
 from cryorefine.core.symmetry import symmetrise_padded_sums

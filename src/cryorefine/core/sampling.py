@@ -142,7 +142,7 @@ class LocalOrientations:
         """(n,) the particle of each entry."""
         return np.repeat(np.arange(self.n_particles), self.counts())
 
-    def rows(self, start: int, stop: int) -> "LocalOrientations":
+    def rows(self, start: int, stop: int) -> LocalOrientations:
         """The particles start … stop − 1 (consecutive), renumbered from 0."""
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         return LocalOrientations(self.offsets[start:stop + 1] - lo, self.orientation[lo:hi], self.log_prior[lo:hi])
@@ -302,12 +302,12 @@ class Sampling:
 
     # ------------------------------------------------------------------ variants
 
-    def with_healpix_order(self, healpix_order: int, psi_step_deg: float | None = None) -> "Sampling":
+    def with_healpix_order(self, healpix_order: int, psi_step_deg: float | None = None) -> Sampling:
         """The same sampling at another HEALPix order, psi step reset to that order's default."""
         return Sampling(healpix_order, self.offset_range_px, self.offset_step_px, self.symmetry,
                         psi_step_deg, self.oversampling, self.perturbation)
 
-    def with_offsets(self, offset_range_px: float, offset_step_px: float) -> "Sampling":
+    def with_offsets(self, offset_range_px: float, offset_step_px: float) -> Sampling:
         """The same sampling with another translation disc."""
         return Sampling(self.healpix_order, offset_range_px, offset_step_px, self.symmetry,
                         self.psi_step_deg, self.oversampling, self.perturbation)
@@ -581,7 +581,8 @@ class Sampling:
             step = max(1, LOCAL_CANDIDATES_PER_CHUNK // max(pix.shape[1], 1))
         counts = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
         offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
-        return offsets, np.concatenate(directions or [np.zeros(0, np.int64)]), np.concatenate(log_priors or [np.zeros(0)])
+        return (offsets, np.concatenate(directions or [np.zeros(0, np.int64)]),
+                np.concatenate(log_priors or [np.zeros(0)]))
 
     def _directions_in_range(self, pix, mates, sigma_deg, cutoff):
         """Counts (b,), directions and log priors of `_local_directions` for candidate pixels (b, C) (−1: none)
@@ -641,7 +642,8 @@ def offset_log_prior(translations_px, old_offset_px, sigma_offset_px: float, pri
     """
     t = xp.asarray(translations_px, dtype=xp.float64)
     old = xp.asarray(old_offset_px, dtype=xp.float64).reshape(-1, 2)
-    prior = xp.zeros_like(old) if prior_offset_px is None else xp.asarray(prior_offset_px, dtype=xp.float64).reshape(-1, 2)
+    prior = (xp.zeros_like(old) if prior_offset_px is None
+             else xp.asarray(prior_offset_px, dtype=xp.float64).reshape(-1, 2))
     diff = old[:, None, :] + t[None, :, :] - prior[:, None, :]
     d2 = xp.sum(diff * diff, axis=-1)
     if sigma_offset_px * sigma_offset_px < 1e-4:

@@ -72,7 +72,7 @@ class SymmetryGroup:
 
     name: str
     matrices: np.ndarray
-    asymmetric_unit: "AsymmetricUnit"
+    asymmetric_unit: AsymmetricUnit
 
     @property
     def order(self) -> int:
@@ -311,7 +311,8 @@ def _relion_region(family: str, n: int) -> AsymmetricUnit:
     if family == "TD":
         return AsymmetricUnit(normals=((-0.942809, 0.0, 0.0), (0.471405, 0.272165, 0.7698), (0.0, 0.471405, -0.666667)))
     if family == "TH":
-        return AsymmetricUnit(normals=((-0.816496, 0.0, 0.0), (0.707107, 0.408248, -0.57735), (-0.408248, -0.707107, 0.0)))
+        return AsymmetricUnit(normals=((-0.816496, 0.0, 0.0), (0.707107, 0.408248, -0.57735),
+                                       (-0.408248, -0.707107, 0.0)))
     if family == "O":
         return AsymmetricUnit(rot_range_deg=(45.0, 135.0), max_tilt_deg=90.0, or_rot_zero=True, normals=_O_NORMALS)
     if family == "OH":
@@ -442,7 +443,7 @@ def _relion_region_is_a_unit(family: str, n: int) -> bool:
     return not (family in ("DV", "DH") and n == 1) and not (family == "DH" and n % 2 == 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _group_cached(canonical: str) -> SymmetryGroup:
     family, n = _parse(canonical)
     mats = _closure(_generators(family, n), canonical)

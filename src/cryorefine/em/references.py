@@ -18,7 +18,8 @@ def read_reference(path, box, pixel):
                          f"{box} px; resize the reference (relion_image_handler --new_box {box})")
     if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
         raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
-                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler --rescale_angpix)")
+                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler "
+                         f"--rescale_angpix)")
     return reference
 
 

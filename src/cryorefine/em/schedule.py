@@ -225,8 +225,8 @@ def warn_if_diameter_clipped(config, ori_size_px: int, pixel_size_angstrom: floa
     """A warning on `log` when --particle_diameter does not fit the box and the mask is clipped."""
     used = default_particle_diameter_angstrom(config, ori_size_px, pixel_size_angstrom)
     if config.particle_diameter_angstrom is not None and config.particle_diameter_angstrom > used:
-        log.warning("--particle_diameter %g Å is larger than the box allows (%d px × %g Å/px less the %g px mask edge); "
-                    "the mask is clipped to %.1f Å", config.particle_diameter_angstrom, ori_size_px,
+        log.warning("--particle_diameter %g Å is larger than the box allows (%d px × %g Å/px less the %g px mask "
+                    "edge); the mask is clipped to %.1f Å", config.particle_diameter_angstrom, ori_size_px,
                     pixel_size_angstrom, config.width_mask_edge_px, used)
 
 
@@ -533,7 +533,8 @@ def hidden_variable_changes(old, new, pixel_size_angstrom: float, symmetry: str)
     mats = symmetry_group(symmetry).rotations if symmetry.upper() != "C1" else None
     angles = angular_distance_deg(old.rot_deg, old.tilt_deg, old.psi_deg, new.rot_deg, new.tilt_deg, new.psi_deg,
                                   symmetry_matrices=mats)
-    d2 = ((new.origin_x_px - old.origin_x_px) ** 2 + (new.origin_y_px - old.origin_y_px) ** 2) * pixel_size_angstrom ** 2
+    d2 = (((new.origin_x_px - old.origin_x_px) ** 2 + (new.origin_y_px - old.origin_y_px) ** 2)
+          * pixel_size_angstrom ** 2)
     return hidden_variable_changes_from_sums(float(np.sum(angles)), float(np.sum(d2)),
                                              float(np.sum(new.class_index != old.class_index)), float(new.rot_deg.size))
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 #: The coefficients' order: tiles of TILE_ROWS ky rows × TILE_COLUMNS kx (a warp's 32 lanes), tile rows in the
 #: half transform's row order (ky ≥ 0 up, then the negative rows), tiles along kx within a tile row. Neighbours in
 #: the order are neighbours in the plane, so a slice's consecutive coefficients, rotated into the padded volume,

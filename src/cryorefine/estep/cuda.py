@@ -44,14 +44,41 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import (FineBlocks, IterationTables, groups_by_size, local_orientations,
-                                      significance_cut, significant_mask, significants_limit)
-from cryorefine.estep.cuda_plan import (FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE, SLICE_BYTES_PER_COEF, SLICE_ROW_BYTES_PER_COEF,
-                                       plan_batches)
+from cryorefine.estep.common import (
+    FineBlocks,
+    IterationTables,
+    groups_by_size,
+    local_orientations,
+    significance_cut,
+    significant_mask,
+    significants_limit,
+)
+from cryorefine.estep.cuda_plan import (
+    FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE,
+    SLICE_BYTES_PER_COEF,
+    SLICE_ROW_BYTES_PER_COEF,
+    plan_batches,
+)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
-from cryorefine.estep.kernels import (FINE_THREADS, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_THREADS, LOCAL_THREADS,
-                                      MAX_GRID_Y, SEG_THREADS, WEIGHT_THREADS, coarse_shared_bytes, device_coarse_kernel,
-                                      fine_kernel_names, fine_tiles, kernel_module, local_tile, local_tiles, round_up)
+from cryorefine.estep.kernels import (
+    FINE_THREADS,
+    GEMM_BK,
+    GEMM_BM,
+    GEMM_BN,
+    GEMM_THREADS,
+    LOCAL_THREADS,
+    MAX_GRID_Y,
+    SEG_THREADS,
+    WEIGHT_THREADS,
+    coarse_shared_bytes,
+    device_coarse_kernel,
+    fine_kernel_names,
+    fine_tiles,
+    kernel_module,
+    local_tile,
+    local_tiles,
+    round_up,
+)
 from cryorefine.gpu.allocator import free_device_bytes
 
 log = logging.getLogger(__name__)
@@ -341,7 +368,8 @@ class CupyEngine:
             for start in range(0, n, step):
                 rows = np.arange(start, min(n, start + step))
                 with self._scope(Scope.PARTICLE):
-                    parts.append(self._run_rows(batch, rows, None if local is None else local.rows(start, rows[-1] + 1)))
+                    part_local = None if local is None else local.rows(start, rows[-1] + 1)
+                    parts.append(self._run_rows(batch, rows, part_local))
                 blocks.extend(self.last_blocks)
         tic = time.perf_counter()
         self.last_blocks = blocks
@@ -738,7 +766,8 @@ class CupyEngine:
         known = self._fine_known
         missing = orientations[~np.isin(orientations, known, assume_unique=True)]
         if missing.size:
-            rot, tilt, psi = (np.asarray(a, dtype=np.float64) for a in self.setup_.sampling.fine_orientations_deg(missing))
+            rot, tilt, psi = (np.asarray(a, dtype=np.float64)
+                              for a in self.setup_.sampling.fine_orientations_deg(missing))
             matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
             merged = np.concatenate([known, missing])
             order = np.argsort(merged, kind="stable")

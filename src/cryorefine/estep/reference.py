@@ -35,8 +35,14 @@ import numpy as np
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import offset_log_prior
-from cryorefine.estep.common import (FineBlocks, IterationTables, local_orientations, significant_mask,
-                                      significant_samples, significants_limit)
+from cryorefine.estep.common import (
+    FineBlocks,
+    IterationTables,
+    local_orientations,
+    significant_mask,
+    significant_samples,
+    significants_limit,
+)
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit

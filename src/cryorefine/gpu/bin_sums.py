@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(cp):
     return cp.ElementwiseKernel(
         "int64 idx, T value, W weight", "raw float64 re, raw float64 im, raw float64 den",

@@ -51,7 +51,7 @@ _VALUE_TYPES = {"float32": "float", "float64": "double"}
 _SHELL_TYPES = {"int32": "int", "int64": "long long"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(device_id):
     import cupy
 
@@ -59,7 +59,7 @@ def _module(device_id):
         return cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=tuple(_INSTANCES.values()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device_id):
     import cupy
 

@@ -62,8 +62,13 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess
-from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
-                                          write_optimiser_star, write_sampling_star)
+from cryorefine.io.relion_outputs import (
+    model_star_blocks,
+    optimiser_star_blocks,
+    particle_table,
+    write_optimiser_star,
+    write_sampling_star,
+)
 from cryorefine.io.star import read_star, write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
@@ -168,8 +173,9 @@ class ClassifyJob:
                            pdf_direction=np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir)))
         model.maps = [maps]
         model.sigma2_noise = noise_spectra(particles, settings, n_optics)
+        starting = schedule.starting_resolution_angstrom(config)
         model.current_resolution_angstrom = schedule.current_resolution(
-            box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
+            box, pixel, iteration=0, ini_high_angstrom=starting).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
                         np.random.default_rng(config.random_seed),
                         extras={"class_distributions": np.zeros((0, k_classes)), "class_changes": np.zeros(0),

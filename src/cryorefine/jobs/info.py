@@ -60,7 +60,8 @@ def describe_star(path, check_images=False):
         raise InputError(f"{path}: no data_ block in it; not a STAR file (or an empty one)")
     if not any(getattr(b, "columns", None) is not None and "rlnImageName" in b.columns for b in blocks.values()):
         return {"file": str(path), "kind": "star",
-                "blocks": {name: (f"{len(b)} rows × {b.shape[1]} columns" if hasattr(b, "shape") else f"{len(b)} values")
+                "blocks": {name: (f"{len(b)} rows × {b.shape[1]} columns" if hasattr(b, "shape")
+                                  else f"{len(b)} values")
                            for name, b in blocks.items()}}
     particles = load_particles(path, check_stacks=check_images)
     if check_images:
@@ -111,7 +112,8 @@ def format_text(info):
     for g in info["optics_groups"]:
         lines.append(f"    {g['number']:>3} {g['name']:<16} {g['n_particles']:>8} particles  "
                      f"{g['pixel_size_angstrom']:.4f} Å/px  box {g['box_px'] or '?'} px  "
-                     f"{_fmt(g['voltage_kv'], 'kV')}  Cs {_fmt(g['cs_mm'], 'mm')}  Q0 {_fmt(g['amplitude_contrast'], '')}")
+                     f"{_fmt(g['voltage_kv'], 'kV')}  Cs {_fmt(g['cs_mm'], 'mm')}  "
+                     f"Q0 {_fmt(g['amplitude_contrast'], '')}")
     st = info["stacks"]
     status = "all present" if not st["missing"] else f"{len(st['missing'])} missing, e.g. {st['missing'][0]}"
     lines.append(f"  image stacks: {st['count']} ({status})")

@@ -28,12 +28,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cryorefine.em import memory, schedule
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
+from cryorefine.em import memory, schedule
 from cryorefine.errors import InputError
-from cryorefine.estep.cuda_plan import (FINE_SAMPLE_BYTES, SLICE_ROW_BYTES_PER_COEF, local_per_particle_bytes,
-                                      per_particle_bytes, plan_batches)
+from cryorefine.estep.cuda_plan import (
+    FINE_SAMPLE_BYTES,
+    SLICE_ROW_BYTES_PER_COEF,
+    local_per_particle_bytes,
+    per_particle_bytes,
+    plan_batches,
+)
 from cryorefine.gpu.staging import UploadSlots
 
 GB = 1e9
@@ -279,8 +284,8 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         if worst.label.startswith("late") and late_resolution_angstrom is None:
             hint += (f"; the late iteration is planned at {late:.1f} Å (three quarters of Nyquist): --resolution "
                      f"plans it at the resolution the job is expected to reach")
-        raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.3g} GB of GPU "
-                         f"memory but the arena on {gpu.name} has {arena / GB:.3g} GB; {hint}")
+        raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.3g} GB of "
+                         f"GPU memory but the arena on {gpu.name} has {arena / GB:.3g} GB; {hint}")
     return {"particles": n, "box_px": box, "pixel_size_angstrom": pixel, "gpu": gpu, "arena_bytes": arena,
             "moments": moments}
 

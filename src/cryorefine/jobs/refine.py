@@ -44,8 +44,13 @@ from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
 from cryorefine.io.atomic import copy_atomically
 from cryorefine.io.background import InOwnProcess
-from cryorefine.io.relion_outputs import (model_star_blocks, optimiser_star_blocks, particle_table,
-                                          write_optimiser_star, write_sampling_star)
+from cryorefine.io.relion_outputs import (
+    model_star_blocks,
+    optimiser_star_blocks,
+    particle_table,
+    write_optimiser_star,
+    write_sampling_star,
+)
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.report import write_iteration_report
 
@@ -106,8 +111,9 @@ class RefineJob:
         if not config.ini_high_angstrom:
             log.warning("no --ini_high: the reference is used unfiltered and the first image size is set for %.0f Å",
                         schedule.DEFAULT_START_RESOLUTION_ANGSTROM)
+        starting = schedule.starting_resolution_angstrom(config)
         model.current_resolution_angstrom = schedule.current_resolution(
-            box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)).resolution_angstrom
+            box, pixel, iteration=0, ini_high_angstrom=starting).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
                         np.random.default_rng(config.random_seed), sched)
 
@@ -281,8 +287,8 @@ class RefineJob:
                                           firstiter_cc=config.firstiter_cc)
         optimiser = schedule.update_change_counters(
             optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
-            previous_resolution_angstrom=model.current_resolution_angstrom, pixel_size_angstrom=model.pixel_size_angstrom,
-            oversampling=config.oversampling)
+            previous_resolution_angstrom=model.current_resolution_angstrom,
+            pixel_size_angstrom=model.pixel_size_angstrom, oversampling=config.oversampling)
         model.current_resolution_angstrom = res.resolution_angstrom
         run.optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
                                 changes_optimal_offsets_angstrom=changes.offsets_angstrom,

@@ -8,7 +8,8 @@ batch of particle indices) on request, storing each batch's per-particle results
 back. Each unit's particles are cut into one share per worker of the unit (contiguous blocks of
 particle indices, `shares_of_unit`): a worker is handed its own share's batches first, then helps the
 worker with most left, so that the workers end together and `--preread_images` holds each image
-once among them (each worker its share; a batch taken over from another's is read from the stacks). Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
+once among them (each worker its share; a batch taken over from another's is read from the stacks).
+Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
 the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
 next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
@@ -69,7 +70,15 @@ import numpy as np
 from cryorefine.core.grid import complex_dtype_for
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em import mstep
-from cryorefine.em.estep import BatchInputs, add_counts, add_seconds, empty_sums, noise_batch_sums, run_batches, sums_wait_on_host
+from cryorefine.em.estep import (
+    BatchInputs,
+    add_counts,
+    add_seconds,
+    empty_sums,
+    noise_batch_sums,
+    run_batches,
+    sums_wait_on_host,
+)
 from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend

@@ -11,8 +11,14 @@ import numpy as np
 
 from cryorefine.data import scratch_copy
 from cryorefine.em import mstep
-from cryorefine.em.estep import (BatchInputs, add_seconds, empty_sums, initial_noise_spectra, run_batches,
-                                  sums_wait_on_host)
+from cryorefine.em.estep import (
+    BatchInputs,
+    add_seconds,
+    empty_sums,
+    initial_noise_spectra,
+    run_batches,
+    sums_wait_on_host,
+)
 from cryorefine.em.loop import StepOutcome, log_stages
 
 log = logging.getLogger("cryorefine")
