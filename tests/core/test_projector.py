@@ -149,8 +149,8 @@ def test_backprojection_is_adjoint_of_projection(padding, size_px, image_px):
     shape = proj.data.shape
     proj.data = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
     mats = random_rotations(rng, 7)
-    shape = (7, image_px, image_px // 2 + 1)
-    s = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    slices = (7, image_px, image_px // 2 + 1)
+    s = rng.standard_normal(slices) + 1j * rng.standard_normal(slices)
     s *= _half_column_mask(image_px)
     bp = BackProjector(size_px, padding_factor=padding)
     assert bp.data.shape == shape
