@@ -209,6 +209,11 @@ def _refine_options(command):
         click.option("--ctf_corrected_ref", is_flag=True,
                      help="Accepted for RELION 3.1 command lines: the reference is always taken as CTF-corrected (a "
                           "map, not an average of CTF-affected images), as RELION 4 and later do."),
+        click.option("--trust_ref_size", is_flag=True,
+                     help="Accepted for RELION's GUI lines (its 'Resize reference if needed?', Yes by default): a "
+                          "reference of the particles' box and pixel size runs as without it; one of another size is "
+                          "refused with the relion_image_handler line that fits it (RELION would re-box the "
+                          "particles into the reference's box instead)."),
         click.option("--batch", default=None, type=int,
                      help="Particles per E-step batch [default: 128 on the CPU and on the GPU 1024 images "
                           "of 360 px or as many as hold as many pixels (32 to 1024)]."),
@@ -252,7 +257,7 @@ def refine(star, out, ref, continue_from, overwrite, particle_diameter, ini_high
            healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
            max_iterations, adaptive_fraction, maxsig, strict_highres_exp, coarse_size, norm, scale,
            low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc,
-           no_parallel_disc_io, ctf_corrected_ref, batch,
+           no_parallel_disc_io, ctf_corrected_ref, trust_ref_size, batch,
            pool, threads, dont_check_norm, pipeline_control, precision, preread_images, scratch_dir, gpu, force_cpu,
            free_gpu_memory):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""

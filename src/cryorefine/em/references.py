@@ -9,17 +9,21 @@ from cryorefine.core.arrays import array_module
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 
+#: what a size refusal adds: RELION's --trust_ref_size would go on, re-boxing the particles instead
+NOT_REBOXED = "(cryorefine does not re-box the particles into the reference's size, as RELION's --trust_ref_size does)"
+
 
 def read_reference(path, box, pixel):
     """A reference map checked against the particles: cubic of their box, at their pixel size."""
     reference, ref_pixel = mrc.read_volume(path)
-    if reference.shape[0] != box:
-        raise InputError(f"{path}: the reference is {reference.shape[0]} px but the particles are "
-                         f"{box} px; resize the reference (relion_image_handler --new_box {box})")
     if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
-        raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but "
-                         f"the particles are {pixel:g} Å/px; rescale the reference (relion_image_handler "
-                         f"--rescale_angpix)")
+        raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but the particles "
+                         f"are {pixel:g} Å/px; rescale the reference (relion_image_handler --i {path} --o "
+                         f"ref_{box}px.mrc --rescale_angpix {pixel:g} --new_box {box}) {NOT_REBOXED}")
+    if reference.shape[0] != box:
+        raise InputError(f"{path}: the reference is {reference.shape[0]} px but the particles are {box} px; resize "
+                         f"the reference (relion_image_handler --i {path} --o ref_{box}px.mrc --new_box {box}) "
+                         f"{NOT_REBOXED}")
     return reference
 
 
