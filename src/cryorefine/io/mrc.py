@@ -210,7 +210,10 @@ class PrereadImages:
         if out is None:
             out = np.empty((rows.size,) + self.images.shape[1:], dtype)
         target = out[:len(rows)]
-        unread = np.flatnonzero((rows < 0) | ~self._filled[np.maximum(rows, 0)])
+        held = rows >= 0
+        filled = np.zeros(rows.size, dtype=bool)
+        filled[held] = self._filled[rows[held]]
+        unread = np.flatnonzero(~filled)
         if unread.size:  # from their stacks; those this reader holds are kept, the others copied below
             if self._stacks is None:
                 self._stacks = StackReader()
@@ -220,8 +223,8 @@ class PrereadImages:
             self.images[rows[kept]] = target[kept]
             self._filled[rows[kept]] = True
             if unread.size < rows.size:
-                held = np.setdiff1d(np.arange(rows.size), unread)
-                target[held] = self.read([paths[h] for h in held], indices[held], dtype=target.dtype)
+                ready = np.flatnonzero(filled)
+                target[ready] = self.read([paths[r] for r in ready], indices[ready], dtype=target.dtype)
             return target
         if out.dtype != self.images.dtype:
             target[...] = self.images[rows]
