@@ -63,22 +63,14 @@ class ObjectChannel:
         from mpi4py import MPI
 
         comm = self.comm
-        me = comm.Get_rank()
         header, views = _dumps(obj)
         headers = comm.allgather((header, [v.nbytes for v in views]))
-        requests, received = [], {}
-        for rank, (other_header, sizes) in enumerate(headers):
-            if rank != me:
-                buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
-                received[rank] = (other_header, buffers)
-                requests += [comm.Irecv(piece, source=rank, tag=ALLGATHER_TAG)
-                             for buffer in buffers for piece in self._pieces(buffer)]
+        requests, received = self._receives(headers, ALLGATHER_TAG)
         for rank in received:  # each pair's messages arrive in the order they were sent
             requests += [comm.Isend(piece, dest=rank, tag=ALLGATHER_TAG) for view in views
                          for piece in self._pieces(view)]
         MPI.Request.Waitall(requests)
-        return [obj if rank == me else pickle.loads(received[rank][0], buffers=received[rank][1])
-                for rank in range(comm.Get_size())]
+        return self._objects(obj, received)
 
     def gather(self, obj, root):
         """Every rank's `obj` on `root`, in rank order (None elsewhere): the pickles gathered, then every rank's
@@ -93,16 +85,28 @@ class ObjectChannel:
             MPI.Request.Waitall([comm.Isend(piece, dest=root, tag=GATHER_TAG) for view in views
                                  for piece in self._pieces(view)])
             return None
+        requests, received = self._receives(headers, GATHER_TAG)
+        MPI.Request.Waitall(requests)
+        return self._objects(obj, received)
+
+    def _receives(self, headers, tag):
+        """(receive requests, {rank: (pickle, buffers)}) of every other rank's arrays, posted at once, from the
+        gathered (pickle, array sizes) of every rank."""
+        me = self.comm.Get_rank()
         requests, received = [], {}
         for rank, (other_header, sizes) in enumerate(headers):
             if rank != me:
                 buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
                 received[rank] = (other_header, buffers)
-                requests += [comm.Irecv(piece, source=rank, tag=GATHER_TAG)
+                requests += [self.comm.Irecv(piece, source=rank, tag=tag)
                              for buffer in buffers for piece in self._pieces(buffer)]
-        MPI.Request.Waitall(requests)
+        return requests, received
+
+    def _objects(self, obj, received):
+        """Every rank's object in rank order: this rank's `obj`, the others' unpickled from `_receives`."""
+        me = self.comm.Get_rank()
         return [obj if rank == me else pickle.loads(received[rank][0], buffers=received[rank][1])
-                for rank in range(comm.Get_size())]
+                for rank in range(self.comm.Get_size())]
 
     def _pieces(self, buffer):
         """A flat byte buffer (numpy uint8 array or memoryview of bytes) in messages of at most chunk_bytes."""
