@@ -204,6 +204,19 @@ def run_classify(ranks, folder, out, *extra, env=None, timeout=600, engine=("--c
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
 
 
+def assert_same_classification(mixture, got, want, iteration, classes=(1, 2), tolerance=1e-5):
+    """The runs in folders `got` and `want` of `mixture` gave every particle the same class at `iteration`, and
+    class maps that differ by at most `tolerance` of the largest value of `want`'s (float32 rounding)."""
+    import starfile
+
+    name = f"run_it{iteration:03d}"
+    a, b = (starfile.read(mixture / folder / f"{name}_data.star")["particles"] for folder in (got, want))
+    np.testing.assert_array_equal(a["rlnClassNumber"], b["rlnClassNumber"])
+    for k in classes:
+        a, b = (read_volume(mixture / folder / f"{name}_class{k:03d}.mrc")[0] for folder in (got, want))
+        assert np.abs(a - b).max() <= tolerance * np.abs(b).max(), k
+
+
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory):
     from conftest import make_mixture
@@ -258,7 +271,6 @@ def test_a_killed_worker_ends_the_job_and_continue_on_fewer_ranks_finishes_it(mi
     """A worker killed outright (SIGKILL) in iteration 3 of 4: the launcher ends the whole job within seconds; the
     last completed iteration's files stay, and --continue from them on one worker (mpiexec -n 2) ends with the
     classes and class maps of the run that was never interrupted (on two workers: to float32 rounding)."""
-    import starfile
 
     tic = time.monotonic()
     killed = run_classify(3, mixture, "killed", "--iter", "4", "--batch", "4", env={"CRYOREFINE_FAULT": "2:3:kill"},
@@ -278,11 +290,7 @@ def test_a_killed_worker_ends_the_job_and_continue_on_fewer_ranks_finishes_it(mi
     continued = subprocess.run([mpiexec(), "-n", "2", *command], capture_output=True, text=True, timeout=300,
                                env=environment)
     assert continued.returncode == 0, continued.stderr[-2000:]
-    got, want = (starfile.read(mixture / name / "run_it004_data.star")["particles"] for name in ("continued", "whole"))
-    np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
-    for k in (1, 2):
-        a, b = (read_volume(mixture / name / f"run_it004_class{k:03d}.mrc")[0] for name in ("continued", "whole"))
-        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), k
+    assert_same_classification(mixture, "continued", "whole", 4, tolerance=1e-4)
 
 
 def test_workers_take_the_gpus_of_gpu_or_of_their_node_in_turn(monkeypatch):
@@ -355,11 +363,7 @@ def test_relion_s_gui_flags_under_mpi_give_the_classes_of_a_run_without_them(mix
                for name, extra in (("plain", ()), ("relion", flags))}
     for name, result in results.items():
         assert result.returncode == 0, (name, result.stderr[-2000:])
-    got, want = (starfile.read(mixture / f"gui_{n}" / "run_it002_data.star")["particles"] for n in ("relion", "plain"))
-    np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
-    for k in (1, 2):
-        a, b = (read_volume(mixture / f"gui_{n}" / f"run_it002_class{k:03d}.mrc")[0] for n in ("relion", "plain"))
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), k
+    assert_same_classification(mixture, "gui_relion", "gui_plain", 2)
     optimiser = starfile.read(mixture / "gui_relion" / "run_it002_optimiser.star")
     assert int(optimiser["rlnMaxNumberOfPooledParticles"]) == 3
     assert "preread" in results["relion"].stderr  # the E-step's stage of reading the shares in
@@ -369,7 +373,6 @@ def test_relion_s_gui_flags_under_mpi_give_the_classes_of_a_run_without_them(mix
 def test_two_gpus_add_their_sums_on_the_devices_as_on_the_host(mixture):
     """Two workers on two GPUs of one host: the class volumes added up with NCCL on the devices give the class
     maps and classes of the host path's MPI reduction (CRYOREFINE_DEVICE_REDUCTION=0), to float32 rounding."""
-    import starfile
     from conftest import cupy_or_skip
 
     from cryorefine.gpu.collectives import nccl_usable
@@ -383,11 +386,7 @@ def test_two_gpus_add_their_sums_on_the_devices_as_on_the_host(mixture):
                for name, flag in (("device", "1"), ("host", "0"))}
     for name, result in results.items():
         assert result.returncode == 0, (name, result.stderr[-3000:])
-    got, want = (starfile.read(mixture / f"gpus_{n}" / "run_it003_data.star")["particles"] for n in ("device", "host"))
-    np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
-    for k in (1, 2):
-        a, b = (read_volume(mixture / f"gpus_{n}" / f"run_it003_class{k:03d}.mrc")[0] for n in ("device", "host"))
-        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), k
+    assert_same_classification(mixture, "gpus_device", "gpus_host", 3, tolerance=1e-4)
 
 
 def test_a_failing_worker_leaves_relions_failure_file(mixture):
