@@ -26,7 +26,7 @@ def main(argv=None):
 
     from cryorefine.core.grid import PaddedGrid
     from cryorefine.estep.engine import flat_reals, from_flat_reals
-    from cryorefine.gpu.collectives import DeviceReducer
+    from cryorefine.gpu.collectives import DeviceCollectives
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -38,7 +38,7 @@ def main(argv=None):
         volumes.append((rng.standard_normal(shape, dtype=cupy.float32) + 1j * rng.standard_normal(shape, dtype=cupy.float32)).astype(cupy.complex64))
         volumes.append(rng.standard_normal(shape, dtype=cupy.float32))
     nbytes = sum(v.nbytes for v in volumes)
-    reducer = DeviceReducer(comm)
+    reducer = DeviceCollectives(comm)
 
     def host(v, root):
         flat = flat_reals(v, np.float32)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cryorefine.io.background import BackgroundWriter, InOwnProcess
+from cryorefine.io.background import BackgroundWriter, InOwnProcess, WaitFor
 
 
 def test_writes_run_in_order_on_another_thread_and_the_block_waits_for_them():
@@ -50,6 +50,26 @@ def test_an_error_in_the_loop_still_lets_the_last_iteration_s_writes_finish():
         writer.submit([lambda: time.sleep(0.2), lambda: done.append("maps")])
         raise RuntimeError("E-step failed")
     assert done == ["maps"]
+
+
+def test_writes_after_a_wait_for_run_once_it_is_ready():
+    """An MPI master's maps arrive while the next E-step runs: the iteration's files wait for them."""
+    done, arrived = [], threading.Event()
+    with BackgroundWriter() as writer:
+        writer.submit([lambda: done.append("model"), WaitFor(arrived.is_set), lambda: done.append("maps")])
+        time.sleep(0.2)
+        assert done == ["model"]
+        arrived.set()
+    assert done == ["model", "maps"]
+
+
+def test_an_error_in_the_loop_ends_a_wait_for_what_will_not_come():
+    done = []
+    tic = time.perf_counter()
+    with pytest.raises(RuntimeError, match="worker"), BackgroundWriter() as writer:
+        writer.submit([WaitFor(lambda: False), lambda: done.append("maps")])
+        raise RuntimeError("a worker failed")
+    assert done == [] and time.perf_counter() - tic < 5
 
 
 def _write_pid(path):

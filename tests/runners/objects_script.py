@@ -1,7 +1,7 @@
 """Run under mpiexec -n 3 by tests/runners/test_mpi.py: objects with arrays of several kinds sent, received,
-broadcast, gathered by all and gathered onto one by `ObjectChannel` in small chunks; every rank checks what it got
-against what it
-would have sent, and rank 0 prints one line for all: "all ranks ok", or each rank's differences."""
+broadcast and gathered by all, and plain arrays sent onto one rank without waiting, by `ObjectChannel` in small
+chunks; every rank checks what it got against what it would have sent, and rank 0 prints one line for all: "all
+ranks ok", or each rank's differences."""
 
 import sys
 from dataclasses import dataclass
@@ -77,13 +77,18 @@ def main():
     everyone = ObjectChannel(comm, chunk_bytes=4096).allgather(payload(20 + rank) if rank != 1 else {})
     if not (len(everyone) == 3 and everyone[1] == {} and all(same(payload(20 + r), everyone[r]) for r in (0, 2))):
         problems.append("allgather")
-    # every rank's object onto one rank (the workers' maps onto the master), arrays crossing all at once
-    gathered = ObjectChannel(comm, chunk_bytes=4096).gather(payload(30 + rank) if rank != 0 else None, root=0)
+    # plain arrays onto one rank without waiting (the workers' maps onto the master): several senders, one tag
+    channel = ObjectChannel(comm, chunk_bytes=4096)
+    sent = [np.ascontiguousarray(payload(30 + rank)["model"].maps[k]) for k in (0, 1)] if rank != 0 else []
+    requests = channel.isend_arrays(sent, 0, 7) if rank != 0 else []
     if rank == 0:
-        if not (len(gathered) == 3 and gathered[0] is None and all(same(payload(30 + r), gathered[r]) for r in (1, 2))):
-            problems.append("gather")
-    elif gathered is not None:
-        problems.append("gather gave a sender something")
+        arriving = {r: channel.irecv_arrays([(a.shape, a.dtype) for a in payload(30 + r)["model"].maps[:2]], r, 7)
+                    for r in (2, 1)}
+        MPI.Request.Waitall([q for _, received in arriving.values() for q in received])
+        for r, (arrays, _) in arriving.items():
+            if not same(payload(30 + r)["model"].maps[:2], arrays):
+                problems.append(f"arrays from {r}")
+    MPI.Request.Waitall(requests)
     every = comm.gather(problems, root=0)
     if rank == 0:
         failed = [f"rank {r}: {', '.join(p)}" for r, p in enumerate(every) if p]

@@ -62,6 +62,9 @@ class StepOutcome:
     expectation_seconds: float
     maximization_seconds: float
     maximization_stages: dict = dataclasses.field(default_factory=dict)  # MPI: seconds of the M-step's parts
+    # MPI: an io.background.WaitFor of the model's maps, which reach the master while the next E-step runs (the
+    # loop touches no map until its files are written)
+    maps_arrival: Any = None
 
 
 class Job(Protocol):
@@ -220,7 +223,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 snapshot = state.particles.copy()  # the next E-step changes the state while the writer reads this
                 resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
                                                                                           snapshot))
-                writer.submit(job.outputs(state, plan, snapshot, timings, outcome.stages, argv))
+                writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
+                writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
                 timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs
                 model, optimiser = state.model, state.optimiser
                 reports.append(IterationReport(

@@ -1,8 +1,11 @@
-"""Sums added up among the GPUs of a work unit's MPI workers with NCCL, device to device (NVLink, PCIe or the
-network), where CuPy has NCCL and each worker has a GPU of its own; the MPI runner adds them on the host otherwise.
+"""The MPI workers' collectives on their GPUs with NCCL, device to device (NVLink, PCIe or the network), where CuPy
+has NCCL and each worker has a GPU of its own; the MPI runner moves the data through the host otherwise.
 
-On four H200s of one host the host path (copy to the host, MPI reduction, copy back) took about 1 s a worker an
-iteration for the six class volumes of the 105k Class3D's late iterations: a quarter of its E-step.
+- `DeviceCollectives.reduce`: a work unit's sums added up onto the worker that makes a map. On four H200s of one
+  host the host path (copy to the host, MPI reduction, copy back) took about 1 s a worker an iteration for the six
+  class volumes of the 105k Class3D's late iterations: a quarter of its E-step.
+- `DeviceCollectives.broadcast_host`: a host buffer of one worker (a map it made) on every worker, through the
+  GPUs, which the M-step's sharing of the maps among the workers uses (`runners.objects.ObjectChannel`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def nccl_usable() -> bool:
     return bool(getattr(nccl, "available", True))
 
 
-class DeviceReducer:
+class DeviceCollectives:
     """An NCCL communicator over the ranks of an MPI communicator (one GPU each, the current device of each): made
     collectively, as the MPI communicator's ranks all make it at once."""
 
@@ -61,3 +64,23 @@ class DeviceReducer:
             return array
         stream.synchronize()
         return None
+
+    def broadcast_host(self, buffer, nbytes: int, root: int) -> np.ndarray:
+        """Rank `root`'s host bytes (`buffer`, a flat uint8 numpy array of `nbytes` there; None on the others) on
+        every rank: uploaded on the root, broadcast by NCCL, downloaded into page-locked memory on the others (the
+        next upload of a map received so runs at the bus's speed). The root's `buffer` is returned as it is."""
+        import cupy
+        import cupyx
+        from cupy.cuda import nccl
+
+        stream = cupy.cuda.get_current_stream()
+        on_device = cupy.empty(nbytes, dtype=cupy.uint8)
+        if self.rank == root:
+            on_device.set(buffer, stream=stream)
+        self._comm.broadcast(on_device.data.ptr, on_device.data.ptr, nbytes, nccl.NCCL_UINT8, root, stream.ptr)
+        out = buffer
+        if self.rank != root:
+            out = cupyx.empty_pinned(nbytes, dtype=np.uint8)
+            on_device.get(out=out, stream=stream)
+        stream.synchronize()
+        return out

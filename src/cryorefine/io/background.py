@@ -15,12 +15,16 @@ tens of milliseconds at a time) runs in a drawing process of the writer's instea
 first such write: on the writer's thread it would keep the E-step's thread, which needs the
 interpreter back after each of its waits for the GPU, waiting for it. Where no process can be
 started (no /dev/shm), or the drawing process dies, such writes run on the thread, with a warning.
+
+A `WaitFor(ready)` among the writes holds the ones after it until `ready()` says True (an MPI master's maps
+arriving from its workers while the next E-step runs); leaving the `with` block on an error stops the wait.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -35,11 +39,24 @@ class InOwnProcess:
         self.call = call
 
 
+class WaitFor:
+    """Not a write: the writes after it wait until `ready()` (asked every `poll_seconds`) returns True."""
+
+    def __init__(self, ready, poll_seconds=0.002):
+        self.ready = ready
+        self.poll_seconds = poll_seconds
+
+
+class WriterCancelled(RuntimeError):
+    """A `WaitFor` given up: the loop left its `with BackgroundWriter()` on an error."""
+
+
 class BackgroundWriter:
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self._pending = None
         self._drawing = None  # the drawing process (a ProcessPoolExecutor), False where there can be none
+        self._cancelled = threading.Event()  # set when the `with` is left on an error: a WaitFor stops waiting
 
     def submit(self, writes):
         """Run the callables `writes` in order on the writer thread, after the previous submit's (InOwnProcess
@@ -60,6 +77,8 @@ class BackgroundWriter:
         try:
             if exc_type is None:
                 self.wait()
+            else:
+                self._cancelled.set()
         finally:
             self._pool.shutdown(wait=True)
             if self._drawing:
@@ -68,7 +87,11 @@ class BackgroundWriter:
 
     def _run_all(self, writes):
         for write in writes:
-            if isinstance(write, InOwnProcess):
+            if isinstance(write, WaitFor):
+                while not write.ready():
+                    if self._cancelled.wait(write.poll_seconds):
+                        raise WriterCancelled("the run ended on an error before this iteration's files were whole")
+            elif isinstance(write, InOwnProcess):
                 self._run_in_process(write.call)
             else:
                 write()

@@ -27,10 +27,12 @@ that makes its map, the other sums onto the unit's first worker (a unit's only w
 are); a volume whose maker does not serve its unit (the final iteration's second half) crosses to it, and the
 units' other sums (noise spectra, distributions, norms: small) are shared by all. Every worker then runs the
 job's M-step on the volumes it holds, exchanging what the others need (the FSC's part of a half, the maps it
-made) through `WorkerPeers.gather_all`, so that every worker ends with every map; rank 1 sends the new model
-without its maps to the master and every worker a share of the maps, all at once (`maps_of_worker`,
-`ObjectChannel.gather`); the master's next broadcast names the maps the workers hold (`HeldMap`) instead of sending
-them again.
+made) through `WorkerPeers.gather_all` (through the GPUs with NCCL where each worker has its own), so that every
+worker ends with every map; rank 1 sends the new model to the master with its maps' shapes, and every worker starts
+sending the master a share of the maps (`maps_of_worker`) and goes on: the maps cross while the next E-step runs,
+the master's writer waiting for them before it writes the iteration's files (where MPI takes calls from several
+threads; else the master receives them before it goes on). The master's next broadcast names the maps the workers
+hold (`HeldMap`) instead of sending them again.
 Plans, models and maps go as pickle protocol 5 with their arrays as raw bytes
 (`runners.objects.ObjectChannel`), of any size. The M-step is the job's own code, so results do not depend on
 the number of ranks beyond the order of floating-point sums.
@@ -83,8 +85,9 @@ from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
-from cryorefine.gpu.collectives import DeviceReducer, nccl_usable
+from cryorefine.gpu.collectives import DeviceCollectives, nccl_usable
 from cryorefine.images import NoiseEstimate
+from cryorefine.io.background import WaitFor
 from cryorefine.runners.objects import ObjectChannel
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
@@ -92,6 +95,8 @@ TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, o
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
+TAG_MODEL = 17  # rank 1 -> master: the new model, its maps as their (shape, dtype), and the M-step's stage seconds
+TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps_of_worker`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
@@ -288,6 +293,7 @@ class MpiRunner:
         # the workers as each other's peers in the M-step
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
+        self.maps_outgoing = []  # a worker: the requests of its share of the last maps on their way to the master
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
@@ -394,18 +400,33 @@ class MpiRunner:
             add_counts(flops, worker_flops)
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
-        # the workers' M-step: the model from rank 1, its maps from every worker at once (`maps_of_worker`)
-        parts = self.objects.gather(None, root=0)
-        new_model, maximization_stages = parts[1][0]
-        maps = [None if row is None else list(row) for row in new_model.maps]
-        for _, share in parts[1:]:
-            for half, klass, volume in share:
-                maps[half][klass] = volume
-        new_model = replace(new_model, maps=maps)
+        # the workers' M-step: the model from rank 1, its maps from every worker (`maps_of_worker`), received while
+        # the next E-step runs (the writer waits for them before it writes the iteration's files)
+        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)
+        new_model, arrival = self._maps_received(new_model)
         maximization = time.perf_counter() - tic
         maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
         self.held_maps = new_model.maps  # every worker holds them too
-        return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages)
+        return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages, arrival)
+
+    def _maps_received(self, model):
+        """(`model` with its maps, which rank 1 sent as (shape, dtype), as arrays that the workers' shares of them
+        are received into, a WaitFor of their arrival). The receives are completed on the writer's thread where
+        MPI allows calls from several threads, else here, before the next E-step."""
+        from mpi4py import MPI
+
+        maps = [None if row is None else list(row) for row in model.maps]
+        requests = []
+        for worker in range(self.n_workers):
+            share = maps_of_worker(maps, worker, self.n_workers)
+            arrays, received = self.objects.irecv_arrays([like for _, _, like in share], worker + 1, TAG_MAPS)
+            for (half, klass, _), array in zip(share, arrays):
+                maps[half][klass] = array
+            requests += received
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            MPI.Request.Waitall(requests)
+            return replace(model, maps=maps), None
+        return replace(model, maps=maps), WaitFor(lambda: MPI.Request.Testall(requests))
 
     # ------------------------------------------------------------------ workers
     def serve(self, job):
@@ -428,6 +449,8 @@ class MpiRunner:
         self.exclusive_gpu = config.engine == "cuda" and shared_by == 1  # NCCL takes one GPU a worker
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
+            # the M-step's sharing of the maps among the workers goes through their GPUs where it can
+            self.peers.channel.device = self._device_collectives(self.workers)
             if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
                 self._noise_batches(backend, particles, *payload)
                 kind, payload = self.objects.bcast(None, root=0)
@@ -458,6 +481,7 @@ class MpiRunner:
             while True:
                 kind, payload = self.objects.bcast(None, root=0)
                 if kind != "iteration":
+                    self._maps_sent()
                     return
                 plan, model, previous = payload
                 plan, model = self._with_held_maps(plan, model)
@@ -491,6 +515,7 @@ class MpiRunner:
                 for u in mine}
         del sums
         tic = time.perf_counter()
+        self._maps_sent()  # the last maps reached the master while this E-step ran
         makers = makers_of_parts(job.maximization_groups(plan), self.n_workers, n_units)
         held = self._reduce(host, plan, makers, backend.sums_dtype)
         del host
@@ -503,12 +528,23 @@ class MpiRunner:
         with backend.maximization_scope():  # the job moves the sums to the device as they fit
             new_model = job.maximize(model, all_sums, plan, backend, self.peers)
             del all_sums
-        model = None
-        if worker == 0:  # the model without its maps, which every worker sends a share of
-            model = (replace(new_model, maps=[None if row is None else [None] * len(row) for row in new_model.maps]),
-                     {"sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received})
-        self.objects.gather((model, maps_of_worker(new_model.maps, worker, self.n_workers)), root=0)
+        if worker == 0:  # the model with its maps as (shape, dtype): every worker sends the master a share of them
+            shapes = [None if row is None else [(m.shape, m.dtype) for m in row] for row in new_model.maps]
+            self.objects.send((replace(new_model, maps=shapes), {
+                "sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received}),
+                dest=0, tag=TAG_MODEL)
+        # on their way while the next E-step runs (this worker's MPI calls for its batches move them along)
+        share = [np.ascontiguousarray(m) for _, _, m in maps_of_worker(new_model.maps, worker, self.n_workers)]
+        self.maps_outgoing = (share, self.objects.isend_arrays(share, 0, TAG_MAPS))
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out
+
+    def _maps_sent(self):
+        """Wait until this worker's share of the last maps has reached the master."""
+        from mpi4py import MPI
+
+        if self.maps_outgoing:
+            MPI.Request.Waitall(self.maps_outgoing[1])
+        self.maps_outgoing = []
 
     def _share(self, members, unit, n_units):
         """This worker's share of a unit's particles (`shares_of_unit`)."""
@@ -582,7 +618,7 @@ class MpiRunner:
         (u, s), = sums.items()
         if n_units not in self._unit_comms:
             self._unit_comms[n_units] = self._unit_communicators(worker % n_units, worker)
-        unit_comm, device_reducer = self._unit_comms[n_units]
+        unit_comm, device = self._unit_comms[n_units]
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
         unit_workers = workers_of_unit(u, self.n_workers, n_units)
@@ -591,10 +627,11 @@ class MpiRunner:
             """`array` added over the unit's workers onto `root` (its rank in the unit): on the GPUs where every
             worker's is a device array of `dtype` (`gpu.collectives`), else on the host in the reals of `wire`, in
             chunks; there of `dtype` (None elsewhere)."""
-            if device_reducer is not None:
-                on_device = unit_comm.allreduce(bool(DeviceReducer.takes(array) and array.dtype == dtype), op=MPI.LAND)
+            if device is not None:
+                here = bool(DeviceCollectives.takes(array) and array.dtype == dtype)
+                on_device = unit_comm.allreduce(here, op=MPI.LAND)
                 if on_device:
-                    return device_reducer.reduce(array, root)
+                    return device.reduce(array, root)
             flat = flat_reals(array, wire)
             out = np.zeros_like(flat) if unit_comm.Get_rank() == root else None
             for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
@@ -620,15 +657,19 @@ class MpiRunner:
         return {u: replace(small, data=data, weight=weight)}
 
     def _unit_communicators(self, color, key):
-        """(MPI communicator of the workers of this worker's unit, its NCCL `gpu.collectives.DeviceReducer` or None):
-        the device path where every worker of the unit has a GPU of its own and CuPy has NCCL."""
+        """(MPI communicator of the workers of this worker's unit, its `_device_collectives` or None)."""
+        unit_comm = self.workers.Split(color, key)
+        return unit_comm, self._device_collectives(unit_comm)
+
+    def _device_collectives(self, comm):
+        """NCCL collectives (`gpu.collectives.DeviceCollectives`) over the workers of `comm`, made by all of them at
+        once; None (the host path) unless every one has a GPU of its own and CuPy has NCCL, or for one worker."""
         from mpi4py import MPI
 
-        unit_comm = self.workers.Split(color, key)
-        usable = self.exclusive_gpu and unit_comm.Get_size() > 1 and nccl_usable()
-        if not unit_comm.allreduce(usable, op=MPI.LAND):
-            return unit_comm, None
-        return unit_comm, DeviceReducer(unit_comm)
+        usable = self.exclusive_gpu and comm.Get_size() > 1 and nccl_usable()
+        if not comm.allreduce(usable, op=MPI.LAND):
+            return None
+        return DeviceCollectives(comm)
 
     def _sums_of_makers(self, held, plan, makers, real_dtype):
         """Every unit's WeightedSums for this worker's M-step: the class volumes of the maps it makes (those reduced

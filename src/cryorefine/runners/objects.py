@@ -6,6 +6,11 @@ byte messages of at most CHUNK_BYTES, received into fresh buffers that the unpic
 either side). mpi4py's `util.pkl5` sends the same buffers through derived datatypes: two 360³ float32 maps crossed
 at 1.4–1.8 GB/s with it and at 3.2–6.1 GB/s with this, near plain sends of the arrays (3.5–6.6 GB/s), between two
 ranks of one host under Open MPI and MPICH (benchmarks/mpi_objects.py).
+
+With `device` (a `gpu.collectives.DeviceCollectives` over the same ranks, one GPU each) `allgather` moves the arrays
+through the GPUs instead: each rank's arrays broadcast by NCCL in turn, received into page-locked memory.
+`isend_arrays` and `irecv_arrays` move plain arrays without waiting for them (the maps a master receives while its
+workers go on with the next E-step).
 """
 
 from __future__ import annotations
@@ -16,16 +21,16 @@ import numpy as np
 
 CHUNK_BYTES = 1 << 27  # bytes per message of a buffer (128 MB): well inside MPI's int counts
 ALLGATHER_TAG = 0x0A11  # the arrays of `allgather` (a tag of their own on the channel's communicator)
-GATHER_TAG = 0x0A12  # the arrays of `gather`
 
 
 class ObjectChannel:
     """`send`, `recv`, `bcast` and `allgather` of Python objects over `comm`, as mpi4py's lower-case methods take
     them."""
 
-    def __init__(self, comm, chunk_bytes=CHUNK_BYTES):
+    def __init__(self, comm, chunk_bytes=CHUNK_BYTES, device=None):
         self.comm = comm
         self.chunk_bytes = int(chunk_bytes)
+        self.device = device  # a gpu.collectives.DeviceCollectives over comm's ranks: allgather through the GPUs
 
     def send(self, obj, dest, tag):
         header, views = _dumps(obj)
@@ -65,6 +70,8 @@ class ObjectChannel:
         comm = self.comm
         header, views = _dumps(obj)
         headers = comm.allgather((header, [v.nbytes for v in views]))
+        if self.device is not None:
+            return self._allgather_through_devices(obj, views, headers)
         requests, received = self._receives(headers, ALLGATHER_TAG)
         for rank in received:  # each pair's messages arrive in the order they were sent
             requests += [comm.Isend(piece, dest=rank, tag=ALLGATHER_TAG) for view in views
@@ -72,22 +79,30 @@ class ObjectChannel:
         MPI.Request.Waitall(requests)
         return self._objects(obj, received)
 
-    def gather(self, obj, root):
-        """Every rank's `obj` on `root`, in rank order (None elsewhere): the pickles gathered, then every rank's
-        arrays received at once, so that the senders' transfers run side by side rather than one after another."""
-        from mpi4py import MPI
-
-        comm = self.comm
-        me = comm.Get_rank()
-        header, views = _dumps(obj)
-        headers = comm.gather((header, [v.nbytes for v in views]), root=root)
-        if me != root:
-            MPI.Request.Waitall([comm.Isend(piece, dest=root, tag=GATHER_TAG) for view in views
-                                 for piece in self._pieces(view)])
-            return None
-        requests, received = self._receives(headers, GATHER_TAG)
-        MPI.Request.Waitall(requests)
+    def _allgather_through_devices(self, obj, views, headers):
+        """`allgather`'s arrays through the GPUs (`device`): every rank's arrays broadcast in rank order."""
+        me = self.comm.Get_rank()
+        received = {}
+        for rank, (other_header, sizes) in enumerate(headers):
+            buffers = [self.device.broadcast_host(np.frombuffer(views[i], dtype=np.uint8) if rank == me else None,
+                                                  size, rank) for i, size in enumerate(sizes)]
+            if rank != me:
+                received[rank] = (other_header, buffers)
         return self._objects(obj, received)
+
+    def isend_arrays(self, arrays, dest, tag):
+        """Start sending C-contiguous numpy `arrays` to rank `dest` in chunks; the requests (MPI.Request.Waitall
+        them before the arrays change or go; an `irecv_arrays` of the same shapes receives them)."""
+        return [self.comm.Isend(piece, dest=dest, tag=tag) for array in arrays
+                for piece in self._pieces(array.reshape(-1).view(np.uint8))]
+
+    def irecv_arrays(self, like, source, tag):
+        """(new arrays shaped and typed as `like`'s (shape, dtype) pairs, their receive requests) of an
+        `isend_arrays` of rank `source`; the arrays are whole once the requests are complete."""
+        arrays = [np.empty(shape, dtype=dtype) for shape, dtype in like]
+        requests = [self.comm.Irecv(piece, source=source, tag=tag) for array in arrays
+                    for piece in self._pieces(array.reshape(-1).view(np.uint8))]
+        return arrays, requests
 
     def _receives(self, headers, tag):
         """(receive requests, {rank: (pickle, buffers)}) of every other rank's arrays, posted at once, from the
