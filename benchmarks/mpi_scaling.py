@@ -49,6 +49,7 @@ import empiar10028  # noqa: E402  (the stand-in and the jobs' settings)
 log = logging.getLogger("mpi_scaling")
 ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
 STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
+WORKER_WALLS = re.compile(r"^  the workers' E-steps \(s, [^)]*\): (.*)$")  # logged before its iteration's line
 MEMORY = re.compile(r"^GPU (\d+) memory: GPU arena [\d.]+ MB: in use [\d.]+ MB, high water ([\d.]+) MB")
 MPI_STAGES = ("broadcast", "reduction", "sums to their makers", "M-step on the workers", "model to the master",
               "sums to rank 1", "M-step on rank 1")
@@ -64,12 +65,16 @@ def stage_values(text):
 
 
 def parse_log(text):
-    """The iterations (E, M, stages) and the arenas' high water (GB per device) of a run's log."""
-    iterations, memory = [], {}
+    """The iterations (E, M, stages, each MPI worker's E-step) and the arenas' high water (GB per device) of a run's
+    log."""
+    iterations, memory, walls = [], {}, []
     for line in text.splitlines():
-        if m := ITERATION.match(line):
+        if m := WORKER_WALLS.match(line):
+            walls = [float(w) for w in m[1].split(", ")]
+        elif m := ITERATION.match(line):
             iterations.append({"iteration": int(m[1]), "expectation": float(m[2]), "maximization": float(m[3]),
-                               "e_stages": {}, "m_stages": {}})
+                               "e_stages": {}, "m_stages": {}, "worker_e_seconds": walls})
+            walls = []
         elif (m := STAGES.match(line)) and iterations:
             iterations[-1]["e_stages" if m[1] == "E" else "m_stages"] = stage_values(m[2])
         elif m := MEMORY.match(line):
@@ -97,9 +102,13 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
     """One run of `job` with `workers` ("1": one process; "W" or "1mpi": a master and W workers)."""
     mpi, workers = workers.endswith("mpi") or int(workers.removesuffix("mpi")) > 1, int(workers.removesuffix("mpi"))
     out = folder or args.work / "scaling" / f"{job}_{workers}gpu{'_mpi' if mpi and workers == 1 else ''}"
+    command = command_of(job, star, reference, out, workers, args, iterations, mpi)
+    saved = out / "result.json"
+    if args.reuse and saved.exists() and json.loads(saved.read_text())["command"] == " ".join(command):
+        log.info("%s on %d: the finished run in %s, not run again (--reuse)", job, workers, out)
+        return json.loads(saved.read_text())
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    command = command_of(job, star, reference, out, workers, args, iterations, mpi)
     log.info("%s on %d: %s", job, workers, " ".join(command))
     tic = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -115,12 +124,14 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
         for name, seconds in {**it["e_stages"], **it["m_stages"]}.items():
             totals[name] = totals.get(name, 0.0) + seconds
     label = f"{workers} GPU" if workers <= args.gpus else f"{workers} workers on {args.gpus} GPU"
-    return {"workers": workers, "mpi": mpi, "label": label + (" (MPI)" if mpi and workers == 1 else ""),
+    result = {"workers": workers, "mpi": mpi, "label": label + (" (MPI)" if mpi and workers == 1 else ""),
             "command": " ".join(command), "wall_seconds": wall, "folder": str(out),
             "iterations": iterations_seen, "stage_totals": totals, "e_step_seconds": sum(it["expectation"] for it in
                                                                                         iterations_seen),
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
             "outside_iterations_seconds": wall - loop, "gpu_high_water_gb": memory}
+    saved.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def parity(one, other):
@@ -213,6 +224,9 @@ def main(argv=None):
     parser.add_argument("--float16", action="store_true", help="the stand-in's stack in float16 (MRC mode 12)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a run finished before in --work with the same command line from its result.json "
+                             "instead of running it again (a lease split over several calls)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:

@@ -395,9 +395,13 @@ class MpiRunner:
             else:
                 outstanding += 1
         stages, flops = {"broadcast": broadcast}, {}
-        for worker_stages, worker_flops in comm.gather(({}, {}), root=0)[1:]:  # the workers' E-steps are over
+        walls = []
+        for worker_stages, worker_flops, wall in comm.gather(({}, {}, 0.0), root=0)[1:]:  # the E-steps are over
             add_counts(stages, worker_stages)
             add_counts(flops, worker_flops)
+            walls.append(wall)
+        logging.getLogger("cryorefine").info("  the workers' E-steps (s, from the plan's arrival to their sums reduced): "
+                                             "%s", ", ".join(f"{w:.1f}" for w in walls))
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
         # the workers' M-step: the model from rank 1, its maps from every worker (`maps_of_worker`), received while
@@ -490,6 +494,7 @@ class MpiRunner:
 
     def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers):
         comm, worker = self.comm, self.rank - 1
+        start = time.perf_counter()
         n_units = len(plan.units)
         mine = units_of_worker(worker, self.n_workers, n_units)
         stages, flops = {}, {}
@@ -520,7 +525,7 @@ class MpiRunner:
         held = self._reduce(host, plan, makers, backend.sums_dtype)
         del host
         stages["reduction"] = time.perf_counter() - tic
-        comm.gather((stages, flops), root=0)
+        comm.gather((stages, flops, time.perf_counter() - start), root=0)
         tic = time.perf_counter()
         all_sums = self._sums_of_makers(held, plan, makers, backend.sums_dtype)
         del held
