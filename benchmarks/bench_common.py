@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: `cryorefine` run as a subprocess, options passed on after `--`, and the
-GPU kernel benchmarks' half-plane coefficients and launch timing (CuPy passed in, never imported here)."""
+"""What the benchmark scripts share: `cryorefine` run as a subprocess and timed, the options after `--` split off
+to be passed on to the command, and the parser with --work and --gpu / --cpu of the accuracy scripts. A helper
+module imported by the other scripts; run alone it only answers --help."""
 
 from __future__ import annotations
 
@@ -43,24 +44,5 @@ def work_and_engine_parser(description, epilog, job):
     return parser
 
 
-def half_plane_coefficients(size_px, cp):
-    """(kx, ky) of a half plane's coefficients within radius size/2 (the E-step's disc), float32 on the device."""
-    import numpy as np
-
-    r = size_px // 2
-    xs, ys = np.meshgrid(np.arange(0, r + 1), np.arange(-r, r + 1), indexing="ij")
-    keep = (xs * xs + ys * ys <= r * r) & ~((xs == 0) & (ys < 0))
-    return cp.asarray(xs[keep], cp.float32), cp.asarray(ys[keep], cp.float32)
-
-
-def launch_ms(cp, fn, launch, repeats):
-    """Milliseconds per launch of the raw kernel `fn(*launch)`: one warm launch, then the mean of `repeats` timed
-    with CUDA events."""
-    fn(*launch)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        fn(*launch)
-    stop.record()
-    stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / repeats
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()

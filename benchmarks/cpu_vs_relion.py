@@ -1,4 +1,7 @@
 """cryorefine's CPU engine against RELION's CPU code: the same job, one after the other, on the same cores.
+Simulates a 64 px ribosome set, runs relion_refine (or relion_refine_mpi for an auto-refine) and `cryorefine
+--cpu` with the same options and threads, and reports the wall seconds of each command and of each iteration,
+their ratio and each program's final resolution (JSON in --json).
 
     python benchmarks/cpu_vs_relion.py --work /tmp/cpu_bench                      # 300 particles, K=1, 2 iterations
     python benchmarks/cpu_vs_relion.py --work /tmp/cpu_bench --job refine --n 1000  # auto-refine to convergence
@@ -146,7 +149,7 @@ def timed(command: list[str], folder: Path, log: Path, stop_after: int | None = 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--job", choices=sorted(JOBS), default="classify")
     parser.add_argument("--n", type=int, default=300)

@@ -1,4 +1,8 @@
-"""The EMPIAR-10028 benchmark on a stand-in of the same geometry: per-stage throughput, memory, job time.
+"""The EMPIAR-10028 benchmark on a stand-in of the same geometry: its Class3D K=6 and auto-refine jobs, with
+RELION's standard settings, on particles simulated from the 7P6Z ribosome model at 360 px and 1.34 Å/px. Prints,
+and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
+stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
+particles × 25 iterations; --engine numpy runs a tiny version on the CPU.
 
 EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
 300 kV) is the data set behind the timings of the RELION-2, GeRelion and Zhang 2018 papers. It

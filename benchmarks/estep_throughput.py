@@ -1,4 +1,7 @@
-"""E-step throughput of the GPU engine (and of the numpy engine on the same inputs).
+"""E-step throughput of the GPU engine (and of the numpy engine on the same inputs) at whole-box image sizes and
+RELION's default refinement sampling: particle-iterations per second per stage, the coarse kernel's FLOP/s
+against the card's measured FP32 peak and cuBLAS, the arena's high water and the M-step's time, for each --boxes
+size (JSON with --json).
 
 For each box size, a blob reference and particles projected from it at random poses, with
 CTF-like modulation and white noise at --snr, are pushed through the engines at RELION's
@@ -253,7 +256,7 @@ def run_numpy(setup, batch, n_particles):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--boxes", type=int, nargs="+", default=[128, 256, 360])
     parser.add_argument("--particles", type=int, default=256, help="particles per box on the GPU")
     parser.add_argument("--batch", type=int, default=128, help="particles per engine.run call")

@@ -1,4 +1,8 @@
-"""What do --solvent_mask, --solvent_correct_fsc and --skip_align give on simulated data with a known truth?
+"""What do --solvent_mask, --solvent_correct_fsc and --skip_align give on simulated data with a known truth? A
+small particle in a big box refined with the sphere alone, with a solvent mask and with the solvent-corrected
+FSC (FSC against the truth, reported resolution); the corrected FSC of a true-pose reconstruction against the
+truth; a two-state set classified with --skip_align (share in the right class per iteration). Tables on stdout
+and WORK/results.json; --only runs one part.
 
 1. truth     the example ribosome Fourier-cropped to --inner px and padded into a --box px box (a small particle
              in a big box: most of the box is solvent), at --pixel Å/px: WORK/truth.mrc; a soft mask around it
@@ -191,7 +195,7 @@ def skip_align(work, n_each, iterations):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--box", type=int, default=48)
     parser.add_argument("--inner", type=int, default=24, help="box of the ribosome before padding (px)")

@@ -115,7 +115,7 @@ def one_box(box, backend):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--box", type=int, nargs="+", default=[360, 512, 800])
     parser.add_argument("--arena_gb", type=float, nargs="+", default=None,
                         help="the arena for each box (GB; default: the device's free memory less 2 GB)")

@@ -1,4 +1,7 @@
-"""`cryorefine plan`'s E-step estimates against measured jobs, and their constants fitted again.
+"""`cryorefine plan`'s E-step estimates against measured jobs, and their constants fitted again. Reads the JSON of
+empiar10028.py runs, prints plan's estimate of every local-search iteration (auto-refine) and every late Class3D
+iteration against the measured E-step, fits the constants of jobs/plan.py to all the runs given (least squares on
+the relative error) and prints the estimates with the fitted constants.
 
 Local searches (auto-refine): `plan` estimates an iteration's E-step as a fixed cost, plus one per particle, plus one
 per trilinear interpolation of the coarse pass (particles × classes × neighbourhood orientations × coarse
@@ -143,7 +146,7 @@ def report(kind, rows, names, fixed_seconds):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="empiar10028.py JSONs with a refine or class3d job")
     parser.add_argument("--tflops", type=float, default=plan.REFERENCE_TFLOPS,
                         help="FP32 peak of the runs' card, as GpuSpec.detect reckons it [default: %(default)s]")

@@ -1,4 +1,7 @@
-"""Does --sym pay as it should? A symmetric set refined with --sym G against C1 on |G| times the particles.
+"""Does --sym pay as it should? For each point group G, simulates a G-symmetric set and refines n particles with
+--sym G and |G| times as many with C1, from the same reference and options, and reports each final map's FSC
+against the truth (0.5 and 0.143), the resolution refine reports, the map's symmetry error, the iterations and the
+wall time (table on stdout, JSON in the work folder).
 
 For each group G given (default D2 and O), in WORK/G:
 
@@ -49,7 +52,7 @@ DEFAULT_MAP = REPO / "examples" / "ribosome_64px.mrc"
 
 def parse_args(argv):
     argv, extra = split_at_double_dash(argv)
-    parser = work_and_engine_parser(__doc__.split("\n", 1)[0], "Options after -- are passed on to both `cryorefine refine` runs.", "Refine")
+    parser = work_and_engine_parser(__doc__.split("\n\n")[0], "Options after -- are passed on to both `cryorefine refine` runs.", "Refine")
     parser.add_argument("--groups", nargs="+", default=["D2", "O"], help="Point groups to measure.")
     parser.add_argument("--map", type=Path, default=DEFAULT_MAP, help="Map to symmetrise and project (cubic MRC).")
     parser.add_argument("--box", type=int, default=32, help="Fourier-crop the map to this box (px).")
