@@ -16,6 +16,10 @@ import numpy as np
 
 #: "0" turns the device path off (the host path then runs everywhere): what the benchmarks compare
 DEVICE_REDUCTION_VARIABLE = "CRYOREFINE_DEVICE_REDUCTION"
+#: device memory a worker leaves outside its arena for NCCL's buffers, beside --free_gpu_memory (NCCL allocates them
+#: as its collectives first run; with the arena holding all but --free_gpu_memory, the first reduction of a 4-GPU
+#: Class3D at 360 px failed with NCCL_ERROR_UNHANDLED_CUDA_ERROR)
+NCCL_RESERVE_MB = 2048.0
 
 
 def nccl_usable() -> bool:

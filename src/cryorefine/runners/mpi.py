@@ -85,7 +85,7 @@ from cryorefine.em.loop import StepOutcome, log_stages
 from cryorefine.errors import InputError, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
-from cryorefine.gpu.collectives import DeviceCollectives, nccl_usable
+from cryorefine.gpu.collectives import NCCL_RESERVE_MB, DeviceCollectives, nccl_usable
 from cryorefine.images import NoiseEstimate
 from cryorefine.io.background import WaitFor
 from cryorefine.runners.objects import ObjectChannel
@@ -400,8 +400,8 @@ class MpiRunner:
             add_counts(stages, worker_stages)
             add_counts(flops, worker_flops)
             walls.append(wall)
-        logging.getLogger("cryorefine").info("  the workers' E-steps (s, from the plan's arrival to their sums reduced): "
-                                             "%s", ", ".join(f"{w:.1f}" for w in walls))
+        logging.getLogger("cryorefine").info("  the workers' E-steps (s, from the plan's arrival to their sums "
+                                             "reduced): %s", ", ".join(f"{w:.1f}" for w in walls))
         expectation = time.perf_counter() - tic
         tic = time.perf_counter()
         # the workers' M-step: the model from rank 1, its maps from every worker (`maps_of_worker`), received while
@@ -451,6 +451,8 @@ class MpiRunner:
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
         self.exclusive_gpu = config.engine == "cuda" and shared_by == 1  # NCCL takes one GPU a worker
+        if self.exclusive_gpu and self.n_workers > 1 and nccl_usable():  # room outside the arena for NCCL's buffers
+            config = replace(config, free_gpu_memory_mb=config.free_gpu_memory_mb + NCCL_RESERVE_MB)
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             # the M-step's sharing of the maps among the workers goes through their GPUs where it can
