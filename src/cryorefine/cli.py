@@ -7,14 +7,18 @@ exit code 2 (a traceback only with --debug).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from cryorefine import __version__
+from cryorefine.config import RefineConfig
 from cryorefine.errors import InputError, RunInterrupted, disk_full_message
 
 
@@ -132,257 +136,359 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
                f"{result['pixel_size_angstrom']:.4f} Å/px)")
 
 
-def _refine_options(command):
-    """The options of `refine`, shared by `plan`."""
-    for option in reversed([
-        click.option("--i", "star", type=click.Path(dir_okay=False), help="Particle STAR file."),
-        click.option("--o", "out",
-                     help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own)."),
-        click.option("--ref", type=click.Path(dir_okay=False), help="Initial reference map (MRC)."),
-        click.option("--continue", "continue_from", type=click.Path(dir_okay=False),
-                    help="Go on from run_itNNN_optimiser.star of an earlier run (its options are kept; --iter and --o "
-                         "may change)."),
-        click.option("--overwrite", is_flag=True,
-                     help="Remove the files of an earlier run with this --o root before starting (without it, a new "
-                          "run on such a root is refused: continue that run with --continue, or give a new --o)."),
-        click.option("--particle_diameter", type=float, default=None, help="Mask diameter in Å [default: the box]."),
-        click.option("--ini_high", type=float, default=None,
-                     help="Low-pass the initial reference to this resolution (Å)."),
-        click.option("--sym", default="C1", show_default=True, help="Point group symmetry."),
-        click.option("--ctf", is_flag=True, help="Do CTF correction."),
-        click.option("--firstiter_cc", is_flag=True,
-                     help="Cross-correlation instead of likelihood in the first iteration."),
-        click.option("--flatten_solvent", is_flag=True, help="Mask the references with a sphere of particle_diameter."),
-        click.option("--zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
-        click.option("--solvent_mask", default=None, type=click.Path(dir_okay=False),
-                     help="With --flatten_solvent: multiply the references by this mask (values 0…1, the particles' "
-                          "box) instead of the sphere; the mask of --solvent_correct_fsc."),
-        click.option("--solvent_mask2", default=None, type=click.Path(dir_okay=False),
-                     help="With --flatten_solvent: set the region of this mask (1 = in it) to its own average "
-                          "density."),
-        click.option("--solvent_correct_fsc", is_flag=True,
-                     help="With --solvent_mask: the half maps' FSC (for τ² and the resolution) between masked maps, "
-                          "corrected for the mask by phase randomisation."),
-        click.option("--ctf_intact_first_peak", is_flag=True, help="With --ctf: the CTF is 1 up to its first peak."),
-        click.option("--skip_gridding", is_flag=True,
-                     help="Accepted for RELION command lines: the reconstruction never runs gridding iterations here."),
-        click.option("--auto_ignore_angles", is_flag=True,
-                     help="Auto-sampling: changes of the angles do not hold the next sampling step back."),
-        click.option("--auto_resol_angles", is_flag=True,
-                     help="Auto-sampling: a finer angular step as soon as the resolution asks for it."),
-        click.option("--pad", default=2.0, show_default=True, type=float,
-                     help="Padding factor of the Fourier volumes."),
-        click.option("--healpix_order", default=2, show_default=True, type=int, help="Initial HEALPix order."),
-        click.option("--auto_local_healpix_order", default=4, show_default=True, type=int,
-                    help="Local searches from this HEALPix order on."),
-        click.option("--offset_range", default=6.0, show_default=True, type=float,
-                     help="Translation search range (px)."),
-        click.option("--offset_step", default=2.0, show_default=True, type=float, help="Translation search step (px)."),
-        click.option("--oversampling", default=1, show_default=True, type=int, help="Adaptive oversampling order."),
-        click.option("--tau2_fudge", default=1.0, show_default=True, type=float, help="Regularisation parameter T."),
-        click.option("--iter", "max_iterations", default=None, type=int,
-                     help="At most this many iterations [default: 50]."),
-        click.option("--adaptive_fraction", default=0.999, show_default=True, type=float,
-                    help="Fraction of the probability mass kept by the coarse pass."),
-        click.option("--maxsig", default=-1, show_default=True, type=int,
-                     help="At most this many significant samples (-1: no limit)."),
-        click.option("--strict_highres_exp", default=-1.0, show_default=True, type=float,
-                     help="The E-step compares images up to this resolution (Å) in both passes, as RELION's; the "
-                          "sums (reconstruction, noise) keep the current size (-1: no limit)."),
-        click.option("--coarse_size", default=-1, show_default=True, type=int,
-                     help="At most this image size (px) in the coarse pass of the adaptive sampling, as RELION's "
-                          "(-1: RELION's own rule alone, the size the coarse angular step resolves)."),
-        click.option("--norm", is_flag=True, help="Refine per-particle norm corrections."),
-        click.option("--scale", is_flag=True, help="Refine per-group intensity scales."),
-        click.option("--low_resol_join_halves", default=40.0, show_default=True, type=float,
-                    help="Join the half sets below this resolution (Å)."),
-        click.option("--random_seed", default=0, show_default=True, type=int,
-                     help="Random seed (-1: from the clock, as RELION; the seed taken is saved with the run)."),
-        click.option("--auto_refine", is_flag=True,
-                     help="Accepted for RELION command lines: refine always auto-refines."),
-        click.option("--split_random_halves", is_flag=True,
-                    help="Accepted for RELION command lines: refine always uses gold-standard halves."),
-        click.option("--dont_combine_weights_via_disc", is_flag=True,
-                    help="Accepted for RELION command lines: sums are never combined through files."),
-        click.option("--no_parallel_disc_io", is_flag=True,
-                     help="Accepted for RELION command lines: how the stacks are read does not change with it."),
-        click.option("--ctf_corrected_ref", is_flag=True,
-                     help="Accepted for RELION 3.1 command lines: the reference is always taken as CTF-corrected (a "
-                          "map, not an average of CTF-affected images), as RELION 4 and later do."),
-        click.option("--trust_ref_size", is_flag=True,
-                     help="Accepted for RELION's GUI lines (its 'Resize reference if needed?', Yes by default): a "
-                          "reference of the particles' box and pixel size runs as without it; one of another size is "
-                          "refused with the relion_image_handler line that fits it (RELION would re-box the "
-                          "particles into the reference's box instead)."),
-        click.option("--batch", default=None, type=int,
-                     help="Particles per E-step batch [default: 128 on the CPU and on the GPU 1024 images "
-                          "of 360 px or as many as hold as many pixels (32 to 1024)]."),
-        click.option("--pool", default=None, type=int,
-                     help="RELION's images a CPU thread takes at once: written to the optimiser file as RELION's; the "
-                          "E-step's batches do not follow it (--batch sets them) [default: 1]."),
-        click.option("--j", "threads", default=None, type=int,
-                     help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) "
-                          "[default: the cores present, shared among the MPI ranks on a node]."),
-        click.option("--dont_check_norm", is_flag=True,
-                     help="Accepted for RELION command lines: images are not checked for normalisation here."),
-        click.option("--pipeline_control", default=None, type=click.Path(file_okay=False),
-                     help="RELION's job folder: RELION_JOB_EXIT_SUCCESS/FAILURE/ABORTED written there at the end; "
-                          "RELION_JOB_ABORT_NOW there stops the run before its next iteration."),
-        click.option("--precision", type=click.Choice(["double", "single"]), default="single", show_default=True,
-                    help="Arithmetic of the CPU engine: single as the GPU's, double for the reference engine."),
-        click.option("--scratch_dir", default=None, type=click.Path(file_okay=False),
-                     help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end "
-                          "(under MPI once per node)."),
-        click.option("--preread_images", is_flag=True,
-                     help="Keep the images in memory as the first iteration reads them (under MPI each worker its "
-                          "own share of the particles: each image held once among them); where they would take "
-                          "more than 80% of the available memory (shared among a node's workers), they are read "
-                          "batch by batch with a warning."),
-        click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
-                    help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU '
-                         'per worker of a node in turn) [default: when CuPy sees a GPU].'),
-        click.option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
-        click.option("--free_gpu_memory", default=2048.0, show_default=True, type=float,
-                    help="GPU memory (MB) left outside the engine's arena."),
-    ]):
-        command = option(command)
-    return command
+# refine, classify and plan: their options, each declared once (JOB_OPTIONS) with the commands that honour it. A
+# parameter is named after the RefineConfig field it sets, so that `job_config` builds the config from them all.
+
+REFINE, CLASSIFY, PLAN = "refine", "classify", "plan"
+RUNS = (REFINE, CLASSIFY)
+ALL_JOBS = (REFINE, CLASSIFY, PLAN)
+
+#: the sections of their help after "Options"
+RELION_SECTION = "Accepted from RELION command lines (nothing in the run changes with them)"
+PLAN_SECTION = "Options of refine that do not change the plan (accepted so that a refine line can be planned as it is)"
+REFUSED_SECTION = "RELION options refused in one line that says what to do instead"
+
+#: RELION options that cryorefine cannot honour: (names, the commands that refuse them, why and what to do
+#: instead); a name that ends in "_" stands for every option that starts with it
+REFUSED = (
+    (("--auto_refine", "--split_random_halves"), (CLASSIFY,),
+     "a classification has no half sets and no auto-refinement; drop {name}, or use `cryorefine refine`"),
+)
+
+#: RELION's parseContinue reads these again from a --continue command line, and the run reads them afresh every
+#: iteration: they may change on --continue (each option's parameter is its RefineConfig field)
+CONTINUE_CHANGES = ("--tau2_fudge", "--particle_diameter", "--solvent_mask", "--solvent_mask2", "--solvent_correct_fsc",
+                    "--flatten_solvent", "--maxsig", "--strict_highres_exp", "--norm", "--scale", "--pool",
+                    "--preread_images", "--scratch_dir", "--j")
+#: options of a --continue line that are taken as given (the engine, where the run goes, how far) or change nothing
+CONTINUE_TAKES = ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory",
+                  "--pipeline_control")
 
 
-@cli.command()
-@_refine_options
-def refine(star, out, ref, continue_from, overwrite, particle_diameter, ini_high, sym, ctf, firstiter_cc,
-           flatten_solvent, zero_mask, solvent_mask, solvent_mask2, solvent_correct_fsc, ctf_intact_first_peak,
-           skip_gridding, auto_ignore_angles, auto_resol_angles, pad,
-           healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
-           max_iterations, adaptive_fraction, maxsig, strict_highres_exp, coarse_size, norm, scale,
-           low_resol_join_halves, random_seed, auto_refine, split_random_halves, dont_combine_weights_via_disc,
-           no_parallel_disc_io, ctf_corrected_ref, trust_ref_size, batch,
-           pool, threads, dont_check_norm, pipeline_control, precision, preread_images, scratch_dir, gpu, force_cpu,
-           free_gpu_memory):
+class SectionedOption(click.Option):
+    """A click option that knows the section of the help that lists it (None: "Options")."""
+
+    def __init__(self, *args, section: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+class JobCommand(click.Command):
+    """refine, classify and plan: the help lists the options by section and names the RELION options refused; those
+    (REFUSED) are refused in one line before the command line is parsed, wherever they stand in it."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for arg in args:
+            name = str(arg).partition("=")[0]
+            reason = refusal(self.name, name) if name.startswith("--") else None
+            if reason:
+                raise click.UsageError(f"{name}: {reason}", ctx)
+        return super().parse_args(ctx, args)
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections = {None: [], RELION_SECTION: [], PLAN_SECTION: []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record:
+                sections[getattr(param, "section", None)].append(record)
+        refused = [(", ".join(name + ("…" if name.endswith("_") else "") for name in names),
+                    _sentence(reason.format(name=names[0]).split(";")[0]))
+                   for names, commands, reason in REFUSED if self.name in commands]
+        for title, records in (*sections.items(), (REFUSED_SECTION, refused)):
+            if not records:
+                continue
+            with formatter.section(title or "Options"):
+                if title == PLAN_SECTION:  # their names alone: what they do is in refine's help
+                    formatter.write_text(", ".join(opts.split(" ")[0] for opts, _ in records))
+                else:
+                    formatter.write_dl(records)
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + "."
+
+
+def refusal(command: str, option: str) -> str | None:
+    """Why `cryorefine COMMAND` refuses the RELION option `option` and what to do instead (REFUSED), or None."""
+    for names, commands, reason in REFUSED:
+        if command in commands and any(option == name or (name.endswith("_") and option.startswith(name))
+                                       for name in names):
+            return reason.format(name=option)
+    return None
+
+
+@dataclass(frozen=True)
+class JobOption:
+    """One option of refine, classify or plan: its click declaration (the option's name and the parameter's, which
+    is the RefineConfig field it sets where it sets one), the commands that honour it, the help's section, and a
+    command's own default or help where they differ (`per_command`); a help may be a function of the command.
+    Without a default of its own, an option's default is its RefineConfig field's."""
+
+    decls: tuple[str, str]
+    commands: tuple[str, ...]
+    settings: dict
+    section: str | None = None
+    per_command: dict = dataclasses.field(default_factory=dict)
+
+    def decorator(self, command: str, section: str | None) -> Callable[[Callable], Callable]:
+        """click's decorator of this option for `command`, listed in `section` of its help."""
+        settings = dict(self.settings, **self.per_command.get(command, {}))
+        if callable(settings.get("help")):
+            settings["help"] = settings["help"](command)
+        if "default" not in settings and not settings.get("is_flag") and self.decls[1] in CONFIG_DEFAULTS:
+            settings["default"] = CONFIG_DEFAULTS[self.decls[1]]
+        if settings.get("default") is not None and not settings.get("is_flag"):
+            settings.setdefault("show_default", True)
+        return click.option(*self.decls, cls=SectionedOption, section=section, **settings)
+
+
+def _option(name: str, parameter: str, commands=RUNS, section=None, per_command=None, **settings) -> JobOption:
+    return JobOption((name, parameter), tuple(commands), settings, section, per_command or {})
+
+
+#: a RefineConfig field's default, the default of the option that sets it
+CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RefineConfig) if f.default is not dataclasses.MISSING}
+#: classify's --iter (RELION's GUI writes 25 for Class3D; relion_refine's own default is 50, as refine's here)
+CLASSIFY_ITERATIONS = 25
+_FILE = click.Path(dir_okay=False)
+_FOLDER = click.Path(file_okay=False)
+
+JOB_OPTIONS = (
+    _option("--i", "input_star", ALL_JOBS, type=_FILE, help="Particle STAR file."),
+    _option("--o", "output_root",
+            help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own).",
+            per_command={CLASSIFY: {"help": "Output root, e.g. Class3D/job001/run (with --continue: default the run's "
+                                            "own)."}}),
+    _option("--ref", "reference_map", type=_FILE, help="Initial reference map (MRC).",
+            per_command={CLASSIFY: {"help": "Initial reference: one map (MRC) for all classes, or a STAR file of K "
+                                            "maps (rlnReferenceImage)."}}),
+    _option("--continue", "continue_from", type=_FILE, help=lambda command: (
+        "Go on from run_itNNN_optimiser.star of an earlier run: its options are kept, but for "
+        + ", ".join(taken_by(command, CONTINUE_TAKES[1:])) + " and those that RELION's --continue reads again ("
+        + ", ".join(taken_by(command, CONTINUE_CHANGES)) + ").")),
+    _option("--overwrite", "overwrite", is_flag=True,
+            help="Remove the files of an earlier run with this --o root before starting (without it, a new run on "
+                 "such a root is refused: continue that run with --continue, or give a new --o)."),
+    _option("--particle_diameter", "particle_diameter_angstrom", ALL_JOBS, type=float,
+            help="Mask diameter in Å [default: the box less the 5 px soft edge]."),
+    _option("--ini_high", "ini_high_angstrom", ALL_JOBS, type=float,
+            help="Low-pass the initial reference to this resolution (Å) [default: none; the first iteration's "
+                 "image size is that of 60 Å]."),
+    _option("--sym", "symmetry", ALL_JOBS, help="Point group symmetry."),
+    _option("--ctf", "do_ctf", is_flag=True, help="Do CTF correction."),
+    _option("--firstiter_cc", "firstiter_cc", is_flag=True,
+            help="Cross-correlation instead of likelihood in the first iteration."),
+    _option("--flatten_solvent", "flatten_solvent", is_flag=True,
+            help="Mask the references with a sphere of particle_diameter."),
+    _option("--zero_mask", "zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
+    _option("--solvent_mask", "solvent_mask", type=_FILE,
+            help="With --flatten_solvent: multiply the references by this mask (values 0…1, the particles' box) "
+                 "instead of the sphere.",
+            per_command={REFINE: {"help": "With --flatten_solvent: multiply the references by this mask (values 0…1, "
+                                          "the particles' box) instead of the sphere; the mask of "
+                                          "--solvent_correct_fsc."}}),
+    _option("--solvent_mask2", "solvent_mask2", type=_FILE,
+            help="With --flatten_solvent: set the region of this mask (1 = in it) to its own average density."),
+    _option("--solvent_correct_fsc", "solvent_correct_fsc", (REFINE,), is_flag=True,
+            help="With --solvent_mask: the half maps' FSC (for τ² and the resolution) between masked maps, corrected "
+                 "for the mask by phase randomisation."),
+    _option("--ctf_intact_first_peak", "ctf_intact_first_peak", is_flag=True,
+            help="With --ctf: the CTF is 1 up to its first peak."),
+    _option("--auto_ignore_angles", "auto_ignore_angles", (REFINE,), is_flag=True,
+            help="Auto-sampling: changes of the angles do not hold the next sampling step back."),
+    _option("--auto_resol_angles", "auto_resol_angles", (REFINE,), is_flag=True,
+            help="Auto-sampling: a finer angular step as soon as the resolution asks for it."),
+    _option("--pad", "padding_factor", ALL_JOBS, type=float, help="Padding factor of the Fourier volumes."),
+    _option("--healpix_order", "healpix_order", ALL_JOBS, type=int, help="Initial HEALPix order.",
+            per_command={CLASSIFY: {"help": "HEALPix order of the angular sampling."}}),
+    _option("--auto_local_healpix_order", "auto_local_healpix_order", (REFINE, PLAN), type=int,
+            help="Local searches from this HEALPix order on.",
+            per_command={PLAN: {"help": "Local searches from this HEALPix order on (a refine plan)."}}),
+    _option("--offset_range", "offset_range_px", ALL_JOBS, type=float, help="Translation search range (px)."),
+    _option("--offset_step", "offset_step_px", ALL_JOBS, type=float, help="Translation search step (px)."),
+    _option("--oversampling", "oversampling", ALL_JOBS, type=int, help="Adaptive oversampling order."),
+    _option("--tau2_fudge", "tau2_fudge", type=float, help="Regularisation parameter T."),
+    _option("--iter", "max_iterations", type=int, help="At most this many iterations.",
+            per_command={CLASSIFY: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."}}),
+    _option("--adaptive_fraction", "adaptive_fraction", type=float,
+            help="Fraction of the probability mass kept by the coarse pass."),
+    _option("--maxsig", "max_significants", type=int, help="At most this many significant samples (-1: no limit)."),
+    _option("--strict_highres_exp", "strict_highres_exp_angstrom", ALL_JOBS, type=float,
+            help="The E-step compares images up to this resolution (Å) in both passes, as RELION's; the sums "
+                 "(reconstruction, noise) keep the current size (-1: no limit)."),
+    _option("--coarse_size", "max_coarse_size_px", ALL_JOBS, type=int,
+            help="At most this image size (px) in the coarse pass of the adaptive sampling, as RELION's (-1: "
+                 "RELION's own rule alone, the size the coarse angular step resolves)."),
+    _option("--norm", "do_norm", is_flag=True, help="Refine per-particle norm corrections."),
+    _option("--scale", "do_scale", is_flag=True, help="Refine per-group intensity scales."),
+    _option("--low_resol_join_halves", "low_resol_join_halves_angstrom", (REFINE,), type=float,
+            help="Join the half sets below this resolution (Å)."),
+    _option("--random_seed", "random_seed", type=int,
+            help="Random seed (-1: from the clock, as RELION; the seed taken is saved with the run)."),
+    _option("--batch", "batch_size", ALL_JOBS, type=int,
+            help="Particles per E-step batch [default: 128 on the CPU and on the GPU 1024 images of 360 px or as "
+                 "many as hold as many pixels (32 to 1024)]."),
+    _option("--j", "threads", type=int,
+            help="Threads of the CPU engine, over particles (numpy's BLAS one thread each) [default: the cores "
+                 "present, shared among the MPI ranks on a node]."),
+    _option("--precision", "precision", type=click.Choice(["double", "single"]), default="single",
+            help="Arithmetic of the CPU engine: single as the GPU's, double for the reference engine."),
+    _option("--scratch_dir", "scratch_dir", type=_FOLDER,
+            help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end (under MPI "
+                 "once per node)."),
+    _option("--preread_images", "preread_images", is_flag=True,
+            help="Keep the images in memory as the first iteration reads them (under MPI each worker its own share "
+                 "of the particles: each image held once among them); where they would take more than 80% of the "
+                 "available memory (shared among a node's workers), they are read batch by batch with a warning."),
+    _option("--gpu", "gpu", ALL_JOBS, is_flag=False, flag_value="", default=None,
+            help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per '
+                 'worker of a node in turn) [default: when CuPy sees a GPU].',
+            per_command={PLAN: {"help": "Plan for this GPU (the first device listed): its free memory and speed "
+                                        "[default: GPU 0 where CuPy sees one]."}}),
+    _option("--cpu", "force_cpu", is_flag=True, help="Use the numpy engine even when a GPU is present."),
+    _option("--free_gpu_memory", "free_gpu_memory_mb", ALL_JOBS, type=float,
+            help="GPU memory (MB) left outside the engine's arena."),
+    _option("--pipeline_control", "pipeline_control", type=_FOLDER,
+            help="RELION's job folder: RELION_JOB_EXIT_SUCCESS/FAILURE/ABORTED written there at the end; "
+                 "RELION_JOB_ABORT_NOW there stops the run before its next iteration."),
+    _option("--K", "n_classes", (CLASSIFY, PLAN), type=int, help="Number of classes.",
+            per_command={PLAN: {"default": None, "help": "Plan a classify run of this many classes [default: a "
+                                                         "refine run]."}}),
+    _option("--skip_align", "skip_align", (CLASSIFY,), is_flag=True,
+            help="Keep the poses and origins of the STAR file; only the class of each particle is searched."),
+    _option("--sigma_ang", "sigma_ang_deg", (CLASSIFY,), type=float,
+            help="Local searches: σ (degrees) of rot, tilt and psi around each particle's pose (±3σ) [default: "
+                 "global searches]."),
+    _option("--sigma_psi", "sigma_psi_deg", (CLASSIFY,), type=float,
+            help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given."),
+    _option("--relion_oversampling", "relion_oversampling", (CLASSIFY,), is_flag=True,
+            help="Keep --oversampling throughout, as RELION does; by default the fine pass samples one order finer "
+                 "once the average pmax reaches 0.5 while the resolution can still grow (RELION's fine angular step "
+                 "too coarse for the box), or else once the share of particles changing class stops falling where "
+                 "that step is too coarse for what the E-step compares (the fine pass then costs up to 32x)."),
+    _option("--pool", "pooled_particles", type=int, section=RELION_SECTION,
+            help="RELION's images a CPU thread takes at once: written to the optimiser file as RELION's; the E-step's "
+                 "batches do not follow it (--batch sets them)."),
+    _option("--auto_refine", "auto_refine_flag", (REFINE,), is_flag=True, section=RELION_SECTION,
+            help="refine always auto-refines."),
+    _option("--split_random_halves", "split_random_halves", (REFINE,), is_flag=True, section=RELION_SECTION,
+            help="refine always uses gold-standard halves."),
+    _option("--dont_combine_weights_via_disc", "dont_combine_weights_via_disc", is_flag=True, section=RELION_SECTION,
+            help="Sums are never combined through files."),
+    _option("--no_parallel_disc_io", "no_parallel_disc_io", is_flag=True, section=RELION_SECTION,
+            help="How the stacks are read does not change with it."),
+    _option("--ctf_corrected_ref", "ctf_corrected_ref", is_flag=True, section=RELION_SECTION,
+            help="RELION 3.1's: the reference is always taken as CTF-corrected (a map, not an average of "
+                 "CTF-affected images), as RELION 4 and later do."),
+    _option("--skip_gridding", "skip_gridding", is_flag=True, section=RELION_SECTION,
+            help="The reconstruction never runs gridding iterations here."),
+    _option("--dont_check_norm", "dont_check_norm", is_flag=True, section=RELION_SECTION,
+            help="Images are not checked for normalisation here."),
+    _option("--trust_ref_size", "trust_ref_size", is_flag=True, section=RELION_SECTION,
+            help="RELION 5's GUI ('Resize reference if needed?', Yes by default): a reference of the particles' box "
+                 "and pixel size runs as without it; one of another size is refused with the relion_image_handler "
+                 "line that fits it (RELION would re-box the particles into the reference's box instead)."),
+)
+
+#: refine's options that plan does not take (planning a continued run is not implemented)
+NOT_PLANNED = ("--continue",)
+
+
+def taken_by(command: str, names) -> list[str]:
+    """Those of the option `names` that `command` honours (JOB_OPTIONS)."""
+    honoured = {spec.decls[0] for spec in JOB_OPTIONS if command in spec.commands}
+    return [name for name in names if name in honoured]
+
+
+def job_options(command: str) -> Callable[[Callable], Callable]:
+    """The decorator that gives `command` (refine, classify or plan) its options from JOB_OPTIONS: those it honours,
+    and for plan also refine's others (PLAN_SECTION, except NOT_PLANNED), in JOB_OPTIONS's order."""
+    def decorate(function):
+        for spec in reversed(JOB_OPTIONS):
+            if command in spec.commands:
+                function = spec.decorator(command, spec.section)(function)
+            elif command == PLAN and REFINE in spec.commands and spec.decls[0] not in NOT_PLANNED:
+                function = spec.decorator(command, PLAN_SECTION)(function)
+        return function
+    return decorate
+
+
+@cli.command(cls=JobCommand)
+@job_options(REFINE)
+def refine(**params):
     """Gold-standard 3D auto-refinement (relion_refine --auto_refine --split_random_halves)."""
+    _run(REFINE, params)
+
+
+@cli.command(cls=JobCommand)
+@job_options(CLASSIFY)
+def classify(**params):
+    """3D classification into K classes (relion_refine --K, without --auto_refine)."""
+    _run(CLASSIFY, params)
+
+
+def _run(command: str, params: dict) -> None:
+    """Run refine or classify with its parsed options (`params`), from scratch or, with --continue, on."""
     import logging
 
-    from cryorefine.jobs import refine as job
+    if command == REFINE:
+        from cryorefine.jobs import refine as job
 
+        min_mpi_ranks, report = job.RefineJob.min_mpi_ranks, _report_end
+    else:
+        from cryorefine.jobs import classify as job
+
+        min_mpi_ranks, report = job.ClassifyJob.min_mpi_ranks, _report_classes
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with _pipeline(pipeline_control) as control:
-        _host_threads(threads, dont_check_norm)
-        _unchanged_options(skip_gridding, ctf_intact_first_peak and not ctf)
-        if continue_from:
-            config = _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory)
+    given = options_given(click.get_current_context())
+    with _pipeline(params["pipeline_control"]) as control:
+        _host_threads(params["threads"], params["dont_check_norm"])
+        _unchanged_options(params["skip_gridding"], params["ctf_intact_first_peak"] and not params["do_ctf"])
+        if params["continue_from"]:
+            config = _continued_config(params, given)
         else:
-            for name, value in (("--i", star), ("--o", out), ("--ref", ref)):
-                if not value:
+            for name, key in (("--i", "input_star"), ("--o", "output_root"), ("--ref", "reference_map")):
+                if not params[key]:
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
-            config = _refine_config(**locals())
-        reports = _run_job(job, job.RefineJob.min_mpi_ranks, config, continue_from, control, overwrite)
-        _report_end(reports, config.output_root, control)
+            config = job_config(command, params, given)
+        reports = _run_job(job, min_mpi_ranks, config, params["continue_from"], control, params["overwrite"])
+        report(reports, config.output_root, control)
 
 
-def _continued_config(continue_from, out, max_iterations, gpu, force_cpu, free_gpu_memory):
-    """The options of the run that `continue_from` (a run_itNNN_optimiser.star) belongs to, with those that
-    --continue may change: --o, --iter, the engine, and those of RELION's parseContinue that this run reads afresh
-    each iteration (`CONTINUE_CHANGES`); other options given on the command line are named in a warning and
-    ignored."""
-    from dataclasses import replace
+def options_given(ctx: click.Context) -> set[str]:
+    """The options (by name, such as --iter) given on the command line of `ctx`'s command."""
+    return {p.opts[0] for p in ctx.command.params
+            if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
 
-    from cryorefine.config import RefineConfig
+
+def _continued_config(params: dict, given: set[str]) -> RefineConfig:
+    """The options of the run that --continue (a run_itNNN_optimiser.star) belongs to, with those that --continue
+    may change: --o, --iter, the engine (CONTINUE_TAKES), and those of RELION's parseContinue that this run reads
+    afresh each iteration (CONTINUE_CHANGES); other options given are named in a warning and ignored."""
     from cryorefine.io import resume
 
-    config = RefineConfig.from_json(json.dumps(resume.load_config_values(continue_from)))
-    ctx = click.get_current_context()
-    from_command_line = [p.opts[0] for p in ctx.command.params
-                         if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
-    ignored = [o for o in from_command_line
-               if o not in ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory", "--j",
-                            "--dont_check_norm", "--pipeline_control", "--skip_gridding") and o not in CONTINUE_CHANGES]
+    config = RefineConfig.from_json(json.dumps(resume.load_config_values(params["continue_from"])))
+    parameters = {p.opts[0]: p for p in click.get_current_context().command.params}
+    ignored = sorted(o for o in given if o not in CONTINUE_TAKES + CONTINUE_CHANGES
+                     and getattr(parameters[o], "section", None) != RELION_SECTION)
     if ignored:
         _command_line_log().warning(
             "--continue keeps the run's sampling and the other options it was started with; ignored here: %s",
             " ".join(ignored))
-    changes = {}
-    for option in from_command_line:
-        if option in CONTINUE_CHANGES:
-            value = ctx.params[option[2:]]
-            changes[CONTINUE_CHANGES[option]] = value
+    changed = [o for o in parameters if o in given and o in CONTINUE_CHANGES]  # in the help's order
+    changes = {parameters[o].name: params[parameters[o].name] for o in changed}
     if changes:
-        _command_line_log().info("--continue: %s changed from the run's own", ", ".join(
-            o for o in from_command_line if o in CONTINUE_CHANGES))
-    if "--gpu" in from_command_line or "--cpu" in from_command_line:
-        engine = engine_options(gpu, force_cpu, free_gpu_memory)
+        _command_line_log().info("--continue: %s changed from the run's own", ", ".join(changed))
+    if given & {"--gpu", "--cpu"}:
+        engine = engine_options(params["gpu"], params["force_cpu"], params["free_gpu_memory_mb"])
     else:  # the run's own engine, where it can run
         from cryorefine.estep.backend import cupy_available
 
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
-                  "free_gpu_memory_mb": free_gpu_memory}
-    return replace(config, output_root=out or config.output_root,
-                   max_iterations=max_iterations or config.max_iterations, **engine, **changes).check()
-
-
-#: RELION's parseContinue reads these again from a --continue command line: each option's RefineConfig field, which
-#: the run reads afresh every iteration (the command's parameter is the option's name)
-CONTINUE_CHANGES = {"--tau2_fudge": "tau2_fudge", "--particle_diameter": "particle_diameter_angstrom",
-                    "--solvent_mask": "solvent_mask", "--solvent_mask2": "solvent_mask2",
-                    "--solvent_correct_fsc": "solvent_correct_fsc", "--flatten_solvent": "flatten_solvent",
-                    "--maxsig": "max_significants", "--strict_highres_exp": "strict_highres_exp_angstrom",
-                    "--norm": "do_norm", "--scale": "do_scale", "--pool": "pooled_particles",
-                    "--preread_images": "preread_images", "--scratch_dir": "scratch_dir"}
-
-
-@cli.command()
-@_refine_options
-@click.option("--K", "n_classes", default=1, show_default=True, type=int, help="Number of classes.")
-@click.option("--skip_align", is_flag=True,
-              help="Keep the poses and origins of the STAR file; only the class of each particle is searched.")
-@click.option("--sigma_ang", "sigma_ang", default=None, type=float,
-              help="Local searches: σ (degrees) of rot, tilt and psi around each particle's pose (±3σ).")
-@click.option("--sigma_psi", "sigma_psi", default=None, type=float,
-              help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given.")
-@click.option("--relion_oversampling", is_flag=True,
-              help="Keep --oversampling throughout, as RELION does; by default the fine pass samples one order finer "
-                   "once the average pmax reaches 0.5 while the resolution can still grow (RELION's fine angular "
-                   "step too coarse for the box), or else once the share of particles changing class stops "
-                   "falling where that step is too coarse for what the E-step compares (the fine pass then costs "
-                   "up to 32x).")
-def classify(n_classes, continue_from, **options):
-    """3D classification into K classes (relion_refine --K, without --auto_refine)."""
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with _pipeline(options["pipeline_control"]) as control:
-        _host_threads(options["threads"], options["dont_check_norm"])
-        _unchanged_options(options["skip_gridding"], options["ctf_intact_first_peak"] and not options["ctf"])
-        _classify(n_classes, continue_from, options, control)
-
-
-def _classify(n_classes, continue_from, options, control):
-    from cryorefine.jobs import classify as job
-
-    if continue_from:
-        config = _continued_config(continue_from, options["out"], options["max_iterations"], options["gpu"],
-                                   options["force_cpu"], options["free_gpu_memory"])
-        reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, continue_from, control)
-        _report_classes(reports, config.output_root, control)
-        return
-    ctx = click.get_current_context()
-    given = {p.opts[0] for p in ctx.command.params
-             if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
-    for option in ("--auto_refine", "--split_random_halves"):
-        if option in given:
-            raise click.UsageError(f"{option}: a classification has no half sets and no auto-refinement; "
-                                   f"drop {option}, or use `cryorefine refine`")
-    unused = sorted(given & {"--low_resol_join_halves", "--auto_local_healpix_order", "--auto_ignore_angles",
-                             "--auto_resol_angles"})
-    if unused:
-        _command_line_log().warning("classification keeps its sampling and has no half sets; ignored: %s",
-                                    " ".join(unused))
-    for name, key in (("--i", "star"), ("--o", "out"), ("--ref", "ref")):
-        if not options[key]:
-            raise click.UsageError(f"Missing option '{name}'.")
-    config = _classify_config(n_classes, options)
-    reports = _run_job(job, job.ClassifyJob.min_mpi_ranks, config, None, control, options["overwrite"])
-    _report_classes(reports, options["out"], control)
+                  "free_gpu_memory_mb": params["free_gpu_memory_mb"]}
+    iterations = params["max_iterations"] if "--iter" in given else config.max_iterations
+    return dataclasses.replace(config, output_root=params["output_root"] or config.output_root,
+                               max_iterations=iterations, **engine, **changes).check()
 
 
 @cli.command("relion_refine", context_settings={"ignore_unknown_options": True}, add_help_option=False,
@@ -579,35 +685,32 @@ def _report_classes(reports, out, control=None):
                    f"{out}_it{last.iteration:03d}_class*.mrc")
 
 
-@cli.command()
-@_refine_options
+@cli.command(cls=JobCommand)
+@job_options(PLAN)
 @click.option("--gpu_memory", type=float, default=None,
               help="GPU memory (GB) to plan for [default: the free memory of the GPU, else 80].")
 @click.option("--gpu_tflops", type=float, default=None,
               help="FP32 peak (TFLOP/s) to plan for [default: the GPU's, else an H100 SXM's 66.9].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-@click.option("--K", "n_classes", type=int, default=None,
-              help="Plan a classify run of this many classes [default: a refine run].")
 @click.option("--resolution", "late_resolution", type=float, default=None,
               help="Resolution (Å) of the late iterations to plan for [default: three quarters of Nyquist, the most "
                    "a refinement reaches before its final iteration; a classification usually stops well short of it, "
                    "so give the resolution you expect].")
-def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options):
+def plan(gpu_memory, gpu_tflops, as_json, late_resolution, **params):
     """Predict GPU memory per scope, batch sizes and E-step time of a refine run (or, with --K, a classify run),
     without running it."""
     from dataclasses import asdict
 
     from cryorefine.jobs.plan import GpuSpec, format_plan, plan_run
 
-    if not options["star"]:
+    if not params["input_star"]:
         raise click.UsageError("Missing option '--i'.")
     for option, value in (("--gpu_memory", gpu_memory), ("--gpu_tflops", gpu_tflops),
                           ("--resolution", late_resolution)):
         if value is not None and not value > 0:
             raise InputError(f"{option} {value:g}: out of range; give more than 0")
-    device = (parse_gpu_ids(options.get("gpu") or "") or (0,))[0]
-    options.update(gpu=None, force_cpu=True)
-    config = _refine_config(**options) if n_classes is None else _classify_config(n_classes, options)
+    device = (parse_gpu_ids(params["gpu"] or "") or (0,))[0]
+    config = job_config(PLAN, params, options_given(click.get_current_context()))
     result = plan_run(config, GpuSpec.detect(device, gpu_memory, gpu_tflops), late_resolution)
     if as_json:
         out = dict(result, gpu=asdict(result["gpu"]), moments=[dict(asdict(m), peak_bytes=m.peak_bytes)
@@ -617,58 +720,29 @@ def plan(gpu_memory, gpu_tflops, as_json, n_classes, late_resolution, **options)
         click.echo(format_plan(result))
 
 
-def _classify_config(n_classes, options):
-    from dataclasses import replace
-
-    if n_classes < 1:
-        raise click.UsageError(f"--K {n_classes}: the number of classes must be at least 1")
-    iterations = options["max_iterations"]
-    return replace(_refine_config(**options), n_classes=n_classes, auto_refine=False,
-                   max_iterations=25 if iterations is None else iterations, skip_align=bool(options.get("skip_align")),
-                   relion_oversampling=bool(options.get("relion_oversampling")),
-                   sigma_ang_deg=options.get("sigma_ang"), sigma_psi_deg=options.get("sigma_psi")).check()
-
-
-def config_from_arguments(command, arguments):
+def config_from_arguments(command: str, arguments) -> RefineConfig:
     """The RefineConfig that `cryorefine COMMAND ARGUMENTS` runs, for COMMAND refine or classify (scripts and
-    benchmarks use it to run a job in their own process with the command line's exact meaning)."""
+    benchmarks use it to run a job in their own process with the command line's exact meaning); plan's, for plan."""
     with cli.commands[command].make_context(command, [str(a) for a in arguments]) as ctx:
-        options = dict(ctx.params)
-    options.pop("continue_from", None)
-    if command == "classify":
-        return _classify_config(options.pop("n_classes"), options)
-    return _refine_config(**options)
+        return job_config(command, dict(ctx.params), options_given(ctx))
 
 
-def _refine_config(star, out, ref, particle_diameter, ini_high, sym, ctf, firstiter_cc, flatten_solvent, zero_mask,
-                   pad, healpix_order, auto_local_healpix_order, offset_range, offset_step, oversampling, tau2_fudge,
-                   max_iterations, adaptive_fraction, maxsig, norm, scale, low_resol_join_halves, random_seed, batch,
-                   precision, gpu, force_cpu, free_gpu_memory, preread_images=False, pool=None, scratch_dir=None,
-                   strict_highres_exp=-1.0, coarse_size=-1,
-                   solvent_mask=None, solvent_mask2=None, solvent_correct_fsc=False, ctf_intact_first_peak=False,
-                   auto_ignore_angles=False, auto_resol_angles=False, threads=None, **_ignored):
-    """RefineConfig from the options of `refine` (and `plan`)."""
-    from cryorefine.config import RefineConfig
-
-    config = RefineConfig(
-        input_star=star, output_root=out, reference_map=ref, particle_diameter_angstrom=particle_diameter,
-        ini_high_angstrom=ini_high, symmetry=sym, do_ctf=ctf, firstiter_cc=firstiter_cc,
-        flatten_solvent=flatten_solvent, zero_mask=zero_mask, solvent_mask=solvent_mask, solvent_mask2=solvent_mask2,
-        solvent_correct_fsc=solvent_correct_fsc, ctf_intact_first_peak=ctf_intact_first_peak,
-        auto_ignore_angles=auto_ignore_angles, auto_resol_angles=auto_resol_angles,
-        padding_factor=pad, healpix_order=healpix_order,
-        auto_local_healpix_order=auto_local_healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
-        oversampling=oversampling, tau2_fudge=tau2_fudge,
-        adaptive_fraction=adaptive_fraction, max_significants=maxsig, strict_highres_exp_angstrom=strict_highres_exp,
-        max_coarse_size_px=coarse_size, do_norm=norm, do_scale=scale,
-        low_resol_join_halves_angstrom=low_resol_join_halves,
-        random_seed=int(time.time()) % 2 ** 31 if random_seed == -1 else random_seed,
-        batch_size=batch, pooled_particles=1 if pool is None else pool,
-        dtype="float64" if precision == "double" else "float32",
-        max_iterations=50 if max_iterations is None else max_iterations,
-        preread_images=preread_images, scratch_dir=scratch_dir, threads=threads,
-        **engine_options(gpu, force_cpu, free_gpu_memory))
-    return config.check()
+def job_config(command: str, params: dict, given: set[str] = frozenset()) -> RefineConfig:
+    """The RefineConfig of `command` (refine, classify or plan) from its parsed options `params` (`given`: those
+    given on the command line): each parameter named after a RefineConfig field sets it; then what no field holds
+    as it is given (the engine, the precision, a seed from the clock) and the kind of job."""
+    fields = {f.name for f in dataclasses.fields(RefineConfig)}
+    values = {name: value for name, value in params.items()
+              if name in fields and (value is not None or name not in CONFIG_DEFAULTS)}
+    if values.get("random_seed") == -1:
+        values["random_seed"] = int(time.time()) % 2 ** 31
+    if "precision" in params:
+        values["dtype"] = "float64" if params["precision"] == "double" else "float32"
+    planned = command == PLAN
+    values.update(auto_refine=command == REFINE or (planned and params.get("n_classes") is None),
+                  **engine_options(None if planned else params["gpu"], planned or params["force_cpu"],
+                                   params["free_gpu_memory_mb"]))
+    return RefineConfig(**values).check()
 
 
 def parse_gpu_ids(text):
@@ -874,9 +948,11 @@ def _pipeline_failure(args):
 
 
 def _commands_taking(option_name):
-    """The cryorefine commands that have the option `option_name` (such as --K), by name."""
+    """The cryorefine commands that honour the option `option_name` (such as --K), by name (plan's options that do
+    not change the plan are not counted)."""
     return sorted(name for name, command in cli.commands.items()
-                  if any(option_name in param.opts for param in command.params))
+                  if any(option_name in param.opts and getattr(param, "section", None) != PLAN_SECTION
+                         for param in command.params))
 
 
 def _command(exc):
