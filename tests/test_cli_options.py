@@ -254,6 +254,62 @@ def test_classify_refuses_the_options_of_an_auto_refine_naming_refine(capsys, fi
                           "`cryorefine classify` does not")
 
 
+# ---------------------------------------------------------------------------------------------- RELION's options
+#: RELION 5's GUI options that cryorefine cannot honour (RELION's pipeline_jobs.cpp, Refine3D / Class3D / MultiBody),
+#: with a value where they take one, and what the refusal must say to do instead
+UNAVAILABLE = [
+    (["--blush"], "drop --blush"),
+    (["--blush_skip_spectral_trailing"], "run this job with RELION"),
+    (["--helix"], "run helical jobs with RELION"),
+    (["--helical_outer_diameter", "200"], "run helical jobs with RELION"),
+    (["--helical_twist_initial", "-1.4"], "run helical jobs with RELION"),
+    (["--ignore_helical_symmetry"], "drop the helical options"),
+    (["--helical_keep_tilt_prior_fixed"], "run helical jobs with RELION"),
+    (["--multibody_masks", "bodies.star"], "run the MultiBody job with RELION"),
+    (["--reconstruct_subtracted_bodies"], "run the MultiBody job with RELION"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("words, instead", UNAVAILABLE, ids=[words[0] for words, _ in UNAVAILABLE])
+def test_relion_options_that_cannot_be_honoured_are_refused_in_one_line_saying_what_to_do(capsys, files, tmp_path,
+                                                                                         command, words, instead):
+    out = tmp_path / "run"
+    arguments = [*base_arguments(command, files), "--o", out, *words] if command != "plan" else [
+        *base_arguments(command, files), *words]
+    code, stdout, err = run(capsys, command, *arguments)
+    assert_one_line_error(code, err, f"{words[0]}: ", instead)
+    assert stdout == "" and not list(tmp_path.iterdir())
+    # wherever the option stands, and in the form --option=value
+    if len(words) == 2:
+        code, _, err = run(capsys, command, f"{words[0]}={words[1]}", *arguments[:-2])
+        assert_one_line_error(code, err, f"{words[0]}: ", instead)
+
+
+def test_a_relion_5_gui_line_with_blush_is_refused_and_the_gui_told(capsys, files, tmp_path):
+    """RELION 5's Refine3D line with 'Use Blush regularisation?' Yes, through the drop-in: exit 2, one line,
+    RELION_JOB_EXIT_FAILURE in the job's folder for the GUI, no output."""
+    job = tmp_path / "Refine3D" / "job012"
+    job.mkdir(parents=True)
+    line = (f"--o {job}/run --auto_refine --split_random_halves --i {files}/particles.star --ref {files}/ref.mrc "
+            f"--firstiter_cc --trust_ref_size --ini_high 50 --blush --dont_combine_weights_via_disc --pool 3 --pad 2 "
+            f"--ctf --particle_diameter 20 --flatten_solvent --zero_mask --oversampling 1 --healpix_order 2 "
+            f"--auto_local_healpix_order 4 --offset_range 5 --offset_step 2 --sym C1 --low_resol_join_halves 40 "
+            f"--norm --scale --j 1 --pipeline_control {job}/")
+    code, _, err = run(capsys, "relion_refine", *line.split())
+    assert_one_line_error(code, err, "--blush: Blush regularisation needs RELION's", "see `cryorefine refine --help`")
+    assert (job / "RELION_JOB_EXIT_FAILURE").is_file() and not list(job.glob("run_*"))
+
+
+@pytest.mark.parametrize("command", ["refine", "classify"])
+def test_the_help_names_the_refused_relion_options(capsys, command):
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    section = out[out.index(cli.REFUSED_SECTION):]
+    for name in ("--blush", "--helix", "--helical_", "--multibody_"):
+        assert name in section
+
+
 def test_j_on_a_continue_line_is_taken(files, tmp_path, capsys):
     """RELION's --continue reads --j again: the continued run's threads are the line's."""
     from cryorefine.io import resume

@@ -151,6 +151,14 @@ REFUSED_SECTION = "RELION options refused in one line that says what to do inste
 #: RELION options that cryorefine cannot honour: (names, the commands that refuse them, why and what to do
 #: instead); a name that ends in "_" stands for every option that starts with it
 REFUSED = (
+    (("--blush", "--blush_skip_spectral_trailing"), ALL_JOBS,
+     "Blush regularisation needs RELION's trained denoising network, which cryorefine does not have; run this job "
+     "with RELION, or without Blush (drop {name}; RELION's GUI: 'Use Blush regularisation?' No)"),
+    (("--helix", "--helical_", "--ignore_helical_symmetry", "--skip_realspace_helical_sym"), ALL_JOBS,
+     "helical reconstruction is not available in cryorefine; run helical jobs with RELION, or, for particles that "
+     "are not helical, drop the helical options (RELION's GUI: 'Do helical reconstruction?' No)"),
+    (("--multibody_", "--reconstruct_subtracted_bodies"), ALL_JOBS,
+     "multi-body refinement is not available in cryorefine; run the MultiBody job with RELION"),
     (("--auto_refine", "--split_random_halves"), (CLASSIFY,),
      "a classification has no half sets and no auto-refinement; drop {name}, or use `cryorefine refine`"),
 )
