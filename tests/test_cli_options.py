@@ -35,7 +35,7 @@ PROBES = {
     "--zero_mask": [], "--solvent_mask": ["{d}/mask.mrc"], "--solvent_mask2": ["{d}/mask.mrc"],
     "--solvent_correct_fsc": [], "--ctf_intact_first_peak": [], "--auto_ignore_angles": [], "--auto_resol_angles": [],
     "--pad": ["1.5"], "--healpix_order": ["1"], "--auto_local_healpix_order": ["3"], "--offset_range": ["3"],
-    "--offset_step": ["1"], "--oversampling": ["0"], "--tau2_fudge": ["3"], "--iter": ["2"],
+    "--offset_step": ["1"], "--oversampling": ["0"], "--tau2_fudge": ["3"], "--iter": ["2"], "--auto_iter_max": ["2"],
     "--adaptive_fraction": ["0.99"], "--maxsig": ["5"], "--strict_highres_exp": ["5"], "--coarse_size": ["12"],
     "--norm": [], "--scale": [], "--low_resol_join_halves": ["30"], "--random_seed": ["3"], "--batch": ["5"],
     "--j": ["1"], "--precision": ["double"], "--scratch_dir": ["{d}/scratch"], "--preread_images": [],
@@ -247,7 +247,7 @@ def test_classify_shows_and_uses_its_own_number_of_iterations(files):
 
 
 @pytest.mark.parametrize("option", ["--low_resol_join_halves", "--auto_local_healpix_order", "--auto_ignore_angles",
-                                    "--auto_resol_angles", "--solvent_correct_fsc"])
+                                    "--auto_resol_angles", "--solvent_correct_fsc", "--auto_iter_max"])
 def test_classify_refuses_the_options_of_an_auto_refine_naming_refine(capsys, files, option):
     code, _, err = run(capsys, "classify", *base_arguments("classify", files), *probe(option, files))
     assert_one_line_error(code, err, f"No such option: {option}", "`cryorefine refine` take",
@@ -308,6 +308,29 @@ def test_the_help_names_the_refused_relion_options(capsys, command):
     section = out[out.index(cli.REFUSED_SECTION):]
     for name in ("--blush", "--helix", "--helical_", "--multibody_"):
         assert name in section
+
+
+def test_auto_iter_max_is_refines_last_iteration(capsys, files, tmp_path, caplog):
+    """RELION's --auto_iter_max N: the auto-refine stops after iteration N, as --iter N does here; both given, they
+    must agree; classify does not take it (RELION's classification does not read it)."""
+    config = cli.config_from_arguments("refine", [*base_arguments("refine", files), "--auto_iter_max", "7"])
+    assert config.max_iterations == 7
+    config = cli.config_from_arguments("refine", [*base_arguments("refine", files), "--iter", "7",
+                                                  "--auto_iter_max", "7"])
+    assert config.max_iterations == 7
+    code, _, err = run(capsys, "refine", *base_arguments("refine", files), "--iter", "5", "--auto_iter_max", "7")
+    assert_one_line_error(code, err, "--iter 5 and --auto_iter_max 7", "give one of the two")
+    code, _, err = run(capsys, "refine", *base_arguments("refine", files), "--auto_iter_max", "0")
+    assert_one_line_error(code, err, "--auto_iter_max 0: out of range")
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "refine", "--i", files / "particles.star", "--ref", files / "ref.mrc", "--o", out,
+                          "--cpu", "--healpix_order", "1", "--auto_iter_max", "1")
+    assert code == 0 and "not converged after 1 iteration (--iter)" in stdout
+    assert (tmp_path / "run_it001_optimiser.star").is_file() and not (tmp_path / "run_it002_optimiser.star").exists()
+    # a continue line that raises it goes on to it
+    code, stdout, _ = run(capsys, "refine", "--continue", tmp_path / "run_it001_optimiser.star", "--auto_iter_max", "2")
+    assert code == 0 and (tmp_path / "run_it002_optimiser.star").is_file()
+    assert not (tmp_path / "run_it003_optimiser.star").exists()
 
 
 def test_j_on_a_continue_line_is_taken(files, tmp_path, capsys):

@@ -169,7 +169,7 @@ CONTINUE_CHANGES = ("--tau2_fudge", "--particle_diameter", "--solvent_mask", "--
                     "--flatten_solvent", "--maxsig", "--strict_highres_exp", "--norm", "--scale", "--pool",
                     "--preread_images", "--scratch_dir", "--j")
 #: options of a --continue line that are taken as given (the engine, where the run goes, how far) or change nothing
-CONTINUE_TAKES = ("--continue", "--o", "--iter", "--gpu", "--cpu", "--free_gpu_memory",
+CONTINUE_TAKES = ("--continue", "--o", "--iter", "--auto_iter_max", "--gpu", "--cpu", "--free_gpu_memory",
                   "--pipeline_control")
 
 
@@ -318,6 +318,9 @@ JOB_OPTIONS = (
     _option("--tau2_fudge", "tau2_fudge", type=float, help="Regularisation parameter T."),
     _option("--iter", "max_iterations", type=int, help="At most this many iterations.",
             per_command={CLASSIFY: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."}}),
+    _option("--auto_iter_max", "auto_iter_max", (REFINE,), type=int,
+            help="RELION's last auto-refine iteration: the same as --iter here (give one of the two, or both the "
+                 "same) [default: that of --iter]."),
     _option("--adaptive_fraction", "adaptive_fraction", type=float,
             help="Fraction of the probability mass kept by the coarse pass."),
     _option("--maxsig", "max_significants", type=int, help="At most this many significant samples (-1: no limit)."),
@@ -494,7 +497,7 @@ def _continued_config(params: dict, given: set[str]) -> RefineConfig:
 
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
                   "free_gpu_memory_mb": params["free_gpu_memory_mb"]}
-    iterations = params["max_iterations"] if "--iter" in given else config.max_iterations
+    iterations = _max_iterations(params, given) if given & {"--iter", "--auto_iter_max"} else config.max_iterations
     return dataclasses.replace(config, output_root=params["output_root"] or config.output_root,
                                max_iterations=iterations, **engine, **changes).check()
 
@@ -738,7 +741,7 @@ def config_from_arguments(command: str, arguments) -> RefineConfig:
 def job_config(command: str, params: dict, given: set[str] = frozenset()) -> RefineConfig:
     """The RefineConfig of `command` (refine, classify or plan) from its parsed options `params` (`given`: those
     given on the command line): each parameter named after a RefineConfig field sets it; then what no field holds
-    as it is given (the engine, the precision, a seed from the clock) and the kind of job."""
+    as it is given (the engine, the precision, a seed from the clock, --auto_iter_max) and the kind of job."""
     fields = {f.name for f in dataclasses.fields(RefineConfig)}
     values = {name: value for name, value in params.items()
               if name in fields and (value is not None or name not in CONFIG_DEFAULTS)}
@@ -746,11 +749,27 @@ def job_config(command: str, params: dict, given: set[str] = frozenset()) -> Ref
         values["random_seed"] = int(time.time()) % 2 ** 31
     if "precision" in params:
         values["dtype"] = "float64" if params["precision"] == "double" else "float32"
+    if "max_iterations" in params:
+        values["max_iterations"] = _max_iterations(params, given)
     planned = command == PLAN
     values.update(auto_refine=command == REFINE or (planned and params.get("n_classes") is None),
                   **engine_options(None if planned else params["gpu"], planned or params["force_cpu"],
                                    params["free_gpu_memory_mb"]))
     return RefineConfig(**values).check()
+
+
+def _max_iterations(params: dict, given: set[str]) -> int:
+    """--iter, or refine's --auto_iter_max (RELION's last iteration of an auto-refine: here the same); both given,
+    the same number."""
+    iterations, last = params["max_iterations"], params.get("auto_iter_max")
+    if last is None:
+        return iterations
+    if last < 1:
+        raise InputError(f"--auto_iter_max {last}: out of range; give 1 or more")
+    if "--iter" in given and iterations != last:
+        raise InputError(f"--iter {iterations} and --auto_iter_max {last}: both set the last iteration of an "
+                         f"auto-refine here; give one of the two")
+    return last
 
 
 def parse_gpu_ids(text):
