@@ -141,7 +141,10 @@ def parity(one, other):
     from cryorefine.io.mrc import read_volume
 
     folders = [Path(one["folder"]), Path(other["folder"])]
-    last = [sorted(f.glob("run_it[0-9][0-9][0-9]_data.star"))[-1] for f in folders]
+    found = [sorted(f.glob("run_it[0-9][0-9][0-9]_data.star")) for f in folders]
+    if not all(found):  # a run taken from its result.json whose files are gone (--reuse)
+        return {"note": f"no iteration files in {' or '.join(str(f) for f, n in zip(folders, found) if not n)}"}
+    last = [paths[-1] for paths in found]
     if last[0].name != last[1].name:
         return {"note": f"last iterations differ: {last[0].name} and {last[1].name}"}
     root = last[0].name[: -len("_data.star")]
