@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cryorefine.io.background import BackgroundWriter, InOwnProcess, WaitFor
+from cryorefine.io.background import BackgroundWriter, InOwnProcess, Together, WaitFor
 
 
 def test_writes_run_in_order_on_another_thread_and_the_block_waits_for_them():
@@ -50,6 +50,34 @@ def test_an_error_in_the_loop_still_lets_the_last_iteration_s_writes_finish():
         writer.submit([lambda: time.sleep(0.2), lambda: done.append("maps")])
         raise RuntimeError("E-step failed")
     assert done == ["maps"]
+
+
+def test_writes_together_run_side_by_side_and_the_next_write_after_them_all():
+    """An iteration's maps and STAR files are written side by side; the optimiser STAR file after all of them."""
+    started, done = [], []
+
+    def write(name):
+        started.append(name)
+        time.sleep(0.3)
+        done.append(name)
+
+    tic = time.perf_counter()
+    with BackgroundWriter() as writer:
+        writer.submit([Together([partial(write, f"map{k}") for k in range(4)]), lambda: done.append("optimiser")])
+    assert time.perf_counter() - tic < 0.9  # one after the other: 1.2 s
+    assert sorted(done[:4]) == ["map0", "map1", "map2", "map3"] and done[4] == "optimiser"
+
+
+def test_an_error_among_writes_together_is_raised_after_the_others_end_and_stops_the_next():
+    done = []
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"), BackgroundWriter() as writer:
+        writer.submit([Together([fail, lambda: (time.sleep(0.2), done.append("map"))]),
+                       lambda: done.append("optimiser")])
+    assert done == ["map"]
 
 
 def test_writes_after_a_wait_for_run_once_it_is_ready():

@@ -61,7 +61,7 @@ from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
-from cryorefine.io.background import InOwnProcess
+from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
@@ -463,7 +463,7 @@ class ClassifyJob:
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
         writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
-        writes += [
+        writes += [  # side by side (each its own file), then the optimiser STAR file, which --continue reads
             partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
                                                   pdf_direction=model.pdf_direction,
                                                   scale_groups=particles.scale_group_names_and_counts()),
@@ -476,10 +476,8 @@ class ClassifyJob:
                                  class_resolutions_angstrom=np.array(run.extras["class_resolutions"]),
                                  ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
                                  resolution_angstrom=model.current_resolution_angstrom, rot_deg=snapshot.rot_deg,
-                                 tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings))),
-            partial(write_optimiser_star, f"{root}_optimiser.star",
-                    # the oversampling this iteration used (one more once `_fine_sampling` raised it)
-                    optimiser_star_blocks(optimiser, model, replace(config, oversampling=plan.sampling.oversampling),
-                                          str(out_root), plan.iteration), list(argv)),
-        ]
-        return writes
+                                 tilt_deg=snapshot.tilt_deg, timings_seconds=dict(timings)))]
+        # the oversampling this iteration used (one more once `_fine_sampling` raised it)
+        used = replace(config, oversampling=plan.sampling.oversampling)
+        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
+            optimiser, model, used, str(out_root), plan.iteration), list(argv))]

@@ -43,7 +43,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
 from cryorefine.io.atomic import copy_atomically
-from cryorefine.io.background import InOwnProcess
+from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
@@ -335,9 +335,10 @@ class RefineJob:
                                         rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg,
                                         timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
                                                          "M-step": timings["maximization"]},
-                                        halves_joined=plan.final)),
-                   partial(write_optimiser_star, f"{root}_optimiser.star",
-                           optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration), list(argv))]
+                                        halves_joined=plan.final))]
+        # side by side (each its own file), then the optimiser STAR file, which --continue reads
+        writes = [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
+            optimiser, model, config, str(out_root), plan.iteration), list(argv))]
         if plan.final:  # the converged run's files; those that repeat the final iteration's are copies of them
             writes += [partial(copy_atomically, f"{root}_data.star", f"{out_root}_data.star"),
                        partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
