@@ -424,3 +424,36 @@ def test_objects_with_arrays_cross_in_chunks_intact():
                           timeout=120, env=environment)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert done.stdout.splitlines() == ["all ranks ok"], done.stdout + done.stderr[-2000:]
+
+
+def test_an_interrupted_master_ends_the_job_with_the_continue_line_and_the_interrupt_s_exit_code(monkeypatch,
+                                                                                                  capsys):
+    """Ctrl-C or SIGTERM on the master (errors.RunInterrupted) under MPI: the line one process prints (the last
+    complete iteration, the --continue line), no rank prefix, and the job aborted with 143 or 130, not a failure's 2;
+    a worker's failure keeps its rank line and 2."""
+    from cryorefine.errors import RunInterrupted
+    from cryorefine.runners import mpi
+
+    class Comm:
+        aborted = []
+
+        def Get_rank(self):
+            return 1
+
+        def Abort(self, code):
+            self.aborted.append(code)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(mpi.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(mpi.os, "_exit", exit_now)
+    line = "interrupted (SIGTERM); iteration 4 is the last complete one: resume with `cryorefine classify --continue x`"
+    with pytest.raises(SystemExit) as stopped:
+        mpi._abort(Comm(), RunInterrupted(line, 143))
+    assert stopped.value.code == 143 and Comm.aborted == [143]
+    assert capsys.readouterr().err == f"cryorefine: error: {line}\n"
+    with pytest.raises(SystemExit) as stopped:
+        mpi._abort(Comm(), RuntimeError("CUDA error"))
+    assert stopped.value.code == 2 and Comm.aborted == [143, 2]
+    assert re.fullmatch(r"cryorefine: error: rank 1 on \S+: RuntimeError: CUDA error\n", capsys.readouterr().err)

@@ -83,7 +83,7 @@ from cryorefine.em.estep import (
     sums_wait_on_host,
 )
 from cryorefine.em.loop import StepOutcome, log_stages
-from cryorefine.errors import InputError, disk_full_message
+from cryorefine.errors import InputError, RunInterrupted, disk_full_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
 from cryorefine.gpu.collectives import NCCL_RESERVE_MB, DeviceCollectives, nccl_usable
@@ -240,17 +240,21 @@ def _failure_line(comm, exc):
 
 
 def _abort(comm, exc, on_abort=None):
-    """One line naming the rank, host and cause, then end every rank of the job."""
+    """One line naming the rank, host and cause, then end every rank of the job (exit code 2). A run interrupted
+    on the master (Ctrl-C, SIGTERM: `errors.RunInterrupted`) says what one process says, the last complete iteration
+    and the --continue line, and ends with its exit code (130, 143)."""
     if on_abort is not None:
         try:
             on_abort()
         except OSError:
             pass  # the job ends either way
-    sys.stderr.write(f"cryorefine: error: {_failure_line(comm, exc)}\n")
+    interrupted = isinstance(exc, RunInterrupted)
+    sys.stderr.write(f"cryorefine: error: {exc if interrupted else _failure_line(comm, exc)}\n")
     sys.stderr.flush()
     time.sleep(1.0)  # let mpirun forward the line before the abort tears the job down
-    comm.Abort(2)
-    os._exit(2)  # MPI_Abort may return before the launcher's kill arrives: nothing after it may run (the loop's
+    code = exc.exit_code if interrupted else 2
+    comm.Abort(code)
+    os._exit(code)  # MPI_Abort may return before the launcher's kill arrives: nothing after it may run (the loop's
     # normal end would write RELION_JOB_EXIT_SUCCESS)
 
 
@@ -441,6 +445,9 @@ class MpiRunner:
             self._serve(job)
         except SystemExit:
             raise
+        except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: the master says where the run stands
+            time.sleep(FAILURE_GRACE_SECONDS)  # its abort ends this process here; else this worker ends the job
+            _abort(self.comm, exc, self.on_abort)
         except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
             _report_failure(self.comm, exc, self.on_abort)
 
