@@ -7,7 +7,7 @@ import pytest
 from conftest import make_particle_set
 
 from cryorefine.core import fourier
-from cryorefine.core.ctf import ctf_2d
+from cryorefine.core.ctf import CtfParameters, ctf_2d
 from cryorefine.data import load_particles
 from cryorefine.images import ImageSettings, background_noise, prepare_batch, prepare_in_parts, roll_each
 from cryorefine.io import mrc
@@ -72,8 +72,9 @@ def test_prepared_batch_matches_a_direct_computation(particles, zero_mask):
             masked = img * mask + (1 - mask) * noise * img[outside].std()
         np.testing.assert_allclose(batch.images_ft[row], fourier.window_ft_2d(fourier.rfft2_centered(masked), current),
                                    atol=1e-12)
-    full_ctf = ctf_2d(32, 2.0, particles.defocus_u_angstrom[indices], particles.defocus_v_angstrom[indices],
-                      particles.defocus_angle_deg[indices], 300.0, 2.7, 0.1, dtype=np.float64)
+    full_ctf = ctf_2d(32, CtfParameters(2.0, particles.defocus_u_angstrom[indices],
+                                        particles.defocus_v_angstrom[indices], particles.defocus_angle_deg[indices],
+                                        300.0, 2.7, 0.1), dtype=np.float64)
     np.testing.assert_allclose(batch.ctf, fourier.window_ft_2d(full_ctf, current), atol=1e-12)
     np.testing.assert_allclose(batch.residual_origin_px[:, 0], ox - np.floor(ox + 0.5))
 

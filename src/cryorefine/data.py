@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import arrays
+from cryorefine.core.ctf import CtfParameters
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 from cryorefine.io.star import ParticleStar, read_particle_star
@@ -132,6 +134,15 @@ class ParticleSet:
         """The intensity groups' names and their numbers of particles, in group order (model.star's model_groups)."""
         counts = np.bincount(self.scale_group_index, minlength=self.n_scale_groups)
         return list(self.scale_group_names), [int(c) for c in counts]
+
+    def ctf_parameters(self, indices: np.ndarray, pixel_size_angstrom: npt.ArrayLike | None = None) -> CtfParameters:
+        """The CTF values of the particles at `indices`, at their own pixel sizes unless `pixel_size_angstrom` is
+        given (a transform windowed to another size has another)."""
+        pixel = self.pixel_size_per_particle_angstrom[indices] if pixel_size_angstrom is None else pixel_size_angstrom
+        return CtfParameters(pixel, self.defocus_u_angstrom[indices], self.defocus_v_angstrom[indices],
+                             self.defocus_angle_deg[indices], self.voltage_kv[indices], self.cs_mm[indices],
+                             self.amplitude_contrast[indices], self.phase_shift_deg[indices],
+                             self.ctf_bfactor[indices], self.ctf_scale[indices])
 
     def require_ctf(self):
         missing = [] if "rlnDefocusU" in self.star.particles.columns else ["rlnDefocusU"]

@@ -246,12 +246,8 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     if settings.do_ctf:
         # the CTF at the current size: the same integer frequencies of the original box
         pixel = settings.pixel_size_angstrom * n / current_size_px
-        ctf = ctf_2d(current_size_px, pixel, particles.defocus_u_angstrom[indices],
-                     particles.defocus_v_angstrom[indices], particles.defocus_angle_deg[indices],
-                     particles.voltage_kv[indices], particles.cs_mm[indices], particles.amplitude_contrast[indices],
-                     phase_shift_deg=particles.phase_shift_deg[indices], bfactor=particles.ctf_bfactor[indices],
-                     scale=particles.ctf_scale[indices], intact_until_first_peak=settings.ctf_intact_first_peak,
-                     xp=xp, dtype=np.float64)
+        ctf = ctf_2d(current_size_px, particles.ctf_parameters(indices, pixel),
+                     intact_until_first_peak=settings.ctf_intact_first_peak, xp=xp, dtype=np.float64)
     else:
         ctf = xp.ones((indices.size, current_size_px, current_size_px // 2 + 1))
     rot = particles.rot_deg[indices] if poses is None else poses[0][indices]

@@ -10,7 +10,7 @@ import pytest
 from conftest import cupy_or_skip
 
 from cryorefine.core import fourier
-from cryorefine.core.ctf import ctf_2d, electron_wavelength_angstrom
+from cryorefine.core.ctf import CtfParameters, ctf_2d, electron_wavelength_angstrom
 
 REAL = Path(__file__).resolve().parents[3] / "shared/data/real"
 
@@ -60,7 +60,7 @@ def test_defocus_zeros_are_where_pi_lambda_df_u2_is_n_pi():
     lam = _codata_wavelength_angstrom(kv)
     k_first = 20.0  # choose the defocus so the first zero lies on integer frequency 20
     defocus = 1.0 / (lam * (k_first / (n_px * pix)) ** 2)
-    ctf = ctf_2d(n_px, pix, defocus, defocus, 0.0, kv, 0.0, 0.0, dtype=np.float64)
+    ctf = ctf_2d(n_px, CtfParameters(pix, defocus, defocus, 0.0, kv, 0.0, 0.0), dtype=np.float64)
     assert ctf.shape == (1, n_px, n_px // 2 + 1)
     row = ctf[0, 0]  # along +kx
     for n, k in ((1, 20), (4, 40), (9, 60), (16, 80), (25, 100)):  # zeros at k_first·√n
@@ -75,20 +75,20 @@ def test_defocus_zeros_are_where_pi_lambda_df_u2_is_n_pi():
 def test_spherical_aberration_zeros_and_amplitude_contrast():
     n_px, pix, kv, cs_mm = 200, 1.0, 300.0, 2.7
     lam = float(electron_wavelength_angstrom(kv))
-    ctf = ctf_2d(n_px, pix, 0.0, 0.0, 0.0, kv, cs_mm, 0.0, dtype=np.float64)[0, 0]
+    ctf = ctf_2d(n_px, CtfParameters(pix, 0.0, 0.0, 0.0, kv, cs_mm, 0.0), dtype=np.float64)[0, 0]
     k = np.arange(n_px // 2 + 1) / (n_px * pix)
     expected = -np.sin(0.5 * np.pi * cs_mm * 1e7 * lam ** 3 * k ** 4)
     np.testing.assert_allclose(ctf, expected, atol=1e-4)
     # Amplitude contrast enters as a phase atan(Q0/√(1−Q0²)): CTF(0) = Q0.
     for q0 in (0.07, 0.1, 0.5):
-        c0 = ctf_2d(64, 1.0, 15000.0, 15000.0, 0.0, 300.0, 2.7, q0, dtype=np.float64)[0, 0, 0]
+        c0 = ctf_2d(64, CtfParameters(1.0, 15000.0, 15000.0, 0.0, 300.0, 2.7, q0), dtype=np.float64)[0, 0, 0]
         assert c0 == pytest.approx(q0, abs=1e-12)
 
 
 def test_matches_polar_textbook_form():
     n_px, pix = 96, 1.7
     du, dv, ang = np.array([21000.0, 9000.0]), np.array([17000.0, 12000.0]), np.array([33.0, -71.0])
-    got = ctf_2d(n_px, pix, du, dv, ang, 300.0, 2.7, 0.1, phase_shift_deg=np.array([0.0, 35.0]),
+    got = ctf_2d(n_px, CtfParameters(pix, du, dv, ang, 300.0, 2.7, 0.1, phase_shift_deg=np.array([0.0, 35.0])),
                  dtype=np.float64)
     for i, phase in enumerate((0.0, 35.0)):
         want = _textbook_ctf(n_px, pix, du[i], dv[i], ang[i], 300.0, 2.7, 0.1, phase)
@@ -100,48 +100,49 @@ def test_astigmatism_defocus_u_lies_along_the_angle():
     du, dv = 25000.0, 12000.0
 
     def iso(defocus):
-        return ctf_2d(n_px, pix, defocus, defocus, 0.0, kv, 2.7, 0.1, dtype=np.float64)[0]
+        return ctf_2d(n_px, CtfParameters(pix, defocus, defocus, 0.0, kv, 2.7, 0.1), dtype=np.float64)[0]
 
     k = np.arange(1, n_px // 2)
     ctf_u, ctf_v = iso(du), iso(dv)
     # Angle 0: U along x, V along y.
-    c = ctf_2d(n_px, pix, du, dv, 0.0, kv, 2.7, 0.1, dtype=np.float64)[0]
+    c = ctf_2d(n_px, CtfParameters(pix, du, dv, 0.0, kv, 2.7, 0.1), dtype=np.float64)[0]
     np.testing.assert_allclose(c[0, k], ctf_u[0, k], atol=1e-9)
     np.testing.assert_allclose(c[k, 0], ctf_v[0, k], atol=1e-9)
     # Angle 90: swapped.
-    c = ctf_2d(n_px, pix, du, dv, 90.0, kv, 2.7, 0.1, dtype=np.float64)[0]
+    c = ctf_2d(n_px, CtfParameters(pix, du, dv, 90.0, kv, 2.7, 0.1), dtype=np.float64)[0]
     np.testing.assert_allclose(c[0, k], ctf_v[0, k], atol=1e-9)
     np.testing.assert_allclose(c[k, 0], ctf_u[k, 0], atol=1e-9)
     # Angle +45: U along the diagonal kx = ky (rows k), V along kx = -ky (rows N-k); -45 the reverse.
     diag_u = ctf_u[k, k]  # isotropic CTF at |k|√2
-    c = ctf_2d(n_px, pix, du, dv, 45.0, kv, 2.7, 0.1, dtype=np.float64)[0]
+    c = ctf_2d(n_px, CtfParameters(pix, du, dv, 45.0, kv, 2.7, 0.1), dtype=np.float64)[0]
     np.testing.assert_allclose(c[k, k], diag_u, atol=1e-9)
     np.testing.assert_allclose(c[n_px - k, k], ctf_v[k, k], atol=1e-9)
-    c = ctf_2d(n_px, pix, du, dv, -45.0, kv, 2.7, 0.1, dtype=np.float64)[0]
+    c = ctf_2d(n_px, CtfParameters(pix, du, dv, -45.0, kv, 2.7, 0.1), dtype=np.float64)[0]
     np.testing.assert_allclose(c[n_px - k, k], diag_u, atol=1e-9)
     assert np.max(np.abs(c[k, k] - diag_u)) > 0.5
 
 
 def test_phase_shift_90_swaps_sin_and_cos():
     n_px, pix = 128, 1.0
-    args = (n_px, pix, 18000.0, 15000.0, 20.0, 300.0, 2.7, 0.0)
-    c0 = ctf_2d(*args, phase_shift_deg=0.0, dtype=np.float64)[0]
-    c90 = ctf_2d(*args, phase_shift_deg=90.0, dtype=np.float64)[0]
-    c180 = ctf_2d(*args, phase_shift_deg=180.0, dtype=np.float64)[0]
+    args = (pix, 18000.0, 15000.0, 20.0, 300.0, 2.7, 0.0)
+    c0 = ctf_2d(n_px, CtfParameters(*args, phase_shift_deg=0.0), dtype=np.float64)[0]
+    c90 = ctf_2d(n_px, CtfParameters(*args, phase_shift_deg=90.0), dtype=np.float64)[0]
+    c180 = ctf_2d(n_px, CtfParameters(*args, phase_shift_deg=180.0), dtype=np.float64)[0]
     np.testing.assert_allclose(c0 ** 2 + c90 ** 2, 1.0, atol=1e-9)
     assert c90[0, 0] == pytest.approx(1.0)  # a 90° phase plate gives full contrast at k = 0
     np.testing.assert_allclose(c180, -c0, atol=1e-9)
     # Amplitude contrast Q0 = sin(φ) is the same phase as a phase plate of φ degrees.
-    q_phase = ctf_2d(n_px, pix, 18000.0, 15000.0, 20.0, 300.0, 2.7, np.sin(np.deg2rad(30.0)), dtype=np.float64)
-    p_phase = ctf_2d(*args, phase_shift_deg=30.0, dtype=np.float64)
+    q_phase = ctf_2d(n_px, CtfParameters(pix, 18000.0, 15000.0, 20.0, 300.0, 2.7, np.sin(np.deg2rad(30.0))),
+                     dtype=np.float64)
+    p_phase = ctf_2d(n_px, CtfParameters(*args, phase_shift_deg=30.0), dtype=np.float64)
     np.testing.assert_allclose(q_phase, p_phase, atol=1e-9)
 
 
 def test_bfactor_envelope_and_scale():
     n_px, pix, bfac = 128, 1.0, 150.0
-    args = (n_px, pix, 15000.0, 14000.0, 10.0, 300.0, 2.7, 0.1)
-    c0 = ctf_2d(*args, dtype=np.float64)[0]
-    cb = ctf_2d(*args, bfactor=bfac, scale=0.8, dtype=np.float64)[0]
+    args = (pix, 15000.0, 14000.0, 10.0, 300.0, 2.7, 0.1)
+    c0 = ctf_2d(n_px, CtfParameters(*args), dtype=np.float64)[0]
+    cb = ctf_2d(n_px, CtfParameters(*args, bfactor=bfac, scale=0.8), dtype=np.float64)[0]
     u2 = fourier.radius_2d(n_px) ** 2 / (n_px * pix) ** 2
     ok = np.abs(c0) > 0.05
     np.testing.assert_allclose(cb[ok] / c0[ok], 0.8 * np.exp(-bfac * u2[ok] / 4), rtol=1e-9)
@@ -154,23 +155,35 @@ def test_batch_broadcasting_dtype_and_flags():
     n_px = 64
     du = np.array([10000.0, 20000.0, 30000.0])
     pix = np.array([1.0, 1.5, 2.0])
-    batch = ctf_2d(n_px, pix, du, du * 0.9, 15.0, 300.0, 2.7, 0.1, bfactor=[0.0, 50.0, 100.0])
+    batch = ctf_2d(n_px, CtfParameters(pix, du, du * 0.9, 15.0, 300.0, 2.7, 0.1, bfactor=[0.0, 50.0, 100.0]))
     assert batch.shape == (3, n_px, n_px // 2 + 1) and batch.dtype == np.float32
     for i in range(3):
-        one = ctf_2d(n_px, pix[i], du[i], du[i] * 0.9, 15.0, 300.0, 2.7, 0.1, bfactor=50.0 * i)
+        one = ctf_2d(n_px, CtfParameters(pix[i], du[i], du[i] * 0.9, 15.0, 300.0, 2.7, 0.1, bfactor=50.0 * i))
         np.testing.assert_allclose(batch[i], one[0], atol=1e-6)
-    plain = ctf_2d(n_px, 4.0, 20000.0, 20000.0, 0.0, 300.0, 2.7, 0.1, dtype=np.float64)[0]
-    flipped = ctf_2d(n_px, 4.0, 20000.0, 20000.0, 0.0, 300.0, 2.7, 0.1, abs_value=True, dtype=np.float64)[0]
-    signs = ctf_2d(n_px, 4.0, 20000.0, 20000.0, 0.0, 300.0, 2.7, 0.1, only_flip_phases=True, dtype=np.float64)[0]
+    focus = CtfParameters(4.0, 20000.0, 20000.0, 0.0, 300.0, 2.7, 0.1)
+    plain = ctf_2d(n_px, focus, dtype=np.float64)[0]
+    flipped = ctf_2d(n_px, focus, abs_value=True, dtype=np.float64)[0]
+    signs = ctf_2d(n_px, focus, only_flip_phases=True, dtype=np.float64)[0]
     np.testing.assert_allclose(flipped, np.abs(plain))
     assert set(np.unique(signs)) == {-1.0, 1.0} and np.all(signs * plain >= 0)
-    intact = ctf_2d(n_px, 4.0, 20000.0, 20000.0, 0.0, 300.0, 2.7, 0.1, intact_until_first_peak=True,
-                    dtype=np.float64)[0, 0]
+    intact = ctf_2d(n_px, focus, intact_until_first_peak=True, dtype=np.float64)[0, 0]
     first_peak = int(np.argmax(np.diff(plain[0]) < 0))  # the CTF rises from Q0 to its first maximum
     assert first_peak > 3
     assert np.all(intact[:first_peak] == 1.0) and np.allclose(intact[first_peak + 1:], plain[0, first_peak + 1:])
     with pytest.raises(ValueError):
-        ctf_2d(n_px, 1.0, 1e4, 1e4, 0.0, 300.0, 2.7, 1.5)
+        ctf_2d(n_px, CtfParameters(1.0, 1e4, 1e4, 0.0, 300.0, 2.7, 1.5))
+
+
+
+def test_loose_values_are_taken_in_the_order_of_ctf_parameters():
+    """Callers that hold the values apart may give them loose, in CtfParameters' order."""
+    values = (1.3, np.array([12000.0, 21000.0]), 15000.0, 25.0, 300.0, 2.7, 0.1, 30.0, 40.0, 0.9)
+    want = ctf_2d(64, CtfParameters(*values), dtype=np.float64)
+    np.testing.assert_array_equal(ctf_2d(64, *values, dtype=np.float64), want)
+    np.testing.assert_array_equal(ctf_2d(64, *values[:7], dtype=np.float64),
+                                  ctf_2d(64, CtfParameters(*values[:7]), dtype=np.float64))
+    with pytest.raises(TypeError):
+        ctf_2d(64, CtfParameters(*values), 1.0)
 
 
 # ---------------------------------------------------------------- real particle stacks
@@ -222,10 +235,11 @@ def _ring_correlations(parts, pixel, images, factors, low_res_angstrom=40.0, hig
     data = _detrend(np.log(power[shells]), shells)
     out = {}
     for f in factors:
-        ctf = ctf_2d(n_px, pixel, parts["rlnDefocusU"].to_numpy(float) * f,
-                     parts["rlnDefocusV"].to_numpy(float) * f, parts["rlnDefocusAngle"].to_numpy(float),
-                     parts["rlnVoltage"].to_numpy(float), parts["rlnSphericalAberration"].to_numpy(float),
-                     parts["rlnAmplitudeContrast"].to_numpy(float), dtype=np.float64)
+        ctf = ctf_2d(n_px, CtfParameters(pixel, parts["rlnDefocusU"].to_numpy(float) * f,
+                                         parts["rlnDefocusV"].to_numpy(float) * f,
+                                         parts["rlnDefocusAngle"].to_numpy(float), parts["rlnVoltage"].to_numpy(float),
+                                         parts["rlnSphericalAberration"].to_numpy(float),
+                                         parts["rlnAmplitudeContrast"].to_numpy(float)), dtype=np.float64)
         model = _detrend(_rotational_average(np.mean(ctf ** 2, axis=0), n_px)[shells], shells)
         out[f] = float(np.corrcoef(data, model)[0, 1])
     return out
@@ -268,11 +282,11 @@ def test_cupy_matches_numpy():
                   defocus_angle_deg=rng.uniform(-180, 180, n), voltage_kv=300.0, cs_mm=2.7,
                   amplitude_contrast=0.1, phase_shift_deg=rng.uniform(0, 90, n), bfactor=rng.uniform(0, 100, n),
                   scale=rng.uniform(0.5, 1.0, n))
-    want = ctf_2d(90, 1.3, **params, dtype=np.float64)
-    got = ctf_2d(90, 1.3, **{k: cp.asarray(v) for k, v in params.items()}, xp=cp, dtype=cp.float64)
+    want = ctf_2d(90, CtfParameters(1.3, **params), dtype=np.float64)
+    got = ctf_2d(90, CtfParameters(1.3, **{k: cp.asarray(v) for k, v in params.items()}), xp=cp, dtype=cp.float64)
     assert isinstance(got, cp.ndarray)
     np.testing.assert_allclose(cp.asnumpy(got), want, atol=1e-12)
-    got32 = ctf_2d(90, 1.3, **params, xp=cp)
+    got32 = ctf_2d(90, CtfParameters(1.3, **params), xp=cp)
     assert got32.dtype == cp.float32
 
 
@@ -292,8 +306,9 @@ def test_the_per_image_coefficients_stay_on_the_host():
     params = dict(defocus_u_angstrom=rng.uniform(5000, 30000, 4), defocus_v_angstrom=rng.uniform(5000, 30000, 4),
                   defocus_angle_deg=rng.uniform(-180, 180, 4), voltage_kv=300.0, cs_mm=2.7, amplitude_contrast=0.1,
                   phase_shift_deg=rng.uniform(0, 90, 4), bfactor=rng.uniform(0, 100, 4), scale=0.8)
-    got = ctf_2d(48, 1.3, **params, intact_until_first_peak=True, xp=ImageArithmeticOnly(), dtype=np.float64)
-    want = ctf_2d(48, 1.3, **params, intact_until_first_peak=True, dtype=np.float64)
+    got = ctf_2d(48, CtfParameters(1.3, **params), intact_until_first_peak=True, xp=ImageArithmeticOnly(),
+                 dtype=np.float64)
+    want = ctf_2d(48, CtfParameters(1.3, **params), intact_until_first_peak=True, dtype=np.float64)
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="amplitude_contrast"):
-        ctf_2d(48, 1.3, **{**params, "amplitude_contrast": 1.2}, xp=ImageArithmeticOnly())
+        ctf_2d(48, CtfParameters(1.3, **{**params, "amplitude_contrast": 1.2}), xp=ImageArithmeticOnly())

@@ -5,10 +5,18 @@ CuPy is imported only when a CuPy array is met, so CPU-only runs never import it
 
 from __future__ import annotations
 
+from typing import Any, TypeAlias
+
 import numpy as np
+import numpy.typing as npt
+
+#: An array that is a numpy ndarray or a CuPy ndarray (CuPy is not imported to name its type).
+Array: TypeAlias = Any
+#: The array module an array is made with: numpy, or cupy for the GPU engine (the `xp` parameters).
+ArrayModule: TypeAlias = Any
 
 
-def array_module(array):
+def array_module(array: Array) -> ArrayModule:
     """numpy, or cupy for a CuPy array."""
     if type(array).__module__.split(".")[0] == "cupy":
         import cupy
@@ -17,17 +25,17 @@ def array_module(array):
     return np
 
 
-def to_host(array):
+def to_host(array: Array | npt.ArrayLike) -> np.ndarray:
     """A numpy array of `array` (copied from the device when it is a CuPy array)."""
     return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
 
 
-def host_flat(array, dtype):
+def host_flat(array: Array | npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
     """`array` (numpy, CuPy or a sequence) as a flat host array of `dtype`: indices and angles the host works on."""
     return np.asarray(to_host(array), dtype=dtype).reshape(-1)
 
 
-def host_buffer(shape, dtype, xp=np):
+def host_buffer(shape: int | tuple[int, ...], dtype: npt.DTypeLike, xp: ArrayModule = np) -> np.ndarray:
     """An empty host array for data bound for `xp`'s device: page-locked (pinned) for CuPy, where uploads
     then run at the bus's full speed without a staging copy; plain numpy otherwise."""
     if xp is np:
@@ -37,7 +45,7 @@ def host_buffer(shape, dtype, xp=np):
     return cupyx.empty_pinned(shape, dtype)
 
 
-def to_host_pinned(array):
+def to_host_pinned(array: Array) -> np.ndarray:
     """A host copy of a CuPy array in page-locked memory (the copy, and later uploads of it, run at the bus's
     speed; the memory returns to CuPy's pinned pool when the copy is let go); a numpy array as it is."""
     if isinstance(array, np.ndarray):
@@ -49,7 +57,7 @@ def to_host_pinned(array):
     return out
 
 
-def to_device(array, xp=np):
+def to_device(array: Array, xp: ArrayModule = np) -> Array:
     """`array` (host) on `xp`'s device; the copy is finished on return, so the host buffer may be reused. An array
     already on the device is returned as it is."""
     if xp is np:
@@ -62,7 +70,7 @@ def to_device(array, xp=np):
     return out
 
 
-def available_memory_bytes():
+def available_memory_bytes() -> int | None:
     """The host memory this machine can give without swapping (Linux's MemAvailable), or None where it does not
     say."""
     try:

@@ -22,22 +22,26 @@ an even box (row N/2) is evaluated at ky = +N/2.
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+from dataclasses import dataclass
 
-from cryorefine.core.arrays import to_host
+import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule, to_host
 
 # RELION's constant: λ[Å] = 12.2643247 / sqrt(V · (1 + 0.978466e-6 · V)), V in volts.
 _WAVELENGTH_NUMERATOR = 12.2643247
 _RELATIVISTIC_PER_VOLT = 0.978466e-6
 
 
-def electron_wavelength_angstrom(voltage_kv, xp=np):
+def electron_wavelength_angstrom(voltage_kv: npt.ArrayLike, xp: ArrayModule = np) -> Array:
     """Relativistic electron wavelength in Å for an accelerating voltage in kV (RELION's formula)."""
     volts = xp.asarray(voltage_kv, dtype=xp.float64) * 1e3
     return _WAVELENGTH_NUMERATOR / xp.sqrt(volts * (1.0 + _RELATIVISTIC_PER_VOLT * volts))
 
 
-def _half_frequencies(size_px, xp):
+def _half_frequencies(size_px: int, xp: ArrayModule) -> tuple[Array, Array]:
     """Integer (ky, kx) of the half-transform layout, Nyquist row of an even box at +N/2."""
     ky = xp.arange(size_px, dtype=xp.float64)
     ky = xp.where(ky < size_px // 2 + 1, ky, ky - size_px)
@@ -45,23 +49,42 @@ def _half_frequencies(size_px, xp):
     return ky[:, None], kx[None, :]
 
 
-def ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg,
-           voltage_kv, cs_mm, amplitude_contrast, phase_shift_deg=0.0, bfactor=0.0, scale=1.0,
-           abs_value=False, only_flip_phases=False, intact_until_first_peak=False,
-           xp=np, dtype=np.float32):
+@dataclass(frozen=True)
+class CtfParameters:
+    """The CTF values of an image, or of a batch of B images: each a scalar or an array of length B (broadcast
+    together). Units: Å, degrees, kV, mm; `bfactor` in Å², `amplitude_contrast` in [0, 1]."""
+
+    pixel_size_angstrom: npt.ArrayLike
+    defocus_u_angstrom: npt.ArrayLike
+    defocus_v_angstrom: npt.ArrayLike
+    defocus_angle_deg: npt.ArrayLike
+    voltage_kv: npt.ArrayLike
+    cs_mm: npt.ArrayLike
+    amplitude_contrast: npt.ArrayLike
+    phase_shift_deg: npt.ArrayLike = 0.0
+    bfactor: npt.ArrayLike = 0.0
+    scale: npt.ArrayLike = 1.0
+
+
+def ctf_2d(size_px: int, ctf: CtfParameters | npt.ArrayLike, *values: npt.ArrayLike, abs_value: bool = False,
+           only_flip_phases: bool = False, intact_until_first_peak: bool = False, xp: ArrayModule = np,
+           dtype: npt.DTypeLike = np.float32) -> Array:
     """RELION CTFs of a batch on the half-transform layout -> (B, N, N//2+1).
 
-    Every parameter after `size_px` is a scalar or an array of length B (broadcast together;
-    B = 1 when all are scalars). Units: Å, degrees, kV, mm; `bfactor` in Å², `amplitude_contrast`
-    in [0, 1]. Computed in float64, returned as `dtype`. Flags as relion_refine's
-    --ctf_phase_flipped (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
+    `ctf` holds the B images' values (B = 1 when all are scalars); callers that hold them apart may give
+    them loose instead, in CtfParameters' order (`ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom,
+    …)`). Computed in float64, returned as `dtype`. Flags as relion_refine's --ctf_phase_flipped
+    (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
     """
+    if not isinstance(ctf, CtfParameters):
+        ctf = CtfParameters(ctf, *values)
+    elif values:
+        raise TypeError("ctf_2d: loose CTF values given after a CtfParameters")
     # the per-image coefficients on the host (B numbers each): on the device each would be a kernel of its own,
     # and the range check a reduction over the batch, which CuPy compiles again for each power-of-two class of
     # batch sizes (benchmarks/README.md, "A first run on a machine")
-    params = [np.asarray(to_host(p), dtype=np.float64).reshape(-1) for p in (
-        pixel_size_angstrom, defocus_u_angstrom, defocus_v_angstrom, defocus_angle_deg, voltage_kv,
-        cs_mm, amplitude_contrast, phase_shift_deg, bfactor, scale)]
+    params = [np.asarray(to_host(getattr(ctf, f.name)), dtype=np.float64).reshape(-1)
+              for f in dataclasses.fields(CtfParameters)]
     pix, du, dv, ang, kv, cs, q0, phase, bfac, scl = np.broadcast_arrays(*params)
     if np.any((q0 < 0.0) | (q0 > 1.0)):
         raise ValueError("amplitude_contrast must lie in [0, 1]")
