@@ -192,10 +192,25 @@ def device_shifted_images(raw_images, factor, rx, ry, settings, particle_indices
     return shifted, masked
 
 
+@dataclass(frozen=True)
+class PreviousValues:
+    """Every particle's values, as the previous iteration left them, that a batch is prepared from in place of the
+    particle set's (a field left None: the set's): origins in pixels, norm corrections, 0-based classes and poses
+    in degrees, each an array over all particles (a batch takes its rows)."""
+
+    origin_x_px: np.ndarray | None = None
+    origin_y_px: np.ndarray | None = None
+    norm_correction: np.ndarray | None = None
+    class_index: np.ndarray | None = None
+    rot_deg: np.ndarray | None = None
+    tilt_deg: np.ndarray | None = None
+    psi_deg: np.ndarray | None = None
+
+
 def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
-                  origin_x_px=None, origin_y_px=None, norm_correction=None, class_index=None, poses=None, xp=np,
-                  images=None):
-    """A `Batch` for the engine. Origins/norms/poses default to those in the particle set.
+                  previous=PreviousValues(), xp=np, images=None):
+    """A `Batch` for the engine. Origins, norms, classes and poses are those of `previous` where it has them, else
+    the particle set's.
 
     The images are read on the host (or given, as `ParticleSet.read_ahead` yields them: on the host, or
     already on the device) and checked for NaN/Inf where they are prepared; masks, transforms and CTFs
@@ -206,11 +221,12 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
     """
     indices = np.asarray(indices)
     n = settings.ori_size_px
-    ox = (particles.origin_x_angstrom[indices] / settings.pixel_size_angstrom if origin_x_px is None
-          else np.asarray(origin_x_px)[indices])
-    oy = (particles.origin_y_angstrom[indices] / settings.pixel_size_angstrom if origin_y_px is None
-          else np.asarray(origin_y_px)[indices])
-    norm = particles.norm_correction[indices] if norm_correction is None else np.asarray(norm_correction)[indices]
+    ox = (particles.origin_x_angstrom[indices] / settings.pixel_size_angstrom if previous.origin_x_px is None
+          else np.asarray(previous.origin_x_px)[indices])
+    oy = (particles.origin_y_angstrom[indices] / settings.pixel_size_angstrom if previous.origin_y_px is None
+          else np.asarray(previous.origin_y_px)[indices])
+    norm = (particles.norm_correction[indices] if previous.norm_correction is None
+            else np.asarray(previous.norm_correction)[indices])
     # integer part of the origin in real space, so that the mask is centred on the particle
     rx, ry = np.floor(ox + 0.5).astype(np.int64), np.floor(oy + 0.5).astype(np.int64)
     if images is None:
@@ -250,10 +266,11 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
                      intact_until_first_peak=settings.ctf_intact_first_peak, xp=xp, dtype=np.float64)
     else:
         ctf = xp.ones((indices.size, current_size_px, current_size_px // 2 + 1))
-    rot = particles.rot_deg[indices] if poses is None else poses[0][indices]
-    tilt = particles.tilt_deg[indices] if poses is None else poses[1][indices]
-    psi = particles.psi_deg[indices] if poses is None else poses[2][indices]
-    klass = (particles.class_number[indices] - 1) if class_index is None else np.asarray(class_index)[indices]
+    rot = particles.rot_deg[indices] if previous.rot_deg is None else previous.rot_deg[indices]
+    tilt = particles.tilt_deg[indices] if previous.tilt_deg is None else previous.tilt_deg[indices]
+    psi = particles.psi_deg[indices] if previous.psi_deg is None else previous.psi_deg[indices]
+    klass = ((particles.class_number[indices] - 1) if previous.class_index is None
+             else np.asarray(previous.class_index)[indices])
     return Batch(
         indices=indices,
         images_ft=ft_mask,

@@ -579,7 +579,7 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
     from conftest import make_particle_set
 
     from cryorefine.data import load_particles
-    from cryorefine.images import ImageSettings, prepare_batch
+    from cryorefine.images import ImageSettings, PreviousValues, prepare_batch
     from cryorefine.io import mrc
 
     star, _ = make_particle_set(tmp_path, n=9, box=box, pixel_size=1.7, seed=11)
@@ -589,10 +589,9 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
     origins = np.random.default_rng(5).uniform(-6, 6, (2, len(particles)))
     with mrc.StackReader() as reader:
         images = particles.read_images(indices, reader).astype(dtype)
-        host = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, origin_x_px=origins[0],
-                             origin_y_px=origins[1], images=images)
-        device = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, origin_x_px=origins[0],
-                               origin_y_px=origins[1], xp=cp, images=images)
+        previous = PreviousValues(origin_x_px=origins[0], origin_y_px=origins[1])
+        host = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, previous, images=images)
+        device = prepare_batch(particles, indices, reader, settings, 30, 0.9, 2, previous, xp=cp, images=images)
     for name, bound in (("images_ft", 2e-6), ("images_ft_unmasked", 2e-6), ("ctf", 1e-12)):
         got, want = cp.asnumpy(getattr(device, name)), getattr(host, name)
         err = np.abs(got - want).max() / np.abs(want).max()

@@ -34,7 +34,7 @@ from cryorefine.core.sampling import healpix_pixels
 from cryorefine.em import memory
 from cryorefine.estep.common import fine_pass_limit, local_orientations
 from cryorefine.estep.engine import IterationSetup, WeightedSums
-from cryorefine.images import NoiseEstimate, prepare_batch, prepare_in_parts
+from cryorefine.images import NoiseEstimate, PreviousValues, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
 
 
@@ -142,6 +142,7 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
     previous = inputs.previous
     norms = previous.norm_correction if inputs.use_norms else np.ones_like(previous.norm_correction)
     poses = (previous.rot_deg, previous.tilt_deg, previous.psi_deg)
+    previous_values = PreviousValues(previous.origin_x_px, previous.origin_y_px, norms, previous.class_index, *poses)
     queued = deque()  # (unit, indices) of the batches taken from `work` (read_ahead takes one ahead), in order
 
     def batches():
@@ -181,8 +182,8 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
                 engine.setup(units[u].setup)
                 current = u
                 tic = add_seconds(stages, "setup", tic)
-            prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs, norms,
-                                        poses, xp)
+            prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs,
+                                        previous_values, xp)
             runs = _engine_runs(backend, indices.size, settings.ori_size_px, inputs.current_size_px)
             for parts in runs:
                 batch = prepare_in_parts(prepare, parts)
@@ -212,12 +213,10 @@ def _make_lazy_tables(units, poses):
             local_orientations(unit.setup, *(p[unit.members[:1]] for p in poses))
 
 
-def _prepare_part(particles, indices, images, reader, settings, inputs, norms, poses, xp, part):
+def _prepare_part(particles, indices, images, reader, settings, inputs, previous, xp, part):
     """The images `part` (a slice) of a batch prepared at the iteration's size, from their previous poses."""
-    previous = inputs.previous
     return prepare_batch(particles, indices[part], reader, settings, inputs.current_size_px,
-                         inputs.avg_norm_correction, inputs.iteration, previous.origin_x_px, previous.origin_y_px,
-                         norms, previous.class_index, poses, xp=xp, images=images[part])
+                         inputs.avg_norm_correction, inputs.iteration, previous, xp=xp, images=images[part])
 
 
 def _engine_runs(backend, n_images, box_px, current_size_px):
