@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cryorefine.config import RefineConfig
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.em import memory, schedule
@@ -180,11 +181,28 @@ def image_itemsize(particles):
         return 4
 
 
-def predict_moment(label, config, n_particles, box, pixel, current, coarse, sampling, n_orientations, n_classes,
-                   arena_bytes, gpu, local=False, units=2, image_itemsize=4):
-    """Memory per scope and time of one iteration at these sizes (the GPU engine's allocations); in a local
-    search (`local`) `n_orientations` is one particle's neighbourhood. `units`: 2 half sets (refine), each of
-    `n_classes`, or 1 (classify); `image_itemsize` the bytes per pixel of the images uploaded."""
+@dataclass(frozen=True)
+class PlannedRun:
+    """What every moment of a plan shares: the run's options, its particles and box, and the GPU's arena.
+    `units`: 2 half sets (refine), each of the config's classes, or 1 (classify); `image_itemsize` the bytes per
+    pixel of the images uploaded."""
+
+    config: RefineConfig
+    gpu: GpuSpec
+    n_particles: int
+    box_px: int
+    arena_bytes: float
+    units: int = 2
+    image_itemsize: int = 4
+
+
+def predict_moment(label: str, run: PlannedRun, sizes: schedule.ImageSizes, sampling: Sampling,
+                   n_orientations: int, local: bool = False) -> Moment:
+    """Memory per scope and time of one iteration of `run` at these image sizes (the GPU engine's allocations); in
+    a local search (`local`) `n_orientations` is one particle's neighbourhood."""
+    config, gpu, n_particles, box = run.config, run.gpu, run.n_particles, run.box_px
+    arena_bytes, units, n_classes = run.arena_bytes, run.units, config.n_classes
+    current, coarse = sizes.current_size_px, sizes.coarse_size_px
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
     npad = padded_size_px(box, config.padding_factor)
@@ -201,7 +219,7 @@ def predict_moment(label, config, n_particles, box, pixel, current, coarse, samp
     # a GPU run's, wherever it is planned; no more than a unit's particles (a half set, or all of them)
     batch = min(config.batch_size_for(box, on_gpu=True), max(1, math.ceil(n_particles / units)))
     # the images' overlapped uploads (gpu.staging) where they have room
-    uploads = UploadSlots.nbytes(batch, (box, box), image_itemsize)
+    uploads = UploadSlots.nbytes(batch, (box, box), run.image_itemsize)
     uploads = uploads if uploads <= memory.upload_slots_room(arena_bytes) else 0.0
     fixed = estep_sums + references + uploads
     prepared = (min(batch, memory.images_per_engine_run(max(arena_bytes - fixed, 1), current))
@@ -256,6 +274,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         raise InputError(f"--resolution {late:g}: beyond Nyquist ({2 * pixel:.2f} Å at {pixel:.3f} Å/px); give "
                          f"{2 * pixel:.2f} Å or more")
     refine = config.auto_refine
+    run = PlannedRun(config, gpu, n, box, arena, units=2 if refine else 1, image_itemsize=itemsize)
     moments = []
     for label, resolution, order, local, final in (
             ("first", res0.resolution_angstrom, config.healpix_order, False, False),
@@ -272,9 +291,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
         n_orient = sampling.n_orientations
         if local:
             n_orient = local_neighbourhood_orientations(sampling, config.oversampling)
-        moments.append(predict_moment(label, config, n, box, pixel, sizes.current_size_px, sizes.coarse_size_px,
-                                      sampling, n_orient, config.n_classes, arena, gpu, local=local,
-                                      units=2 if refine else 1, image_itemsize=itemsize))
+        moments.append(predict_moment(label, run, sizes, sampling, n_orient, local=local))
     worst = max(moments, key=lambda m: m.peak_bytes)
     if worst.peak_bytes > arena:
         need_gb = (worst.peak_bytes + config.free_gpu_memory_mb * 2 ** 20) / GB
