@@ -10,9 +10,13 @@ Every function takes an array module `xp` (numpy or cupy) and is vectorised over
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 
 
-def euler_to_matrix(rot_deg, tilt_deg, psi_deg, xp=np):
+def euler_to_matrix(rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike, psi_deg: npt.ArrayLike,
+                    xp: ArrayModule = np) -> Array:
     """Rotation matrices (..., 3, 3) from RELION Euler angles in degrees."""
     a = xp.deg2rad(xp.asarray(rot_deg, dtype=xp.float64))
     b = xp.deg2rad(xp.asarray(tilt_deg, dtype=xp.float64))
@@ -31,7 +35,7 @@ def euler_to_matrix(rot_deg, tilt_deg, psi_deg, xp=np):
     return xp.stack([xp.stack(r, axis=-1) for r in rows], axis=-2)
 
 
-def matrix_to_euler(matrix, xp=np):
+def matrix_to_euler(matrix: npt.ArrayLike, xp: ArrayModule = np) -> tuple[Array, Array, Array]:
     """RELION Euler angles (rot, tilt, psi) in degrees from rotation matrices (..., 3, 3).
 
     tilt is in [0, 180]; for tilt 0 or 180 the split between rot and psi is ambiguous and,

@@ -11,17 +11,21 @@ fftfreq would call it −N/2). Every function takes an array module `xp` (numpy 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import map_slabs
 
 
-def rfft2_centered(images, xp=np):
+def rfft2_centered(images: Array, xp: ArrayModule = np) -> Array:
     """Forward 2D half transform of real images centred at N//2 (normalised by 1/N²)."""
     return rfft2_of_shifted(xp.fft.ifftshift(images, axes=(-2, -1)), xp)
 
 
-def rfft2_of_shifted(shifted, xp=np):
+def rfft2_of_shifted(shifted: Array, xp: ArrayModule = np) -> Array:
     """rfft2_centered of images given already moved by ifftshift (their centre N//2 at index 0)."""
     if xp is np:
         return np.fft.rfft2(shifted, norm="forward")
@@ -30,18 +34,18 @@ def rfft2_of_shifted(shifted, xp=np):
     return rfft2_forward(xp.ascontiguousarray(shifted))
 
 
-def irfft2_centered(ft, size_px, xp=np):
+def irfft2_centered(ft: Array, size_px: int, xp: ArrayModule = np) -> Array:
     """Inverse of rfft2_centered: real images (…, N, N) centred at N//2."""
     img = xp.fft.irfft2(ft, s=(size_px, size_px), norm="forward")
     return xp.fft.fftshift(img, axes=(-2, -1))
 
 
-def rfft3_centered(volume, xp=np):
+def rfft3_centered(volume: Array, xp: ArrayModule = np) -> Array:
     """Forward 3D half transform of a real volume centred at N//2 (normalised by 1/N³)."""
     return xp.fft.rfftn(xp.fft.ifftshift(volume, axes=(-3, -2, -1)), axes=(-3, -2, -1), norm="forward")
 
 
-def irfft3_centered(ft, size_px, xp=np):
+def irfft3_centered(ft: Array, size_px: int, xp: ArrayModule = np) -> Array:
     """Inverse of rfft3_centered: a real volume (N, N, N) centred at N//2."""
     vol = xp.fft.irfftn(ft, s=(size_px,) * 3, axes=(-3, -2, -1), norm="forward")
     return xp.fft.fftshift(vol, axes=(-3, -2, -1))
@@ -52,7 +56,8 @@ def irfft3_centered(ft, size_px, xp=np):
 DFT_BAND_FRACTION = 16
 
 
-def lowpass_band_limited(volume, gain_of_radius, r_max_px, xp=np):
+def lowpass_band_limited(volume: Array, gain_of_radius: Callable[[Array], Array], r_max_px: float,
+                         xp: ArrayModule = np) -> Array:
     """irfft3_centered(rfft3_centered(volume) · gain_of_radius(|k|)) for a gain that is 0 beyond `r_max_px`, the
     transforms made one axis at a time over the band alone: after the x axis only kx ≤ r_max is kept, after y only
     |ky| ≤ r_max, so the y and z passes, and the inverse's, work on a few columns of the volume. The same sums as
@@ -111,20 +116,20 @@ def _lowpass_band_by_matrices(volume, gain_of_radius, band):
     return out.astype(np.result_type(volume.dtype, np.float32), copy=False)  # the FFTs' precision
 
 
-def signed_frequencies(size_px, xp=np):
+def signed_frequencies(size_px: int, xp: ArrayModule = np) -> Array:
     """Integer frequency of each index along a full axis: 0, 1, …, N//2, then −(N−N//2−1), …, −1."""
     k = xp.arange(size_px, dtype=xp.float64)
     return xp.where(k <= size_px // 2, k, k - size_px)
 
 
-def frequencies_2d(size_px, xp=np):
+def frequencies_2d(size_px: int, xp: ArrayModule = np) -> tuple[Array, Array]:
     """Integer frequencies (ky, kx), each (N, N//2+1), of the half-transform layout."""
     ky = signed_frequencies(size_px, xp)
     kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
     return xp.broadcast_to(ky[:, None], (size_px, kx.size)), xp.broadcast_to(kx[None, :], (size_px, kx.size))
 
 
-def frequencies_3d(size_px, xp=np):
+def frequencies_3d(size_px: int, xp: ArrayModule = np) -> tuple[Array, Array, Array]:
     """Integer frequencies (kz, ky, kx), each (N, N, N//2+1), of the half-transform layout."""
     k = signed_frequencies(size_px, xp)
     kx = xp.arange(size_px // 2 + 1, dtype=xp.float64)
@@ -133,29 +138,29 @@ def frequencies_3d(size_px, xp=np):
             xp.broadcast_to(kx[None, None, :], shape))
 
 
-def radius_2d(size_px, xp=np):
+def radius_2d(size_px: int, xp: ArrayModule = np) -> Array:
     """|k| in Fourier pixels for each coefficient of a 2D half transform."""
     ky, kx = frequencies_2d(size_px, xp)
     return xp.sqrt(ky * ky + kx * kx)
 
 
-def radius_3d(size_px, xp=np):
+def radius_3d(size_px: int, xp: ArrayModule = np) -> Array:
     """|k| in Fourier pixels for each coefficient of a 3D half transform."""
     kz, ky, kx = frequencies_3d(size_px, xp)
     return xp.sqrt(kz * kz + ky * ky + kx * kx)
 
 
-def shell_index_2d(size_px, xp=np):
+def shell_index_2d(size_px: int, xp: ArrayModule = np) -> Array:
     """Resolution shell (round(|k|)) of each coefficient of a 2D half transform, as int."""
     return xp.rint(radius_2d(size_px, xp)).astype(xp.int64)
 
 
-def shell_index_3d(size_px, xp=np):
+def shell_index_3d(size_px: int, xp: ArrayModule = np) -> Array:
     """Resolution shell (round(|k|)) of each coefficient of a 3D half transform, as int."""
     return xp.rint(radius_3d(size_px, xp)).astype(xp.int64)
 
 
-def shell_sum(values, shells, n_shells, xp=np):
+def shell_sum(values: Array, shells: Array, n_shells: int, xp: ArrayModule = np) -> Array:
     """Sum `values` (…, *shells.shape) into `n_shells` shells per leading index -> (…, n_shells).
 
     Coefficients in shells ≥ n_shells are dropped. Half transforms hold the x = 0 (and x = N/2)
@@ -171,7 +176,7 @@ def shell_sum(values, shells, n_shells, xp=np):
     return shell_sum_by_bincount(values, shells, n_shells, xp)
 
 
-def shell_sum_by_bincount(values, shells, n_shells, xp=np):
+def shell_sum_by_bincount(values: Array, shells: Array, n_shells: int, xp: ArrayModule = np) -> Array:
     """`shell_sum` in array operations of any array module: a mask drops the shells ≥ n_shells, `bincount` sums.
     The numpy path, and CuPy's where a shell histogram does not fit the device's shared memory (on a device the
     mask and `bincount`'s checks make the host wait for it)."""
@@ -193,7 +198,7 @@ def shell_sum_by_bincount(values, shells, n_shells, xp=np):
     return out.reshape(lead + (n_shells,))
 
 
-def hermitian_weights_2d(size_px, xp=np):
+def hermitian_weights_2d(size_px: int, xp: ArrayModule = np) -> Array:
     """Multiplicity of each half-transform coefficient in the full transform (1 or 2)."""
     w = xp.full((size_px, size_px // 2 + 1), 2.0)
     w[:, 0] = 1.0
@@ -202,7 +207,8 @@ def hermitian_weights_2d(size_px, xp=np):
     return w
 
 
-def phase_shift_2d(ft, shift_x_px, shift_y_px, size_px, xp=np):
+def phase_shift_2d(ft: Array, shift_x_px: npt.ArrayLike, shift_y_px: npt.ArrayLike, size_px: int,
+                   xp: ArrayModule = np) -> Array:
     """Translate images by (shift_x, shift_y) pixels through a phase ramp on their transforms.
 
     A positive shift moves the image content towards +x / +y (RELION's shiftImageInFourierTransform
@@ -215,7 +221,7 @@ def phase_shift_2d(ft, shift_x_px, shift_y_px, size_px, xp=np):
     return ft * phase.astype(ft.dtype if xp.iscomplexobj(ft) else xp.complex128)
 
 
-def window_ft_2d(ft, new_size_px, xp=np):
+def window_ft_2d(ft: Array, new_size_px: int, xp: ArrayModule = np) -> Array:
     """Crop (or zero-pad) a 2D half transform to the layout of a `new_size_px` image.
 
     Row i of the result holds frequency signed_frequencies(new)[i], taken from the same
@@ -234,7 +240,7 @@ def window_ft_2d(ft, new_size_px, xp=np):
     return out
 
 
-def raised_cosine(r, radius, edge_width, xp=np):
+def raised_cosine(r: Array, radius: float, edge_width: float, xp: ArrayModule = np) -> Array:
     """1 inside `radius`, 0 beyond `radius + edge_width`, a half cosine between."""
     if edge_width <= 0:
         return (r <= radius).astype(xp.float64)
@@ -242,7 +248,7 @@ def raised_cosine(r, radius, edge_width, xp=np):
     return 0.5 + 0.5 * xp.cos(np.pi * t)
 
 
-def soft_circular_mask(size_px, radius_px, edge_px=5.0, xp=np):
+def soft_circular_mask(size_px: int, radius_px: float, edge_px: float = 5.0, xp: ArrayModule = np) -> Array:
     """A 2D real-space mask (N, N) centred at N//2 with a cosine edge (RELION's softMaskOutsideMap)."""
     c = size_px // 2
     y, x = xp.mgrid[:size_px, :size_px]
@@ -250,7 +256,8 @@ def soft_circular_mask(size_px, radius_px, edge_px=5.0, xp=np):
     return raised_cosine(r, radius_px, edge_px, xp)
 
 
-def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np, dtype=np.float64):
+def soft_spherical_mask(size_px: int, radius_px: float, edge_px: float = 5.0, xp: ArrayModule = np,
+                        dtype: npt.DTypeLike = np.float64) -> Array:
     """A 3D real-space mask (N, N, N) of `dtype` centred at N//2 with a cosine edge (made a slab of z at a time:
     float64 only in one slab's temporaries)."""
     k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
@@ -261,26 +268,28 @@ def soft_spherical_mask(size_px, radius_px, edge_px=5.0, xp=np, dtype=np.float64
     return out
 
 
-def lowpass_filter_3d(ft, size_px, resolution_angstrom, pixel_size_angstrom, edge_shells=2.0, xp=np):
+def lowpass_filter_3d(ft: Array, size_px: int, resolution_angstrom: float, pixel_size_angstrom: float,
+                      edge_shells: float = 2.0, xp: ArrayModule = np) -> Array:
     """Low-pass a 3D half transform to `resolution_angstrom` with a cosine edge in shells."""
     radius = size_px * pixel_size_angstrom / resolution_angstrom
     return ft * raised_cosine(radius_3d(size_px, xp), radius, edge_shells, xp)
 
 
-def lowpass_filter_2d(ft, size_px, resolution_angstrom, pixel_size_angstrom, edge_shells=2.0, xp=np):
+def lowpass_filter_2d(ft: Array, size_px: int, resolution_angstrom: float, pixel_size_angstrom: float,
+                      edge_shells: float = 2.0, xp: ArrayModule = np) -> Array:
     """Low-pass 2D half transforms to `resolution_angstrom` with a cosine edge in shells."""
     radius = size_px * pixel_size_angstrom / resolution_angstrom
     return ft * raised_cosine(radius_2d(size_px, xp), radius, edge_shells, xp)
 
 
-def shell_resolution_angstrom(shell, size_px, pixel_size_angstrom):
+def shell_resolution_angstrom(shell: npt.ArrayLike, size_px: int, pixel_size_angstrom: float) -> np.ndarray:
     """Resolution in Å of Fourier shell `shell` (inf for shell 0)."""
     shell = np.asarray(shell, dtype=np.float64)
     with np.errstate(divide="ignore"):
         return np.where(shell > 0, size_px * pixel_size_angstrom / np.maximum(shell, 1e-300), np.inf)
 
 
-def power_spectrum_2d(ft, xp=np):
+def power_spectrum_2d(ft: Array, xp: ArrayModule = np) -> Array:
     """Mean |F|² per shell of 2D half transforms (…, N, N//2+1) -> (…, N//2+1), full-transform weighted."""
     size = ft.shape[-2]
     n_shells = size // 2 + 1
@@ -291,7 +300,7 @@ def power_spectrum_2d(ft, xp=np):
     return power / xp.maximum(counts, 1.0)
 
 
-def power_spectrum_3d(ft, xp=np):
+def power_spectrum_3d(ft: Array, xp: ArrayModule = np) -> Array:
     """Mean |F|² per shell of a 3D half transform (N, N, N//2+1) -> (N//2+1,)."""
     size = ft.shape[-3]
     n_shells = size // 2 + 1
@@ -301,7 +310,7 @@ def power_spectrum_3d(ft, xp=np):
     return power / xp.maximum(counts, 1.0)
 
 
-def downsample_volume(volume, new_size_px, xp=np):
+def downsample_volume(volume: Array, new_size_px: int, xp: ArrayModule = np) -> Array:
     """A cubic map Fourier-cropped to `new_size_px` voxels (pixel size × N/new), same density scale."""
     n = volume.shape[0]
     ft = rfft3_centered(xp.asarray(volume, dtype=xp.float64), xp)

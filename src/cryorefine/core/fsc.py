@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import fourier
+from cryorefine.core.arrays import Array, ArrayModule
 
 __all__ = [
     "shell_correlation",
@@ -39,7 +41,7 @@ RANDOMISE_BELOW_UNMASKED_FSC = 0.8
 SHELLS_KEPT_AFTER_RANDOMISATION = 2
 
 
-def shell_correlation(ft1, ft2, shells, n_shells, xp=np):
+def shell_correlation(ft1: Array, ft2: Array, shells: Array, n_shells: int, xp: ArrayModule = np) -> Array:
     """Re Σ F1·conj(F2) / sqrt(Σ|F1|² Σ|F2|²) per shell -> (n_shells,) float64.
 
     `shells` gives the integer shell of every coefficient (same shape as ft1, ft2);
@@ -48,7 +50,8 @@ def shell_correlation(ft1, ft2, shells, n_shells, xp=np):
     return correlation_from_sums(*shell_correlation_sums(ft1, ft2, shells, n_shells, xp), xp)
 
 
-def shell_correlation_sums(ft1, ft2, shells, n_shells, xp=np):
+def shell_correlation_sums(ft1: Array, ft2: Array, shells: Array, n_shells: int,
+                           xp: ArrayModule = np) -> tuple[Array, Array, Array]:
     """(Re Σ F1·conj(F2), Σ|F1|², Σ|F2|²) per shell, float64: what `shell_correlation` divides, to be summed over
     parts of the transforms first."""
     num = fourier.shell_sum((ft1 * xp.conj(ft2)).real.astype(xp.float64), shells, n_shells, xp)
@@ -57,13 +60,13 @@ def shell_correlation_sums(ft1, ft2, shells, n_shells, xp=np):
     return num, den1, den2
 
 
-def correlation_from_sums(num, den1, den2, xp=np):
+def correlation_from_sums(num: Array, den1: Array, den2: Array, xp: ArrayModule = np) -> Array:
     """num / sqrt(den1·den2), 0 where the denominator is 0."""
     den = xp.sqrt(den1 * den2)
     return xp.where(den > 0, num / xp.where(den > 0, den, 1.0), 0.0)
 
 
-def fourier_shell_correlation(ft1, ft2, xp=np, set_shell0_to_one=True):
+def fourier_shell_correlation(ft1: Array, ft2: Array, xp: ArrayModule = np, set_shell0_to_one: bool = True) -> Array:
     """FSC per shell between two half transforms (N, N, N//2+1) (or 2D (N, N//2+1): FRC).
 
     Shells round(|k|) = 0 … N//2 -> (N//2+1,). With `set_shell0_to_one` shell 0 is set to 1
@@ -85,13 +88,14 @@ def fourier_shell_correlation(ft1, ft2, xp=np, set_shell0_to_one=True):
     return fsc
 
 
-def fsc_volumes(volume1, volume2, xp=np, set_shell0_to_one=True):
+def fsc_volumes(volume1: Array, volume2: Array, xp: ArrayModule = np, set_shell0_to_one: bool = True) -> Array:
     """FSC per shell between two real maps (N, N, N) centred at N//2 -> (N//2+1,)."""
     return fourier_shell_correlation(fourier.rfft3_centered(volume1, xp), fourier.rfft3_centered(volume2, xp),
                                      xp, set_shell0_to_one)
 
 
-def resolution_at_threshold(fsc, size_px, pixel_size_angstrom, threshold=0.143, interpolate=False):
+def resolution_at_threshold(fsc: Array | npt.ArrayLike, size_px: int, pixel_size_angstrom: float,
+                            threshold: float = 0.143, interpolate: bool = False) -> float:
     """Resolution in Å where the FSC first drops below `threshold`, RELION style.
 
     Walking out from shell 1, the last shell i before the first value < threshold gives
@@ -118,7 +122,8 @@ def resolution_at_threshold(fsc, size_px, pixel_size_angstrom, threshold=0.143, 
     return float(size_px * pixel_size_angstrom / shell)
 
 
-def ssnr_from_fsc(fsc, tau2_fudge=1.0, whole_instead_of_half=False, xp=np):
+def ssnr_from_fsc(fsc: Array | npt.ArrayLike, tau2_fudge: float = 1.0, whole_instead_of_half: bool = False,
+                  xp: ArrayModule = np) -> Array:
     """RELION's spectral SNR from a half-map FSC: fsc/(1−fsc)·tau2_fudge (dimensionless).
 
     The FSC is clipped to ≥ 0.001; with `whole_instead_of_half` (halves joined, twice the
@@ -133,7 +138,8 @@ def ssnr_from_fsc(fsc, tau2_fudge=1.0, whole_instead_of_half=False, xp=np):
     return f / (1.0 - f) * tau2_fudge
 
 
-def tau2_from_fsc(fsc, sigma2, tau2_fudge=1.0, whole_instead_of_half=False, xp=np):
+def tau2_from_fsc(fsc: Array | npt.ArrayLike, sigma2: Array | npt.ArrayLike, tau2_fudge: float = 1.0,
+                  whole_instead_of_half: bool = False, xp: ArrayModule = np) -> Array:
     """RELION's tau² per shell: FSC/(1−FSC) · tau2_fudge · σ².
 
     fsc:    half-map FSC per shell (dimensionless).
@@ -164,7 +170,7 @@ class SolventCorrectedFsc:
     randomise_from_shell: int
 
 
-def randomise_phases_beyond(volume, shell, rng, xp=np):
+def randomise_phases_beyond(volume: Array, shell: float, rng: np.random.Generator, xp: ArrayModule = np) -> Array:
     """A real map (N, N, N) whose Fourier coefficients at |k| ≥ `shell` keep their amplitude and get a phase
     drawn uniformly from [0, 2π) (RELION's randomizePhasesBeyond); lower frequencies are unchanged.
 
@@ -179,14 +185,15 @@ def randomise_phases_beyond(volume, shell, rng, xp=np):
     return fourier.irfft3_centered(ft, size, xp)
 
 
-def first_shell_below(fsc, threshold):
+def first_shell_below(fsc: Array | npt.ArrayLike, threshold: float) -> int:
     """The first shell i > 0 whose FSC is below `threshold`, or −1 if there is none (host int)."""
     fsc = np.asarray(fsc.get() if hasattr(fsc, "get") else fsc, dtype=np.float64).reshape(-1)
     below = np.flatnonzero(fsc[1:] < threshold)
     return int(below[0]) + 1 if below.size else -1
 
 
-def correct_for_mask(fsc_masked, fsc_random_masked, randomise_from_shell):
+def correct_for_mask(fsc_masked: npt.ArrayLike, fsc_random_masked: npt.ArrayLike,
+                     randomise_from_shell: int) -> np.ndarray:
     """FSC_true = (FSC_masked − FSC_random) / (1 − FSC_random) per shell (Chen et al. 2013, as RELION applies
     it): the masked FSC as it is below `randomise_from_shell` + 2, 0 where the randomised curve is above the
     masked one. Host float64 arrays."""
@@ -198,13 +205,14 @@ def correct_for_mask(fsc_masked, fsc_random_masked, randomise_from_shell):
     return np.where(shells < randomise_from_shell + SHELLS_KEPT_AFTER_RANDOMISATION, t, corrected)
 
 
-def solvent_corrected_fsc(half1, half2, mask, rng, xp=np, threshold=RANDOMISE_BELOW_UNMASKED_FSC):
+def solvent_corrected_fsc(half1: Array, half2: Array, mask: Array, rng: np.random.Generator, xp: ArrayModule = np,
+                          threshold: float = RANDOMISE_BELOW_UNMASKED_FSC) -> SolventCorrectedFsc:
     """RELION's solvent-corrected FSC of two (unregularised) half maps (N, N, N) and a mask in [0, 1]:
     the unmasked and masked FSCs, the FSC of the masked maps with phases randomised (each half with its own
     phases from `rng`) from the first shell where the unmasked FSC is below `threshold`, and their
     combination `correct_for_mask`. Returns a SolventCorrectedFsc of host arrays."""
 
-    def host(curve):
+    def host(curve: Array) -> np.ndarray:
         return np.asarray(curve.get() if hasattr(curve, "get") else curve, dtype=np.float64)
 
     half1 = xp.asarray(half1, dtype=xp.float64)

@@ -7,27 +7,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 
 
-def relion_round(value):
+def relion_round(value: float) -> int:
     """RELION's ROUND: floor(x + 0.5) as a Python int (Python's round is banker's rounding)."""
     return int(np.floor(float(value) + 0.5))
 
 
-def padded_size_px(size_px, padding_factor):
+def padded_size_px(size_px: int, padding_factor: float) -> int:
     """Size of the padded real-space box: round(padding_factor·N), made even (RELION)."""
     padded = relion_round(padding_factor * size_px)
     return padded + padded % 2
 
 
-def map_slabs(size_px, ndim=3):
+def map_slabs(size_px: int, ndim: int = 3) -> list[slice]:
     """Slices of the first axis of an N-sized 2D or 3D map covering it in slabs of about `SLAB_ELEMENTS` voxels,
     for loops whose float64 temporaries must stay bounded at any box size."""
     step = max(1, SLAB_ELEMENTS // (size_px ** (ndim - 1)))
     return [slice(z, min(size_px, z + step)) for z in range(0, size_px, step)]
 
 
-def complex_dtype_for(real_dtype):
+def complex_dtype_for(real_dtype: npt.DTypeLike) -> np.dtype:
     """complex64 for float32, complex128 for float64."""
     return np.result_type(np.dtype(real_dtype), np.complex64)
 
@@ -51,33 +54,34 @@ class PaddedGrid:
     r_max_px: int
 
     @classmethod
-    def create(cls, size_px, padding_factor=2.0, r_max_px=None):
+    def create(cls, size_px: int, padding_factor: float = 2.0, r_max_px: int | None = None) -> PaddedGrid:
         size_px = int(size_px)
         r_max = size_px // 2 if r_max_px is None else int(r_max_px)
         r_max = max(1, min(r_max, size_px // 2))
         return cls(size_px, padded_size_px(size_px, padding_factor), r_max)
 
     @property
-    def padding_factor(self):
+    def padding_factor(self) -> float:
         return self.padded_size_px / self.size_px
 
     @property
-    def r_max_padded(self):
+    def r_max_padded(self) -> int:
         """R = round(r_max · pf): the radius of the stored sphere in padded Fourier pixels."""
         return relion_round(self.r_max_px * self.padding_factor)
 
     @property
-    def origin(self):
+    def origin(self) -> int:
         """Index of frequency 0 along the z and y axes of the compact arrays (R + 1)."""
         return self.r_max_padded + 1
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, int, int]:
         """(2R+3, 2R+3, R+2): RELION's pad_size = 2·(R+1)+1 on the z and y axes."""
         d = 2 * self.r_max_padded + 3
         return (d, d, self.r_max_padded + 2)
 
-    def frequencies(self, xp=np, planes=slice(None), rows=slice(None)):
+    def frequencies(self, xp: ArrayModule = np, planes: slice = slice(None),
+                    rows: slice = slice(None)) -> tuple[Array, Array, Array]:
         """Padded integer frequencies (z, y, x), each broadcastable to `shape` (to the z `planes` and y `rows`
         given, slices of the first two axes), as float64."""
         d, _, w = self.shape
@@ -85,13 +89,13 @@ class PaddedGrid:
         kx = xp.arange(w, dtype=xp.float64)
         return k[planes][:, None, None], k[rows][None, :, None], kx[None, None, :]
 
-    def radius2(self, xp=np, planes=slice(None), rows=slice(None)):
+    def radius2(self, xp: ArrayModule = np, planes: slice = slice(None), rows: slice = slice(None)) -> Array:
         """|k|² in padded Fourier pixels for every compact element (of the z `planes` and y `rows` given),
         float64."""
         kz, ky, kx = self.frequencies(xp, planes, rows)
         return kz * kz + ky * ky + kx * kx
 
-    def slabs(self, elements=None):
+    def slabs(self, elements: int | None = None) -> list[slice]:
         """Slices of the first axis covering it in slabs of about `elements` compact elements (default
         `SLAB_ELEMENTS`), so that loops over the grid keep their temporaries bounded at any box size."""
         d, h, w = self.shape
@@ -99,7 +103,8 @@ class PaddedGrid:
         return [slice(z, min(d, z + step)) for z in range(0, d, step)]
 
 
-def trilinear_gridding_kernel(size_px, padded_size_px, xp=np, planes=slice(None)):
+def trilinear_gridding_kernel(size_px: int, padded_size_px: int, xp: ArrayModule = np,
+                              planes: slice = slice(None)) -> Array:
     """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64; only the z `planes`
     given (a slice of the first axis), for loops over slabs of a large map.
 

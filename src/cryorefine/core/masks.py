@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from cryorefine.core.arrays import Array, ArrayModule
+
 __all__ = ["flatten_to_mask_average", "solvent_flatten", "mask_from_map"]
 
 
-def flatten_to_mask_average(volume, mask, xp=np):
+def flatten_to_mask_average(volume: Array, mask: Array, xp: ArrayModule = np) -> Array:
     """The map with the region of `mask` replaced by its own mask-weighted average density (RELION's
     softMaskOutsideMap(vol, mask, invert_mask=true), as --solvent_mask2 uses it):
     (1 − m)·v + m·avg, avg = Σ m·v / Σ m. An all-zero mask leaves the map as it is."""
@@ -25,7 +27,7 @@ def flatten_to_mask_average(volume, mask, xp=np):
     return (1.0 - mask) * volume + mask * average
 
 
-def solvent_flatten(volume, mask, mask2=None, xp=np):
+def solvent_flatten(volume: Array, mask: Array, mask2: Array | None = None, xp: ArrayModule = np) -> Array:
     """RELION's solventFlatten of one reference: the map times `mask` (the solvent mask, or the soft sphere
     of the particle diameter), then, with `mask2`, the region of mask2 set to its own average density. In the
     map's precision (a float32 map stays float32: the maps of a large box are gigabytes)."""
@@ -36,7 +38,8 @@ def solvent_flatten(volume, mask, mask2=None, xp=np):
     return out
 
 
-def mask_from_map(volume, threshold, extend_px=0.0, soft_edge_px=0.0, step_px=0.5, xp=np):
+def mask_from_map(volume: Array, threshold: float, extend_px: float = 0.0, soft_edge_px: float = 0.0,
+                  step_px: float = 0.5, xp: ArrayModule = np) -> Array:
     """A soft mask from a map, as relion_mask_create makes one: 1 on the voxels at or above `threshold` and
     within `extend_px` of them, then a raised-cosine fall to 0 over `soft_edge_px`.
 

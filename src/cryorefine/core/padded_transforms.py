@@ -13,20 +13,22 @@ precision (float32 → complex64).
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, complex_dtype_for
 
 __all__ = ["window_indices", "compact_rows", "slab_elements", "padded_forward", "padded_inverse_window"]
 
 
-def window_indices(size_px, padded_size_px):
+def window_indices(size_px: int, padded_size_px: int) -> np.ndarray:
     """Indices (N,) of the map's planes (rows, columns) in the uncentred Np box: the map's voxel j sits at
     index (j + Np/2 − N/2 + Np/2) mod Np once the box is ifftshifted (Np is even)."""
     start = padded_size_px // 2 - size_px // 2
     return (np.arange(start, start + size_px) + padded_size_px // 2) % padded_size_px
 
 
-def compact_rows(grid: PaddedGrid, unique=True):
+def compact_rows(grid: PaddedGrid, unique: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(compact indices, FFT-layout indices) of the z (or y) frequencies |k| ≤ R of a compact array, a contiguous
     run, and where they sit in the padded box's transform. Where R reaches Np/2, −Np/2 and +Np/2 are one element
     of the transform: `unique` leaves −Np/2 out (a reconstruction writes +Np/2's, as RELION does); otherwise both
@@ -41,7 +43,7 @@ def compact_rows(grid: PaddedGrid, unique=True):
     return rows, k[rows] % npad
 
 
-def slab_elements(real_dtype, elements=None):
+def slab_elements(real_dtype: npt.DTypeLike, elements: int | None = None) -> int:
     """Elements per slab of these transforms: `elements` when given; else SLAB_ELEMENTS scaled to the transforms'
     precision. The slab's bytes are budgeted for float64 temporaries (`em.memory.SLAB_BYTES_PER_ELEMENT`), and in
     float32 the same bytes hold twice the elements (half the slabs, half the calls)."""
@@ -55,7 +57,8 @@ def _blocks(n, per_block):
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def padded_forward(volume, grid: PaddedGrid, xp=np, elements=None, out=None):
+def padded_forward(volume: Array, grid: PaddedGrid, xp: ArrayModule = np, elements: int | None = None,
+                   out: Array | None = None) -> Array:
     """The compact padded transform (grid.shape) of a real (N, N, N) map: DFT3 of the map zero-padded to Np,
     divided by N² (the projector's normalisation, `core.projector`), zero beyond |k| = R; the dtype is the
     complex of the map's. (y, x) planes first, one slab of map planes at a time, then z, a slab of compact
@@ -96,7 +99,8 @@ def padded_forward(volume, grid: PaddedGrid, xp=np, elements=None, out=None):
     return out
 
 
-def padded_inverse_window(ft, size_px, xp=np, r_max_padded=None, elements=None):
+def padded_inverse_window(ft: Array, size_px: int, xp: ArrayModule = np, r_max_padded: int | None = None,
+                          elements: int | None = None) -> Array:
     """The real (N, N, N) map in the middle of the Np box whose uncentred half transform is `ft`
     (Np, Np, Np/2+1), unnormalised (a plain sum over frequencies), as `fourier.irfft3_centered` windowed to N
     without the normalisation. `ft` is overwritten (its z transform is done in place, a slab of y rows at a

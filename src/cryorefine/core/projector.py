@@ -33,11 +33,13 @@ from __future__ import annotations
 from functools import cached_property, lru_cache
 
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import fourier, reconstruct
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import PaddedGrid, complex_dtype_for, map_slabs, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import padded_forward
-from cryorefine.core.symmetry import symmetrise_padded_sums
+from cryorefine.core.symmetry import SymmetryGroup, symmetrise_padded_sums
 
 
 @lru_cache(maxsize=64)
@@ -122,15 +124,15 @@ class _OnPaddedGrid:
     grid: PaddedGrid
 
     @property
-    def size_px(self):
+    def size_px(self) -> int:
         return self.grid.size_px
 
     @property
-    def padding_factor(self):
+    def padding_factor(self) -> float:
         return self.grid.padding_factor
 
     @property
-    def r_max_px(self):
+    def r_max_px(self) -> int:
         return self.grid.r_max_px
 
 
@@ -154,8 +156,9 @@ class Projector(_OnPaddedGrid):
     round(|k_padded|/pf), as computeFourierTransformMap returns it for tau² initialisation).
     """
 
-    def __init__(self, volume, padding_factor=2.0, r_max_px=None, do_gridding=True,
-                 dtype=np.float64, xp=np, out=None):
+    def __init__(self, volume: Array, padding_factor: float = 2.0, r_max_px: float | None = None,
+                 do_gridding: bool = True, dtype: npt.DTypeLike = np.float64, xp: ArrayModule = np,
+                 out: Array | None = None) -> None:
         self.xp = xp
         self.real_dtype = np.dtype(dtype).type
         self.complex_dtype = complex_dtype_for(dtype).type
@@ -176,11 +179,11 @@ class Projector(_OnPaddedGrid):
         self.data = padded_forward(corrected, grid, xp, out=out)
 
     @cached_property
-    def power_spectrum(self):
+    def power_spectrum(self) -> Array:
         """RELION's radial power of `data` (computed on first use: the E-step never needs it)."""
         return _relion_power_spectrum(self.data, self.grid, self.xp)
 
-    def project(self, matrices, image_size_px=None, r_max_px=None):
+    def project(self, matrices: Array, image_size_px: int | None = None, r_max_px: float | None = None) -> Array:
         """Central slices (…, n, n//2+1), complex, at poses `matrices` (…, 3, 3).
 
         Coefficient (ky, kx) is the trilinear interpolation of `data` at pf·Aᵀ(kx, ky, 0)
@@ -202,10 +205,10 @@ class Projector(_OnPaddedGrid):
         flat = self.data.reshape(-1)
         offs = _corner_offsets(self.grid)
 
-        def at(i):
+        def at(i: int) -> Array:
             return xp.take(flat, base + offs[i])
 
-        def lerp(f, lo, hi):
+        def lerp(f: Array, lo: Array, hi: Array) -> Array:
             return lo + (hi - lo) * f
 
         # x first, then y, then z, as RELION does.
@@ -250,7 +253,8 @@ class BackProjector(_OnPaddedGrid):
 
     hermitian_enforced = False
 
-    def __init__(self, size_px, padding_factor=2.0, r_max_px=None, dtype=np.float64, xp=np):
+    def __init__(self, size_px: int, padding_factor: float = 2.0, r_max_px: float | None = None,
+                 dtype: npt.DTypeLike = np.float64, xp: ArrayModule = np) -> None:
         self.xp = xp
         self.real_dtype = np.dtype(dtype).type
         self.complex_dtype = complex_dtype_for(dtype).type
@@ -259,7 +263,9 @@ class BackProjector(_OnPaddedGrid):
         self.weight = xp.zeros(self.grid.shape, dtype=self.real_dtype)
 
     @classmethod
-    def from_arrays(cls, data, weight, size_px, padding_factor=2.0, r_max_px=None, xp=np, hermitian_enforced=False):
+    def from_arrays(cls, data: Array, weight: Array, size_px: int, padding_factor: float = 2.0,
+                    r_max_px: float | None = None, xp: ArrayModule = np,
+                    hermitian_enforced: bool = False) -> BackProjector:
         """A back-projector holding existing sums (`data`, `weight` of the grid's shape), not copied;
         `hermitian_enforced`: their x = 0 plane is already Hermitian (sums of symmetrised back-projectors)."""
         bp = cls.__new__(cls)
@@ -273,12 +279,12 @@ class BackProjector(_OnPaddedGrid):
         bp.hermitian_enforced = bool(hermitian_enforced)
         return bp
 
-    def zero(self):
+    def zero(self) -> None:
         """Reset both sums to zero."""
         self.data[...] = 0
         self.weight[...] = 0
 
-    def backproject(self, slices, weights, matrices, r_max_px=None):
+    def backproject(self, slices: Array, weights: Array | None, matrices: Array, r_max_px: float | None = None) -> None:
         """Splat slices (…, n, n//2+1) and their real weights into the padded sums.
 
         Each coefficient at image frequency (kx, ky), |k| ≤ min(r_max, n//2, back-projector
@@ -329,7 +335,7 @@ class BackProjector(_OnPaddedGrid):
         self.data += (re + 1j * im).reshape(self.grid.shape).astype(self.complex_dtype)
         self.weight += ww.reshape(self.grid.shape).astype(self.real_dtype)
 
-    def symmetrise(self, group):
+    def symmetrise(self, group: SymmetryGroup) -> None:
         """RELION's BackProjector::symmetrise for a point group, in place: the x = 0 plane made Hermitian
         (enforceHermitianSymmetry), then `data` and `weight` each replaced by the sum over the group's
         operators R of the sums at R k (applyPointGroupSymmetry, within the back-projector's r_max;
@@ -342,7 +348,7 @@ class BackProjector(_OnPaddedGrid):
         self.weight[...] = weight
         self.hermitian_enforced = True
 
-    def downsampled_average(self, divide=True):
+    def downsampled_average(self, divide: bool = True) -> Array:
         """RELION's getDownsampledAverage as an (N, N, N//2+1) half transform (FFTW layout).
 
         Padded sums are binned to the unpadded grid by rounding k/pf; with `divide` the binned
@@ -351,12 +357,12 @@ class BackProjector(_OnPaddedGrid):
         """
         return reconstruct.downsampled_average(self.data, self.weight, self.grid, divide, self.xp)
 
-    def noise_sigma2(self):
+    def noise_sigma2(self) -> Array:
         """Per-shell noise power of the reconstruction (N//2+1,), RELION's sigma2 (see reconstruct)."""
         return reconstruct.reconstruction_noise_sigma2(self.weight, self.grid, self.xp)
 
-    def reconstruct(self, tau2=None, tau2_fudge=1.0, minres_map_px=0, enforce_hermitian=None,
-                    mask_corners=True):
+    def reconstruct(self, tau2: Array | None = None, tau2_fudge: float = 1.0, minres_map_px: int = 0,
+                    enforce_hermitian: bool | None = None, mask_corners: bool = True) -> Array:
         """Real-space map (N, N, N) from the sums: see `reconstruct.reconstruct_volume`.
 
         data / (weight + 1/(pf³·tau2_fudge·tau2)) with tau2 per shell, or RELION's default

@@ -23,10 +23,13 @@ needs in the sums' own precision (complex64 for float32 sums), its transform tak
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import fourier
-from cryorefine.core.arrays import to_host
+from cryorefine.core.arrays import Array, ArrayModule, to_host
 from cryorefine.core.fsc import correlation_from_sums, shell_correlation_sums
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, map_slabs, relion_round, trilinear_gridding_kernel
 from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window
@@ -50,7 +53,7 @@ def _round_half_up(x, xp):
     return xp.floor(x + 0.5).astype(xp.int64)
 
 
-def hermitian_plane(data, weight, xp=np):
+def hermitian_plane(data: Array, weight: Array, xp: ArrayModule = np) -> tuple[Array, Array]:
     """The x = 0 planes (D, D) of (data, weight) made Hermitian, as new arrays (the sums are not changed).
 
     Every point (z, y, 0) and its mate (−z, −y, 0) both become data(z, y, 0) + conj(data(−z, −y, 0))
@@ -68,7 +71,7 @@ def hermitian_plane(data, weight, xp=np):
     return new, wnew
 
 
-def enforce_hermitian_symmetry(data, weight, xp=np):
+def enforce_hermitian_symmetry(data: Array, weight: Array, xp: ArrayModule = np) -> tuple[Array, Array]:
     """Copies of (data, weight) with the x = 0 plane made Hermitian (`hermitian_plane`)."""
     plane, wplane = hermitian_plane(data, weight, xp)
     data = data.copy()
@@ -87,7 +90,7 @@ def _slab(array, planes, plane0):
     return out
 
 
-def reconstruction_noise_sigma2(weight, grid: PaddedGrid, xp=np):
+def reconstruction_noise_sigma2(weight: Array, grid: PaddedGrid, xp: ArrayModule = np) -> Array:
     """RELION's sigma2 of the reconstruction per shell, (N//2+1,) float64.
 
     sigma2[s] = count / Σ (pf³ · weight) over padded points with |k| < R in shell
@@ -139,7 +142,8 @@ def _bin_sums(idx, values, weights, size, xp):
             np.bincount(idx, weights=values.imag.astype(np.float64), minlength=size), den)
 
 
-def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=np, elements=None):
+def downsampled_average_planes(data: Array, weight: Array, grid: PaddedGrid, divide: bool = True, xp: ArrayModule = np,
+                               elements: int | None = None) -> Iterator[tuple[np.ndarray, Array]]:
     """`downsampled_average` one run of planes at a time: yields (frequencies kz (m,), planes (m, N, N//2+1)) of
     the downsampled half transform, each kz at most once, zero planes left out."""
     n = grid.size_px
@@ -179,7 +183,8 @@ def downsampled_average_planes(data, weight, grid: PaddedGrid, divide=True, xp=n
         yield kz_run[rows], out[:-1].reshape(rows.size, n, n // 2 + 1)
 
 
-def downsampled_average(data, weight, grid: PaddedGrid, divide=True, xp=np):
+def downsampled_average(data: Array, weight: Array, grid: PaddedGrid, divide: bool = True,
+                        xp: ArrayModule = np) -> Array:
     """Σ data / Σ weight binned to the unpadded grid, as an (N, N, N//2+1) half transform.
 
     Padded point k goes to round(k/pf) (RELION's getDownsampledAverage); with divide=False the
@@ -201,7 +206,7 @@ class CroppedAverage:
     crosses to another MPI worker. Indexed as the whole array is, by planes (`average[kz % n]`), it gives them
     whole, value for value."""
 
-    def __init__(self, data, weight, grid: PaddedGrid, xp=np):
+    def __init__(self, data: Array, weight: Array, grid: PaddedGrid, xp: ArrayModule = np) -> None:
         n, r = grid.size_px, grid.r_max_px
         self.size_px, self.r_max_px = n, r
         self.rows = np.arange(-r, r + 1) % n  # the cube's ky rows (and kz planes), from −r_max on
@@ -213,7 +218,7 @@ class CroppedAverage:
                 self.cube = np.zeros((2 * r + 1, 2 * r + 1, r + 1), dtype=block.dtype)
             self.cube[kz + r] = to_host(block)
 
-    def __getitem__(self, planes):
+    def __getitem__(self, planes: npt.ArrayLike) -> np.ndarray:
         planes = np.atleast_1d(np.asarray(planes))
         n, r = self.size_px, self.r_max_px
         signed = np.where(planes > n // 2, planes - n, planes)
@@ -223,7 +228,8 @@ class CroppedAverage:
         return out
 
 
-def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
+def half_sets_fsc(sums1: tuple[Array, Array] | Array | CroppedAverage,
+                  sums2: tuple[Array, Array] | Array | CroppedAverage, grid: PaddedGrid, xp: ArrayModule = np) -> Array:
     """The FSC per shell (N//2+1,) between the downsampled averages of two half sets' sums, each (data, weight):
     `fsc.fourier_shell_correlation` of their `downsampled_average`s with shell 0 set to 1, summed one run of
     planes at a time so that neither average is ever whole. One of the two may instead be its
@@ -235,7 +241,7 @@ def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
     ky = fourier.signed_frequencies(n, xp)[None, :, None]
     kx = xp.arange(n // 2 + 1, dtype=xp.float64)[None, None, :]
 
-    def planes(sums):
+    def planes(sums: tuple[Array, Array]) -> Iterator[tuple[np.ndarray, Array]]:
         return downsampled_average_planes(*sums, grid, xp=xp)
 
     if isinstance(sums1, tuple) and isinstance(sums2, tuple):
@@ -254,7 +260,8 @@ def half_sets_fsc(sums1, sums2, grid: PaddedGrid, xp=np):
     return fsc
 
 
-def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
+def soft_mask_outside_map(volume: Array, radius_px: float | None = None, cosine_width_px: float = 3.0,
+                          xp: ArrayModule = np) -> Array:
     """RELION's softMaskOutsideMap on a 2D or 3D map: beyond `radius_px` (default N/2) fade to
     the outside average.
 
@@ -269,7 +276,7 @@ def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
     rest2 = sum(a * a for a in xp.meshgrid(*(k,) * (volume.ndim - 1), indexing="ij"))
     slabs = map_slabs(n, volume.ndim)
 
-    def blend(planes):
+    def blend(planes: slice) -> Array:
         r = xp.sqrt(k[planes].reshape((-1,) + (1,) * (volume.ndim - 1)) ** 2 + rest2[None])
         raised = 0.5 + 0.5 * xp.cos(np.pi * (radius_p - r) / cosine_width_px)
         return xp.where(r < radius, 0.0, xp.where(r > radius_p, 1.0, raised))
@@ -290,7 +297,7 @@ def soft_mask_outside_map(volume, radius_px=None, cosine_width_px=3.0, xp=np):
     return out
 
 
-def gridding_correct(volume, padded_size_px, xp=np):
+def gridding_correct(volume: Array, padded_size_px: int, xp: ArrayModule = np) -> Array:
     """Divide a (N, N, N) map by sinc²(r/Np) (RELION's griddingCorrect for trilinear), in place, one slab at a
     time; returns the map."""
     n = volume.shape[0]
@@ -300,8 +307,9 @@ def gridding_correct(volume, padded_size_px, xp=np):
     return volume
 
 
-def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0, minres_map_px=0,
-                       mask_corners=True, enforce_hermitian=False, xp=np):
+def reconstruct_volume(data: Array, weight: Array, grid: PaddedGrid, tau2: Array | npt.ArrayLike | None = None,
+                       tau2_fudge: float = 1.0, minres_map_px: int = 0, mask_corners: bool = True,
+                       enforce_hermitian: bool = False, xp: ArrayModule = np) -> Array:
     """Real-space map (N, N, N), centred at N//2, from padded sums (RELION's reconstruct).
 
     data, weight: compact arrays; with `enforce_hermitian` their x = 0 plane is made Hermitian first
@@ -331,7 +339,7 @@ def reconstruct_volume(data, weight, grid: PaddedGrid, tau2=None, tau2_fudge=1.0
         positive = t > 0
         inv_tau2_of_shell = xp.where(positive, 1.0 / (pf ** 3 * tau2_fudge * xp.where(positive, t, 1.0)), 0.0)
 
-    def effective(planes):
+    def effective(planes: slice) -> tuple[Array, Array]:
         """(|k|², the weight with τ² added) of a slab, float64."""
         r2 = grid.radius2(xp, planes)
         fweight = _slab(weight, planes, wplane0).astype(xp.float64)

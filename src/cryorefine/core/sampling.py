@@ -51,6 +51,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 
 from .arrays import host_flat
 from .euler import euler_to_matrix, matrix_to_euler
@@ -64,7 +67,7 @@ def healpix_nside(order: int) -> int:
     return 1 << int(order)
 
 
-def healpix_angles_deg(order: int, ipix) -> tuple:
+def healpix_angles_deg(order: int, ipix: npt.ArrayLike) -> tuple:
     """(rot, tilt) in degrees of HEALPix NEST pixel centres, rot in [−180, 180] as in RELION."""
     import healpy  # local import: keep importing this module cheap
 
@@ -74,7 +77,7 @@ def healpix_angles_deg(order: int, ipix) -> tuple:
     return rot, np.rad2deg(theta)
 
 
-def healpix_pixels(order: int, rot_deg, tilt_deg) -> np.ndarray:
+def healpix_pixels(order: int, rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike) -> np.ndarray:
     """HEALPix NEST pixels of order `order` holding the directions (rot, tilt) in degrees, of any range (the
     inverse of `healpix_angles_deg` at the pixels' centres)."""
     import healpy
@@ -83,7 +86,7 @@ def healpix_pixels(order: int, rot_deg, tilt_deg) -> np.ndarray:
     return np.asarray(healpy.vec2pix(healpix_nside(order), x, y, z, nest=True), dtype=np.int64)
 
 
-def directions_to_xyz(rot_deg, tilt_deg, xp=np):
+def directions_to_xyz(rot_deg: Array | npt.ArrayLike, tilt_deg: Array | npt.ArrayLike, xp: ArrayModule = np) -> Array:
     """Unit projection directions (…, 3) of (rot, tilt): RELION's Euler_angles2direction."""
     r = xp.deg2rad(xp.asarray(rot_deg, dtype=xp.float64))
     t = xp.deg2rad(xp.asarray(tilt_deg, dtype=xp.float64))
@@ -147,7 +150,7 @@ class LocalOrientations:
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         return LocalOrientations(self.offsets[start:stop + 1] - lo, self.orientation[lo:hi], self.log_prior[lo:hi])
 
-    def padded(self, width: int | None = None, xp=np):
+    def padded(self, width: int | None = None, xp: ArrayModule = np) -> tuple[Array, Array]:
         """(B, width) orientations (0 where a particle has fewer) and log priors (−inf there), made in `xp`
         from the ragged list; width defaults to the largest count."""
         counts = self.counts()
@@ -385,25 +388,26 @@ class Sampling:
         out.setflags(write=False)
         return out
 
-    def directions_deg(self, xp=np):
+    def directions_deg(self, xp: ArrayModule = np) -> Array:
         """(n_dir, 2) rot, tilt of the coarse directions (not perturbed)."""
         return xp.asarray(self._directions)
 
-    def direction_vectors(self, xp=np):
+    def direction_vectors(self, xp: ArrayModule = np) -> Array:
         """(n_dir, 3) unit projection directions of the coarse directions."""
         d = self._directions
         return directions_to_xyz(xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp)
 
-    def psi_deg(self, xp=np):
+    def psi_deg(self, xp: ArrayModule = np) -> Array:
         """(n_psi,) coarse psi angles ipsi·step (not perturbed)."""
         return xp.arange(self.n_psi, dtype=xp.float64) * self.psi_step_deg
 
-    def orientations_deg(self, xp=np, index=None):
+    def orientations_deg(self, xp: ArrayModule = np, index: npt.ArrayLike | None = None) -> tuple[Array, Array, Array]:
         """(rot, tilt, psi), each (n_dir·n_psi,), orientation index dir·n_psi + psi; perturbed. With
         `index` (host ints), those orientations only."""
         return self._perturb_angles(*self._unperturbed_orientations_deg(xp, index), xp)
 
-    def orientation_matrices(self, xp=np, index=None, directions_deg=None):
+    def orientation_matrices(self, xp: ArrayModule = np, index: Array | npt.ArrayLike | None = None,
+                             directions_deg: Array | None = None) -> Array:
         """(n_orient, 3, 3) RELION Euler matrices of `orientations_deg` (perturbed); with `index`, of those.
 
         Made in `xp` as the unperturbed matrix times the perturbation's, the rotation `_perturb_angles` turns back
@@ -429,26 +433,28 @@ class Sampling:
         d = table[o // self.n_psi]
         return xp.asarray(d[:, 0]), xp.asarray(d[:, 1]), xp.asarray((o % self.n_psi) * self.psi_step_deg)
 
-    def translations_px(self, xp=np):
+    def translations_px(self, xp: ArrayModule = np) -> Array:
         """(n_trans, 2) coarse translations (x, y) in pixels, RELION's order; perturbed."""
         t = xp.asarray(self._translations_unperturbed)
         if self.perturbation:
             t = t + self.perturbation * self.offset_step_px
         return t
 
-    def split_coarse_index(self, coarse_index, xp=np):
+    def split_coarse_index(self, coarse_index: Array | npt.ArrayLike, xp: ArrayModule = np) -> tuple[Array, Array]:
         """(orientation index, translation index) of coarse sample indices o·n_trans + t."""
         s = xp.asarray(coarse_index, dtype=xp.int64)
         return s // self.n_translations, s % self.n_translations
 
-    def split_orientation_index(self, orientation_index, xp=np):
+    def split_orientation_index(self, orientation_index: Array | npt.ArrayLike,
+                                xp: ArrayModule = np) -> tuple[Array, Array]:
         """(direction index, psi index) of orientation indices dir·n_psi + psi."""
         o = xp.asarray(orientation_index, dtype=xp.int64)
         return o // self.n_psi, o % self.n_psi
 
     # ------------------------------------------------------------------ fine grid
 
-    def fine_orientations_deg(self, orientation_index, oversampling: int | None = None, xp=np):
+    def fine_orientations_deg(self, orientation_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                              xp: ArrayModule = np) -> tuple[Array, Array, Array]:
         """Children of coarse orientations: (rot, tilt, psi), each (n, 8^k), perturbed.
 
         Child io = dir_child·2^k + psi_child, dir_child over the 4^k HEALPix pixels of order N+k
@@ -469,7 +475,8 @@ class Sampling:
         psi = xp.tile(psi, (1, n_dc))
         return self._perturb_angles(rot, tilt, psi, xp)
 
-    def fine_translations_px(self, translation_index, oversampling: int | None = None, xp=np):
+    def fine_translations_px(self, translation_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                             xp: ArrayModule = np) -> Array:
         """Children of coarse translations: (n, 4^k, 2) (x, y) in pixels, perturbed.
 
         Child it = ix·2^k + iy with offsets −step/2 + (0.5 + i)·step/2^k in x (outer), y (inner).
@@ -487,14 +494,16 @@ class Sampling:
             out = out + self.perturbation * step
         return xp.asarray(out)
 
-    def fine_samples(self, coarse_index, oversampling: int | None = None, xp=np) -> FineSamples:
+    def fine_samples(self, coarse_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                     xp: ArrayModule = np) -> FineSamples:
         """Children of coarse samples s = o·n_trans + t (fine sample f = io·n_ft + it)."""
         s = host_flat(coarse_index, np.int64)
         o, t = s // self.n_translations, s % self.n_translations
         rot, tilt, psi = self.fine_orientations_deg(o, oversampling, xp)
         return FineSamples(rot, tilt, psi, self.fine_translations_px(t, oversampling, xp))
 
-    def fine_samples_flat(self, coarse_index, oversampling: int | None = None, xp=np):
+    def fine_samples_flat(self, coarse_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                          xp: ArrayModule = np) -> tuple[Array, Array, Array, Array, Array]:
         """Children of coarse samples as (rot, tilt, psi, x, y), each (n, n_fo·n_ft), f = io·n_ft + it."""
         fs = self.fine_samples(coarse_index, oversampling, xp)
         n_ft = fs.translations_px.shape[1]
@@ -520,8 +529,9 @@ class Sampling:
 
     # ------------------------------------------------------------------ local searches
 
-    def local_orientations(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg: float,
-                           sigma_psi_deg: float, sigma_cutoff: float = 3.0) -> LocalOrientations:
+    def local_orientations(self, prior_rot_deg: npt.ArrayLike, prior_tilt_deg: npt.ArrayLike,
+                           prior_psi_deg: npt.ArrayLike, sigma_dir_deg: float, sigma_psi_deg: float,
+                           sigma_cutoff: float = 3.0) -> LocalOrientations:
         """Each particle's orientations and Gaussian log priors around its prior pose (B,) for a local
         search (RELION's selectOrientationsWithNonZeroPriorProbability).
 
@@ -634,7 +644,9 @@ class Sampling:
         return offsets, cand.reshape(-1)[keep].astype(np.int64), log_prior
 
 
-def offset_log_prior(translations_px, old_offset_px, sigma_offset_px: float, prior_offset_px=None, xp=np):
+def offset_log_prior(translations_px: Array | npt.ArrayLike, old_offset_px: Array | npt.ArrayLike,
+                     sigma_offset_px: float, prior_offset_px: Array | npt.ArrayLike | None = None,
+                     xp: ArrayModule = np) -> Array:
     """log P(offset) (B, n_trans) of the absolute offsets old + t (RELION's pdf_offset).
 
     −|old + t − prior|² / (2σ²), prior at (0, 0) unless given (B, 2); not normalised, as in

@@ -55,6 +55,9 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 
 _GOLDEN = (1.0 + np.sqrt(5.0)) / 2.0
 _MAX_ORDER = 240
@@ -476,7 +479,8 @@ def _lex_less(a, b, xp, tol=_TIE_TOL):
     return xp.any(significant, axis=-1) & (val > 0), ~xp.any(significant, axis=-1)
 
 
-def asymmetric_unit_mask(directions_xyz, group: SymmetryGroup, xp=np, chunk: int = 8192):
+def asymmetric_unit_mask(directions_xyz: Array | npt.ArrayLike, group: SymmetryGroup, xp: ArrayModule = np,
+                         chunk: int = 8192) -> Array:
     """Boolean mask (n,) of the unit directions (n, 3) that lie in the group's asymmetric unit.
 
     The unit is RELION's geometric region of the group (`group.asymmetric_unit`, closed): a direction
@@ -506,7 +510,8 @@ def asymmetric_unit_mask(directions_xyz, group: SymmetryGroup, xp=np, chunk: int
     return xp.concatenate(out) if out else xp.zeros(0, dtype=bool)
 
 
-def to_asymmetric_unit(directions_xyz, group: SymmetryGroup, xp=np):
+def to_asymmetric_unit(directions_xyz: Array | npt.ArrayLike, group: SymmetryGroup,
+                       xp: ArrayModule = np) -> tuple[Array, Array]:
     """Map unit directions (n, 3) into the asymmetric unit: (images (n, 3), operator index (n,)).
 
     images[i] = group.matrices[index[i]] @ directions[i] lies in the unit
@@ -523,7 +528,7 @@ def to_asymmetric_unit(directions_xyz, group: SymmetryGroup, xp=np):
 
 # ----------------------------------------------------------------------- pose equivalence
 
-def equivalent_pose_matrices(pose_matrices, group: SymmetryGroup, xp=np):
+def equivalent_pose_matrices(pose_matrices: Array | npt.ArrayLike, group: SymmetryGroup, xp: ArrayModule = np) -> Array:
     """All poses (..., n_rot, 3, 3) giving the same projections as `pose_matrices` (..., 3, 3).
 
     A and A·Rᵀ project a symmetric map identically, for every rotation R of the group
@@ -534,7 +539,8 @@ def equivalent_pose_matrices(pose_matrices, group: SymmetryGroup, xp=np):
     return xp.einsum("...ij,gkj->...gik", a, rots)
 
 
-def angular_distance_deg(pose_a, pose_b, group: SymmetryGroup | None = None, xp=np):
+def angular_distance_deg(pose_a: Array | npt.ArrayLike, pose_b: Array | npt.ArrayLike,
+                         group: SymmetryGroup | None = None, xp: ArrayModule = np) -> Array:
     """Rotation angle (deg) between poses (..., 3, 3), the smallest over symmetry-equivalent poses."""
     a = xp.asarray(pose_a, dtype=xp.float64)
     b = xp.asarray(pose_b, dtype=xp.float64)
@@ -583,7 +589,7 @@ def _trilinear_real(volume, sx, sy, sz, xp):
     return out
 
 
-def symmetrise_volume(volume, group: SymmetryGroup, xp=np, chunk_voxels: int = 1 << 21):
+def symmetrise_volume(volume: Array, group: SymmetryGroup, xp: ArrayModule = np, chunk_voxels: int = 1 << 21) -> Array:
     """Real-space symmetrisation: out(x) = mean over the group of V(R x) (RELION's symmetriseMap).
 
     `volume` is (N, N, N) ordered z, y, x with its origin at voxel (N//2, N//2, N//2); R acts on
@@ -616,8 +622,8 @@ def symmetrise_volume(volume, group: SymmetryGroup, xp=np, chunk_voxels: int = 1
     return out
 
 
-def symmetrise_half_transform(ft, group: SymmetryGroup, r_max_px: float | None = None, average: bool = False,
-                              xp=np, chunk_coeffs: int = 1 << 21):
+def symmetrise_half_transform(ft: Array, group: SymmetryGroup, r_max_px: float | None = None, average: bool = False,
+                              xp: ArrayModule = np, chunk_coeffs: int = 1 << 21) -> Array:
     """Fourier-space symmetrisation of a 3D half transform (RELION's applyPointGroupSymmetry).
 
     `ft` is (N, N, N//2+1) in the rfft layout of core.fourier (complex data or real weights).
@@ -687,7 +693,8 @@ def symmetrise_half_transform(ft, group: SymmetryGroup, r_max_px: float | None =
     return out.astype(arr.dtype) if arr.dtype in (xp.float32, xp.complex64) else out
 
 
-def symmetrise_padded_sums(data, weight, group: SymmetryGroup, radius_px: int, xp=np, chunk_coeffs: int = 1 << 20):
+def symmetrise_padded_sums(data: Array, weight: Array, group: SymmetryGroup, radius_px: int, xp: ArrayModule = np,
+                           chunk_coeffs: int = 1 << 20) -> tuple[Array, Array]:
     """RELION's BackProjector::applyPointGroupSymmetry on back-projected sums: (data, weight), new arrays.
 
     `data` (complex) and `weight` (real) are in the compact padded layout of core.projector: shape
@@ -749,10 +756,10 @@ def symmetrise_padded_sums(data, weight, group: SymmetryGroup, radius_px: int, x
             vd = {c: flat_d[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
             vw = {c: flat_w[base + (c[0] * d + c[1]) * w + c[2]] for c in corners}
 
-            def lerp(f, lo, hi):
+            def lerp(f: Array, lo: Array, hi: Array) -> Array:
                 return lo + (hi - lo) * f
 
-            def trilinear(v):
+            def trilinear(v: dict[tuple[int, int, int], Array]) -> Array:
                 c00 = lerp(fx, v[(0, 0, 0)], v[(0, 0, 1)])
                 c01 = lerp(fx, v[(0, 1, 0)], v[(0, 1, 1)])
                 c10 = lerp(fx, v[(1, 0, 0)], v[(1, 0, 1)])
