@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -22,7 +23,7 @@ def atomic_path(path):
             tmp.unlink()
 
 
-def copy_atomically(source, path):
+def copy_atomically(source: Path | str, path: Path | str) -> None:
     """Copy the file `source` to `path`, the same bytes, atomically (a file of a run that repeats one it wrote)."""
     with atomic_path(path) as tmp:
         shutil.copyfile(source, tmp)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import mrcfile
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
@@ -35,7 +37,7 @@ class MrcInfo:
     header_pixel_size_angstrom: float | None  # None when 0 or 1.0 (a placeholder)
 
 
-def open_mrc(path):
+def open_mrc(path: Path | str) -> mrcfile.mrcmemmap.MrcMemmap:
     """Open an MRC file memory-mapped, read-only; InputError if missing, unreadable or truncated."""
     path = Path(path)
     if not path.is_file():
@@ -57,7 +59,7 @@ def open_mrc(path):
     return handle
 
 
-def header_pixel_size(handle):
+def header_pixel_size(handle: mrcfile.mrcfile.MrcFile) -> float | None:
     """The header pixel size in Å, or None where it is a placeholder (0 or 1.0) or anisotropic."""
     vx = float(handle.voxel_size.x)
     if any(abs(vx - u) < 1e-6 for u in UNTRUSTED_PIXEL_SIZES) or not np.isfinite(vx):
@@ -65,12 +67,12 @@ def header_pixel_size(handle):
     return vx
 
 
-def mrc_info(path):
+def mrc_info(path: Path | str) -> MrcInfo:
     with open_mrc(path) as m:
         return MrcInfo(Path(path), tuple(int(s) for s in m.data.shape), int(m.header.mode), header_pixel_size(m))
 
 
-def read_volume(path, require_cubic=True):
+def read_volume(path: Path | str, require_cubic: bool = True) -> tuple[np.ndarray, float | None]:
     """A 3D map as float32 (z, y, x) and its header pixel size (None if a placeholder)."""
     with open_mrc(path) as m:
         data = np.asarray(m.data)
@@ -85,12 +87,12 @@ def read_volume(path, require_cubic=True):
     return volume, pixel
 
 
-def write_volume(path, volume, pixel_size_angstrom):
+def write_volume(path: Path | str, volume: npt.ArrayLike, pixel_size_angstrom: float) -> None:
     """Write a float32 map with its pixel size and up-to-date header statistics, atomically."""
     _write(path, np.asarray(volume, dtype=np.float32), pixel_size_angstrom, stack=False)
 
 
-def write_stack(path, images, pixel_size_angstrom):
+def write_stack(path: Path | str, images: npt.ArrayLike, pixel_size_angstrom: float) -> None:
     """Write a float32 image stack (.mrcs) with its pixel size and statistics, atomically."""
     _write(path, np.asarray(images, dtype=np.float32), pixel_size_angstrom, stack=True)
 
@@ -107,7 +109,7 @@ def _write(path, data, pixel_size_angstrom, stack):
             set_label(m)
 
 
-def set_label(handle):
+def set_label(handle: mrcfile.mrcfile.MrcFile) -> None:
     """One fixed header label instead of mrcfile's time-stamped one: same data, same bytes."""
     from cryorefine import __version__
 
@@ -116,7 +118,7 @@ def set_label(handle):
     handle.header.nlabl = 1
 
 
-def parse_image_name(name):
+def parse_image_name(name: object) -> tuple[int, str]:
     """Split RELION's `N@path` into (index counted from 1, path); a bare path means image 1."""
     name = str(name)
     if "@" not in name:
@@ -131,7 +133,7 @@ def parse_image_name(name):
     return index, path
 
 
-def resolve_stack_path(stack, star_dir):
+def resolve_stack_path(stack: Path | str, star_dir: Path | str | None) -> Path:
     """RELION's rule: relative to the current (project) directory first, then to the STAR file's folder."""
     p = Path(stack)
     if p.is_absolute() or p.exists() or star_dir is None:
@@ -155,7 +157,8 @@ class PrereadImages:
     memory after that. Images it does not hold (under MPI, a batch a worker takes over from another's share) are
     read from their stacks every time."""
 
-    def __init__(self, paths, indices_1based, batch_size=1024, threads=None, read_now=True):
+    def __init__(self, paths: Sequence[Path | str], indices_1based: npt.ArrayLike, batch_size: int = 1024,
+                 threads: int | None = None, read_now: bool = True) -> None:
         paths = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._row = {(p, int(i)): r for r, (p, i) in enumerate(zip(paths, indices))}
@@ -172,14 +175,14 @@ class PrereadImages:
         self._stacks = None  # a StackReader for the images not (yet) held, opened on the first
 
     @staticmethod
-    def held_bytes(paths):
+    def held_bytes(paths: Sequence[Path | str]) -> int:
         """The bytes PrereadImages of these images would hold."""
         with StackReader() as reader:
             shape, dtype = _held_shape_and_dtype(reader, [str(p) for p in paths])
         return int(np.prod(shape)) * dtype.itemsize
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self.images.nbytes
 
     def __enter__(self):
@@ -188,7 +191,7 @@ class PrereadImages:
     def __exit__(self, *exc):
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         """The copying threads end, and the stacks read for images not held close (the images stay, for the next
         iteration's `with`)."""
         self._copies.close()
@@ -196,11 +199,12 @@ class PrereadImages:
             self._stacks.close()
             self._stacks = None
 
-    def wire_dtype(self, paths):
+    def wire_dtype(self, paths: Sequence[Path | str]) -> np.dtype:
         """The dtype the images are held in (see StackReader.wire_dtype)."""
         return self.images.dtype
 
-    def read(self, paths, indices_1based, out=None, check_finite=True, dtype=np.float32):
+    def read(self, paths: Sequence[Path | str], indices_1based: npt.ArrayLike, out: np.ndarray | None = None,
+             check_finite: bool = True, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
         """As StackReader.read (held images were checked for NaN/Inf when they were read in). Into `out` of the
         images' dtype, runs of consecutive images are copied as blocks, a large batch in parts at once (`_Pieces`):
         numpy's gather of whole images (`take`) copies at a fraction of memcpy's speed."""
@@ -230,7 +234,7 @@ class PrereadImages:
             target[...] = self.images[rows]
             return target
 
-        def copy(piece):
+        def copy(piece: list[tuple[int, int, int]]) -> None:
             for i, r, n in piece:
                 target[r:r + n] = self.images[i:i + n]
 
@@ -247,7 +251,7 @@ class StackReader:
     PARALLEL_READ_BYTES or more is read in `threads` parts at once (READ_THREADS by default).
     """
 
-    def __init__(self, threads=None):
+    def __init__(self, threads: int | None = None) -> None:
         self._open = {}
         self._fd = {}
         self._verified = {}  # path -> whether preadv at the memory map's offset reads the same bytes
@@ -259,7 +263,7 @@ class StackReader:
     def __exit__(self, *exc):
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         self._reads.close()
         for handle in self._open.values():
             handle.close()
@@ -269,24 +273,25 @@ class StackReader:
         self._fd.clear()
         self._verified.clear()
 
-    def handle(self, path):
+    def handle(self, path: Path | str) -> mrcfile.mrcmemmap.MrcMemmap:
         key = str(path)
         if key not in self._open:
             self._open[key] = open_mrc(path)
         return self._open[key]
 
-    def n_images(self, path):
+    def n_images(self, path: Path | str) -> int:
         data = self.handle(path).data
         return 1 if data.ndim == 2 else int(data.shape[0])
 
-    def wire_dtype(self, paths):
+    def wire_dtype(self, paths: Sequence[Path | str]) -> np.dtype:
         """float16 when every stack in `paths` holds native float16 (MRC mode 12), else float32: the dtype in
         which images can travel to where they are prepared without a conversion on the host (which costs more
         than the read itself)."""
         kinds = {self.handle(p).data.dtype for p in dict.fromkeys(str(p) for p in paths)}
         return np.dtype(np.float16) if kinds == {np.dtype(np.float16)} else np.dtype(np.float32)
 
-    def read(self, paths, indices_1based, out=None, check_finite=True, dtype=np.float32):
+    def read(self, paths: Sequence[Path | str], indices_1based: npt.ArrayLike, out: np.ndarray | None = None,
+             check_finite: bool = True, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
         """Images (B, y, x) for parallel sequences of stack paths and 1-based indices, float32 (or `dtype`).
 
         `out`: an array of at least B images of the right box to read into (e.g. pinned host memory; its dtype
@@ -326,7 +331,7 @@ class StackReader:
         image_bytes = int(np.prod(stack.shape[1:])) * stack.dtype.itemsize
         runs = _runs(wanted - 1, rows)
 
-        def read(piece):
+        def read(piece: list[tuple[int, int, int]]) -> None:
             for i, r, n in piece:
                 target = result[r:r + n]
                 if not (raw and self._read_raw(path, stack, i, target, image_bytes)):
@@ -372,7 +377,8 @@ class _Pieces:
         self.threads = max(1, int(threads))
         self._pool = None  # made on the first parallel copy
 
-    def run(self, copy, runs, nbytes):
+    def run(self, copy: Callable[[list[tuple[int, int, int]]], None], runs: list[tuple[int, int, int]],
+            nbytes: int) -> None:
         """copy(piece) for the pieces of `runs`; returns when all are done (an error in one is raised here)."""
         if self.threads == 1 or nbytes < PARALLEL_READ_BYTES:
             copy(runs)
@@ -383,7 +389,7 @@ class _Pieces:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="image-copy")
         list(self._pool.map(copy, _split_runs(runs, self.threads)))
 
-    def close(self):
+    def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -408,7 +414,7 @@ def _split_runs(runs, parts):
     return pieces
 
 
-def require_finite(array, path, indices_1based=None):
+def require_finite(array: np.ndarray, path: Path | str, indices_1based: npt.ArrayLike | None = None) -> None:
     """InputError naming the first image of `array` (read from `path`) with NaN or Inf pixels, if any."""
     if np.isfinite(array).all():
         return

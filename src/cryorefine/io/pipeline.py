@@ -15,13 +15,13 @@ ABORT_NOW = "RELION_JOB_ABORT_NOW"
 class PipelineControl:
     """The job folder of `--pipeline_control`."""
 
-    def __init__(self, folder):
+    def __init__(self, folder: Path | str) -> None:
         self.folder = Path(folder)
 
-    def abort_requested(self):
+    def abort_requested(self) -> bool:
         return (self.folder / ABORT_NOW).exists()
 
-    def finished(self, name):
+    def finished(self, name: str) -> None:
         """Leave the exit file `name` (SUCCESS, FAILURE or ABORTED), removing the other two and ABORT_NOW."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for other in (SUCCESS, FAILURE, ABORTED, ABORT_NOW):

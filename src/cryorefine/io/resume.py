@@ -10,7 +10,9 @@ and renamed, so a run killed while writing leaves the previous iteration's file 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,14 +22,14 @@ from cryorefine.io.atomic import atomic_path
 SUFFIX = "_resume.npz"
 
 
-def save(path, document, arrays):
+def save(path: Path | str, document: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
     """Write `document` (JSON-able; numpy scalars become numbers) and the named `arrays` to `path`."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as handle:
             np.savez(handle, document=np.array(json.dumps(document, default=_plain)), **arrays)
 
 
-def resume_path(optimiser_star):
+def resume_path(optimiser_star: Path | str) -> Path:
     """run_itNNN_resume.npz beside run_itNNN_optimiser.star."""
     name = str(optimiser_star)
     if not name.endswith("_optimiser.star"):
@@ -35,12 +37,12 @@ def resume_path(optimiser_star):
     return Path(name[: -len("_optimiser.star")] + SUFFIX)
 
 
-def iteration_root(optimiser_star):
+def iteration_root(optimiser_star: Path | str) -> str:
     """out/run_itNNN of out/run_itNNN_optimiser.star (where the iteration's maps are)."""
     return str(optimiser_star)[: -len("_optimiser.star")]
 
 
-def load(optimiser_star):
+def load(optimiser_star: Path | str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(document, arrays) saved beside `optimiser_star`."""
     path = resume_path(optimiser_star)
     if not Path(optimiser_star).is_file():
@@ -58,7 +60,7 @@ def load(optimiser_star):
                          f"optimiser.star, or start the run again") from None
 
 
-def load_config_values(optimiser_star):
+def load_config_values(optimiser_star: Path | str) -> dict[str, Any]:
     """The options (a dict) of the run that `optimiser_star` belongs to."""
     return load(optimiser_star)[0]["config"]
 

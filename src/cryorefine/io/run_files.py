@@ -8,7 +8,9 @@ iteration number (out/run_data.star, out/run_class001.mrc, …).
 from __future__ import annotations
 
 import glob
+import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +79,7 @@ def earlier_run(root: str) -> EarlierRun | None:
     return EarlierRun(str(root), tuple(iterations), tuple(sorted(iteration_files) + finals))
 
 
-def check_no_earlier_run(root: str, overwrite: bool, log) -> None:
+def check_no_earlier_run(root: str, overwrite: bool, log: logging.Logger) -> None:
     """Before a new run (not --continue) on `root`: an InputError where an earlier run's files are there, naming
     the folder, that run and the way on; with `overwrite` (--overwrite) its files are removed instead."""
     found = earlier_run(root)
@@ -94,7 +96,7 @@ def check_no_earlier_run(root: str, overwrite: bool, log) -> None:
                      f"--o, or add --overwrite to remove that run's files first")
 
 
-def last_complete_iteration(root: str, iterations, continued_from: str | None = None) -> tuple | None:
+def last_complete_iteration(root: str, iterations: Iterable[int], continued_from: str | None = None) -> tuple | None:
     """(iteration, its optimiser.star) of the last of this run's `iterations` whose files --continue reads are
     on disk; else the run's starting point `continued_from` (an optimiser.star); None where there is none."""
     for iteration in sorted(iterations, reverse=True):
@@ -106,7 +108,7 @@ def last_complete_iteration(root: str, iterations, continued_from: str | None = 
     return None
 
 
-def iteration_of(optimiser_star_path) -> int:
+def iteration_of(optimiser_star_path: Path | str) -> int:
     """NNN of run_itNNN_optimiser.star."""
     match = re.search(r"_it(\d{3})_optimiser\.star$", str(optimiser_star_path))
     if match is None:

@@ -8,10 +8,12 @@ to Å), and every other column, known to us or not, is kept as it was.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 import starfile
 
@@ -45,7 +47,7 @@ NUMERIC_COLUMNS = {
 }
 
 
-def read_star(path):
+def read_star(path: Path | str) -> dict[str, pd.DataFrame | dict]:
     """Every block of a STAR file: {name: DataFrame (loops) or dict (single values)}."""
     path = Path(path)
     if not path.is_file():
@@ -56,7 +58,7 @@ def read_star(path):
         raise InputError(f"{path}: not a readable STAR file ({type(exc).__name__}: {exc})") from None
 
 
-def star_to_string(blocks):
+def star_to_string(blocks: Mapping[str, pd.DataFrame | dict]) -> str:
     """STAR text for {name: DataFrame or dict}, each block headed by RELION's version comment."""
     parts = []
     for name, block in blocks.items():
@@ -197,7 +199,7 @@ def _int_cells(values):
     return cells
 
 
-def fixed_point_rows(columns, decimals: int) -> str:
+def fixed_point_rows(columns: Sequence[npt.ArrayLike], decimals: int) -> str:
     """Rows of float `columns` (equal lengths, finite, |value|·10^decimals below 2^53) as fixed-point text with
     `decimals` decimals, the columns tab-separated, a line a row (no newline after the last), right-aligned.
 
@@ -239,7 +241,7 @@ def fixed_point_rows(columns, decimals: int) -> str:
     return _rows_matrix(fields, n).tobytes()[:-1].decode("ascii")
 
 
-def write_star(blocks, path):
+def write_star(blocks: Mapping[str, pd.DataFrame | dict], path: Path | str) -> None:
     """Write {name: DataFrame or dict} as a STAR file, atomically."""
     with atomic_path(path) as tmp:
         Path(tmp).write_text(star_to_string(blocks))
@@ -255,7 +257,7 @@ class ParticleStar:
     source_version: str  # "3.0" or "3.1+"
 
 
-def read_particle_star(path):
+def read_particle_star(path: Path | str) -> ParticleStar:
     """Read a RELION 3.0, 3.1+ or 5 particle file into the 3.1 layout."""
     path = Path(path)
     blocks = read_star(path)
@@ -281,7 +283,7 @@ def read_particle_star(path):
     return _from_relion30(_numeric(table.reset_index(drop=True), path, f"data_{name}"), path, f"data_{name}")
 
 
-def write_particle_star(star, path, particles=None):
+def write_particle_star(star: ParticleStar, path: Path | str, particles: pd.DataFrame | None = None) -> None:
     """Write optics + particles as a RELION 3.1+ data.star (all columns kept), atomically."""
     table = star.particles if particles is None else particles
     write_star({"optics": star.optics, "particles": table}, path)
