@@ -12,13 +12,17 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pandas as pd
 
 from cryorefine.core import arrays
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.ctf import CtfParameters
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
@@ -83,30 +87,30 @@ class ParticleSet:
         return values[self.optics_index]
 
     @property
-    def pixel_size_per_particle_angstrom(self):
+    def pixel_size_per_particle_angstrom(self) -> np.ndarray:
         return self._optics_array("pixel_size_angstrom")
 
     @property
-    def voltage_kv(self):
+    def voltage_kv(self) -> np.ndarray:
         return self._optics_array("voltage_kv")
 
     @property
-    def cs_mm(self):
+    def cs_mm(self) -> np.ndarray:
         return self._optics_array("cs_mm")
 
     @property
-    def amplitude_contrast(self):
+    def amplitude_contrast(self) -> np.ndarray:
         return self._optics_array("amplitude_contrast")
 
     @property
-    def pose_columns(self):
+    def pose_columns(self) -> list[str]:
         return [c for c in POSE_COLUMNS if c in self.star.particles.columns]
 
     @property
-    def stacks(self):
+    def stacks(self) -> list[str]:
         return sorted(set(self.stack_paths.tolist()))
 
-    def geometry(self):
+    def geometry(self) -> tuple[int, float]:
         """(box in px, pixel size in Å) shared by all particles; InputError if they differ."""
         boxes = {g.box_px for g in self.optics_groups}
         if None in boxes:
@@ -121,16 +125,16 @@ class ParticleSet:
                              f"rescale the particles to one pixel size before refining them together")
         return boxes.pop(), float(self.optics_groups[0].pixel_size_angstrom)
 
-    def optics_names_and_counts(self):
+    def optics_names_and_counts(self) -> tuple[list[str], list[int]]:
         """The optics groups' names and their numbers of particles, in group order."""
         names = [g.name for g in self.optics_groups]
         return names, [int((self.optics_index == i).sum()) for i in range(len(names))]
 
     @property
-    def n_scale_groups(self):
+    def n_scale_groups(self) -> int:
         return len(self.scale_group_names)
 
-    def scale_group_names_and_counts(self):
+    def scale_group_names_and_counts(self) -> tuple[list[str], list[int]]:
         """The intensity groups' names and their numbers of particles, in group order (model.star's model_groups)."""
         counts = np.bincount(self.scale_group_index, minlength=self.n_scale_groups)
         return list(self.scale_group_names), [int(c) for c in counts]
@@ -144,7 +148,7 @@ class ParticleSet:
                              self.amplitude_contrast[indices], self.phase_shift_deg[indices],
                              self.ctf_bfactor[indices], self.ctf_scale[indices])
 
-    def require_ctf(self):
+    def require_ctf(self) -> None:
         missing = [] if "rlnDefocusU" in self.star.particles.columns else ["rlnDefocusU"]
         for group in self.optics_groups:
             for attr, col in (("voltage_kv", "rlnVoltage"), ("cs_mm", "rlnSphericalAberration"),
@@ -155,7 +159,7 @@ class ParticleSet:
             raise InputError(f"{self.star.path}: column {missing[0]} is missing, needed for --ctf; add it or run "
                              f"without --ctf")
 
-    def half_sets(self, seed=0):
+    def half_sets(self, seed: int = 0) -> np.ndarray:
         """Half set (1 or 2) per particle: rlnRandomSubset where it gives every particle a half and
         both halves are used, else a seeded random split."""
         if len(self) and np.isin(self.random_subset, (1, 2)).all() and np.unique(self.random_subset).size == 2:
@@ -166,14 +170,15 @@ class ParticleSet:
         halves[order[1::2]] = 2
         return halves
 
-    def batches(self, batch_size, indices=None):
+    def batches(self, batch_size: int, indices: npt.ArrayLike | None = None) -> Iterator[np.ndarray]:
         """Index arrays of at most `batch_size` particles, consecutive runs of `indices` (default all) in their
         order, each batch's indices ascending (the order of the stacks, which reads them as blocks)."""
         idx = np.arange(len(self)) if indices is None else np.asarray(indices)
         for start in range(0, idx.size, batch_size):
             yield np.sort(idx[start:start + batch_size])
 
-    def image_reader(self, preread_indices=None, sharers=1):
+    def image_reader(self, preread_indices: npt.ArrayLike | None = None,
+                     sharers: int = 1) -> mrc.StackReader | mrc.PrereadImages:
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
         were given, an in-memory `mrc.PrereadImages` of those particles (each image kept as it is first read), kept
         for the following calls
@@ -202,7 +207,9 @@ class ParticleSet:
                     self.preread_indices = held
         return self.preread if self.preread is not None else mrc.StackReader()
 
-    def read_images(self, indices, reader, out=None, check_finite=True, dtype=np.float32):
+    def read_images(self, indices: npt.ArrayLike, reader: mrc.StackReader | mrc.PrereadImages,
+                    out: np.ndarray | None = None, check_finite: bool = True,
+                    dtype: npt.DTypeLike = np.float32) -> np.ndarray:
         """float32 (or `dtype`) images (B, box, box) of the given particles, read through a `mrc.StackReader`
         (into `out` when given; `check_finite=False` leaves the NaN/Inf check to the caller, as
         `images.prepare_batch` does)."""
@@ -210,7 +217,8 @@ class ParticleSet:
         return reader.read(self.stack_paths[indices], self.stack_indices[indices], out=out, check_finite=check_finite,
                            dtype=dtype)
 
-    def read_ahead(self, batches, reader, xp=np, device_bytes=0):
+    def read_ahead(self, batches: Iterable[np.ndarray], reader: mrc.StackReader | mrc.PrereadImages,
+                   xp: ArrayModule = np, device_bytes: int = 0) -> Iterator[tuple[np.ndarray, Array]]:
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a
         thread while the caller works on the current one (reading overlaps the GPU's work).
 
@@ -236,7 +244,7 @@ class ParticleSet:
         dtype = np.float32 if xp is np else reader.wire_dtype(self.stack_paths)
         slots = None
 
-        def read(i, indices):
+        def read(i: int, indices: np.ndarray) -> tuple[Array, bool]:
             slot = i % 2
             buffer = buffers[slot]
             if buffer is None or buffer.shape[0] < indices.size:
@@ -284,7 +292,8 @@ class ParticleSet:
 
 
 @contextlib.contextmanager
-def scratch_copy(particles, scratch_dir, log, share=None):
+def scratch_copy(particles: ParticleSet, scratch_dir: Path | str | None, log: logging.Logger,
+                 share: Any = None) -> Iterator[ParticleSet]:
     """--scratch_dir: the particles' stacks copied once into a new folder under `scratch_dir`, and their images read
     from there until the block ends; then the copies are removed. When the stacks do not fit in the free space
     (with 10 % to spare), a warning says so and the images are read where they are, as RELION does.
@@ -332,7 +341,7 @@ def scratch_copy(particles, scratch_dir, log, share=None):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_particles(star_path, check_stacks=True):
+def load_particles(star_path: Path | str, check_stacks: bool = True) -> ParticleSet:
     """Read a particle STAR file (any RELION version) into a ParticleSet.
 
     With `check_stacks`, every stack must exist, every `N@stack` index must lie inside its stack
@@ -382,7 +391,7 @@ def load_particles(star_path, check_stacks=True):
 
     n = len(table)
 
-    def col(name, default):
+    def col(name: str, default: float) -> np.ndarray:
         return table[name].to_numpy(np.float64) if name in table.columns else np.full(n, default, np.float64)
 
     defocus_u = col("rlnDefocusU", np.nan)
@@ -402,7 +411,7 @@ def load_particles(star_path, check_stacks=True):
         **scale_groups_of(table, [g.name for g in groups], optics_index))
 
 
-def scale_groups_of(table, optics_names, optics_index):
+def scale_groups_of(table: pd.DataFrame, optics_names: Sequence[str], optics_index: np.ndarray) -> dict[str, Any]:
     """RELION's intensity groups (Experiment::read): a group per rlnGroupName where the table has it, else per
     micrograph (rlnMicrographName less its pipeline prefix, `Dir/jobNNN/`); without either, a group per optics
     group. Returns ParticleSet's `scale_group_names` and `scale_group_index` (numbered in order of appearance)."""

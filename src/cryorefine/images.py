@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import fourier
-from cryorefine.core.arrays import array_module, to_device, to_host
+from cryorefine.core.arrays import Array, ArrayModule, array_module, to_device, to_host
 from cryorefine.core.ctf import ctf_2d
+from cryorefine.data import ParticleSet
 from cryorefine.estep.engine import Batch
 from cryorefine.io import mrc
 
@@ -36,13 +39,14 @@ class ImageSettings:
     ctf_intact_first_peak: bool = False  # --ctf_intact_first_peak: the CTF is 1 up to its first peak
 
     @property
-    def mask_radius_px(self):
+    def mask_radius_px(self) -> float:
         if self.particle_diameter_angstrom is None:
             return self.ori_size_px / 2 - self.width_mask_edge_px
         return self.particle_diameter_angstrom / (2 * self.pixel_size_angstrom)
 
 
-def shell_power(ft, ori_size_px, n_shells, xp=np, beyond_radius_px=None):
+def shell_power(ft: Array, ori_size_px: int, n_shells: int, xp: ArrayModule = np,
+                beyond_radius_px: float | None = None) -> Array:
     """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells); with
     `beyond_radius_px` only over the coefficients with |k| > that radius."""
     size = ft.shape[-2]
@@ -54,7 +58,7 @@ def shell_power(ft, ori_size_px, n_shells, xp=np, beyond_radius_px=None):
     return fourier.shell_sum(xp.abs(ft) ** 2, shells, n_shells, xp)
 
 
-def coefficients_per_shell(ori_size_px):
+def coefficients_per_shell(ori_size_px: int) -> np.ndarray:
     """How many half-transform coefficients each shell 0 … N/2 holds (the denominators of RELION's spectra)."""
     n_shells = ori_size_px // 2 + 1
     return shell_power(np.ones((1, ori_size_px, n_shells)), ori_size_px, n_shells)[0]
@@ -68,7 +72,7 @@ def _splitmix64(z, xp):
     return z ^ (z >> xp.uint64(31))
 
 
-def noise_keys(seed, iteration, particle_indices, xp=np):
+def noise_keys(seed: int, iteration: int, particle_indices: npt.ArrayLike, xp: ArrayModule = np) -> Array:
     """The generator key of each particle's background noise (B,) uint64: SplitMix64 of the seed, the
     iteration and the particle index."""
     key = _splitmix64(xp.full(1, seed, dtype=xp.uint64), xp)
@@ -76,7 +80,8 @@ def noise_keys(seed, iteration, particle_indices, xp=np):
     return _splitmix64(key ^ xp.asarray(particle_indices, dtype=xp.uint64), xp)
 
 
-def background_noise(seed, iteration, particle_indices, size_px, xp=np):
+def background_noise(seed: int, iteration: int, particle_indices: npt.ArrayLike, size_px: int,
+                     xp: ArrayModule = np) -> Array:
     """Standard normal noise (B, N, N) that depends only on (seed, iteration, particle, pixel).
 
     A counter-based generator (SplitMix64 hashes, Box–Muller), so numpy and cupy draw the same
@@ -93,7 +98,8 @@ def background_noise(seed, iteration, particle_indices, size_px, xp=np):
     return normal.reshape(-1, size_px, size_px)
 
 
-def masked_images(images, settings, particle_indices, iteration, xp=np):
+def masked_images(images: Array, settings: ImageSettings, particle_indices: npt.ArrayLike, iteration: int,
+                  xp: ArrayModule = np) -> Array:
     """Soft-masked copies of real-space images (B, N, N); noise outside unless zero_mask."""
     n = settings.ori_size_px
     mask = fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px, xp)
@@ -106,7 +112,7 @@ def masked_images(images, settings, particle_indices, iteration, xp=np):
     return images * mask + (1.0 - mask) * noise * std[:, None, None]
 
 
-def roll_each(images, shift_x_px, shift_y_px, xp=np):
+def roll_each(images: Array, shift_x_px: npt.ArrayLike, shift_y_px: npt.ArrayLike, xp: ArrayModule = np) -> Array:
     """images[b] rolled by (shift_y[b], shift_x[b]) pixels, as np.roll on each image: (B, N, N)."""
     n = images.shape[-1]
     pixels = xp.arange(n)
@@ -167,7 +173,9 @@ def _masked_noise_kernel(cp):
         """, "cryorefine_masked_noise", preamble=_SPLITMIX64)
 
 
-def device_shifted_images(raw_images, factor, rx, ry, settings, particle_indices, iteration, xp):
+def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray, ry: np.ndarray,
+                          settings: ImageSettings, particle_indices: npt.ArrayLike, iteration: int,
+                          xp: ArrayModule) -> tuple[Array, Array]:
     """The device's version of prepare_batch's real-space steps: the norm-corrected, re-centred images and
     their masked copies (`masked_images`), both already moved by ifftshift for the transform (B, N, N)
     float32 (the engine's precision; each value computed in float64), each made in one pass over the batch;
@@ -207,8 +215,10 @@ class PreviousValues:
     psi_deg: np.ndarray | None = None
 
 
-def prepare_batch(particles, indices, reader, settings, current_size_px, avg_norm_correction, iteration,
-                  previous=PreviousValues(), xp=np, images=None):
+def prepare_batch(particles: ParticleSet, indices: npt.ArrayLike, reader: mrc.StackReader | mrc.PrereadImages,
+                  settings: ImageSettings, current_size_px: int, avg_norm_correction: float, iteration: int,
+                  previous: PreviousValues = PreviousValues(), xp: ArrayModule = np,
+                  images: Array | None = None) -> Batch:
     """A `Batch` for the engine. Origins, norms, classes and poses are those of `previous` where it has them, else
     the particle set's.
 
@@ -284,7 +294,7 @@ def prepare_batch(particles, indices, reader, settings, current_size_px, avg_nor
         old_class=klass, norm_correction=norm, power_beyond_current=to_host(power))
 
 
-def prepare_in_parts(prepare_part, parts):
+def prepare_in_parts(prepare_part: Callable[[slice], Batch], parts: Sequence[slice]) -> Batch:
     """One Batch of the images in `parts` (consecutive slices), each prepared by `prepare_part(slice)` in turn: the
     whole batch's arrays are made once the first part shows their shapes, and each part is copied in and let go, so
     that the preparation's temporaries exist for one part at a time."""
@@ -317,16 +327,17 @@ class NoiseEstimate:
     coefficients_per_shell: np.ndarray  # (n_shells,)
 
     @classmethod
-    def empty(cls, n_optics, ori_size_px):
+    def empty(cls, n_optics: int, ori_size_px: int) -> NoiseEstimate:
         n_shells = ori_size_px // 2 + 1
         return cls(np.zeros((n_optics, n_shells)), np.zeros(n_optics),
                    np.zeros((ori_size_px, n_shells), complex), coefficients_per_shell(ori_size_px))
 
-    def add(self, batch_ft_full, optics_index, power=None):
+    def add(self, batch_ft_full: Array, optics_index: npt.ArrayLike, power: Array | None = None) -> None:
         """Add a batch's full-size masked transforms (numpy or cupy); `power` per shell if already known."""
         self.add_batch_sums(*self.batch_sums(batch_ft_full, optics_index, power))
 
-    def batch_sums(self, batch_ft_full, optics_index, power=None):
+    def batch_sums(self, batch_ft_full: Array, optics_index: npt.ArrayLike,
+                   power: Array | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What `add` adds for a batch, on the host: (power per image and shell, optics_index, Σ transforms); a
         batch worked on elsewhere (an MPI worker) is added with `add_batch_sums`, bit for bit as `add` would."""
         if power is None:
@@ -334,12 +345,12 @@ class NoiseEstimate:
                                 array_module(batch_ft_full))
         return to_host(power), np.asarray(optics_index), to_host(batch_ft_full.sum(axis=0))
 
-    def add_batch_sums(self, power, optics_index, ft_sum):
+    def add_batch_sums(self, power: np.ndarray, optics_index: np.ndarray, ft_sum: np.ndarray) -> None:
         np.add.at(self.power_sum, optics_index, power)
         self.count += np.bincount(optics_index, minlength=self.count.size)
         self.ft_sum += ft_sum
 
-    def sigma2(self):
+    def sigma2(self) -> np.ndarray:
         """Per-component noise variance per shell and optics group (RELION's initial sigma2_noise)."""
         per_coef = np.maximum(self.coefficients_per_shell, 1.0)
         mean_power = self.power_sum / np.maximum(self.count, 1.0)[:, None] / per_coef[None, :]
