@@ -24,17 +24,23 @@ import dataclasses
 import functools
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
+from cryorefine.core.arrays import ArrayModule
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.sampling import healpix_pixels
+from cryorefine.data import ParticleSet
 from cryorefine.em import memory
+from cryorefine.em.state import ParticleState
+from cryorefine.estep.backend import Backend
 from cryorefine.estep.common import fine_pass_limit, local_orientations
-from cryorefine.estep.engine import IterationSetup, WeightedSums
-from cryorefine.images import NoiseEstimate, PreviousValues, prepare_batch, prepare_in_parts
+from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
+from cryorefine.images import ImageSettings, NoiseEstimate, PreviousValues, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
 
 
@@ -65,7 +71,7 @@ class BatchInputs:
 DIRECTION_CURVE_ORDER = 10
 
 
-def in_direction_order(units, rot_deg, tilt_deg):
+def in_direction_order(units: Sequence[WorkUnit], rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike) -> list[WorkUnit]:
     """`units`, each local search's members put in order along HEALPix's NEST curve through their previous
     directions (rot_deg, tilt_deg: every particle's); the other units as they are.
 
@@ -95,7 +101,7 @@ class FinePassLimitReached:
     n_particles: int  # particles of the units with that limit
 
 
-def fine_pass_limits_reached(units, n_significant):
+def fine_pass_limits_reached(units: Sequence[WorkUnit], n_significant: npt.ArrayLike) -> list[FinePassLimitReached]:
     """Where units' fine passes kept fewer significant coarse samples than --maxsig allows
     (`estep.common.fine_pass_limit`) and some particles reached that limit: a FinePassLimitReached per limit.
     `n_significant` holds every particle's count (rlnNrOfSignificantSamples) after the E-step."""
@@ -114,21 +120,24 @@ def fine_pass_limits_reached(units, n_significant):
             for key, (reached, members) in sorted(by_limit.items()) if reached]
 
 
-def add_seconds(stages, name, tic):
+def add_seconds(stages: dict[str, float], name: str, tic: float) -> float:
     """Add the seconds since `tic` to stages[name]; returns now (the next stage's tic)."""
     now = time.perf_counter()
     stages[name] = stages.get(name, 0.0) + now - tic
     return now
 
 
-def add_counts(totals, counts):
+def add_counts(totals: dict[str, float], counts: Mapping[str, float]) -> None:
     """Add a dict of per-stage numbers into `totals`."""
     for name, value in counts.items():
         totals[name] = totals.get(name, 0.0) + value
 
 
-def run_batches(backend, units, work, particles, settings, inputs, reader, on_result, stages, flops,
-                park_finished=False):
+def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tuple[int, np.ndarray]],
+                particles: ParticleSet, settings: ImageSettings, inputs: BatchInputs,
+                reader: mrc.StackReader | mrc.PrereadImages, on_result: Callable[[int, np.ndarray, BatchResult], None],
+                stages: dict[str, float], flops: dict[str, float],
+                park_finished: bool = False) -> dict[int, WeightedSums]:
     """The E-step over `work`, an iterable of (unit index, particle indices) in which each unit's batches
     come together; `on_result(unit index, indices, BatchResult)` after each batch. Returns the weighted
     sums of each unit that had batches {unit index: WeightedSums}; with `park_finished` those of every unit
@@ -145,7 +154,7 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
     previous_values = PreviousValues(previous.origin_x_px, previous.origin_y_px, norms, previous.class_index, *poses)
     queued = deque()  # (unit, indices) of the batches taken from `work` (read_ahead takes one ahead), in order
 
-    def batches():
+    def batches() -> Iterator[np.ndarray]:
         for u, indices in work:
             queued.append((u, indices))
             yield indices
@@ -153,8 +162,8 @@ def run_batches(backend, units, work, particles, settings, inputs, reader, on_re
     sums = {}
     engine, current = None, None
     with ThreadPoolExecutor(1, thread_name_prefix="neighbourhoods") as pool:
-
-        def neighbourhoods(u, indices):  # a future of them (None in a global search), computed on the thread
+        # a future of them (None in a global search), computed on the thread
+        def neighbourhoods(u: int, indices: np.ndarray) -> Future:
             return pool.submit(local_orientations, units[u].setup, *(p[indices] for p in poses))
 
         tic = time.perf_counter()
@@ -233,7 +242,7 @@ def _engine_runs(backend, n_images, box_px, current_size_px):
             for start in range(0, n_images, per_run) for b in [min(n_images, start + per_run)]]
 
 
-def sums_wait_on_host(backend, units):
+def sums_wait_on_host(backend: Backend, units: Sequence[WorkUnit]) -> bool:
     """Whether finished units' sums wait on the host in this iteration: when the device's free memory cannot hold
     every unit's sums beside one unit's set-up or a reconstruction (`em.memory.halves_wait_on_host`); never
     for the numpy engine."""
@@ -258,7 +267,7 @@ def _collect(engine, stages, flops):
     return sums
 
 
-def empty_sums(unit, xp=np, real_dtype=np.float64):
+def empty_sums(unit: WorkUnit, xp: ArrayModule = np, real_dtype: npt.DTypeLike = np.float64) -> WeightedSums:
     """Zero WeightedSums of a unit, shaped as its engine's would be (a unit without batches; a template to
     receive sums into), volumes of `real_dtype` (and its complex)."""
     s = unit.setup
@@ -268,7 +277,9 @@ def empty_sums(unit, xp=np, real_dtype=np.float64):
                               real_dtype=real_dtype, n_scale_groups=s.n_scale_groups)
 
 
-def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free_bytes=None, stages=None):
+def initial_noise_spectra(particles: ParticleSet, settings: ImageSettings, n_optics: int, batch_size: int,
+                          xp: ArrayModule = np, free_bytes: Callable[[], int | None] | None = None,
+                          stages: dict[str, float] | None = None) -> np.ndarray:
     """RELION's initial noise spectra from the masked images at their stored origins (`free_bytes`, `stages`: as
     `noise_batch_sums` takes them)."""
     noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
@@ -278,7 +289,10 @@ def initial_noise_spectra(particles, settings, n_optics, batch_size, xp=np, free
     return noise.sigma2()
 
 
-def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, free_bytes=None, stages=None):
+def noise_batch_sums(particles: ParticleSet, settings: ImageSettings, n_optics: int,
+                     numbered_batches: Iterable[tuple[int, np.ndarray]], xp: ArrayModule = np,
+                     free_bytes: Callable[[], int | None] | None = None,
+                     stages: dict[str, float] | None = None) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
     """(batch number, NoiseEstimate.batch_sums) of each (number, particle indices) of `numbered_batches`: what
     the initial noise spectra add up, one batch at a time (batches may be shared out, and added up elsewhere in
     their order). `free_bytes`: a callable giving the device's free bytes (a backend's `free_device_bytes`); a
@@ -290,7 +304,7 @@ def noise_batch_sums(particles, settings, n_optics, numbered_batches, xp=np, fre
     numbers = deque()
     stages = {} if stages is None else stages
 
-    def batches():
+    def batches() -> Iterator[np.ndarray]:
         for number, indices in numbered_batches:
             numbers.append(number)
             yield indices
@@ -323,7 +337,7 @@ def _joined_noise_sums(parts):
     return np.concatenate(power), np.concatenate(optics), functools.reduce(np.add, ft_sums)
 
 
-def keep_norms_unless_refined(use_norms, previous, state):
+def keep_norms_unless_refined(use_norms: bool, previous: ParticleState, state: ParticleState) -> None:
     """Without --norm the particles keep the norm corrections they came with."""
     if not use_norms:
         state.norm_correction[:] = previous.norm_correction

@@ -21,8 +21,9 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
-from cryorefine.core.arrays import host_flat
+from cryorefine.core.arrays import Array, ArrayModule, host_flat
 from cryorefine.core.euler import euler_to_matrix
 from cryorefine.core.sampling import LocalOrientations
 
@@ -42,63 +43,67 @@ class GivenPoses:
     perturbation: float = 0.0
 
     @classmethod
-    def of(cls, rot_deg, tilt_deg, psi_deg, members):
+    def of(cls, rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike, psi_deg: npt.ArrayLike,
+           members: npt.ArrayLike) -> GivenPoses:
         """The poses of the particles `members` (indices into the per-particle arrays), in that order."""
         members = np.asarray(members, dtype=np.int64)
         return cls(*(np.asarray(a, dtype=np.float64)[members].copy() for a in (rot_deg, tilt_deg, psi_deg)))
 
     # ------------------------------------------------------------------ sizes (Sampling's names)
     @property
-    def n_directions(self):
+    def n_directions(self) -> int:
         return 1
 
     @property
-    def n_psi(self):
+    def n_psi(self) -> int:
         return int(self.rot_deg.size)
 
     @property
-    def n_orientations(self):
+    def n_orientations(self) -> int:
         return int(self.rot_deg.size)
 
     @property
-    def n_translations(self):
+    def n_translations(self) -> int:
         return 1
 
     @property
-    def psi_step_deg(self):
+    def psi_step_deg(self) -> float:
         return 360.0
 
-    def n_fine_orientations(self, oversampling=None):
+    def n_fine_orientations(self, oversampling: int | None = None) -> int:
         return 1
 
-    def n_fine_translations(self, oversampling=None):
+    def n_fine_translations(self, oversampling: int | None = None) -> int:
         return 1
 
-    def angular_sampling_deg(self, oversampling=None):
+    def angular_sampling_deg(self, oversampling: int | None = None) -> float:
         return 360.0 / (6 * 2 ** self.healpix_order)
 
     # ------------------------------------------------------------------ the grid
-    def orientations_deg(self, xp=np, index=None):
+    def orientations_deg(self, xp: ArrayModule = np, index: npt.ArrayLike | None = None) -> tuple[Array, Array, Array]:
         """The poses of `index` (host or device ints; all by default), as arrays of `xp`."""
         pick = slice(None) if index is None else host_flat(index, np.int64)
         return xp.asarray(self.rot_deg[pick]), xp.asarray(self.tilt_deg[pick]), xp.asarray(self.psi_deg[pick])
 
-    def orientation_matrices(self, xp=np, index=None, directions_deg=None):
+    def orientation_matrices(self, xp: ArrayModule = np, index: npt.ArrayLike | None = None,
+                             directions_deg: Array | None = None) -> Array:
         """Sampling's call: `directions_deg`, the device table of a grid's directions, has nothing to give here (the
         poses are the unit's own), and an `index` on the device is gathered on the host, as the children are."""
         return euler_to_matrix(*self.orientations_deg(xp, index), xp=xp)
 
-    def directions_deg(self, xp=np):
+    def directions_deg(self, xp: ArrayModule = np) -> Array:
         return xp.zeros((1, 2))
 
-    def translations_px(self, xp=np):
+    def translations_px(self, xp: ArrayModule = np) -> Array:
         return xp.zeros((1, 2))
 
-    def fine_translations_px(self, translation_index, oversampling=None, xp=np):
+    def fine_translations_px(self, translation_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                             xp: ArrayModule = np) -> Array:
         n = int(np.asarray(translation_index).size)
         return xp.zeros((n, 1, 2))
 
-    def fine_orientations_deg(self, orientation_index, oversampling=None, xp=np):
+    def fine_orientations_deg(self, orientation_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                              xp: ArrayModule = np) -> tuple[Array, Array, Array]:
         """The 'children' of orientations: the orientations themselves, (n, 1) each."""
         o = host_flat(orientation_index, np.int64)
         return tuple(xp.asarray(a[o][:, None]) for a in (self.rot_deg, self.tilt_deg, self.psi_deg))
@@ -109,7 +114,7 @@ class GivenPoses:
         return {pose: i for i, pose in enumerate(zip(self.rot_deg.tolist(), self.tilt_deg.tolist(),
                                                      self.psi_deg.tolist()))}
 
-    def index_of(self, rot_deg, tilt_deg, psi_deg):
+    def index_of(self, rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike, psi_deg: npt.ArrayLike) -> np.ndarray:
         """The orientation index of each pose (B,) (host arrays): the unit's particle with exactly that pose, else
         the nearest orientation."""
         rot, tilt, psi = (host_flat(a, np.float64) for a in (rot_deg, tilt_deg, psi_deg))
@@ -122,8 +127,9 @@ class GivenPoses:
             out[missing] = np.argmax(theirs @ mine.T, axis=1)  # largest trace of Rᵀ·R': smallest rotation angle
         return out
 
-    def local_orientations(self, prior_rot_deg, prior_tilt_deg, prior_psi_deg, sigma_dir_deg=0.0, sigma_psi_deg=0.0,
-                           sigma_cutoff=3.0):
+    def local_orientations(self, prior_rot_deg: npt.ArrayLike, prior_tilt_deg: npt.ArrayLike,
+                           prior_psi_deg: npt.ArrayLike, sigma_dir_deg: float = 0.0, sigma_psi_deg: float = 0.0,
+                           sigma_cutoff: float = 3.0) -> LocalOrientations:
         """LocalOrientations of a batch: each particle its own orientation alone (log prior 0). The sigmas are
         not used."""
         index = self.index_of(prior_rot_deg, prior_tilt_deg, prior_psi_deg)

@@ -22,6 +22,8 @@ rank, which holds one half.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from cryorefine.core.grid import SLAB_ELEMENTS
@@ -51,17 +53,17 @@ PREPARED_SHARE = 0.25
 UPLOAD_SLOTS_SHARE = 0.05
 
 
-def slab_bytes(grid_shape):
+def slab_bytes(grid_shape: tuple[int, int, int]) -> float:
     """One slab's temporaries in a loop over a padded grid."""
     return min(SLAB_ELEMENTS, float(np.prod(grid_shape))) * SLAB_BYTES_PER_ELEMENT
 
 
-def sums_bytes(grid_shape, n_classes):
+def sums_bytes(grid_shape: tuple[int, int, int], n_classes: int) -> float:
     """A work unit's back-projection sums: complex64 data and float32 weights per class."""
     return n_classes * float(np.prod(grid_shape)) * (8 + 4)
 
 
-def references_bytes(grid_shape, box_px, n_classes):
+def references_bytes(grid_shape: tuple[int, int, int], box_px: int, n_classes: int) -> float:
     """The E-step's references: complex64 transforms of every class (each built in its place), and the temporaries
     of building one: the map and its planes' transforms, one slab."""
     volume = float(np.prod(grid_shape))
@@ -69,36 +71,37 @@ def references_bytes(grid_shape, box_px, n_classes):
     return n_classes * volume * 8 + float(box_px) ** 3 * 4 + float(box_px) * d * w * 8 + slab_bytes(grid_shape)
 
 
-def reconstruction_bytes(grid_shape, box_px, padded_size_px):
+def reconstruction_bytes(grid_shape: tuple[int, int, int], box_px: int, padded_size_px: int) -> float:
     """One reconstruction's temporaries in the M-step."""
     npad = float(padded_size_px)
     return npad ** 2 * (padded_size_px // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * float(box_px) ** 3 * 4 \
         + slab_bytes(grid_shape)
 
 
-def images_per_preparation(free_bytes, box_px):
+def images_per_preparation(free_bytes: float, box_px: int) -> int:
     """The most images of `box_px` prepared at once (one part of a batch) in `free_bytes`."""
     return max(1, int(PREPARATION_SHARE * free_bytes / (PREPARATION_BYTES_PER_PIXEL * float(box_px) ** 2)))
 
 
-def upload_slots_room(free_bytes):
+def upload_slots_room(free_bytes: float | None) -> int:
     """Device bytes the images' overlapped uploads may take (0 on the host, where `free_bytes` is None)."""
     return 0 if free_bytes is None else int(UPLOAD_SLOTS_SHARE * free_bytes)
 
 
-def images_per_engine_run(free_bytes, current_size_px):
+def images_per_engine_run(free_bytes: float, current_size_px: int) -> int:
     """The most prepared images of `current_size_px` handed to the engine at once in `free_bytes` (the parts they
     were prepared in, `images_per_preparation`, joined)."""
     return max(1, int(PREPARED_SHARE * free_bytes / (PREPARED_BYTES_PER_PIXEL * float(current_size_px) ** 2)))
 
 
-def halves_take_turns(free_bytes, away_bytes, reconstruction_bytes_):
+def halves_take_turns(free_bytes: float, away_bytes: float, reconstruction_bytes_: float) -> bool:
     """True when the M-step cannot bring the sums that wait on the host (`away_bytes`) onto the device beside a
     reconstruction in `free_bytes` (what the half already there leaves): then the halves take turns."""
     return away_bytes > 0 and away_bytes + reconstruction_bytes_ > free_bytes
 
 
-def halves_wait_on_host(free_bytes, unit_sums_bytes, unit_setup_bytes, reconstruction_bytes_):
+def halves_wait_on_host(free_bytes: float, unit_sums_bytes: Sequence[float], unit_setup_bytes: float,
+                        reconstruction_bytes_: float) -> bool:
     """True when the sums of every unit (`unit_sums_bytes`, one figure per unit) do not fit in `free_bytes`
     beside the larger of one unit's set-up (references, and the batches' reserve) and a reconstruction:
     then a finished unit's sums wait on the host while the others are worked on."""

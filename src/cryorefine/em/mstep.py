@@ -12,22 +12,31 @@ page-locked memory (their next uploads run at the bus's speed).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from cryorefine.config import RefineConfig
 from cryorefine.core import reconstruct
-from cryorefine.core.arrays import to_host, to_host_pinned
+from cryorefine.core.arrays import Array, ArrayModule, to_host, to_host_pinned
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import memory
 from cryorefine.em.schedule import MINRES_MAP_SHELL
+from cryorefine.em.solvent import SolventMasks
+from cryorefine.em.state import ModelState
+from cryorefine.estep.backend import Backend
+from cryorefine.estep.engine import WeightedSums
 from cryorefine.images import coefficients_per_shell
 
 MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
 
 
-def backprojector(data, weight, model, config, current_size_px, xp):
+def backprojector(data: Array, weight: Array, model: ModelState, config: RefineConfig, current_size_px: int,
+                  xp: ArrayModule) -> BackProjector:
     """A BackProjector over the padded sums `data` (complex) and `weight` (real) of one class, symmetrised
     with --sym (RELION's symmetriseReconstructions, right after the sums are combined: the FSC, the noise
     spectra and the reconstruction all see the symmetrised sums). The sums are changed in place."""
@@ -37,7 +46,7 @@ def backprojector(data, weight, model, config, current_size_px, xp):
     return bp
 
 
-def joined_backprojector(bp, others):
+def joined_backprojector(bp: BackProjector, others: Iterable[tuple[Array, Array]]) -> BackProjector:
     """`bp` holding the sums of several (the two halves'), not symmetrised again: the `others`' sums ((data, weight)
     pairs, on the device or waiting on the host) are added into `bp`'s in place, one slab of planes at a time (no
     third copy of the sums: make what needs `bp`'s own sums before)."""
@@ -48,7 +57,9 @@ def joined_backprojector(bp, others):
     return bp
 
 
-def half_sets_fsc(first, second, grid, xp):
+def half_sets_fsc(first: tuple[Array, Array] | Array | reconstruct.CroppedAverage,
+                  second: tuple[Array, Array] | Array | reconstruct.CroppedAverage, grid: PaddedGrid,
+                  xp: ArrayModule) -> np.ndarray:
     """The FSC (N//2+1,) on the host between the downsampled averages of two halves' sums (RELION's
     getDownsampledAverage and getFSC), summed a run of planes at a time. Each half is its (data, weight) on the
     device, or either may be its `downsampled_average` already made (a half that waits on the host, or that
@@ -56,14 +67,15 @@ def half_sets_fsc(first, second, grid, xp):
     return to_host(reconstruct.half_sets_fsc(first, second, grid, xp))
 
 
-def downsampled_average(bp):
+def downsampled_average(bp: BackProjector) -> reconstruct.CroppedAverage:
     """A back-projector's downsampled average on the host, only where it can be non-zero
     (`reconstruct.CroppedAverage`): what the FSC needs of a half that then waits on the host, or that another MPI
     worker holds."""
     return reconstruct.CroppedAverage(bp.data, bp.weight, bp.grid, xp=bp.xp)
 
 
-def reconstruct_map(bp, tau2, model, config, xp, masks):
+def reconstruct_map(bp: BackProjector, tau2: npt.ArrayLike, model: ModelState, config: RefineConfig, xp: ArrayModule,
+                    masks: SolventMasks) -> np.ndarray:
     """The map of a back-projector regularised by `tau2` (per shell, host) from shell 5 on (RELION's
     --minres_map: the lowest shells are not regularised), solvent-flattened as
     `masks` (em.solvent.SolventMasks) says (with --flatten_solvent: times --solvent_mask or the soft sphere of
@@ -73,7 +85,7 @@ def reconstruct_map(bp, tau2, model, config, xp, masks):
     return to_host_pinned(masks.apply(volume, xp).astype(np.float32, copy=False))  # made float32 where it is
 
 
-def unregularised_map(bp, xp):
+def unregularised_map(bp: BackProjector, xp: ArrayModule) -> Array:
     """The half map without τ² and without masks (RELION's _unfil.mrc: data / max(weight, mean/1000), the
     same gridding correction), as --solvent_correct_fsc compares them; on the sums' device."""
     return bp.reconstruct(tau2=None)
@@ -89,14 +101,16 @@ def _low_resolution_box(grid, resolution_angstrom, model, xp):
     return box, (kz[box[0]] ** 2 + ky[:, box[1]] ** 2 + kx[:, :, box[2]] ** 2) <= limit2
 
 
-def low_resolution_sums(bp, resolution_angstrom, model):
+def low_resolution_sums(bp: BackProjector, resolution_angstrom: float,
+                        model: ModelState) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of (data, weight) of a back-projector in the small box around the origin that holds the
     frequencies below a resolution (what RELION's joinTwoHalvesAtLowResolution adds up)."""
     box, _ = _low_resolution_box(bp.grid, resolution_angstrom, model, bp.xp)
     return np.array(to_host(bp.data[box])), np.array(to_host(bp.weight[box]))  # copies, also of host sums
 
 
-def join_at_low_resolution(bp, joined, resolution_angstrom, model):
+def join_at_low_resolution(bp: BackProjector, joined: tuple[np.ndarray, np.ndarray], resolution_angstrom: float,
+                           model: ModelState) -> None:
     """RELION's joinTwoHalvesAtLowResolution for one half: its sums below a resolution replaced by `joined`, the
     sum of both halves' `low_resolution_sums` (only that small box is touched)."""
     xp = bp.xp
@@ -105,13 +119,20 @@ def join_at_low_resolution(bp, joined, resolution_angstrom, model):
     bp.weight[box] = xp.where(low, xp.asarray(joined[1]), bp.weight[box])
 
 
+class Peers(Protocol):
+    """The processes that make an M-step's maps together: `Alone`, or an MPI runner's `runners.mpi.WorkerPeers`."""
+
+    def gather_all(self, mine: Any) -> list[Any]:
+        """Every peer's `mine`, in peer order."""
+
+
 class Alone:
     """The peers of a process that makes every map of the M-step itself (one process, or an MPI worker that holds
     every unit's sums): `gather_all` gives back what it is given. An MPI runner's peers
     (`runners.mpi.WorkerPeers`) share out what each gives among all of them."""
 
     @staticmethod
-    def gather_all(mine):
+    def gather_all(mine: Any) -> list[Any]:
         """Every peer's `mine`, in peer order: here, only this one's."""
         return [mine]
 
@@ -119,7 +140,7 @@ class Alone:
 ALONE = Alone()
 
 
-def gathered(peers, mine):
+def gathered(peers: Peers, mine: dict) -> dict:
     """The union of the dicts the peers give (`mine` this one's), in peer order."""
     merged = {}
     for part in peers.gather_all(mine):
@@ -127,7 +148,7 @@ def gathered(peers, mine):
     return merged
 
 
-def volumes_here(sums, index):
+def volumes_here(sums: WeightedSums, index: int) -> bool:
     """Whether a unit's WeightedSums hold class `index`'s volumes here (MPI: made by this worker, else None)."""
     return index < len(sums.data) and sums.data[index] is not None
 
@@ -140,7 +161,8 @@ class HalfSums:
     one half's sums at most are on the device, as on each of RELION's MPI ranks. The sums' volumes are moved and
     let go in place: after the M-step they are not there any more."""
 
-    def __init__(self, sums, backend, model, config, current_size_px):
+    def __init__(self, sums: list[WeightedSums], backend: Backend, model: ModelState, config: RefineConfig,
+                 current_size_px: int) -> None:
         self.sums, self.backend = sums, backend
         self.model, self.config, self.current_size_px = model, config, current_size_px
         self.grid = PaddedGrid.create(model.ori_size_px, config.padding_factor, current_size_px // 2)
@@ -155,11 +177,11 @@ class HalfSums:
             for h in self.here:
                 self._move(h, True)
 
-    def order(self):
+    def order(self) -> list[int]:
         """The halves here, those on the device first (the fewest bytes moved)."""
         return sorted(self.here, key=lambda h: not self.resident[h])
 
-    def backprojector(self, h):
+    def backprojector(self, h: int) -> BackProjector:
         """Half h's BackProjector on the device, symmetrised with --sym the first time (`backprojector`); when
         parking, the other half is moved to the host first. Drop it before asking for the other half."""
         if self.parking:
@@ -177,13 +199,13 @@ class HalfSums:
             self.hermitian[h] = bp.hermitian_enforced
         return bp
 
-    def release(self, h):
+    def release(self, h: int) -> None:
         """Half h's sums are not needed any more: their memory goes."""
         self.sums[h].data[0] = self.sums[h].weight[0] = None
         self.resident[h] = False
         self.here.remove(h)
 
-    def joined(self):
+    def joined(self) -> BackProjector:
         """A BackProjector of both halves' sums (the final iteration's map; both must be here): the other half's
         added into those of the half on the device (half 1 when both are), from the host one slab at a time if it
         waits there."""
@@ -200,7 +222,8 @@ class HalfSums:
         self.resident[h] = to_device
 
 
-def maximize_other_parameters(model, config, sums, do_cc):
+def maximize_other_parameters(model: ModelState, config: RefineConfig, sums: Sequence[WeightedSums],
+                              do_cc: bool) -> None:
     """RELION's maximizationOtherParameters from a list of WeightedSums (two halves, or one set):
     noise spectra, σ offsets (at least 2 Å²), average norm (--norm) and scales (--scale). With CC
     (--firstiter_cc) the noise spectra and scales stay, as in RELION; the σ offsets and the average norm are

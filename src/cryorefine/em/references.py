@@ -4,8 +4,13 @@ cross-correlation iteration)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+
+from cryorefine.config import RefineConfig
 from cryorefine.core import fourier
-from cryorefine.core.arrays import array_module
+from cryorefine.core.arrays import Array, array_module
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 
@@ -13,7 +18,7 @@ from cryorefine.io import mrc
 NOT_REBOXED = "(cryorefine does not re-box the particles into the reference's size, as RELION's --trust_ref_size does)"
 
 
-def read_reference(path, box, pixel):
+def read_reference(path: Path | str, box: int, pixel: float) -> np.ndarray:
     """A reference map checked against the particles: cubic of their box, at their pixel size."""
     reference, ref_pixel = mrc.read_volume(path)
     if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
@@ -31,7 +36,7 @@ def read_reference(path, box, pixel):
 INI_HIGH_EDGE_SHELLS = 2.0
 
 
-def lowpass_to_ini_high(volume, config, box, pixel):
+def lowpass_to_ini_high(volume: Array, config: RefineConfig, box: int, pixel: float) -> Array:
     """The volume low-passed to --ini_high (unchanged without it), with numpy or cupy as the volume is.
 
     As RELION's initialLowPassFilterReferences: a raised cosine INI_HIGH_EDGE_SHELLS wide that goes

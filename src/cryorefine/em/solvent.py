@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
+from cryorefine.config import RefineConfig
 from cryorefine.core import fourier
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.masks import solvent_flatten
 from cryorefine.em.schedule import default_particle_diameter_angstrom
+from cryorefine.em.state import ModelState
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 
@@ -31,7 +36,7 @@ log = logging.getLogger("cryorefine")
 MASK_VALUE_TOLERANCE = 1e-3
 
 
-def read_mask(option, path, box_px, pixel_size_angstrom):
+def read_mask(option: str, path: Path | str, box_px: int, pixel_size_angstrom: float) -> np.ndarray:
     """A mask map (float64, host) checked against the particles, or an InputError naming the option, the file
     and what to do."""
     try:
@@ -67,7 +72,8 @@ class SolventMasks:
     correct_fsc: bool = False  # --solvent_correct_fsc with a --solvent_mask
 
     @classmethod
-    def from_config(cls, config, box_px, pixel_size_angstrom, diameter_angstrom, say=False):
+    def from_config(cls, config: RefineConfig, box_px: int, pixel_size_angstrom: float, diameter_angstrom: float,
+                    say: bool = False) -> SolventMasks:
         """The masks of `config` for particles of `box_px` at `pixel_size_angstrom`; InputError on a bad mask.
         With `say`, options that change nothing are named in one INFO line each."""
         mask = mask2 = None
@@ -90,19 +96,19 @@ class SolventMasks:
                    float(config.width_mask_edge_px), mask, mask2, correct)
 
     @classmethod
-    def for_model(cls, config, model):
+    def for_model(cls, config: RefineConfig, model: ModelState) -> SolventMasks:
         """The masks of `config` for a model's box and pixel size and the default particle diameter (an MPI
         worker's first M-step: the master has checked the files and said what changes nothing)."""
         box, pixel = model.ori_size_px, model.pixel_size_angstrom
         return cls.from_config(config, box, pixel, default_particle_diameter_angstrom(config, box, pixel))
 
-    def reference_mask(self, box_px, xp=np, dtype=np.float64):
+    def reference_mask(self, box_px: int, xp: ArrayModule = np, dtype: npt.DTypeLike = np.float64) -> Array:
         """The mask the references are multiplied by, as `dtype`: --solvent_mask, else the soft sphere."""
         if self.mask is not None:
             return xp.asarray(self.mask, dtype=dtype)
         return fourier.soft_spherical_mask(box_px, self.sphere_radius_px, self.edge_px, xp, dtype)
 
-    def apply(self, volume, xp=np):
+    def apply(self, volume: Array, xp: ArrayModule = np) -> Array:
         """A reference after the M-step as RELION's solventFlatten leaves it (unchanged without --flatten_solvent)."""
         if not self.flatten:
             return volume

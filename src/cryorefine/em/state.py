@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cryorefine.data import ParticleSet
+from cryorefine.estep.engine import BatchResult
+
 
 @dataclass
 class ModelState:
@@ -46,7 +49,7 @@ class ModelState:
     pdf_direction: np.ndarray | None = None  # (K, n_directions) the direction distribution per class
 
     @property
-    def n_shells(self):
+    def n_shells(self) -> int:
         return self.ori_size_px // 2 + 1
 
 
@@ -94,17 +97,17 @@ class ParticleState:
     log_likelihood: np.ndarray
 
     @classmethod
-    def from_particles(cls, particles, pixel_size_angstrom):
+    def from_particles(cls, particles: ParticleSet, pixel_size_angstrom: float) -> ParticleState:
         n = len(particles)
         return cls(particles.rot_deg.copy(), particles.tilt_deg.copy(), particles.psi_deg.copy(),
                    particles.origin_x_angstrom / pixel_size_angstrom, particles.origin_y_angstrom / pixel_size_angstrom,
                    np.zeros(n, np.int64), particles.norm_correction.copy(), np.zeros(n), np.zeros(n, np.int64),
                    np.zeros(n))
 
-    def copy(self):
+    def copy(self) -> ParticleState:
         return ParticleState(**{f.name: getattr(self, f.name).copy() for f in dataclasses.fields(self)})
 
-    def store(self, indices, result):
+    def store(self, indices: np.ndarray, result: BatchResult) -> None:
         """The per-particle results of a batch (an estep.engine.BatchResult) at `indices`."""
         for f in dataclasses.fields(self):
             getattr(self, f.name)[indices] = getattr(result, f.name)

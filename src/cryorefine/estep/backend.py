@@ -17,13 +17,21 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.config import RefineConfig
+from cryorefine.core.arrays import Array, ArrayModule
+from cryorefine.estep.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
-def cupy_available():
+def cupy_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
     try:
         import cupy
@@ -32,7 +40,7 @@ def cupy_available():
         return False
 
 
-def make_backend(config, device_id=None, shared_by=1):
+def make_backend(config: RefineConfig, device_id: int | None = None, shared_by: int = 1) -> Backend:
     """The backend config.engine names: "numpy" (at config.dtype, on config.threads threads, by default
     an equal share of this machine's cores among the `shared_by` processes on it), or "cuda" on
     `device_id` (default config.gpu_ids[0], else 0) with an arena of the free memory minus
@@ -45,7 +53,7 @@ def make_backend(config, device_id=None, shared_by=1):
     return NumpyBackend(np.dtype(config.dtype), threads)
 
 
-def available_cores():
+def available_cores() -> int:
     """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
@@ -59,44 +67,44 @@ class NumpyBackend:
     name = "numpy"
     array_module = np
 
-    def __init__(self, dtype=np.float64, threads=1):
+    def __init__(self, dtype: npt.DTypeLike = np.float64, threads: int = 1) -> None:
         self.dtype = np.dtype(dtype)
         self.sums_dtype = self.dtype  # the real dtype of the back-projection sums
         self.threads = int(threads)
         self.high_water_bytes = {}
         self.iteration_peak_bytes = []
 
-    def describe(self):
+    def describe(self) -> str:
         return f"numpy ({self.dtype}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
-    def make_engine(self):
+    def make_engine(self) -> Engine:
         from cryorefine.estep.reference import NumpyEngine
 
         return NumpyEngine(self.dtype, self.threads)
 
-    def run_scope(self):
+    def run_scope(self) -> AbstractContextManager[NumpyBackend]:
         return contextlib.nullcontext(self)
 
-    def iteration_scope(self):
+    def iteration_scope(self) -> AbstractContextManager[NumpyBackend]:
         return contextlib.nullcontext(self)
 
-    def maximization_scope(self):
+    def maximization_scope(self) -> AbstractContextManager[NumpyBackend]:
         return contextlib.nullcontext(self)
 
-    def free_device_bytes(self):
+    def free_device_bytes(self) -> None:
         """None: everything is on the host already."""
         return None
 
-    def on_device(self, array):
+    def on_device(self, array: Array) -> bool:
         return True
 
-    def to_device(self, array):
+    def to_device(self, array: Array) -> Array:
         return array
 
-    def to_host(self, array):
+    def to_host(self, array: Array) -> Array:
         return array
 
-    def release_cached(self):
+    def release_cached(self) -> None:
         """Nothing is cached on the host."""
 
 
@@ -111,7 +119,8 @@ class CudaBackend:
     name = "cuda"
     sums_dtype = np.dtype(np.float32)  # the back-projection sums, as RELION's GPU build keeps them
 
-    def __init__(self, device_id=0, free_gpu_memory_mb=2048.0, use_arena=True, shared_by=1):
+    def __init__(self, device_id: int = 0, free_gpu_memory_mb: float = 2048.0, use_arena: bool = True,
+                 shared_by: int = 1) -> None:
         self.device_id = int(device_id)
         self.free_gpu_memory_mb = float(free_gpu_memory_mb)
         self.shared_by = int(shared_by)
@@ -120,23 +129,23 @@ class CudaBackend:
         self.high_water_bytes = {}  # after a run: the arena's high-water mark per scope (bytes)
         self.iteration_peak_bytes = []  # after a run: the arena's peak in use during each iteration (bytes)
 
-    def describe(self):
+    def describe(self) -> str:
         return f"GPU {self.device_id} (CuPy kernels)"
 
     @property
-    def array_module(self):
+    def array_module(self) -> ArrayModule:
         """cupy: images are prepared on the device (images.prepare_batch, the initial noise spectra)."""
         import cupy
 
         return cupy
 
-    def make_engine(self):
+    def make_engine(self) -> Engine:
         from cryorefine.estep.cuda import CupyEngine
 
         return CupyEngine(self.device_id, self.arena)
 
     @contextlib.contextmanager
-    def run_scope(self):
+    def run_scope(self) -> Iterator[CudaBackend]:
         import cupy
 
         from cryorefine.estep.kernels import first_use_notice, kernel_module, mark_kernels_warm
@@ -167,7 +176,7 @@ class CudaBackend:
             mark_kernels_warm()  # the run's iterations have ended: the kernels they used are in the cache
 
     @contextlib.contextmanager
-    def iteration_scope(self):
+    def iteration_scope(self) -> Iterator[CudaBackend]:
         from cryorefine.gpu.allocator import Scope
 
         if self.arena is None:
@@ -177,7 +186,7 @@ class CudaBackend:
             yield self
 
     @contextlib.contextmanager
-    def maximization_scope(self):
+    def maximization_scope(self) -> Iterator[CudaBackend]:
         """The M-step's many large temporaries come from a caching pool inside the iteration's scope."""
         if self.arena is None:
             yield self
@@ -185,31 +194,35 @@ class CudaBackend:
         with self.arena.pooled():
             yield self
 
-    def free_device_bytes(self):
+    def free_device_bytes(self) -> int | None:
         """Bytes free for this run on the device now (`gpu.allocator.free_device_bytes`)."""
         from cryorefine.gpu.allocator import free_device_bytes
 
         return free_device_bytes(self.arena)
 
-    def on_device(self, array):
+    def on_device(self, array: Array) -> bool:
         from cryorefine.core.arrays import array_module
 
         return array_module(array) is not np
 
-    def to_device(self, array):
+    def to_device(self, array: Array) -> Array:
         """`array` on the device (a host array copied there; a device array as it is)."""
         from cryorefine.core.arrays import to_device
 
         return array if self.on_device(array) else to_device(array, self.array_module)
 
-    def to_host(self, array):
+    def to_host(self, array: Array) -> np.ndarray:
         """A host copy of `array` (pageable: a pinned buffer of gigabytes would cost more to make than it saves)."""
         from cryorefine.core.arrays import to_host
 
         return to_host(array)
 
-    def release_cached(self):
+    def release_cached(self) -> None:
         """The M-step's caching pool gives its unused blocks back to the arena, so that memory freed below them
         (sums moved to the host) can be used again."""
         if self.arena is not None:
             self.arena.release_pooled()
+
+
+#: The backend of a process: numpy on the host, or CuPy on one GPU.
+Backend: TypeAlias = NumpyBackend | CudaBackend
