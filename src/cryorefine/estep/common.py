@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
+from cryorefine.core.sampling import LocalOrientations
+from cryorefine.estep.engine import IterationSetup
 
 #: The coefficients' order: tiles of TILE_ROWS ky rows × TILE_COLUMNS kx (a warp's 32 lanes), tile rows in the
 #: half transform's row order (ky ≥ 0 up, then the negative rows), tiles along kx within a tile row. Neighbours in
@@ -42,7 +47,7 @@ class Coefficients:
     shell: np.ndarray  # round(|k|)
 
     @classmethod
-    def create(cls, size_px, radius_px=None):
+    def create(cls, size_px: int, radius_px: float | None = None) -> Coefficients:
         from cryorefine.core.fourier import signed_frequencies
 
         r = size_px / 2 if radius_px is None else radius_px
@@ -59,21 +64,21 @@ class Coefficients:
         shell = np.rint(np.sqrt(kxf * kxf + kyf * kyf)).astype(np.int64)
         return cls(size_px, pos, kxf.astype(np.float64), kyf.astype(np.float64), shell)
 
-    def positions_in(self, size_px):
+    def positions_in(self, size_px: int) -> np.ndarray:
         """Flat positions of these coefficients in a half transform of another size."""
         return (self.ky.astype(np.int64) % size_px) * (size_px // 2 + 1) + self.kx.astype(np.int64)
 
-    def gather(self, arrays):
+    def gather(self, arrays: Array) -> Array:
         """(…, n, n//2+1) -> (…, n_coefficients)."""
         return arrays.reshape(arrays.shape[:-2] + (-1,))[..., self.positions]
 
-    def scatter(self, values, xp=np):
+    def scatter(self, values: Array, xp: ArrayModule = np) -> Array:
         """(…, n_coefficients) -> (…, n, n//2+1), zeros elsewhere."""
         out = xp.zeros(values.shape[:-1] + (self.size_px * (self.size_px // 2 + 1),), dtype=values.dtype)
         out[..., self.positions] = values
         return out.reshape(values.shape[:-1] + (self.size_px, self.size_px // 2 + 1))
 
-    def phase(self, shifts_px, ori_size_px, dtype):
+    def phase(self, shifts_px: npt.ArrayLike, ori_size_px: int, dtype: npt.DTypeLike) -> np.ndarray:
         """exp(−2πi k·s/N) (…, n_coefficients) for shifts (…, 2) in px: moves images by +s."""
         s = np.asarray(shifts_px)
         arg = (-2.0 * np.pi / ori_size_px) * (s[..., 0:1] * self.kx + s[..., 1:2] * self.ky)
@@ -117,7 +122,7 @@ class IterationTables:
     scale_use: np.ndarray | None  # (K, n_fine) bool: coefficients in the scale sums (data_vs_prior > 3), or None
 
     @classmethod
-    def create(cls, setup):
+    def create(cls, setup: IterationSetup) -> IterationTables:
         s = setup
         n_classes = len(s.projectors) if s.projectors is not None else len(s.maps)
         fine = Coefficients.create(s.current_size_px)
@@ -155,30 +160,30 @@ class IterationTables:
                    n_fine_orientations=sampling.n_fine_orientations(),
                    n_fine_translations=sampling.n_fine_translations(), scale=scale, scale_use=scale_use)
 
-    def orientation_matrices(self, index=None, xp=np):
+    def orientation_matrices(self, index: npt.ArrayLike | None = None, xp: ArrayModule = np) -> Array:
         """(n, 3, 3) float64 matrices of the orientations `index` (host ints; all of them by default), made in
         `xp` (cupy: on the device)."""
         return xp.asarray(self.sampling.orientation_matrices(xp=xp, index=index), dtype=xp.float64)
 
     @property
-    def n_translations(self):
+    def n_translations(self) -> int:
         return self.translations.shape[0]
 
     @property
-    def children_per_block(self):
+    def children_per_block(self) -> int:
         """Fine samples per significant coarse sample: n_fine_orientations × n_fine_translations."""
         return self.n_fine_orientations * self.n_fine_translations
 
     @property
-    def n_optics(self):
+    def n_optics(self) -> int:
         return self.sigma2.shape[0]
 
     @property
-    def n_shells(self):
+    def n_shells(self) -> int:
         return self.sigma2.shape[1]
 
 
-def inverse_sigma2(sigma2, shell, keep_origin):
+def inverse_sigma2(sigma2: np.ndarray, shell: np.ndarray, keep_origin: bool) -> np.ndarray:
     """1/σ² (n_optics, n_coefficients) at the coefficients' shells; 0 beyond the spectra (and at k = 0
     unless `keep_origin`: RELION leaves k = 0 out of the likelihood but not out of the sums)."""
     inside = shell < sigma2.shape[1]
@@ -189,7 +194,8 @@ def inverse_sigma2(sigma2, shell, keep_origin):
     return values
 
 
-def local_orientations(setup, prior_rot_deg, prior_tilt_deg, prior_psi_deg):
+def local_orientations(setup: IterationSetup, prior_rot_deg: npt.ArrayLike, prior_tilt_deg: npt.ArrayLike,
+                       prior_psi_deg: npt.ArrayLike) -> LocalOrientations | None:
     """Each particle's orientations and their log priors (core.sampling.LocalOrientations) in a local search of
     `setup`, around its previous pose (a batch's prior_rot_deg, prior_tilt_deg, prior_psi_deg); None in a global
     search."""
@@ -199,7 +205,7 @@ def local_orientations(setup, prior_rot_deg, prior_tilt_deg, prior_psi_deg):
                                              setup.sigma_psi_deg)
 
 
-def groups_by_size(sizes, limit):
+def groups_by_size(sizes: npt.ArrayLike, limit: int) -> list[np.ndarray]:
     """Consecutive index groups whose sizes add up to at most `limit` (a group holds at least one)."""
     groups, start, total = [], 0, 0
     for i, size in enumerate(np.asarray(sizes).tolist()):
@@ -222,7 +228,7 @@ FINE_SAMPLES_PER_PARTICLE = 1 << 25
 FINE_CELLS_PER_PARTICLE = 1 << 24
 
 
-def fine_pass_limit(setup):
+def fine_pass_limit(setup: IterationSetup) -> int:
     """The most significant coarse samples a particle may take into the fine pass of `setup` (an
     engine.IterationSetup), whatever the samples are; 0 where every coarse sample fits. N samples have N times
     their children in fine samples (at most FINE_SAMPLES_PER_PARTICLE); in a classification's finer pass, whose 64 ×
@@ -234,7 +240,7 @@ def fine_pass_limit(setup):
     n_translations = sampling.n_translations
     n_fine_o, n_fine_t = sampling.n_fine_orientations(), sampling.n_fine_translations()
 
-    def fits(n):
+    def fits(n: int) -> bool:
         samples = n * n_fine_o * n_fine_t
         cells = min(n, n_pairs) * n_fine_o * min(n, n_translations) * n_fine_t
         return samples <= FINE_SAMPLES_PER_PARTICLE and (not setup.fine_pass_raised or cells <= FINE_CELLS_PER_PARTICLE)
@@ -249,7 +255,7 @@ def fine_pass_limit(setup):
     return low
 
 
-def significants_limit(setup):
+def significants_limit(setup: IterationSetup) -> int:
     """The most significant coarse samples a particle keeps in `setup`'s coarse pass: --maxsig (setup's
     max_significants), or fewer where the fine pass would not hold more (`fine_pass_limit`); ≤ 0: no limit. Both
     engines cut with it, so that they keep the same samples."""
@@ -259,7 +265,8 @@ def significants_limit(setup):
     return limit if setup.max_significants <= 0 else min(limit, setup.max_significants)
 
 
-def significant_samples(weights, adaptive_fraction, max_significants, xp):
+def significant_samples(weights: Array, adaptive_fraction: float, max_significants: int,
+                        xp: ArrayModule) -> tuple[Array, Array]:
     """Mask (B, S) of the fewest samples holding `adaptive_fraction` of each row's mass, and their count (B,).
 
     Here rather than in `estep.cuda` because it is array-module generic: the tests check it with numpy
@@ -291,13 +298,14 @@ def significant_samples(weights, adaptive_fraction, max_significants, xp):
     return significant_mask(weights, threshold[:, None]), n_sig
 
 
-def significant_mask(weights, threshold):
+def significant_mask(weights: Array, threshold: Array) -> Array:
     """The significance rule every cut ends with: a sample is kept when its weight is at least its row's
     `threshold` (broadcasting to `weights`) and positive."""
     return (weights >= threshold) & (weights > 0)
 
 
-def significance_cut(packed, counts, total, adaptive_fraction, max_significants, xp):
+def significance_cut(packed: Array, counts: Array, total: Array, adaptive_fraction: float, max_significants: int,
+                     xp: ArrayModule) -> tuple[Array, Array]:
     """The cut of `significant_samples` from each row's candidates alone: `packed` (B, width) holds a row's
     `counts` candidates (weights above ε) in any order, zeros after them; `total` is the row's whole mass.
     Returns the smallest weight kept per row (`significant_mask` applies it) and the count kept (B,)."""

@@ -40,10 +40,12 @@ import threading
 import time
 
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.core import euler
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.projector import PaddedGrid, Projector
-from cryorefine.core.sampling import offset_log_prior
+from cryorefine.core.sampling import LocalOrientations, offset_log_prior
 from cryorefine.estep.common import (
     FineBlocks,
     IterationTables,
@@ -59,7 +61,7 @@ from cryorefine.estep.cuda_plan import (
     SLICE_ROW_BYTES_PER_COEF,
     plan_batches,
 )
-from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
+from cryorefine.estep.engine import Batch, BatchResult, IterationSetup, WeightedSums
 from cryorefine.estep.kernels import (
     FINE_THREADS,
     GEMM_BK,
@@ -79,7 +81,7 @@ from cryorefine.estep.kernels import (
     local_tiles,
     round_up,
 )
-from cryorefine.gpu.allocator import free_device_bytes
+from cryorefine.gpu.allocator import DeviceArena, free_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,8 @@ def _f32(v):
     return np.float32(v)
 
 
-def coarse_significant(cp, d2, prior_ko, prior_t, adaptive_fraction, max_significants, device_id):
+def coarse_significant(cp: ArrayModule, d2: Array, prior_ko: Array, prior_t: Array, adaptive_fraction: float,
+                       max_significants: int, device_id: int) -> tuple[Array, Array, np.ndarray, Array]:
     """The significant samples of coarse diff2 (B, K, R, T) under log priors broadcasting as (B or 1, K, R, 1) and
     (B, 1, 1, T), without a (B, K·R·T) float64 weights array: weights.cu recomputes a row's weights in each of its
     three passes (maximum; total and a bound on the candidates; the candidates packed), and the cut
@@ -158,7 +161,7 @@ class _PairGroups:
         self.n_pairs = int(self.unique.size)
         self.project_once = int(k_blk.size) >= FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE * max(self.n_pairs, 1)
 
-    def chunk(self, first, count):
+    def chunk(self, first: int, count: int) -> tuple[Array, np.ndarray, Array]:
         """Pairs first … first + count − 1: (their blocks sorted by pair, as indices into all blocks; the pairs (host);
         each of those blocks' first slice row, NFO rows per pair, int32)."""
         cp = self.cp
@@ -173,7 +176,8 @@ class _PairGroups:
 class CupyEngine:
     """The GPU engine for one half set (all classes); `arena` is a gpu.allocator.DeviceArena or None."""
 
-    def __init__(self, device_id=0, arena=None, keep_blocks=False, coarse_kernel=None):
+    def __init__(self, device_id: int = 0, arena: DeviceArena | None = None, keep_blocks: bool = False,
+                 coarse_kernel: str | None = None) -> None:
         import cupy
 
         self.cp = cupy
@@ -236,7 +240,7 @@ class CupyEngine:
                 self.compiled_ahead[names].start()
 
     # ------------------------------------------------------------------ iteration set-up
-    def setup(self, setup: IterationSetup):
+    def setup(self, setup: IterationSetup) -> None:
         cp = self.cp
         s = self.setup_ = setup
         t = self.tables = IterationTables.create(s)
@@ -348,7 +352,7 @@ class CupyEngine:
         return b, p2, n
 
     # ------------------------------------------------------------------ one batch
-    def run(self, batch, local=None):
+    def run(self, batch: Batch, local: LocalOrientations | None = None) -> BatchResult:
         """The E-step of one batch (`estep.engine.Engine.run`); `local`: its local-search neighbourhoods when the
         caller computed them ahead, else they are computed here."""
         from cryorefine.gpu.allocator import Scope
@@ -398,7 +402,7 @@ class CupyEngine:
         take = slice(int(rows[0]), int(rows[-1]) + 1)
         pos = self.fine_positions_d
 
-        def coefficients(array, dtype):
+        def coefficients(array: Array, dtype: npt.DTypeLike) -> Array:
             device = cp.asarray(array[take])  # numpy (uploaded) or already on the device
             return device.reshape(b_count, -1)[:, pos].astype(dtype)
 
@@ -913,7 +917,7 @@ class CupyEngine:
         self._tick("sums", tic)
         return new_norm
 
-    def sums(self):
+    def sums(self) -> WeightedSums:
         """The accumulated sums; the references and cached slices are let go (their memory returns)."""
         self.ref_volumes = None
         self.coarse_cache = None

@@ -37,14 +37,15 @@ class BatchPlan:
     fine_samples_per_group: int  # fine samples (children) per group of particles
     slice_rows_per_chunk: int  # fine slice rows (projections, data and weights) of one chunk of the fine pass
 
-    def describe(self):
+    def describe(self) -> str:
         return (f"{self.particles_per_batch} particles per batch, {self.orientations_per_chunk} orientations "
                 f"per chunk{' (coarse slices cached)' if self.cache_coarse_slices else ''}, "
                 f"{self.fine_samples_per_group} fine samples per group, {self.slice_rows_per_chunk} slices "
                 f"per back-projection")
 
 
-def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
+def per_particle_bytes(n_coarse_coef: int, n_fine_coef: int, n_orientations: int, n_translations: int,
+                       n_classes: int) -> int:
     """Device bytes one particle of a sub-batch takes: shifted images 2·Kc·T·4, coarse weights
     36·K·R·T (diff2 float32, and where every sample is a candidate its packed candidates, weight float64
     and index int32, their sorted copy and cumulative sums float64: `estep.cuda.coarse_significant`), its
@@ -53,7 +54,8 @@ def per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translation
             + 144 * n_fine_coef)
 
 
-def local_per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes):
+def local_per_particle_bytes(n_coarse_coef: int, n_fine_coef: int, n_orientations: int, n_translations: int,
+                             n_classes: int) -> int:
     """Device bytes one particle of a local search's sub-batch takes: its images moved by every
     translation 8·Kc·T (complex, T padded to local_diff2's tile, `local_tile`), their coarse gathers about 32·Kc,
     the coarse weights 36·K·R·T as in a global search, and its images about 144·Kf. Its slices are
@@ -62,8 +64,8 @@ def local_per_particle_bytes(n_coarse_coef, n_fine_coef, n_orientations, n_trans
             + 36 * n_classes * n_orientations * n_translations + 144 * n_fine_coef)
 
 
-def plan_batches(free_bytes, n_coarse_coef, n_fine_coef, n_orientations, n_translations, n_classes, batch_size,
-                 children_per_block, local=False):
+def plan_batches(free_bytes: float, n_coarse_coef: int, n_fine_coef: int, n_orientations: int, n_translations: int,
+                 n_classes: int, batch_size: int, children_per_block: int, local: bool = False) -> BatchPlan:
     """Batch and chunk sizes that keep the E-step of one batch within `free_bytes`.
 
     The dominant buffers, in bytes: the coarse slices 3·Kc·4 per orientation; per particle

@@ -20,12 +20,16 @@ and without k = 0).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import complex_dtype_for
+from cryorefine.core.sampling import LocalOrientations
 
 
 @dataclass
@@ -64,7 +68,7 @@ class IterationSetup:
     next_oversampling: int | None = None
 
     @property
-    def n_scale_groups(self):
+    def n_scale_groups(self) -> int | None:
         """The intensity groups the scale sums are kept for: one per scale (--scale); None (one per optics group)
         without."""
         return None if self.scale_correction is None else int(np.size(self.scale_correction))
@@ -110,7 +114,7 @@ class BatchResult:
     norm_correction: np.ndarray  # new rlnNormCorrection
 
 
-def flat_reals(array, real):
+def flat_reals(array: Array, real: npt.DTypeLike) -> np.ndarray:
     """`array` (host or device) as one flat, contiguous host array of the real dtype `real`, a complex array's
     values as pairs of reals: how sums cross between MPI ranks and are added there."""
     from cryorefine.core.arrays import to_host
@@ -122,7 +126,7 @@ def flat_reals(array, real):
     return np.ascontiguousarray(host, dtype=real).reshape(-1)
 
 
-def from_flat_reals(flat, shape, dtype):
+def from_flat_reals(flat: npt.ArrayLike, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """The array of `shape` and `dtype` that `flat_reals` made `flat` of (float32 or float64 reals, pairs of them
     for a complex dtype)."""
     flat = np.asarray(flat)
@@ -165,8 +169,9 @@ class WeightedSums:
     n_particles: int = 0
 
     @classmethod
-    def zeros(cls, volume_shape, n_classes, n_optics, n_shells, n_directions, xp=np, data=None, weight=None,
-              real_dtype=np.float64, n_scale_groups=None):
+    def zeros(cls, volume_shape: tuple[int, ...], n_classes: int, n_optics: int, n_shells: int, n_directions: int,
+              xp: ArrayModule = np, data: list[Array] | None = None, weight: list[Array] | None = None,
+              real_dtype: npt.DTypeLike = np.float64, n_scale_groups: int | None = None) -> WeightedSums:
         """Empty sums of `n_classes` classes; the volumes (complex data and real weights of `volume_shape`,
         `real_dtype` and its complex) are made with `xp` unless an engine gives its own (lists of K arrays); the
         scale sums per intensity group (`n_scale_groups`, default one per optics group)."""
@@ -181,10 +186,10 @@ class WeightedSums:
                    scale_xa=np.zeros(n_scale), scale_aa=np.zeros(n_scale))
 
     @property
-    def n_classes(self):
+    def n_classes(self) -> int:
         return len(self.data)
 
-    def move_volumes(self, move):
+    def move_volumes(self, move: Callable[[Array], Array]) -> WeightedSums:
         """Every class's data and weight replaced, in place and one at a time, by `move(array)` (a copy on the
         host or on the device: `estep.backend`)."""
         for volumes in (self.data, self.weight):
@@ -192,12 +197,12 @@ class WeightedSums:
                 volumes[k] = move(array)
         return self
 
-    def without_volumes(self):
+    def without_volumes(self) -> WeightedSums:
         """These sums without the class volumes (data and weight empty lists): all the M-step needs beside the
         maps, small enough to share."""
         return replace(self, data=[], weight=[])
 
-    def pack(self, volume_real_dtype=np.float64):
+    def pack(self, volume_real_dtype: npt.DTypeLike = np.float64) -> list[np.ndarray]:
         """The sums as a list of flat host arrays (complex volumes viewed as pairs of reals), every array field in
         field order and, last, one vector of the number fields. The class volumes are of `volume_real_dtype`
         (float64 by default, what a reduction adds in; the engine's own float32 to send sums as they are), every
@@ -215,14 +220,14 @@ class WeightedSums:
                 arrays.append(flat_reals(value, np.float64))
         return arrays + [np.asarray(scalars, dtype=np.float64)]
 
-    def unpack(self, arrays):
+    def unpack(self, arrays: Iterable[np.ndarray]) -> WeightedSums:
         """New host sums shaped like these (the template) and of their dtypes (the volumes: float32 sums stay
         float32 once reduced in float64) from `pack`'s list of arrays (of float64, or float32 volumes)."""
         arrays = list(arrays)
         scalars = iter(arrays.pop().tolist())
         arrays = iter(arrays)
 
-        def shaped(template, flat):
+        def shaped(template: Any, flat: np.ndarray) -> np.ndarray:
             return from_flat_reals(flat, np.shape(template), getattr(template, "dtype", np.dtype(np.float64)))
 
         values = {}
@@ -239,7 +244,7 @@ class WeightedSums:
                 values[f.name] = shaped(value, next(arrays))
         return type(self)(**values)
 
-    def spread_to_classes(self, classes, n_classes):
+    def spread_to_classes(self, classes: npt.ArrayLike, n_classes: int) -> WeightedSums:
         """These sums of the classes `classes` (their numbers, in this order) as sums of all `n_classes`:
         zeros for the others. The volumes stay where they are (host or device)."""
         from cryorefine.core.arrays import array_module, to_host
@@ -263,7 +268,7 @@ class WeightedSums:
         return type(self)(**values)
 
     @staticmethod
-    def total(parts):
+    def total(parts: Sequence[WeightedSums]) -> WeightedSums:
         """Field-wise sum of WeightedSums of the same shapes."""
         first = parts[0]
         values = {}
@@ -288,7 +293,7 @@ class Engine(Protocol):
     def setup(self, setup: IterationSetup) -> None:
         """References, noise model, sampling and priors of the iteration; sums start at zero."""
 
-    def run(self, batch: Batch, local=None) -> BatchResult:
+    def run(self, batch: Batch, local: LocalOrientations | None = None) -> BatchResult:
         """The E-step of one batch: per-particle results; the weighted sums are accumulated. `local`: the batch's
         local-search neighbourhoods (`estep.common.local_orientations` of its priors) where the caller computed
         them ahead; None: the engine computes them (None too in a global search)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from cryorefine.core import euler
 from cryorefine.core.projector import BackProjector, Projector
-from cryorefine.core.sampling import offset_log_prior
+from cryorefine.core.sampling import LocalOrientations, offset_log_prior
 from cryorefine.estep.common import (
     FineBlocks,
     IterationTables,
@@ -43,7 +44,7 @@ from cryorefine.estep.common import (
     significant_samples,
     significants_limit,
 )
-from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
+from cryorefine.estep.engine import Batch, BatchResult, IterationSetup, WeightedSums
 
 ITERATION_SLICE_ELEMENTS = 1 << 25  # rows × coefficients of the fine grid's projections and slices kept per unit
 COARSE_ELEMENTS_PER_CHUNK = 1 << 22  # coarse samples × particles scored at once (~0.2 GB of float64 temporaries)
@@ -74,7 +75,7 @@ class NumpyEngine:
         self.stage_flops = {}  # not counted on the host
 
     # ------------------------------------------------------------------ iteration set-up
-    def setup(self, setup: IterationSetup):
+    def setup(self, setup: IterationSetup) -> None:
         s = setup
         if s.projectors is None:
             s = replace(s, projectors=[Projector(m, s.padding_factor, s.current_size_px // 2) for m in s.maps])
@@ -112,7 +113,7 @@ class NumpyEngine:
         return np.concatenate(out) if out else np.zeros((0, coefficients.positions.size), self.complex)
 
     # ------------------------------------------------------------------ one batch
-    def run(self, batch, local=None):
+    def run(self, batch: Batch, local: LocalOrientations | None = None) -> BatchResult:
         """The E-step of one batch (`estep.engine.Engine.run`); `local`: its local-search neighbourhoods when the
         caller computed them ahead, else they are computed here."""
         optics = np.asarray(batch.optics_index)
@@ -189,7 +190,7 @@ class NumpyEngine:
         per_particle = self.n_classes * orient_sel.size * self.n_trans
         chunk = max(1, self.coarse_elements // max(1, per_particle))
 
-        def coarse_chunk(start):
+        def coarse_chunk(start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             rows = slice(start, min(start + chunk, b_count))
             x_c, ctf_c = pre["x"][rows][:, coarse_sel], pre["ctf"][rows][:, coarse_sel]
             minv_c = self.minv_coarse[pre["optics"][rows]]
@@ -204,7 +205,7 @@ class NumpyEngine:
             b_local, flat = np.nonzero(mask)
             return b_local + start, flat, np.zeros(flat.size), n_sig
 
-        def coarse_particle(b):
+        def coarse_particle(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             """A local search: the particle's own orientations only, not its batch-mates'."""
             segment = slice(int(local.offsets[b]), int(local.offsets[b + 1]))
             own, own_prior = local.orientation[segment], local.log_prior[segment]
@@ -257,7 +258,7 @@ class NumpyEngine:
         starts = np.searchsorted(b_idx, np.arange(b_count + 1))
         self.stage_seconds["fine"] += time.perf_counter() - tic
 
-        def particle(b):
+        def particle(b: int) -> tuple:
             return self._fine_particle(b, pre, table, ko_of_table[starts[b]:starts[b + 1]],
                                        t_flat[starts[b]:starts[b + 1]], olp[starts[b]:starts[b + 1]])
 
@@ -289,7 +290,7 @@ class NumpyEngine:
         merged = {name: np.array([o[name] for o in out]) for name in out[0]}
         return dict(merged, norm_correction=new_norm)
 
-    def sums(self):
+    def sums(self) -> WeightedSums:
         self._backproject_grid()
         return self.sums_
 
@@ -461,7 +462,8 @@ class NumpyEngine:
         # RELION's order of samples: block by block (class, orientation, translation), children inside
         canonical = (n_ko, n_t, n_fo, n_ft)
 
-        def canonical_index(values, pick):
+        def canonical_index(values: np.ndarray,
+                            pick: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
             flat = pick(values.reshape(n_ko, n_fo, n_t, n_ft).transpose(0, 2, 1, 3))
             i, j, jo, jt = np.unravel_index(flat, canonical)
             return i * n_fo + jo, j * n_ft + jt
@@ -653,10 +655,10 @@ class _FineTable:
     prior: np.ndarray  # (U,) log prior of the class and direction
 
     @property
-    def n_rows(self):
+    def n_rows(self) -> int:
         return self.mats.shape[0]
 
-    def projections(self, rows):
+    def projections(self, rows: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
         """The projections of the table's `rows` (K coefficients each) and their |P|², copies of those rows alone."""
         proj = self.source[rows if self.keys is None else self.keys[rows]]
         return proj, proj.real ** 2 + proj.imag ** 2

@@ -14,9 +14,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core.arrays import Array, ArrayModule
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +67,12 @@ _lock = threading.Lock()  # guards _key_locks
 _sm90a_refused = set()  # devices whose compiler did not take -arch=sm_90a: their modules are compiled without it
 
 
-def round_up(value, multiple):
+def round_up(value: int, multiple: int) -> int:
     """`value` rounded up to a multiple of `multiple` (the padded sizes of the kernels' operands)."""
     return (int(value) + multiple - 1) // multiple * multiple
 
 
-def fine_tile(nfo, nft):
+def fine_tile(nfo: int, nft: int) -> tuple[int, int]:
     """(orientations, translations) of the tile of children one CUDA block of the fine kernels takes, for NFO × NFT
     children per block (powers of two): all translations up to FINE_TILE_TRANSLATIONS, then as many orientations as
     keep the tile within FINE_TILE_CHILDREN."""
@@ -75,13 +80,13 @@ def fine_tile(nfo, nft):
     return max(1, min(int(nfo), FINE_TILE_CHILDREN // tt)), tt
 
 
-def fine_tiles(nfo, nft):
+def fine_tiles(nfo: int, nft: int) -> int:
     """Tiles per block of NFO × NFT children: the fine kernels' grid is (blocks, tiles)."""
     to, tt = fine_tile(nfo, nft)
     return (int(nfo) // to) * (int(nft) // tt)
 
 
-def local_tile(n_translations):
+def local_tile(n_translations: int) -> tuple[int, int, str]:
     """(orientations, translations) one block of a local search's coarse kernel takes, and the kernel's name: the
     smallest translation tile of LOCAL_TRANSLATION_TILES that holds `n_translations` (the largest, in several grid
     layers, beyond it), and as many orientations as fill LOCAL_THREADS threads with 2 × 2 outputs each. A late local
@@ -90,7 +95,7 @@ def local_tile(n_translations):
     return 4 * LOCAL_THREADS // tt, tt, f"local_diff2_t{tt}"
 
 
-def coarse_kernel_name(compute_capability):
+def coarse_kernel_name(compute_capability: str | int) -> str:
     """The coarse product's kernel for a device of `compute_capability` ("90", as CuPy gives it): warp-group products
     on 9.0 (H100, H200), `mma.sync` on the tensor cores of the others with TF32 (8.0 and later), CUDA cores before."""
     if str(compute_capability) == WGMMA_COMPUTE_CAPABILITY:
@@ -98,12 +103,12 @@ def coarse_kernel_name(compute_capability):
     return COARSE_KERNELS[1] if int(compute_capability) >= 80 else COARSE_KERNELS[2]
 
 
-def coarse_shared_bytes(kernel_name):
+def coarse_shared_bytes(kernel_name: str) -> int:
     """The dynamic shared memory a launch of the coarse kernel `kernel_name` takes (bytes)."""
     return WGMMA_SHARED_BYTES if kernel_name == COARSE_KERNELS[0] else 0
 
 
-def compile_options(compute_capability):
+def compile_options(compute_capability: str | int) -> tuple[str, ...]:
     """The compiler options of the module for a device of `compute_capability`: sm_90a on 9.0, where
     coarse_diff2_wgmma needs its warp-group products. CuPy gives its own architecture option first, and NVRTC 13
     takes the last; `kernel_module` checks which one a compiler took (coarse_wgmma.cu's cr_wgmma_compiled)."""
@@ -112,7 +117,7 @@ def compile_options(compute_capability):
     return COMPILE_OPTIONS
 
 
-def device_coarse_kernel(device_id):
+def device_coarse_kernel(device_id: int) -> str:
     """The coarse product's kernel for device `device_id`, as its compiled module holds it: `coarse_kernel_name`'s,
     or the `mma.sync` kernel on a 9.0 device whose compiler did not take sm_90a."""
     import cupy
@@ -124,7 +129,7 @@ def device_coarse_kernel(device_id):
     return name
 
 
-def local_tiles(counts, tile_orientations, xp=np):
+def local_tiles(counts: npt.ArrayLike, tile_orientations: int, xp: ArrayModule = np) -> tuple[Array, Array, Array]:
     """The tile arguments of a local search's coarse kernel for particles with `counts` orientations each (host,
     (B,)), as arrays of `xp` (numpy, or CuPy for the kernel): for each block, its particle and the first of its
     `tile_orientations` orientations ((n_tiles,) each), and the counts ((B,)); int32. A particle has
@@ -137,7 +142,7 @@ def local_tiles(counts, tile_orientations, xp=np):
     return tuple(xp.asarray(a, dtype=np.int32) for a in (particle, first, counts))
 
 
-def fine_kernel_names(nfo, nft):
+def fine_kernel_names(nfo: int, nft: int) -> tuple[str, str, str]:
     """The template instances of fine.cu for NFO child orientations × NFT child translations (tiled by `fine_tile`):
     the fine diff2 (likelihood, then cross-correlation) and the fine sums; pass them to `kernel_module` as name
     expressions."""
@@ -146,7 +151,7 @@ def fine_kernel_names(nfo, nft):
             f"fine_sums<{nfo}, {nft}, {to}, {tt}>")
 
 
-def kernel_source():
+def kernel_source() -> str:
     """The kernels of KERNEL_FILES as one compilation unit: the DEFINES first, then every file after a
     `#line 1 "file.cu"` directive, so compiler messages name the .cu file and its line."""
     parts = [f"#define {k} {v}" for k, v in DEFINES.items()]
@@ -157,7 +162,7 @@ def kernel_source():
     return "\n".join(parts)
 
 
-def kernel_module(name_expressions=(), device_id=None):
+def kernel_module(name_expressions: Sequence[str] = (), device_id: int | None = None) -> Any:
     """The kernels compiled for device `device_id` (default: CuPy's current device), once per device and set
     of template instances (`name_expressions`, e.g. `fine_kernel_names(8, 4)`).
 
@@ -191,12 +196,12 @@ def _compile(cupy, device_id, name_expressions):
     capability = cupy.cuda.Device(device_id).compute_capability
     options = COMPILE_OPTIONS if device_id in _sm90a_refused else compile_options(capability)
 
-    def build(options):
+    def build(options: tuple[str, ...]) -> Any:
         module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
         module.get_function("segment_reduce")  # compiles here (RawModule compiles on first use)
         return module
 
-    def refused(why):
+    def refused(why: str) -> None:
         log.warning("GPU %d: the CUDA compiler did not build the kernels for sm_90a (%s); the coarse product runs "
                     "with mma.sync instead of Hopper's warp-group products", device_id, why)
         _sm90a_refused.add(device_id)
@@ -219,19 +224,19 @@ def _compile(cupy, device_id, name_expressions):
     return module
 
 
-def kernel_cache_dir():
+def kernel_cache_dir() -> Path:
     """Where CuPy keeps compiled kernels ($CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
 @contextlib.contextmanager
-def compile_notice(what):
+def compile_notice(what: str) -> Iterator[None]:
     """Say so when the work inside takes longer than COMPILE_NOTICE_SECONDS (a compilation, not a cache hit):
     one line when it has taken that long, one with its time when it ends."""
     tic = time.perf_counter()
     announced = threading.Event()
 
-    def announce():
+    def announce() -> None:
         announced.set()
         log.info("compiling %s for this GPU (once per machine and version; cached in %s) ...", what,
                  kernel_cache_dir())
@@ -247,7 +252,7 @@ def compile_notice(what):
             log.info("compiled %s in %.0f s", what, time.perf_counter() - tic)
 
 
-def warm_marker():
+def warm_marker() -> Path:
     """The file a run of this version leaves in CuPy's kernel cache once its iterations have ended: named by a
     digest of the package's version and its kernels' source, so a new version is announced again."""
     import hashlib
@@ -258,7 +263,7 @@ def warm_marker():
     return kernel_cache_dir() / f"cryorefine-{digest}.warm"
 
 
-def first_use_notice():
+def first_use_notice() -> None:
     """One line when no run of this version has ended on this machine (no `warm_marker`): its first iterations
     compile the kernels they use, CuPy's own (which it compiles without a word) with the package's. An empty cache
     or one that other programs filled says nothing about that."""
@@ -269,7 +274,7 @@ def first_use_notice():
                  marker.parent)
 
 
-def mark_kernels_warm():
+def mark_kernels_warm() -> None:
     """Leave `warm_marker` (a run's iterations have ended: the kernels they used are in the cache); a cache that
     cannot be written is left as it is."""
     try:
