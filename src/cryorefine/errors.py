@@ -2,6 +2,8 @@
 line for an output that did not fit on its disk, which one process and an MPI job both print, and a run
 stopped by Ctrl-C or SIGTERM."""
 
+from __future__ import annotations
+
 import errno
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an output that did not fit: the user's to fix, not ours
@@ -11,7 +13,7 @@ class InputError(ValueError):
     """Bad user input: the message names the file, the column or value, and what to do."""
 
 
-def disk_full_message(exc):
+def disk_full_message(exc: BaseException) -> str | None:
     """What to tell the user when `exc` is a full disk (or quota) met while writing, else None."""
     if not isinstance(exc, OSError) or exc.errno not in DISK_FULL_ERRNOS:
         return None

@@ -3,12 +3,16 @@ of the particles' best orientations and the time spent per stage."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import numpy as np
+import numpy.typing as npt
 
 from cryorefine.io.atomic import atomic_path
 
 
-def angular_histogram(rot_deg, tilt_deg, bins=(36, 18)):
+def angular_histogram(rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike, bins: tuple[int, int] = (36, 18)) -> np.ndarray:
     """Particle counts (n_tilt, n_rot) over rot −180…180 (columns) and tilt 0…180 (rows), in degrees."""
     rot = (np.asarray(rot_deg, dtype=np.float64) + 180.0) % 360.0 - 180.0
     counts, _, _ = np.histogram2d(np.asarray(tilt_deg, dtype=np.float64), rot, bins=(bins[1], bins[0]),
@@ -33,8 +37,10 @@ def _angular_panel(fig, ax, rot_deg, tilt_deg, title):
     ax.set_title(title, fontsize="small" if len(title) > 45 else None)
 
 
-def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angstrom, resolution_angstrom,
-                           rot_deg, tilt_deg, timings_seconds, halves_joined=False):
+def write_iteration_report(path: Path | str, *, iteration: int, fsc: npt.ArrayLike, ori_size_px: int,
+                           pixel_size_angstrom: float, resolution_angstrom: float, rot_deg: npt.ArrayLike,
+                           tilt_deg: npt.ArrayLike, timings_seconds: Mapping[str, float],
+                           halves_joined: bool = False) -> None:
     """Write the PNG atomically (matplotlib's Agg canvas; no pyplot, no global state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -69,9 +75,11 @@ def write_iteration_report(path, *, iteration, fsc, ori_size_px, pixel_size_angs
         fig.savefig(tmp, format="png")
 
 
-def write_classification_report(path, *, iteration, class_distributions, ssnr, ori_size_px, pixel_size_angstrom,
-                                resolution_angstrom, rot_deg, tilt_deg, timings_seconds, class_changes=None,
-                                class_resolutions_angstrom=None):
+def write_classification_report(path: Path | str, *, iteration: int, class_distributions: npt.ArrayLike,
+                                ssnr: npt.ArrayLike, ori_size_px: int, pixel_size_angstrom: float,
+                                resolution_angstrom: float, rot_deg: npt.ArrayLike, tilt_deg: npt.ArrayLike,
+                                timings_seconds: Mapping[str, float], class_changes: npt.ArrayLike | None = None,
+                                class_resolutions_angstrom: npt.ArrayLike | None = None) -> None:
     """run_itNNN_report.png of a classification: the class distribution over the iterations so far
     (`class_distributions` (iterations, K)) with the share of particles that changed class in each
     (`class_changes` (iterations,)), each class's resolution over the iterations (`class_resolutions_angstrom`

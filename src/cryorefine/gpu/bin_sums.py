@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+from cryorefine.gpu import DeviceArray
+
 
 @functools.cache
 def _kernel(cp):
@@ -26,7 +28,8 @@ def _kernel(cp):
         """, "cryorefine_bin_sums")
 
 
-def bin_sums(idx, values, weights, size):
+def bin_sums(idx: DeviceArray, values: DeviceArray, weights: DeviceArray | float,
+             size: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
     """(Σ Re values, Σ Im values, Σ weights) per bin, each (size,) float64, of CuPy arrays `idx` (int64, every
     index in [0, size)), complex `values` and real `weights` of the same shape (or a scalar weight, e.g. 1.0 to
     count the values)."""

@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from cryorefine.gpu import DeviceArray
+
 #: "0" turns the device path off (the host path then runs everywhere): what the benchmarks compare
 DEVICE_REDUCTION_VARIABLE = "CRYOREFINE_DEVICE_REDUCTION"
 #: device memory a worker leaves outside its arena for NCCL's buffers, beside --free_gpu_memory (NCCL allocates them
@@ -45,7 +47,7 @@ class DeviceCollectives:
         self._comm = nccl.NcclCommunicator(mpi_comm.Get_size(), unique_id, self.rank)
 
     @staticmethod
-    def takes(array) -> bool:
+    def takes(array: object) -> bool:
         """True for the arrays `reduce` adds: contiguous CuPy arrays of float32 or float64 reals or complexes."""
         import cupy
 
@@ -53,7 +55,7 @@ class DeviceCollectives:
             return False
         return array.dtype in (np.float32, np.float64, np.complex64, np.complex128)
 
-    def reduce(self, array, root: int):
+    def reduce(self, array: DeviceArray, root: int) -> DeviceArray | None:
         """`array` (`takes`) added over the ranks onto rank `root`, in place there and returned; None on the others
         (their array is sent before this returns). Ordered on the current stream."""
         import cupy
@@ -69,7 +71,7 @@ class DeviceCollectives:
         stream.synchronize()
         return None
 
-    def broadcast_host(self, buffer, nbytes: int, root: int) -> np.ndarray:
+    def broadcast_host(self, buffer: np.ndarray | None, nbytes: int, root: int) -> np.ndarray:
         """Rank `root`'s host bytes (`buffer`, a flat uint8 numpy array of `nbytes` there; None on the others) on
         every rank: uploaded on the root, broadcast by NCCL, downloaded into page-locked memory on the others (the
         next upload of a map received so runs at the bus's speed). The root's `buffer` is returned as it is."""

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from cryorefine.gpu import DeviceArray
+
 MAX_PLANS = 4
 _plans: OrderedDict = OrderedDict()
 
 
-def rfft2_forward(x):
+def rfft2_forward(x: DeviceArray) -> DeviceArray:
     """cupy.fft.rfft2(x, norm="forward") over the last two axes of a C-contiguous real CuPy array."""
     import cupy
     from cupy.cuda import cufft
@@ -39,6 +41,6 @@ def rfft2_forward(x):
         return cupy.fft.rfft2(x, norm="forward")
 
 
-def clear():
+def clear() -> None:
     """Drop the kept plans (their work areas go back to CuPy's pool)."""
     _plans.clear()

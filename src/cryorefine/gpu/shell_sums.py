@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 
+from cryorefine.gpu import DeviceArray
+
 SHELL_SUM_THREADS = 256
 BLOCKS_PER_SM = 4  # blocks per multiprocessor, over all rows (a block loops over its share of a row)
 MAX_SHARED_BYTES = 48 * 1024  # the histogram of a block (n_shells × channels float64) must fit in this
@@ -66,12 +68,12 @@ def _multiprocessors(device_id):
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def fits(n_shells, is_complex):
+def fits(n_shells: int, is_complex: bool) -> bool:
     """Whether a block's histogram of `n_shells` shells (two channels for complex values) fits in shared memory."""
     return n_shells * (2 if is_complex else 1) * 8 <= MAX_SHARED_BYTES
 
 
-def shell_sum(values, shells, n_shells):
+def shell_sum(values: DeviceArray, shells: DeviceArray, n_shells: int) -> DeviceArray:
     """`core.fourier.shell_sum` of CuPy arrays: `values` (…, *shells.shape) summed per leading index into
     `n_shells` shells -> (…, n_shells), float64 (complex128 for complex values); coefficients in shells
     outside [0, n_shells) are dropped. The caller checks `fits` first."""

@@ -13,11 +13,19 @@ allocated from another thread), and let go with the object.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from cryorefine.gpu import DeviceArray
+
+if TYPE_CHECKING:  # for annotations only
+    import numpy as np
+    import numpy.typing as npt
+
 
 class UploadSlots:
     """Two device buffers of `n_images` images of `image_shape` and `dtype`, on the current device."""
 
-    def __init__(self, n_images, image_shape, dtype):
+    def __init__(self, n_images: int, image_shape: tuple[int, ...], dtype: npt.DTypeLike) -> None:
         import cupy
 
         self.cp = cupy
@@ -28,23 +36,23 @@ class UploadSlots:
         self.released = [None, None]  # the event after the caller's last use of each slot
 
     @staticmethod
-    def nbytes(n_images, image_shape, itemsize):
+    def nbytes(n_images: int, image_shape: tuple[int, ...], itemsize: int) -> int:
         """Device bytes of the two slots."""
         n = int(n_images) * int(itemsize)
         for size in image_shape:
             n *= int(size)
         return 2 * n
 
-    def holds(self, slot, n_images):
+    def holds(self, slot: int, n_images: int) -> bool:
         """Whether `slot` has room for a batch of `n_images`."""
         return self.slots[slot].shape[0] >= n_images
 
-    def wait_uploaded(self, slot):
+    def wait_uploaded(self, slot: int) -> None:
         """On the reading thread, before it refills the host buffer of `slot`: the last copy out of it has ended."""
         if self.uploaded[slot] is not None:
             self.uploaded[slot].synchronize()
 
-    def upload(self, slot, host_images):
+    def upload(self, slot: int, host_images: np.ndarray) -> DeviceArray:
         """On the reading thread: copy `host_images` (page-locked) into `slot` once the caller has let it go; returns
         the device view. The copy is queued, not finished: `take` makes the caller's stream wait for it."""
         cp = self.cp
@@ -57,10 +65,10 @@ class UploadSlots:
             self.uploaded[slot] = self.stream.record()
         return view
 
-    def take(self, slot):
+    def take(self, slot: int) -> None:
         """On the caller's thread: its stream waits (on the GPU) for the copy into `slot`."""
         self.cp.cuda.get_current_stream().wait_event(self.uploaded[slot])
 
-    def release(self, slot):
+    def release(self, slot: int) -> None:
         """On the caller's thread, once it has queued all its work on `slot`: the next copy into it waits for that."""
         self.released[slot] = self.cp.cuda.get_current_stream().record()
