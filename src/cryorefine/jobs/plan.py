@@ -24,11 +24,12 @@ A run that cannot fit is refused with the option that would make it fit.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cryorefine.config import RefineConfig
 from cryorefine.core.grid import PaddedGrid, padded_size_px
 from cryorefine.core.sampling import Sampling
 from cryorefine.em import memory, schedule
@@ -41,6 +42,10 @@ from cryorefine.estep.cuda_plan import (
     plan_batches,
 )
 from cryorefine.gpu.staging import UploadSlots
+
+if TYPE_CHECKING:  # for annotations only (the particle set's module is imported when a plan reads the particles)
+    from cryorefine.config import RefineConfig
+    from cryorefine.data import ParticleSet
 
 GB = 1e9
 COARSE_KERNEL_FRACTION_OF_PEAK = 0.65  # measured: 44 of 65 TFLOP/s on the H100 (benchmarks/)
@@ -78,7 +83,7 @@ class GpuSpec:
     fp32_tflops: float
 
     @classmethod
-    def detect(cls, device_id=0, memory_gb=None, tflops=None):
+    def detect(cls, device_id: int = 0, memory_gb: float | None = None, tflops: float | None = None) -> GpuSpec:
         """The device's name, free memory and FP32 peak (SMs × 128 lanes × 2 × clock) when CuPy sees it;
         else an H100 SXM 80 GB (REFERENCE_TFLOPS, the same reckoning) unless --gpu_memory/--gpu_tflops say
         otherwise."""
@@ -117,19 +122,19 @@ class Moment:
     half_waits_on_host: bool = False  # the idle half's sums wait on the host (em.memory)
 
     @property
-    def peak_bytes(self):
+    def peak_bytes(self) -> float:
         return max(self.iteration_bytes + self.particle_bytes + self.orientation_bytes, self.maximization_bytes)
 
 
-def coefficients(size_px):
+def coefficients(size_px: int) -> int:
     """The Fourier coefficients an E-step compares at an image size of `size_px`."""
     from cryorefine.estep.common import Coefficients
 
     return Coefficients.create(size_px).positions.size
 
 
-def local_estep_terms(n_particles, n_classes, n_orientations, coarse_coefficients, current_coefficients,
-                      fp32_tflops):
+def local_estep_terms(n_particles: int, n_classes: int, n_orientations: int, coarse_coefficients: int,
+                      current_coefficients: int, fp32_tflops: float) -> tuple[float, float, float, float]:
     """What a local search's E-step time is made of, one figure per LOCAL_ESTEP_ constant: (1,
     particles, interpolations, coefficients at the current size), the last two scaled from `fp32_tflops` to
     REFERENCE_TFLOPS."""
@@ -138,8 +143,8 @@ def local_estep_terms(n_particles, n_classes, n_orientations, coarse_coefficient
             n_particles * current_coefficients * scale)
 
 
-def local_estep_seconds(n_particles, n_classes, n_orientations, coarse_coefficients, current_coefficients,
-                        fp32_tflops):
+def local_estep_seconds(n_particles: int, n_classes: int, n_orientations: int, coarse_coefficients: int,
+                        current_coefficients: int, fp32_tflops: float) -> float:
     """The estimated E-step seconds of one local-search iteration (the fit above)."""
     constants = (LOCAL_ESTEP_FIXED_SECONDS, LOCAL_ESTEP_SECONDS_PER_PARTICLE, LOCAL_ESTEP_SECONDS_PER_INTERPOLATION,
                  LOCAL_ESTEP_SECONDS_PER_FINE_COEFFICIENT)
@@ -148,13 +153,15 @@ def local_estep_seconds(n_particles, n_classes, n_orientations, coarse_coefficie
     return float(sum(c * t for c, t in zip(constants, terms)))
 
 
-def global_coarse_seconds_per_particle(n_classes, n_orientations, n_translations, coarse_coefficients, fp32_tflops):
+def global_coarse_seconds_per_particle(n_classes: int, n_orientations: int, n_translations: int,
+                                       coarse_coefficients: int, fp32_tflops: float) -> float:
     """A global search's E-step per particle from its coarse pass's arithmetic (the pass its share of the E-step)."""
     coarse_flops = 2.0 * n_classes * n_orientations * n_translations * 2 * coarse_coefficients
     return coarse_flops / (COARSE_KERNEL_FRACTION_OF_PEAK * fp32_tflops * 1e12) / COARSE_SHARE_OF_ESTEP
 
 
-def global_estep_seconds(n_particles, n_classes, n_orientations, n_translations, coarse_coefficients, fp32_tflops):
+def global_estep_seconds(n_particles: int, n_classes: int, n_orientations: int, n_translations: int,
+                         coarse_coefficients: int, fp32_tflops: float) -> float:
     """The estimated E-step seconds of one global-search iteration: the fixed cost, and per particle the coarse
     pass's share or the floor, whichever is larger."""
     per_particle = max(global_coarse_seconds_per_particle(n_classes, n_orientations, n_translations,
@@ -163,13 +170,13 @@ def global_estep_seconds(n_particles, n_classes, n_orientations, n_translations,
     return GLOBAL_ESTEP_FIXED_SECONDS + n_particles * per_particle
 
 
-def local_neighbourhood_orientations(sampling, oversampling):
+def local_neighbourhood_orientations(sampling: Sampling, oversampling: int) -> int:
     """The orientations within 3σ of one pose at the sampling's order, σ as RELION sets it for local searches."""
     sigma = schedule.local_search_sigma_deg(sampling.healpix_order, oversampling)
     return int(sampling.local_orientations(np.zeros(1), np.full(1, 90.0), np.zeros(1), sigma, sigma).counts()[0])
 
 
-def image_itemsize(particles):
+def image_itemsize(particles: ParticleSet) -> int:
     """Bytes per pixel of the images as a GPU run uploads them (`StackReader.wire_dtype`): 2 where every stack
     holds float16, else 4, also where the stacks cannot be opened here (the larger figure)."""
     from cryorefine.io.mrc import StackReader
@@ -249,7 +256,7 @@ def predict_moment(label: str, run: PlannedRun, sizes: schedule.ImageSizes, samp
                   estep_sums + references + uploads + slices, particle, orientation, maximization, estep, waits)
 
 
-def plan_run(config, gpu, late_resolution_angstrom=None):
+def plan_run(config: RefineConfig, gpu: GpuSpec, late_resolution_angstrom: float | None = None) -> dict[str, Any]:
     """The moments of a run of `config` on `gpu`: a refinement's first, late and final iterations, or a
     classification's first and late ones (global searches at --healpix_order, one work unit of K classes, no final
     iteration at the whole box); the late one at `late_resolution_angstrom`, by default three quarters of Nyquist.
@@ -307,7 +314,7 @@ def plan_run(config, gpu, late_resolution_angstrom=None):
             "moments": moments}
 
 
-def format_plan(result):
+def format_plan(result: Mapping[str, Any]) -> str:
     gpu = result["gpu"]
     lines = [f"{result['particles']} particles, {result['box_px']} px at {result['pixel_size_angstrom']:.3f} Å/px; "
              f"{gpu.name}: arena {result['arena_bytes'] / GB:.1f} GB, FP32 peak {gpu.fp32_tflops:.1f} TFLOP/s",
