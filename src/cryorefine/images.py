@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -22,9 +23,11 @@ import numpy.typing as npt
 from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, ArrayModule, array_module, to_device, to_host
 from cryorefine.core.ctf import ctf_2d
-from cryorefine.data import ParticleSet
 from cryorefine.estep.engine import Batch
 from cryorefine.io import mrc
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.data import ParticleSet
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -34,14 +35,16 @@ import numpy.typing as npt
 from cryorefine.core.arrays import ArrayModule
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.sampling import healpix_pixels
-from cryorefine.data import ParticleSet
 from cryorefine.em import memory
-from cryorefine.em.state import ParticleState
-from cryorefine.estep.backend import Backend
 from cryorefine.estep.common import fine_pass_limit, local_orientations
 from cryorefine.estep.engine import BatchResult, IterationSetup, WeightedSums
 from cryorefine.images import ImageSettings, NoiseEstimate, PreviousValues, prepare_batch, prepare_in_parts
 from cryorefine.io import mrc
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.data import ParticleSet
+    from cryorefine.em.state import ParticleState
+    from cryorefine.estep.backend import Backend
 
 
 @dataclass

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from cryorefine.config import RefineConfig
 from cryorefine.core import reconstruct
 from cryorefine.core.arrays import Array, ArrayModule, to_host, to_host_pinned
 from cryorefine.core.grid import PaddedGrid
@@ -26,11 +25,14 @@ from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import memory
 from cryorefine.em.schedule import MINRES_MAP_SHELL
-from cryorefine.em.solvent import SolventMasks
-from cryorefine.em.state import ModelState
-from cryorefine.estep.backend import Backend
-from cryorefine.estep.engine import WeightedSums
 from cryorefine.images import coefficients_per_shell
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.config import RefineConfig
+    from cryorefine.em.solvent import SolventMasks
+    from cryorefine.em.state import ModelState
+    from cryorefine.estep.backend import Backend
+    from cryorefine.estep.engine import WeightedSums
 
 MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
 

@@ -5,14 +5,17 @@ cross-correlation iteration)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from cryorefine.config import RefineConfig
 from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, array_module
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
+
+if TYPE_CHECKING:  # for annotations only
+    import numpy as np
+
+    from cryorefine.config import RefineConfig
 
 #: what a size refusal adds: RELION's --trust_ref_size would go on, re-boxing the particles instead
 NOT_REBOXED = "(cryorefine does not re-box the particles into the reference's size, as RELION's --trust_ref_size does)"

@@ -17,18 +17,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from cryorefine.config import RefineConfig
 from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.masks import solvent_flatten
 from cryorefine.em.schedule import default_particle_diameter_angstrom
-from cryorefine.em.state import ModelState
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.config import RefineConfig
+    from cryorefine.em.state import ModelState
 
 log = logging.getLogger("cryorefine")
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cryorefine.data import ParticleSet
-from cryorefine.estep.engine import BatchResult
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.data import ParticleSet
+    from cryorefine.estep.engine import BatchResult
 
 
 @dataclass

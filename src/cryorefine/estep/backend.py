@@ -19,14 +19,16 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from cryorefine.config import RefineConfig
 from cryorefine.core.arrays import Array, ArrayModule
-from cryorefine.estep.engine import Engine
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.config import RefineConfig
+    from cryorefine.estep.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,16 @@ function here takes host arrays, or an `xp` (numpy or cupy), and imports no CuPy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from cryorefine.core.arrays import Array, ArrayModule
-from cryorefine.core.sampling import LocalOrientations
-from cryorefine.estep.engine import IterationSetup
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.core.sampling import LocalOrientations
+    from cryorefine.estep.engine import IterationSetup
 
 #: The coefficients' order: tiles of TILE_ROWS ky rows × TILE_COLUMNS kx (a warp's 32 lanes), tile rows in the
 #: half transform's row order (ky ≥ 0 up, then the negative rows), tiles along kx within a tile row. Neighbours in

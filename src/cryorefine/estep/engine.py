@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import complex_dtype_for
-from cryorefine.core.sampling import LocalOrientations
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.core.sampling import LocalOrientations
 
 
 @dataclass
