@@ -27,8 +27,9 @@ def _window_ft_3d(ft, new_size_px):
     return ft[np.ix_(rows, rows, np.arange(new_size_px // 2 + 1))]
 
 
-def density_from_model(model_path, box_px, pixel_size_angstrom, resolution_angstrom=None,
-                       scattering="xray", use_bfactors=True, oversample=2, model_index=0):
+def density_from_model(model_path: Path | str, box_px: int, pixel_size_angstrom: float,
+                       resolution_angstrom: float | None = None, scattering: str = "xray", use_bfactors: bool = True,
+                       oversample: int = 2, model_index: int = 0) -> np.ndarray:
     """Density (N, N, N) float32, axes (z, y, x), of an atomic model centred on voxel N//2.
 
     `scattering` "xray" gives electron density in e/Å³ (IT92 factors: the integral over the
