@@ -1,4 +1,5 @@
-"""The package's imports run one way: no cycles, no private names across modules, layers respected.
+"""The package's imports run one way: no cycles, no private names across modules, layers respected; and its
+signatures stay short and typed: no function takes more than 12 parameters, most public parameters are annotated.
 
 Walks the source with `ast` (nothing is imported), so a cycle hidden inside a function still counts.
 """
@@ -105,3 +106,48 @@ def test_the_walk_sees_the_package():
     assert {"cryorefine.cli", "cryorefine.em.loop", "cryorefine.runners.mpi", "cryorefine.jobs.refine"} <= set(modules)
     assert "cryorefine.em.loop" in edges["cryorefine.jobs.refine"]
     assert "cryorefine.em.estep" in edges["cryorefine.runners.mpi"]
+
+
+# the signatures: no function takes more than MAX_PARAMETERS, and most public parameters are typed
+MAX_PARAMETERS = 12
+TYPED_SHARE = 0.70
+# over the limit for now (remove an entry once the function is split): cli.simulate is being split
+KNOWN_LONG = {"cryorefine.cli.simulate"}
+
+
+def functions():
+    """(module.qualified name, parameters but self and cls) of every function and method in the package, nested ones
+    too, each parameter an `ast.arg` (its `annotation` None where it has none)."""
+    found = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p is not None]
+                found.append((f"{prefix}.{child.name}", [p for p in params if p.arg not in ("self", "cls")]))
+                visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+            else:
+                visit(child, prefix)
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        visit(ast.parse(path.read_text(), str(path)), module_name(path))
+    return found
+
+
+def test_no_function_takes_more_than_twelve_parameters():
+    """Related values travel together (a frozen dataclass, or the object that holds them), not as a long list."""
+    long = [f"{name} ({len(params)})" for name, params in functions()
+            if len(params) > MAX_PARAMETERS and name not in KNOWN_LONG]
+    assert not long, f"more than {MAX_PARAMETERS} parameters: {long}"
+
+
+def test_most_parameters_of_public_functions_are_typed():
+    """Of the parameters of functions and methods whose names do not start with `_`, at least TYPED_SHARE are
+    annotated."""
+    params = [p for name, ps in functions() if not name.rpartition(".")[2].startswith("_") for p in ps]
+    typed = sum(p.annotation is not None for p in params)
+    assert params and typed >= TYPED_SHARE * len(params), \
+        f"{typed} of {len(params)} parameters of public functions typed ({typed / len(params):.0%})"
