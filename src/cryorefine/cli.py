@@ -377,6 +377,15 @@ JOB_OPTIONS = (
                  "once the average pmax reaches 0.5 while the resolution can still grow (RELION's fine angular step "
                  "too coarse for the box), or else once the share of particles changing class stops falling where "
                  "that step is too coarse for what the E-step compares (the fine pass then costs up to 32x)."),
+    _option("--fast_subsets", "fast_subsets", (CLASSIFY,), is_flag=True,
+            help="RELION's fast subsets: iterations 1-5 take 1500 random particles per class, 6-10 three times as "
+                 "many, 11-15 that or 30% of the data, whichever is more, the later ones all; a subset no smaller "
+                 "than the data set is the whole set (RELION asks for --iter 20 or more with it)."),
+    _option("--allow_coarser_sampling", "allow_coarser_sampling", (CLASSIFY,), is_flag=True,
+            help="With --K 2 or more, as RELION: each iteration the coarsest HEALPix order from --healpix_order whose "
+                 "step stays below 0.8x the estimated angular accuracy, and an offset step of 0.8x the translational "
+                 "accuracy (between --offset_step and 0.95x the range); with one class it changes nothing, as in "
+                 "RELION."),
     _option("--pool", "pooled_particles", type=int, section=RELION_SECTION,
             help="RELION's images a CPU thread takes at once: written to the optimiser file as RELION's; the E-step's "
                  "batches do not follow it (--batch sets them)."),

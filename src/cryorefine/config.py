@@ -51,6 +51,8 @@ class RefineConfig:
     sigma_ang_deg: float | None = None  # --sigma_ang (classify): local searches of ±3σ around the STAR poses
     sigma_psi_deg: float | None = None  # --sigma_psi: σ of psi in those searches (default: --sigma_ang)
     relion_oversampling: bool = False  # --relion_oversampling (classify): --oversampling throughout
+    fast_subsets: bool = False  # --fast_subsets (classify): iterations 1–15 on random subsets (RELION's sizes)
+    allow_coarser_sampling: bool = False  # --allow_coarser_sampling (classify, K > 1): steps of the accuracy
     auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
     padding_factor: float = 2.0

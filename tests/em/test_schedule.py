@@ -603,3 +603,47 @@ def test_the_likelihood_size_of_strict_highres_exp():
     sizes = sch.image_sizes(15.0, 2, 270.0, 64, 4.57, 10, False, False, ave_pmax=0.5,
                             strict_highres_exp_angstrom=20.0)
     assert sizes.coarse_size_px == 30 and sizes.current_size_px > 30
+
+
+# ------------------------------------------------------------------ classification: fast subsets, coarser sampling
+
+
+@pytest.mark.parametrize("iteration, n_classes, n_particles, expected", [
+    (1, 1, 10_000, 1500), (5, 1, 10_000, 1500), (6, 1, 10_000, 4500), (10, 2, 20_000, 9000),
+    (11, 1, 100_000, 30_000),  # 30 % of the data, more than 4500
+    (15, 1, 10_000, 4500),  # 4500, more than 30 %
+    (16, 1, 1_000_000, None),  # all the data from iteration 16 on
+    (1, 1, 1500, None), (1, 4, 5000, None),  # a subset no smaller than the data set is the data set
+])
+def test_fast_subset_sizes_are_relions(iteration, n_classes, n_particles, expected):
+    assert sch.fast_subset_size(iteration, n_classes, n_particles) == expected
+
+
+@pytest.mark.parametrize("acc_rot_deg, order", [
+    (5.0, 3),  # 0.8·5 = 4°: order 3 (3.75° oversampled) is the coarsest step below it
+    (1.0, 4),  # finer than --healpix_order 4 asks for (1.875°): never finer than the option
+    (999.0, 4),  # not estimated yet: --healpix_order
+    (100.0, 0),  # coarser than order 0 allows: order 0
+])
+def test_coarser_sampling_keeps_the_steps_below_the_accuracy(acc_rot_deg, order):
+    config = make_config(healpix_order=4, offset_range_px=5.0, offset_step_px=1.0, oversampling=1)
+    optimiser = OptimiserState(healpix_order=4, offset_range_px=5.0, offset_step_px=1.0, acc_rot_deg=acc_rot_deg,
+                               acc_trans_angstrom=3.0)
+    out = sch.coarser_sampling(optimiser, config, particle_diameter_angstrom=200.0, resolution_angstrom=10.0,
+                               pixel_size_angstrom=2.0, cc_iteration=False)
+    assert out.healpix_order == order
+    assert out.offset_step_px == pytest.approx(0.8 * 3.0 / 2.0 * 2)  # 0.8 × 1.5 px × 2^oversampling
+
+
+def test_coarser_sampling_of_a_cross_correlation_iteration_and_its_offset_bounds():
+    config = make_config(healpix_order=4, offset_range_px=5.0, offset_step_px=1.0, oversampling=1)
+    optimiser = OptimiserState(healpix_order=4, offset_range_px=5.0, offset_step_px=1.0)  # accuracies unknown (999)
+    # 360 / ⌈π·200 / 40⌉ = 22.5°, 0.8 of it 18°: order 1 (15°) is the coarsest below it
+    out = sch.coarser_sampling(optimiser, config, particle_diameter_angstrom=200.0, resolution_angstrom=40.0,
+                               pixel_size_angstrom=2.0, cc_iteration=True)
+    assert out.healpix_order == 1
+    assert out.offset_step_px == pytest.approx(0.95 * 5.0)  # RELION's unknown accuracy: the widest step
+    fine = dataclasses.replace(optimiser, acc_rot_deg=1.0, acc_trans_angstrom=0.5)
+    out = sch.coarser_sampling(fine, config, particle_diameter_angstrom=200.0, resolution_angstrom=10.0,
+                               pixel_size_angstrom=2.0, cc_iteration=False)
+    assert out.offset_step_px == 1.0  # never finer than --offset_step

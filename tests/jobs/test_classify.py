@@ -461,3 +461,49 @@ def test_a_finer_pass_is_limited_by_its_table_and_dropped_where_most_particles_r
         assert run_cli("classify", "--continue", tmp_path / "run_it006_optimiser.star", "--iter", 7) == 0
     assert orders(7)[-1] == 1
     assert not [r for r in caplog.records if "samples one order finer" in r.getMessage()]
+
+
+def test_fast_subsets_search_a_random_subset_and_keep_the_other_poses(classified, tmp_path, monkeypatch, caplog):
+    """--fast_subsets with RELION's subsets made small (20 particles per class instead of 1500): iteration 1
+    searches 20 of the 120 particles; the other 100 keep the poses of the STAR file."""
+    import logging
+
+    from cryorefine.em import schedule
+
+    monkeypatch.setattr(schedule, "FAST_SUBSET_PARTICLES_PER_CLASS", 20)
+    caplog.set_level(logging.INFO)
+    code = run_cli("classify", "--i", classified / "mix.star", "--ref", classified / "avg.mrc", "--o",
+                   tmp_path / "run", "--iter", 1, "--fast_subsets", *CLASSIFY_ARGS[:1], 1, "--firstiter_cc",
+                   *CLASSIFY_ARGS[2:])
+    assert code == 0
+    given = starfile.read(classified / "mix.star")["particles"]
+    found = starfile.read(tmp_path / "run_it001_data.star")["particles"]
+    moved = ((found["rlnAngleRot"] - given["rlnAngleRot"]).abs() > 1e-3) | (
+        (found["rlnAngleTilt"] - given["rlnAngleTilt"]).abs() > 1e-3)
+    assert moved.sum() == 20
+    assert "--fast_subsets: iteration 1 takes 20 random particles of 120" in caplog.text
+    assert "RELION runs its subsets only with --iter 20 or more" in caplog.text
+
+
+def test_allow_coarser_sampling_coarsens_the_sampling_as_relion(classified, tmp_path):
+    """--allow_coarser_sampling, K = 2, --healpix_order 2, --ini_high 80 (40 particles): the cross-correlation
+    iteration samples order 1, the coarsest whose 15° step stays below 0.8 × 360 / ⌈π·320 Å / resolution⌉ (over
+    20°), with offsets of 0.95 × the range (no accuracy yet, as RELION's); the next iteration estimates the
+    accuracy and samples from it, never finer than order 2. Without the option, order 2 and the given step."""
+    table = starfile.read(classified / "mix.star")
+    few = table["particles"].iloc[::3].reset_index(drop=True)
+    few["rlnImageName"] = [f"{n.split('@')[0]}@{classified / n.split('@')[1]}" for n in few["rlnImageName"]]
+    starfile.write({"optics": table["optics"], "particles": few}, tmp_path / "few.star")
+    args = ("--i", tmp_path / "few.star", "--ref", classified / "avg.mrc", "--iter", 2, "--firstiter_cc", "--K", 2,
+            "--ini_high", 80, *CLASSIFY_ARGS[4:-2], 2, "--cpu")
+    assert run_cli("classify", "--o", tmp_path / "coarser" / "run", "--allow_coarser_sampling", *args) == 0
+    first = starfile.read(tmp_path / "coarser" / "run_it001_sampling.star")["sampling_general"]
+    assert int(first["rlnHealpixOrder"]) == 1 and int(first["rlnHealpixOrderOriginal"]) == 2
+    assert float(first["rlnOffsetStep"]) == pytest.approx(0.95 * 3 * 12.0)  # Å: 0.95 × 3 px × 12 Å/px
+    second = starfile.read(tmp_path / "coarser" / "run_it002_sampling.star")["sampling_general"]
+    assert int(second["rlnHealpixOrder"]) <= 2
+    classes = starfile.read(tmp_path / "coarser" / "run_it002_model.star")["model_classes"]
+    assert (classes["rlnAccuracyRotations"] < 999.0).all()
+    assert run_cli("classify", "--o", tmp_path / "plain" / "run", *args[:5], 1, *args[6:]) == 0
+    plain = starfile.read(tmp_path / "plain" / "run_it001_sampling.star")["sampling_general"]
+    assert int(plain["rlnHealpixOrder"]) == 2 and float(plain["rlnOffsetStep"]) == pytest.approx(12.0)

@@ -81,6 +81,8 @@ __all__ = [
     "update_resolution_counter",
     "update_change_counters",
     "update_sampling",
+    "fast_subset_size",
+    "coarser_sampling",
     "check_convergence",
     "rotation_error_deg_from_snr",
     "shift_error_px_from_snr",
@@ -458,6 +460,60 @@ def classification_sampling_raised(changes_classes, ave_pmax: float | None, step
     if step.too_coarse and changes.size >= 2 and changes[-1] >= changes[:-1].min():
         return RAISED_AT_STALL
     return None
+
+
+#: --fast_subsets (MlOptimiser::updateSubsetSize, 3D): particles per class in iterations 1–5 (3× that in 6–10)
+FAST_SUBSET_PARTICLES_PER_CLASS = 1500
+#: ... and the share of the data set that iterations 11–15 take at least
+FAST_SUBSET_LATE_FRACTION = 0.3
+#: --allow_coarser_sampling (MlOptimiser::updateAngularSampling): the steps stay this fraction of the accuracy
+COARSER_SAMPLING_FRACTION_OF_ACCURACY = 0.8
+#: ... and the offset step below this fraction of the offset range
+COARSER_SAMPLING_MAX_OFFSET_STEP_IN_RANGES = 0.95
+
+
+def fast_subset_size(iteration: int, n_classes: int, n_particles: int) -> int | None:
+    """The particles a 3D classification with --fast_subsets takes in `iteration` (RELION's updateSubsetSize):
+    1500·K in iterations 1–5, 4500·K in 6–10, the larger of 4500·K and 30 % of the data in 11–15; None (all of
+    them) after, or where the subset would not be smaller than the data set."""
+    per_class = FAST_SUBSET_PARTICLES_PER_CLASS * int(n_classes)
+    if iteration <= 5:
+        size = per_class
+    elif iteration <= 10:
+        size = 3 * per_class
+    elif iteration <= 15:
+        size = int(max(3 * per_class, FAST_SUBSET_LATE_FRACTION * n_particles))
+    else:
+        return None
+    return size if size < n_particles else None
+
+
+def coarser_sampling(optimiser, config, *, particle_diameter_angstrom: float, resolution_angstrom: float,
+                     pixel_size_angstrom: float, cc_iteration: bool):
+    """The optimiser with RELION's --allow_coarser_sampling steps for a 3D classification of more than one class
+    (MlOptimiser::updateAngularSampling): from --healpix_order, the coarsest order whose oversampled step stays
+    finer than 0.8 × the rotational accuracy (in a --firstiter_cc iteration the step of the resolution at the
+    particle's edge, 360 / ⌈π·diameter / resolution⌉), never finer than --healpix_order; the offset step 0.8 × the
+    translational accuracy × 2^oversampling, between --offset_step and 0.95 × the offset range. An accuracy
+    RELION has not estimated (999) leaves the order at --healpix_order, and gives the widest offset step, as in
+    RELION."""
+    if cc_iteration:
+        limit_deg = 360.0 / math.ceil(math.pi * particle_diameter_angstrom / resolution_angstrom)
+    else:
+        limit_deg = optimiser.acc_rot_deg
+    order = int(config.healpix_order)
+    if limit_deg < UNKNOWN_ACCURACY:
+        while order > 0 and angular_step_deg(order, config.oversampling) < (
+                COARSER_SAMPLING_FRACTION_OF_ACCURACY * limit_deg):
+            order -= 1
+        if order < config.healpix_order and angular_step_deg(order, config.oversampling) >= (
+                COARSER_SAMPLING_FRACTION_OF_ACCURACY * limit_deg):
+            order += 1  # the finest order coarser than --healpix_order that still resolves the accuracy
+    step_px = (COARSER_SAMPLING_FRACTION_OF_ACCURACY * optimiser.acc_trans_angstrom / pixel_size_angstrom
+               * 2 ** int(config.oversampling))
+    step_px = min(step_px, COARSER_SAMPLING_MAX_OFFSET_STEP_IN_RANGES * optimiser.offset_range_px)
+    step_px = max(step_px, float(config.offset_step_px))
+    return dataclasses.replace(optimiser, healpix_order=order, offset_step_px=step_px)
 
 
 def update_size_flags_from_fsc(optimiser, state: ScheduleState, fsc_halves, current_size_px: int):

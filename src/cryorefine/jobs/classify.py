@@ -74,6 +74,10 @@ from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
 
 log = logging.getLogger("cryorefine.classify")
+#: RELION refuses --fast_subsets with fewer iterations than this (here a warning)
+FAST_SUBSETS_RELION_MIN_ITERATIONS = 20
+#: the random stream of --fast_subsets' draws (apart from the seeds' draws of the same iteration)
+FAST_SUBSETS_STREAM = 1
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
@@ -137,6 +141,12 @@ class ClassifyJob:
             raise InputError(f"{config.input_star}: no rlnAngleRot/rlnAngleTilt/rlnAnglePsi columns; "
                              f"{'--skip_align' if config.skip_align else '--sigma_ang/--sigma_psi'} needs the poses "
                              f"of an earlier refinement (its run_data.star)")
+        if config.allow_coarser_sampling and config.n_classes == 1:
+            log.info("--allow_coarser_sampling: changes nothing with one class (--K 1), as in RELION")
+        if config.fast_subsets and config.max_iterations < FAST_SUBSETS_RELION_MIN_ITERATIONS:
+            log.warning("--fast_subsets with --iter %d: RELION runs its subsets only with --iter %d or more (they take "
+                        "the first 15 iterations); here the %d iterations take them", config.max_iterations,
+                        FAST_SUBSETS_RELION_MIN_ITERATIONS, config.max_iterations)
         self.particles = particles
         return particles, settings
 
@@ -203,6 +213,8 @@ class ClassifyJob:
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
                                                  model.pixel_size_angstrom, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
+        if config.allow_coarser_sampling and k_classes > 1 and not (config.skip_align or self.local_sigmas()):
+            optimiser = self._coarser_sampling(optimiser, model, sizes, likelihood, do_cc)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -213,7 +225,7 @@ class ClassifyJob:
         ahead = config.oversampling + 1 if global_search and not self._finer_sampling_settled(run) else None
         run.optimiser = optimiser
         raised = sampling.oversampling > config.oversampling
-        everyone = np.arange(len(run.particles.rot_deg))
+        everyone = self._subset(iteration, len(run.particles.rot_deg))
         seeds_now = run.extras["seeded"] and iteration == (2 if config.firstiter_cc else 1)
         poses = run.particles
 
@@ -232,6 +244,38 @@ class ClassifyJob:
         else:
             units = [unit("all classes", everyone, list(range(k_classes)), True)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units)
+
+    def _coarser_sampling(self, optimiser, model, sizes, likelihood_size_px, do_cc):
+        """--allow_coarser_sampling: the accuracy of the images the E-step compares (not estimated in a
+        cross-correlation iteration, nor before the first M-step), and the steps it allows
+        (`schedule.coarser_sampling`); said where they change."""
+        config = self.config
+        if not do_cc and model.tau2 is not None:
+            acc = schedule.estimated_accuracy_from_model(model, likelihood_size_px or sizes.current_size_px,
+                                                         self.diameter_angstrom, do_ctf=config.do_ctf)
+            optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+            model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
+        coarser = schedule.coarser_sampling(optimiser, config, particle_diameter_angstrom=self.diameter_angstrom,
+                                            resolution_angstrom=model.current_resolution_angstrom,
+                                            pixel_size_angstrom=model.pixel_size_angstrom, cc_iteration=do_cc)
+        if (coarser.healpix_order, coarser.offset_step_px) != (optimiser.healpix_order, optimiser.offset_step_px):
+            log.info("--allow_coarser_sampling: iteration %d samples HEALPix order %d (%.3g°) and offsets of %.3g px "
+                     "(accuracy %.3g°, %.3g Å)", optimiser.iteration, coarser.healpix_order,
+                     schedule.angular_step_deg(coarser.healpix_order), coarser.offset_step_px,
+                     optimiser.acc_rot_deg, optimiser.acc_trans_angstrom)
+        return coarser
+
+    def _subset(self, iteration, n_particles):
+        """The particles of this iteration's E-step: all, or with --fast_subsets RELION's random subset
+        (`schedule.fast_subset_size`), drawn afresh each iteration from --random_seed; the others keep their poses
+        and classes."""
+        config = self.config
+        size = schedule.fast_subset_size(iteration, config.n_classes, n_particles) if config.fast_subsets else None
+        if size is None:
+            return np.arange(n_particles)
+        log.info("--fast_subsets: iteration %d takes %d random particles of %d", iteration, size, n_particles)
+        draw = np.random.default_rng([config.random_seed, iteration, FAST_SUBSETS_STREAM])
+        return np.sort(draw.permutation(n_particles)[:size])
 
     def _finer_sampling_settled(self, run):
         """Whether the fine pass's order is settled for the rest of the run: raised already, dropped for good
