@@ -387,3 +387,24 @@ def test_failed_writes_leave_nothing(tmp_path, monkeypatch):
         ro.write_optimiser_star(target, blocks, ["--o", "other"])
     assert target.read_text() == before and os.listdir(tmp_path) == [target.name]
 
+
+
+def test_angdist_bild_is_relions_cylinders_and_colours():
+    """RELION's *_angdist.bild (HealpixSampling::writeBildFileOrientationalDistribution), worked by hand: box 10 px of
+    2 Å (R = 10 Å around the centre (10, 10, 10)), HEALPix order 0 (60°: cylinders 0.5·π·10·60/360 = 2.61799 Å
+    wide); pdf 0.5, 0.25, 0, 0.25 along +z, +x, +y, −x: mean 0.25, σ 0.176777 (RELION's N/(N−1) is 1 in integers),
+    colours (dev/6 + 1/6) 0.402369 and 0.166667, lengths 0.3·R·pdf/max = 3 and 1.5 Å, no cylinder where pdf is 0."""
+    from cryorefine.io.relion_outputs import angdist_bild_text
+
+    text = angdist_bild_text(np.array([0.5, 0.25, 0.0, 0.25]), np.array([0.0, 0.0, 90.0, 180.0]),
+                             np.array([0.0, 90.0, 90.0, 90.0]), 10, 2.0, 0)
+    assert text.splitlines() == [
+        ".color 0.402369 0 0.597631", ".cylinder 10 10 20 10 10 23 2.61799",
+        ".color 0.166667 0 0.833333", ".cylinder 20 10 10 21.5 10 10 2.61799",
+        ".color 0.166667 0 0.833333", ".cylinder 0 10 10 -1.5 10 10 2.61799",
+    ]
+    # a uniform distribution: RELION's deviation is NaN there, which its clipping turns into red
+    uniform = angdist_bild_text(np.full(2, 0.5), np.zeros(2), np.array([0.0, 90.0]), 10, 2.0, 0)
+    assert uniform.splitlines()[0] == ".color 1 0 0" and len(uniform.splitlines()) == 4
+    with pytest.raises(ValueError, match="3 directions, the sampling 2"):
+        angdist_bild_text(np.ones(3), np.zeros(2), np.zeros(2), 10, 2.0, 0)

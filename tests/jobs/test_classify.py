@@ -36,7 +36,7 @@ def test_outputs_have_relion_names_and_k_classes(classified):
     out = classified / "out"
     for it in (1, 2):
         for suffix in ("data.star", "class001.mrc", "class002.mrc", "model.star", "optimiser.star", "sampling.star",
-                       "report.png"):
+                       "report.png", "class001_angdist.bild", "class002_angdist.bild"):
             assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
         assert not list(out.glob(f"run_it{it:03d}_half*"))
     model = starfile.read(out / "run_it002_model.star")
@@ -44,6 +44,11 @@ def test_outputs_have_relion_names_and_k_classes(classified):
     assert len(classes) == 2 and int(model["model_general"]["rlnNrClasses"]) == 2
     assert classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
     assert {"model_class_1", "model_class_2"} <= set(model)
+    # RELION's angdist.bild: a coloured cylinder per direction the class's distribution holds
+    pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy()
+    bild = (out / "run_it002_class001_angdist.bild").read_text().splitlines()
+    assert [line.split()[0] for line in bild] == [".color", ".cylinder"] * (len(bild) // 2)
+    assert 0 < len(bild) // 2 <= np.count_nonzero(pdf)
 
 
 def test_seeds_spread_the_particles_over_both_classes(classified):

@@ -510,3 +510,60 @@ def _half_spectra(array, row, n_classes, n_shells, name):
     if out.shape == (1, n_classes, n_shells) and row == 0:
         return out[0]
     raise ValueError(f"{name} has shape {out.shape}, expected (2, {n_classes}, {n_shells})")
+
+
+# ---------------------------------------------------------------- run_itNNN_class001_angdist.bild
+
+#: HealpixSampling::writeBildFileOrientationalDistribution's defaults: the longest cylinder reaches this fraction of
+#: the radius beyond the sphere, and cylinders are this fraction of the angular step wide
+ANGDIST_LENGTH_FRACTION = 0.3
+ANGDIST_WIDTH_FRACTION = 0.5
+#: a cylinder shorter than this (Å) along every axis is left out (ChimeraX complains about zero-length ones)
+ANGDIST_MIN_LENGTH_ANGSTROM = 0.01
+
+
+def angdist_bild_text(pdf_direction: np.ndarray, rot_deg: np.ndarray, tilt_deg: np.ndarray, box_px: int,
+                      pixel_size_angstrom: float, healpix_order: int) -> str:
+    """The text of RELION's `*_classNNN_angdist.bild` (HealpixSampling::writeBildFileOrientationalDistribution) for one
+    class's direction distribution over the directions (`rot_deg`, `tilt_deg`) of a HEALPix order: for each
+    direction of non-zero probability, a `.color r 0 b` line (from blue, 1σ below the mean, to red, 5σ above it)
+    and a `.cylinder` from the sphere of radius R = box·pixel/2 around the box's centre outwards along the
+    direction, R·0.3·pdf/max(pdf) long and 0.5·π·R·step/360 wide (step: the order's angular step), in Å; C++'s
+    default number format (six significant digits)."""
+    pdf = np.asarray(pdf_direction, dtype=np.float64).reshape(-1)
+    rot, tilt = (np.radians(np.asarray(a, dtype=np.float64).reshape(-1)) for a in (rot_deg, tilt_deg))
+    if not (pdf.size == rot.size == tilt.size):
+        raise ValueError(f"pdf_direction has {pdf.size} directions, the sampling {rot.size}")
+    radius = box_px * pixel_size_angstrom / 2.0
+    step_deg = 360.0 / (6 * 2 ** int(healpix_order))
+    width = ANGDIST_WIDTH_FRACTION * math.pi * radius * step_deg / 360.0
+    mean = pdf.mean() if pdf.size else 0.0
+    variance = float(np.mean(pdf * pdf) - mean * mean) if pdf.size else 0.0
+    if pdf.size > 1:
+        variance *= pdf.size // (pdf.size - 1)  # RELION's computeStats scales by N/(N-1) in integers: 1 from N = 3
+    sigma = math.sqrt(abs(variance))
+    largest = pdf.max() if pdf.size else 0.0
+    lines = []
+    for p, r, t in zip(pdf, rot, tilt):
+        if not p > 0:
+            continue
+        # RELION's colour scale: the deviation in σ, clipped to [-1, 5], to [0, 1]; where σ is 0 (a uniform
+        # distribution) its comparisons with NaN give 5, red
+        deviation = min(max((p - mean) / sigma, -1.0), 5.0) if sigma > 0 else 5.0
+        colour = deviation / 6.0 + 1.0 / 6.0
+        outer = radius + ANGDIST_LENGTH_FRACTION * radius * p / largest
+        v = np.array([math.cos(r) * math.sin(t), math.sin(r) * math.sin(t), math.cos(t)])
+        if not np.any(np.abs((radius - outer) * v) > ANGDIST_MIN_LENGTH_ANGSTROM):
+            continue
+        start, end = radius * v + radius, outer * v + radius  # the box's centre at (R, R, R)
+        lines.append(f".color {colour:g} 0 {1.0 - colour:g}")
+        lines.append(".cylinder " + " ".join(f"{x:g}" for x in (*start, *end, width)))
+    return "".join(line + "\n" for line in lines)
+
+
+def write_angdist_bild(path: str | Path, pdf_direction: np.ndarray, rot_deg: np.ndarray, tilt_deg: np.ndarray,
+                       box_px: int, pixel_size_angstrom: float, healpix_order: int) -> None:
+    """`angdist_bild_text` written to `path` (atomically)."""
+    text = angdist_bild_text(pdf_direction, rot_deg, tilt_deg, box_px, pixel_size_angstrom, healpix_order)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text)

@@ -66,6 +66,7 @@ from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
     particle_table,
+    write_angdist_bild,
     write_optimiser_star,
     write_sampling_star,
 )
@@ -492,6 +493,21 @@ class ClassifyJob:
                 f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
 
     # ------------------------------------------------------------------ outputs
+    def _angdist_writes(self, root, model, plan):
+        """RELION's run_itNNN_classKKK_angdist.bild of each class (its direction distribution over this iteration's
+        directions); none with --skip_align, as RELION writes none."""
+        if self.config.skip_align or model.pdf_direction is None:
+            return []
+        directions = np.asarray(plan.sampling.directions_deg())
+        pdf = np.asarray(model.pdf_direction).reshape(model.n_classes, -1)
+        if pdf.shape[1] != len(directions):
+            log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no "
+                        "*_angdist.bild written", plan.iteration, pdf.shape[1], len(directions))
+            return []
+        return [partial(write_angdist_bild, f"{root}_class{k + 1:03d}_angdist.bild", pdf[k], directions[:, 0],
+                        directions[:, 1], model.ori_size_px, model.pixel_size_angstrom, plan.sampling.healpix_order)
+                for k in range(model.n_classes)]
+
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The writes of one iteration's files as callables over what they need now (tables and STAR blocks are
         built here; the maps are the model's, which the next M-step replaces rather than changes); the
@@ -513,6 +529,7 @@ class ClassifyJob:
                                                   scale_groups=particles.scale_group_names_and_counts()),
                     f"{root}_model.star"),
             partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
+            *self._angdist_writes(root, model, plan),
             InOwnProcess(partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
                                  class_distributions=np.array(run.extras["class_distributions"]),
                                  ssnr=model.ssnr[0].copy(),
