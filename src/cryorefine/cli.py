@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -77,8 +78,7 @@ def info(file, as_json, check_images):
 @click.option("--gpu", "gpu", is_flag=False, flag_value="", default=None,
               help="Make the images on this GPU (first device listed) [default: GPU 0 when CuPy sees one].")
 @click.option("--cpu", "force_cpu", is_flag=True, help="Make the images with numpy even when a GPU is present.")
-def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, q0, angpix, max_shift,
-             particle_diameter, sym, noise, no_ctf, seed, float16, batch, gpu, force_cpu):
+def simulate(ref: str, n_particles: int, out_dir: str, gpu: str | None, force_cpu: bool, **made: Any) -> None:
     """Simulate particle images of a map with known poses, CTFs and noise (RELION 3.1 STAR + .mrcs).
 
     The STAR file's pose, origin and CTF columns are the ground truth, in RELION's conventions.
@@ -86,11 +86,13 @@ def simulate(ref, n_particles, out_dir, snr, defocus, astigmatism, voltage, cs, 
     from cryorefine.jobs.simulate import SimulationOptions, parse_defocus_range_um
     from cryorefine.jobs.simulate import simulate as run_simulation
 
+    # `made`: how the images are made, the options above but --ref, --n, --o and the engine's
     options = SimulationOptions(
-        n_particles=n_particles, snr=snr, defocus_range_um=parse_defocus_range_um(defocus),
-        astigmatism_um=astigmatism, voltage_kv=voltage, cs_mm=cs, amplitude_contrast=q0,
-        pixel_size_angstrom=angpix, max_shift_angstrom=max_shift, symmetry=sym, noise=noise, seed=seed,
-        batch_size=batch, particle_diameter_angstrom=particle_diameter, apply_ctf=not no_ctf, float16=float16)
+        n_particles=n_particles, snr=made["snr"], defocus_range_um=parse_defocus_range_um(made["defocus"]),
+        astigmatism_um=made["astigmatism"], voltage_kv=made["voltage"], cs_mm=made["cs"],
+        amplitude_contrast=made["q0"], pixel_size_angstrom=made["angpix"], max_shift_angstrom=made["max_shift"],
+        symmetry=made["sym"], noise=made["noise"], seed=made["seed"], batch_size=made["batch"],
+        particle_diameter_angstrom=made["particle_diameter"], apply_ctf=not made["no_ctf"], float16=made["float16"])
     engine = engine_options(gpu, force_cpu, 0.0)
 
     def log(message):

@@ -175,17 +175,6 @@ def test_batch_broadcasting_dtype_and_flags():
 
 
 
-def test_loose_values_are_taken_in_the_order_of_ctf_parameters():
-    """Callers that hold the values apart may give them loose, in CtfParameters' order."""
-    values = (1.3, np.array([12000.0, 21000.0]), 15000.0, 25.0, 300.0, 2.7, 0.1, 30.0, 40.0, 0.9)
-    want = ctf_2d(64, CtfParameters(*values), dtype=np.float64)
-    np.testing.assert_array_equal(ctf_2d(64, *values, dtype=np.float64), want)
-    np.testing.assert_array_equal(ctf_2d(64, *values[:7], dtype=np.float64),
-                                  ctf_2d(64, CtfParameters(*values[:7]), dtype=np.float64))
-    with pytest.raises(TypeError):
-        ctf_2d(64, CtfParameters(*values), 1.0)
-
-
 # ---------------------------------------------------------------- real particle stacks
 
 def _read_real(star_rel, stack_rel):

@@ -66,20 +66,13 @@ class CtfParameters:
     scale: npt.ArrayLike = 1.0
 
 
-def ctf_2d(size_px: int, ctf: CtfParameters | npt.ArrayLike, *values: npt.ArrayLike, abs_value: bool = False,
-           only_flip_phases: bool = False, intact_until_first_peak: bool = False, xp: ArrayModule = np,
-           dtype: npt.DTypeLike = np.float32) -> Array:
+def ctf_2d(size_px: int, ctf: CtfParameters, abs_value: bool = False, only_flip_phases: bool = False,
+           intact_until_first_peak: bool = False, xp: ArrayModule = np, dtype: npt.DTypeLike = np.float32) -> Array:
     """RELION CTFs of a batch on the half-transform layout -> (B, N, N//2+1).
 
-    `ctf` holds the B images' values (B = 1 when all are scalars); callers that hold them apart may give
-    them loose instead, in CtfParameters' order (`ctf_2d(size_px, pixel_size_angstrom, defocus_u_angstrom,
-    …)`). Computed in float64, returned as `dtype`. Flags as relion_refine's --ctf_phase_flipped
-    (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
+    `ctf` holds the B images' values (B = 1 when all are scalars). Computed in float64, returned as `dtype`.
+    Flags as relion_refine's --ctf_phase_flipped (`abs_value`), --only_flip_phases and --ctf_intact_first_peak.
     """
-    if not isinstance(ctf, CtfParameters):
-        ctf = CtfParameters(ctf, *values)
-    elif values:
-        raise TypeError("ctf_2d: loose CTF values given after a CtfParameters")
     # the per-image coefficients on the host (B numbers each): on the device each would be a kernel of its own,
     # and the range check a reduction over the batch, which CuPy compiles again for each power-of-two class of
     # batch sizes (benchmarks/README.md, "A first run on a machine")

@@ -100,10 +100,7 @@ class _Job:
             ft[:, 0, 0] = 0.0  # as relion_reconstruct: the images' mean does not enter the map
             weights = None
             if self.options.do_ctf:
-                ctf = ctf_module.ctf_2d(n, pixel * self.box_px / n, p.defocus_u_angstrom[batch],
-                                        p.defocus_v_angstrom[batch], p.defocus_angle_deg[batch], p.voltage_kv[batch],
-                                        p.cs_mm[batch], p.amplitude_contrast[batch], p.phase_shift_deg[batch],
-                                        p.ctf_bfactor[batch], p.ctf_scale[batch], dtype=np.float64)
+                ctf = ctf_module.ctf_2d(n, p.ctf_parameters(batch, pixel * self.box_px / n), dtype=np.float64)
                 multiply = ~self.premultiplied[batch]
                 ft = np.where(multiply[:, None, None], ft * ctf, ft)
                 weights = ctf * ctf

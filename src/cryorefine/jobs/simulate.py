@@ -161,10 +161,10 @@ def simulate_images(projector, params, index, options, pixel_size_angstrom, box_
     matrices = euler.euler_to_matrix(params["rot_deg"][index], params["tilt_deg"][index], params["psi_deg"][index])
     ft = projector.project(xp.asarray(matrices), box_px)
     if options.apply_ctf:
-        ctf = ctf_module.ctf_2d(box_px, pixel_size_angstrom, params["defocus_u_angstrom"][index],
-                                params["defocus_v_angstrom"][index], params["defocus_angle_deg"][index],
-                                options.voltage_kv, options.cs_mm, options.amplitude_contrast, xp=xp,
-                                dtype=np.float64)
+        ctf = ctf_module.ctf_2d(box_px, ctf_module.CtfParameters(
+            pixel_size_angstrom, params["defocus_u_angstrom"][index], params["defocus_v_angstrom"][index],
+            params["defocus_angle_deg"][index], options.voltage_kv, options.cs_mm, options.amplitude_contrast),
+            xp=xp, dtype=np.float64)
         ft = ft * ctf
     # RELION's convention: the particle centre lies at N//2 − origin (see the module docstring).
     ft = fourier.phase_shift_2d(ft, xp.asarray(-params["origin_x_angstrom"][index] / pixel_size_angstrom),
