@@ -5,8 +5,8 @@ minus a reserve (``--free_gpu_memory``, in MB). Inside it, memory is handed out 
 an allocation takes the bytes at ``top`` and moves ``top`` up. Allocations belong to nested
 scopes, one per lifetime in the refinement loop::
 
-    GLOBAL       references, projector data, things kept for the whole run
-    ITERATION    per-iteration sums, weights, the current image size's buffers
+    GLOBAL       things kept for the whole run (few: each step of an iteration opens ITERATION)
+    ITERATION    an engine's set-up (sums, references and projector data, cached slices), upload slots
     PARTICLE     one batch of particles: images, CTFs, shifted copies
     ORIENTATION  one chunk of orientations: projections, differences, FFT work areas
 
