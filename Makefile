@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine with only Python 3.10+:
 #   make demo   runs the built-in example end to end (CPU when there is no GPU)
-#   make test   checks the code with ruff and runs the whole test suite
+#   make test   checks the code with ruff and runs the whole test suite (two pytest workers)
 # Each creates ./.venv on first use and installs cryorefine into it.
 
 PYTHON ?= python3
@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) demo_out

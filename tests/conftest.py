@@ -135,3 +135,11 @@ def make_mixture(folder, n_each):
 
 CLASSIFY_ARGS = ("--K", 2, "--ini_high", 40, "--ctf", "--particle_diameter", 320, "--flatten_solvent", "--zero_mask",
                  "--offset_range", 3, "--offset_step", 1, "--healpix_order", 1, "--cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two workers), the GPU tests run on one worker, one after the other:
+    each sizes its device memory arena from what the GPU has free."""
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.xdist_group("gpu"))
