@@ -23,7 +23,7 @@ from cryorefine.io.atomic import atomic_path
 SUPPORTED_MODES = {0, 1, 2, 6, 12}
 UNTRUSTED_PIXEL_SIZES = (0.0, 1.0)
 #: threads a `StackReader` reads one large batch with (at most the CPU count): one thread's `preadv` from the page
-#: cache copies at a few GB/s, less than a GPU consumes images (benchmarks/stack_reads.py)
+#: cache copies at a few GB/s, less than a GPU consumes images (docs/benchmark-conclusions.md, stack_reads.py)
 READ_THREADS = min(4, os.cpu_count() or 1)
 #: a batch's raw reads are split over the threads when it holds at least this many bytes
 PARALLEL_READ_BYTES = 8 << 20

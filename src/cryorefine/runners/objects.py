@@ -5,7 +5,7 @@ the object's pickle without its contiguous arrays goes as one small message, the
 byte messages of at most CHUNK_BYTES, received into fresh buffers that the unpickled arrays then use (no copy on
 either side). mpi4py's `util.pkl5` sends the same buffers through derived datatypes: two 360³ float32 maps crossed
 at 1.4–1.8 GB/s with it and at 3.2–6.1 GB/s with this, near plain sends of the arrays (3.5–6.6 GB/s), between two
-ranks of one host under Open MPI and MPICH (benchmarks/mpi_objects.py).
+ranks of one host under Open MPI and MPICH (docs/benchmark-conclusions.md, mpi_objects.py).
 
 With `device` (a `gpu.collectives.DeviceCollectives` over the same ranks, one GPU each) `allgather` moves the arrays
 through the GPUs instead: each rank's arrays broadcast by NCCL in turn, received into page-locked memory.

@@ -4,7 +4,7 @@
 // -DINTERLEAVED_VOXELS: a volume of one float4 (re, im, weight, 0) a voxel in `data`, `weight` unused, so that an x
 // edge's two voxels share one 32-byte sector; -DGROUPED_VOXELS: x-runs of four voxels, their data (re, im) × 4 then
 // their four weights, 48 bytes, in `data` (12 bytes a voxel, as the two volumes), `weight` unused
-// (benchmarks/backproject_atomics.py compares them all; the package's volumes are not laid out so).
+// (backproject_atomics.py compared them all, docs/benchmark-conclusions.md; the package's volumes are not laid out so).
 
 // (re, im) added at `at` (two consecutive floats, 8-byte aligned): one vector atomic on Hopper and later
 // (compute capability 9.0 has float2 atomicAdd in global memory), two scalar ones before or with

@@ -2,7 +2,7 @@
 // x = hi + lo (hi: x rounded to TF32's 10-bit mantissa, lo: the rest rounded again), and a·b is taken as
 // hi_a·hi_b + hi_a·lo_b + lo_a·hi_b ("3xTF32"; the dropped lo_a·lo_b is below 2^-22 of |a·b|). On an H100 or
 // H200 the three tensor-core products take 6–15 % less time than the one FP32 product on CUDA cores, with a
-// smaller error against float64 (`benchmarks/coarse_tensor_cores.py` times both kernels and prints their errors).
+// smaller error against float64 (coarse_tensor_cores.py timed both and their errors, docs/benchmark-conclusions.md).
 //
 // Same operands, tiles, padding and epilogue as coarse_diff2 (coarse.cu): A (K × lda) and B (K × ldb)
 // coefficient-major, lda a multiple of GEMM_BM, ldb of GEMM_BN, K of GEMM_BK (8). A block computes a 128 × 128

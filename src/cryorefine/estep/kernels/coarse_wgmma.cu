@@ -17,7 +17,7 @@
 //
 // Accuracy: the tensor cores add into their accumulator without rounding to nearest (coarse_tf32.cu); so each slab's
 // products go to `part`, which the first product of a slab starts afresh (scale-d 0), and `part` is added to `acc`
-// in FP32 after the slab: WG_BK = 32 coefficients a flush, which coarse_tensor_cores.py measured as accurate as 16.
+// in FP32 after the slab: WG_BK = 32 coefficients a flush, measured as accurate as 16 (docs/benchmark-conclusions.md).
 //
 // Compiled for sm_90a only (`kernel_module` passes -arch=sm_90a on a compute capability 9.0 device, and the engine
 // launches this kernel there alone: `device_coarse_kernel`); elsewhere its body is empty. Where a compiler given
