@@ -51,7 +51,7 @@ ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
 STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
 WORKER_WALLS = re.compile(r"^  the workers' E-steps \(s, [^)]*\): (.*)$")  # logged before its iteration's line
 MEMORY = re.compile(r"^GPU (\d+) memory: GPU arena [\d.]+ MB: in use [\d.]+ MB, high water ([\d.]+) MB")
-MPI_STAGES = ("broadcast", "reduction", "sums to their makers", "M-step on the workers", "model to the master",
+MPI_STAGES = ("broadcast", "last maps to the master", "reduction", "sums to their makers", "M-step on the workers", "model to the master",
               "sums to rank 1", "M-step on rank 1")
 
 

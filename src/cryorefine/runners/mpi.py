@@ -36,8 +36,9 @@ hold (`HeldMap`) instead of sending them again.
 Plans, models and maps go as pickle protocol 5 with their arrays as raw bytes
 (`runners.objects.ObjectChannel`), of any size. The M-step is the job's own code, so results do not depend on
 the number of ranks beyond the order of floating-point sums.
-Every stage is timed: `broadcast` (the master's), `reduction` (the workers'), and the M-step's parts (sums to
-their makers, the M-step on the workers as rank 1 saw it, the model's way to the master).
+Every stage is timed: `broadcast` (the master's), `last maps to the master` (a worker's wait, after its E-step, for its
+share of the last maps to have crossed) and `reduction` (the workers'), and the M-step's parts (sums to their makers,
+the M-step on the workers as rank 1 saw it, the model's way to the master).
 
 Failure: an exception on any rank prints one line naming the rank, the host and the cause, and
 aborts the whole job (MPI_Abort, exit code 2): no rank is left waiting. A failing worker tells the
@@ -531,7 +532,8 @@ class MpiRunner:
                 for u in mine}
         del sums
         tic = time.perf_counter()
-        self._maps_sent()  # the last maps reached the master while this E-step ran
+        self._maps_sent()  # the last maps reached the master while this E-step ran (else this worker waits here)
+        tic = add_seconds(stages, "last maps to the master", tic)
         makers = makers_of_parts(job.maximization_groups(plan), self.n_workers, n_units)
         held = self._reduce(host, plan, makers, backend.sums_dtype)
         del host
