@@ -1,6 +1,6 @@
-"""The compact padded layout of 3D half transforms that projectors and back-projectors share
-(`PaddedGrid`), RELION's rounding and padded sizes, and the gridding kernel of trilinear
-interpolation. See `cryorefine.core.projector` for the layout's conventions."""
+"""The compact padded layout of 3D (or, for 2D references, 2D) half transforms that projectors and
+back-projectors share (`PaddedGrid`), RELION's rounding and padded sizes, and the gridding kernel of
+trilinear (bilinear in 2D) interpolation. See `cryorefine.core.projector` for the layout's conventions."""
 
 from __future__ import annotations
 
@@ -47,18 +47,24 @@ class PaddedGrid:
     size_px:        N, the box size of the (unpadded) map in pixels.
     padded_size_px: Np = round(pf·N) made even; the padding factor in use is Np / N.
     r_max_px:       largest frequency kept, in Fourier pixels of the unpadded map (≤ N/2).
+    ndim:           3 for a map (z, y, x), 2 for a 2D reference (y, x) (RELION's ref_dim): the arrays then
+                    drop the z axis.
     """
 
     size_px: int
     padded_size_px: int
     r_max_px: int
+    ndim: int = 3
 
     @classmethod
-    def create(cls, size_px: int, padding_factor: float = 2.0, r_max_px: int | None = None) -> PaddedGrid:
+    def create(cls, size_px: int, padding_factor: float = 2.0, r_max_px: int | None = None,
+               ndim: int = 3) -> PaddedGrid:
         size_px = int(size_px)
         r_max = size_px // 2 if r_max_px is None else int(r_max_px)
         r_max = max(1, min(r_max, size_px // 2))
-        return cls(size_px, padded_size_px(size_px, padding_factor), r_max)
+        if ndim not in (2, 3):
+            raise ValueError(f"a padded grid is 2D or 3D, not {ndim}D")
+        return cls(size_px, padded_size_px(size_px, padding_factor), r_max, int(ndim))
 
     @property
     def padding_factor(self) -> float:
@@ -75,44 +81,50 @@ class PaddedGrid:
         return self.r_max_padded + 1
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(2R+3, 2R+3, R+2): RELION's pad_size = 2·(R+1)+1 on the z and y axes."""
+    def shape(self) -> tuple[int, ...]:
+        """(2R+3, 2R+3, R+2): RELION's pad_size = 2·(R+1)+1 on the z and y axes; (2R+3, R+2) in 2D."""
         d = 2 * self.r_max_padded + 3
-        return (d, d, self.r_max_padded + 2)
+        return (d,) * (self.ndim - 1) + (self.r_max_padded + 2,)
 
     def frequencies(self, xp: ArrayModule = np, planes: slice = slice(None),
-                    rows: slice = slice(None)) -> tuple[Array, Array, Array]:
+                    rows: slice = slice(None)) -> tuple[Array, ...]:
         """Padded integer frequencies (z, y, x), each broadcastable to `shape` (to the z `planes` and y `rows`
-        given, slices of the first two axes), as float64."""
-        d, _, w = self.shape
+        given, slices of the first two axes), as float64. In 2D (y, x), `planes` then slicing the y axis."""
+        d, w = self.shape[0], self.shape[-1]
         k = xp.arange(d, dtype=xp.float64) - self.origin
         kx = xp.arange(w, dtype=xp.float64)
+        if self.ndim == 2:
+            return k[planes][:, None], kx[None, :]
         return k[planes][:, None, None], k[rows][None, :, None], kx[None, None, :]
 
     def radius2(self, xp: ArrayModule = np, planes: slice = slice(None), rows: slice = slice(None)) -> Array:
         """|k|² in padded Fourier pixels for every compact element (of the z `planes` and y `rows` given),
         float64."""
-        kz, ky, kx = self.frequencies(xp, planes, rows)
-        return kz * kz + ky * ky + kx * kx
+        return sum(k * k for k in self.frequencies(xp, planes, rows))
 
     def slabs(self, elements: int | None = None) -> list[slice]:
         """Slices of the first axis covering it in slabs of about `elements` compact elements (default
         `SLAB_ELEMENTS`), so that loops over the grid keep their temporaries bounded at any box size."""
-        d, h, w = self.shape
-        step = max(1, (elements or SLAB_ELEMENTS) // (h * w))
+        d = self.shape[0]
+        per_plane = int(np.prod(self.shape[1:]))
+        step = max(1, (elements or SLAB_ELEMENTS) // per_plane)
         return [slice(z, min(d, z + step)) for z in range(0, d, step)]
 
 
 def trilinear_gridding_kernel(size_px: int, padded_size_px: int, xp: ArrayModule = np,
-                              planes: slice = slice(None)) -> Array:
+                              planes: slice = slice(None), ndim: int = 3) -> Array:
     """sinc²(r / Np) on the (N, N, N) map grid (r from N//2, 1 at r = 0), float64; only the z `planes`
-    given (a slice of the first axis), for loops over slabs of a large map.
+    given (a slice of the first axis), for loops over slabs of a large map. With `ndim` 2, on the (N, N)
+    grid of a 2D reference (bilinear interpolation), `planes` slicing its rows.
 
     Trilinear interpolation in the padded Fourier grid multiplies the map by (approximately)
     this function; RELION divides by it before the transform of a projector and after the
     inverse transform of a reconstruction (Projector::griddingCorrect).
     """
     k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
+    if ndim == 2:
+        t = xp.sqrt(k[planes][:, None] ** 2 + k[None, :] ** 2) / float(padded_size_px)
+        return xp.sinc(t) ** 2
     z = k[planes][:, None, None]
     t = xp.sqrt(z * z + k[None, :, None] ** 2 + k[None, None, :] ** 2) / float(padded_size_px)
     return xp.sinc(t) ** 2

@@ -18,7 +18,8 @@ import numpy.typing as npt
 from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, complex_dtype_for
 
-__all__ = ["window_indices", "compact_rows", "slab_elements", "padded_forward", "padded_inverse_window"]
+__all__ = ["window_indices", "compact_rows", "slab_elements", "padded_forward", "padded_inverse_window",
+           "padded_forward_2d", "padded_inverse_window_2d"]
 
 
 def window_indices(size_px: int, padded_size_px: int) -> np.ndarray:
@@ -124,3 +125,37 @@ def padded_inverse_window(ft: Array, size_px: int, xp: ArrayModule = np, r_max_p
         out[a:b] = images[:, u[:, None], u[None, :]]
         del images
     return out
+
+
+def padded_forward_2d(image: Array, grid: PaddedGrid, xp: ArrayModule = np, out: Array | None = None) -> Array:
+    """The compact padded transform (grid.shape, 2D: (2R+3, R+2)) of a real (N, N) 2D reference: DFT2 of the
+    image zero-padded to Np, divided by N² (so that the unrotated "projection" of a 2D reference is the
+    `fourier.rfft2_centered` of the image, as a 3D map's central slice is normalised), zero beyond |k| = R."""
+    image = xp.asarray(image)
+    n = image.shape[0]
+    npad = grid.padded_size_px
+    real = image.dtype.type
+    cdtype = complex_dtype_for(real)
+    w = grid.shape[-1]
+    u = xp.asarray(window_indices(n, npad))
+    rows, rows_fft = compact_rows(grid, unique=False)
+    wx = min(w, npad // 2 + 1)
+    box = xp.zeros((npad, npad), dtype=real)
+    box[u[:, None], u[None, :]] = image
+    ft = xp.fft.rfft2(box, norm="backward")
+    if out is None:
+        out = xp.zeros(grid.shape, dtype=cdtype)
+    else:
+        out[...] = 0
+    out[rows[0]:rows[-1] + 1, :wx] = ft[xp.asarray(rows_fft), :wx] * real(1.0 / (float(n) ** 2))
+    out[grid.radius2(xp) > grid.r_max_padded ** 2] = 0
+    return out
+
+
+def padded_inverse_window_2d(ft: Array, size_px: int, xp: ArrayModule = np) -> Array:
+    """The real (N, N) image in the middle of the Np box whose uncentred half transform is `ft` (Np, Np/2+1),
+    unnormalised (a plain sum over frequencies): `padded_inverse_window` of a 2D reference."""
+    npad = ft.shape[0]
+    u = xp.asarray(window_indices(int(size_px), npad))
+    image = xp.fft.irfft2(ft, s=(npad, npad), norm="forward")
+    return image[u[:, None], u[None, :]]

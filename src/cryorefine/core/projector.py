@@ -24,6 +24,13 @@ is non-zero in a projector. A slice coefficient at integer image frequency (kx, 
 at pf·Aᵀ(kx, ky, 0). Image rows follow `fourier.signed_frequencies` (row n/2 of an even
 size is +n/2, as in RELION).
 
+2D references (RELION's ref_dim 2, 2D classification): a `Projector` of an (N, N) image holds its
+padded 2D half transform, shape (2R+3, R+2) indexed [y + R+1, x]; its "projection" at pose A is
+the transform rotated in plane, the coefficient at (kx, ky) read at pf·A₂ᵀ(kx, ky) (A₂ the upper
+left 2 × 2 block of A: for rot = tilt = 0 a rotation by psi, so that a 2D class and a 3D map agree on
+what rlnAnglePsi means) by bilinear interpolation; `BackProjector(N, ndim=2)` is its adjoint. The
+unrotated projection of an image equals `fourier.rfft2_centered` of it.
+
 Everything takes an array module `xp` (numpy or cupy) and a real dtype (float32 or float64;
 complex arrays follow as complex64 or complex128). Nothing here imports cupy.
 """
@@ -38,7 +45,7 @@ import numpy.typing as npt
 from cryorefine.core import fourier, reconstruct
 from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.grid import PaddedGrid, complex_dtype_for, map_slabs, trilinear_gridding_kernel
-from cryorefine.core.padded_transforms import padded_forward
+from cryorefine.core.padded_transforms import padded_forward, padded_forward_2d
 from cryorefine.core.symmetry import SymmetryGroup, symmetrise_padded_sums
 
 
@@ -118,6 +125,35 @@ def _corner_weights(fx, fy, fz):
     return out
 
 
+def _slice_geometry_2d(grid, matrices, kx, ky, real_dtype, xp):
+    """Bilinear sampling geometry of the points pf·A₂ᵀ(kx, ky) of a 2D grid (in-plane rotations): base flat index
+    (B, M) of the (y0, x0) corner, fractions fx, fy, `neg` (mirrored to x ≥ 0: conjugate) and `inside`."""
+    a = xp.asarray(matrices, dtype=real_dtype)
+    pf = real_dtype(grid.padding_factor)
+    kx = xp.asarray(kx, dtype=real_dtype)[None, :]
+    ky = xp.asarray(ky, dtype=real_dtype)[None, :]
+    qx = pf * (kx * a[:, 0, 0, None] + ky * a[:, 1, 0, None])
+    qy = pf * (kx * a[:, 0, 1, None] + ky * a[:, 1, 1, None])
+    r_pad = grid.r_max_padded
+    inside = qx * qx + qy * qy <= real_dtype(r_pad * r_pad * (1.0 + 1e-5))
+    neg = qx < 0
+    sign = xp.where(neg, real_dtype(-1), real_dtype(1))
+    qx, qy = qx * sign, qy * sign
+    x0, y0 = xp.floor(qx), xp.floor(qy)
+    fx, fy = qx - x0, qy - y0
+    d, w = grid.shape
+    ix = xp.clip(x0.astype(xp.int64), 0, w - 2)
+    iy = xp.clip(y0.astype(xp.int64) + grid.origin, 0, d - 2)
+    return iy * w + ix, fx, fy, neg, inside
+
+
+def _corners_2d(grid, fx, fy):
+    """The four corners of bilinear interpolation: (flat offset, weight) each, x inner."""
+    w = grid.shape[-1]
+    gx, gy = 1 - fx, 1 - fy
+    return [(0, gy * gx), (1, gy * fx), (w, fy * gx), (w + 1, fy * fx)]
+
+
 class _OnPaddedGrid:
     """The box, padding factor and radius of the PaddedGrid `self.grid` a projector or back-projector works on."""
 
@@ -141,7 +177,8 @@ class Projector(_OnPaddedGrid):
 
     Projector(volume, padding_factor=2, r_max_px=None, do_gridding=True, dtype=np.float64, xp=np)
 
-    volume:         real (N, N, N) map (z, y, x), centred at N//2, unit voxel spacing.
+    volume:         real (N, N, N) map (z, y, x), centred at N//2, unit voxel spacing; or a real (N, N)
+                    2D reference (RELION's ref_dim 2: the projector is 2D, see the module docstring).
     padding_factor: real-space zero padding (RELION --pad; the box becomes round(pf·N), even).
     r_max_px:       keep frequencies |k| ≤ r_max (Fourier pixels of the unpadded map; default
                     and maximum N//2). RELION sets it to current_size/2.
@@ -163,11 +200,18 @@ class Projector(_OnPaddedGrid):
         self.real_dtype = np.dtype(dtype).type
         self.complex_dtype = complex_dtype_for(dtype).type
         vol = xp.asarray(volume)
-        if vol.ndim != 3 or len(set(vol.shape)) != 1:
-            raise ValueError(f"Projector needs a cubic (N, N, N) volume, got shape {vol.shape}")
+        if vol.ndim not in (2, 3) or len(set(vol.shape)) != 1:
+            raise ValueError(f"Projector needs a cubic (N, N, N) volume or a square (N, N) image, got shape "
+                             f"{vol.shape}")
         n = vol.shape[0]
-        self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px)
+        self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px, ndim=vol.ndim)
         npad = grid.padded_size_px
+        if vol.ndim == 2:  # a 2D reference: one small transform
+            image = vol.astype(xp.float64)
+            if do_gridding:
+                image = image / trilinear_gridding_kernel(n, npad, xp, ndim=2)
+            self.data = padded_forward_2d(image.astype(self.real_dtype), grid, xp, out=out)
+            return
         corrected = xp.empty(vol.shape, dtype=self.real_dtype)
         for planes in map_slabs(n):  # in float64, a slab at a time
             v = vol[planes].astype(xp.float64)
@@ -201,8 +245,15 @@ class Projector(_OnPaddedGrid):
         mats = mats.reshape(-1, 3, 3)
         r = _effective_r_max(self.grid, n, r_max_px)
         pos, kx, ky = _slice_points(n, r * r, False)
-        base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
         flat = self.data.reshape(-1)
+        if self.grid.ndim == 2:
+            base, fx, fy, neg, inside = _slice_geometry_2d(self.grid, mats, kx, ky, self.real_dtype, xp)
+            w = self.grid.shape[-1]
+            row0 = xp.take(flat, base) + (xp.take(flat, base + 1) - xp.take(flat, base)) * fx
+            row1 = xp.take(flat, base + w) + (xp.take(flat, base + w + 1) - xp.take(flat, base + w)) * fx
+            vals = row0 + (row1 - row0) * fy  # x first, then y
+            return self._slices_out(vals, neg, inside, pos, mats.shape[0], n, lead)
+        base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
         offs = _corner_offsets(self.grid)
 
         def at(i: int) -> Array:
@@ -219,9 +270,14 @@ class Projector(_OnPaddedGrid):
         c0 = lerp(fy, c00, c01)
         c1 = lerp(fy, c10, c11)
         vals = lerp(fz, c0, c1)
+        return self._slices_out(vals, neg, inside, pos, mats.shape[0], n, lead)
+
+    def _slices_out(self, vals, neg, inside, pos, b, n, lead):
+        """The interpolated values (b, M) as half transforms (…, n, n//2+1): conjugated where mirrored, zero
+        outside the sphere and at the coefficients not computed."""
+        xp = self.xp
         vals = xp.where(neg, xp.conj(vals), vals)
         vals = xp.where(inside, vals, 0).astype(self.complex_dtype)
-        b = mats.shape[0]
         out = xp.zeros((b, n * (n // 2 + 1)), dtype=self.complex_dtype)
         out[:, xp.asarray(pos)] = vals
         return out.reshape(lead + (n, n // 2 + 1))
@@ -243,10 +299,10 @@ def _relion_power_spectrum(data, grid, xp):
 class BackProjector(_OnPaddedGrid):
     """Padded Fourier sums of back-projected slices: `data` (complex) and `weight` (real).
 
-    BackProjector(size_px, padding_factor=2, r_max_px=None, dtype=np.float64, xp=np)
+    BackProjector(size_px, padding_factor=2, r_max_px=None, dtype=np.float64, xp=np, ndim=3)
 
-    size_px is N of the map to reconstruct; the compact arrays follow `PaddedGrid` (module
-    docstring). Sums from several workers are combined by adding `data` and `weight`.
+    size_px is N of the map to reconstruct (with `ndim` 2: of a 2D reference, (N, N)); the compact
+    arrays follow `PaddedGrid` (module docstring). Sums from several workers are combined by adding `data` and `weight`.
     `hermitian_enforced` is True once the sums' x = 0 plane has been made Hermitian (`symmetrise`
     does it, as RELION's does); `reconstruct` then does not do it again.
     """
@@ -254,11 +310,11 @@ class BackProjector(_OnPaddedGrid):
     hermitian_enforced = False
 
     def __init__(self, size_px: int, padding_factor: float = 2.0, r_max_px: float | None = None,
-                 dtype: npt.DTypeLike = np.float64, xp: ArrayModule = np) -> None:
+                 dtype: npt.DTypeLike = np.float64, xp: ArrayModule = np, ndim: int = 3) -> None:
         self.xp = xp
         self.real_dtype = np.dtype(dtype).type
         self.complex_dtype = complex_dtype_for(dtype).type
-        self.grid = PaddedGrid.create(size_px, padding_factor, r_max_px)
+        self.grid = PaddedGrid.create(size_px, padding_factor, r_max_px, ndim=ndim)
         self.data = xp.zeros(self.grid.shape, dtype=self.complex_dtype)
         self.weight = xp.zeros(self.grid.shape, dtype=self.real_dtype)
 
@@ -266,13 +322,13 @@ class BackProjector(_OnPaddedGrid):
     def from_arrays(cls, data: Array, weight: Array, size_px: int, padding_factor: float = 2.0,
                     r_max_px: float | None = None, xp: ArrayModule = np,
                     hermitian_enforced: bool = False) -> BackProjector:
-        """A back-projector holding existing sums (`data`, `weight` of the grid's shape), not copied;
+        """A back-projector holding existing sums (`data`, `weight` of the grid's shape, 2D or 3D), not copied;
         `hermitian_enforced`: their x = 0 plane is already Hermitian (sums of symmetrised back-projectors)."""
         bp = cls.__new__(cls)
         bp.xp = xp
         bp.real_dtype = np.dtype(weight.dtype).type
         bp.complex_dtype = complex_dtype_for(weight.dtype).type
-        bp.grid = PaddedGrid.create(size_px, padding_factor, r_max_px)
+        bp.grid = PaddedGrid.create(size_px, padding_factor, r_max_px, ndim=data.ndim)
         if tuple(data.shape) != bp.grid.shape or tuple(weight.shape) != bp.grid.shape:
             raise ValueError(f"sums of shape {data.shape}/{weight.shape} do not match the grid {bp.grid.shape}")
         bp.data, bp.weight = data, weight
@@ -312,7 +368,13 @@ class BackProjector(_OnPaddedGrid):
         r = _effective_r_max(self.grid, n, r_max_px)
         pos, kx, ky = _slice_points(n, r * r, True)
         pos = xp.asarray(pos)
-        base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
+        if self.grid.ndim == 2:
+            base, fx, fy, neg, inside = _slice_geometry_2d(self.grid, mats, kx, ky, self.real_dtype, xp)
+            corners = _corners_2d(self.grid, fx.astype(xp.float64), fy.astype(xp.float64))
+        else:
+            base, fx, fy, fz, neg, inside = _slice_geometry(self.grid, mats, kx, ky, self.real_dtype, xp)
+            corners = list(zip(_corner_offsets(self.grid),
+                               _corner_weights(fx.astype(xp.float64), fy.astype(xp.float64), fz.astype(xp.float64))))
         vals = s[:, pos]
         vals = xp.where(neg, xp.conj(vals), vals)
         if wts is None:
@@ -322,12 +384,10 @@ class BackProjector(_OnPaddedGrid):
             inside = inside & (w > 0)
             w = xp.where(inside, w, 0.0)
         vals = xp.where(inside, vals, 0).astype(xp.complex128)
-        offs = _corner_offsets(self.grid)
-        cw = _corner_weights(fx.astype(xp.float64), fy.astype(xp.float64), fz.astype(xp.float64))
-        idx = xp.concatenate([(base + o).reshape(-1) for o in offs])
-        cw = xp.concatenate([c.reshape(-1) for c in cw])
-        vals8 = xp.tile(vals.reshape(-1), 8)
-        w8 = xp.tile(w.reshape(-1), 8)
+        idx = xp.concatenate([(base + o).reshape(-1) for o, _ in corners])
+        cw = xp.concatenate([c.reshape(-1) for _, c in corners])
+        vals8 = xp.tile(vals.reshape(-1), len(corners))
+        w8 = xp.tile(w.reshape(-1), len(corners))
         size = int(np.prod(self.grid.shape))
         re = xp.bincount(idx, weights=cw * vals8.real, minlength=size)
         im = xp.bincount(idx, weights=cw * vals8.imag, minlength=size)
@@ -342,6 +402,8 @@ class BackProjector(_OnPaddedGrid):
         `symmetry.symmetrise_padded_sums`). A group of order 1 changes nothing."""
         if group.order == 1:
             return
+        if self.grid.ndim == 2:
+            raise ValueError(f"a 2D reference has no point-group symmetry ({group.name} asked)")
         self.data[:, :, 0], self.weight[:, :, 0] = reconstruct.hermitian_plane(self.data, self.weight, self.xp)
         data, weight = symmetrise_padded_sums(self.data, self.weight, group, self.grid.r_max_padded, self.xp)
         self.data[...] = data
@@ -374,6 +436,9 @@ class BackProjector(_OnPaddedGrid):
         """
         if enforce_hermitian is None:
             enforce_hermitian = not self.hermitian_enforced
+        if self.grid.ndim == 2:
+            return reconstruct.reconstruct_image(self.data, self.weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,
+                                                 minres_map_px=minres_map_px, mask_corners=mask_corners, xp=self.xp)
         return reconstruct.reconstruct_volume(self.data, self.weight, self.grid, tau2=tau2, tau2_fudge=tau2_fudge,
                                               minres_map_px=minres_map_px, mask_corners=mask_corners,
                                               enforce_hermitian=enforce_hermitian, xp=self.xp)

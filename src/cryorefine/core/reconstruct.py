@@ -32,7 +32,7 @@ from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, ArrayModule, to_host
 from cryorefine.core.fsc import correlation_from_sums, shell_correlation_sums
 from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, map_slabs, relion_round, trilinear_gridding_kernel
-from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window
+from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window, padded_inverse_window_2d
 
 __all__ = [
     "enforce_hermitian_symmetry",
@@ -43,6 +43,7 @@ __all__ = [
     "downsampled_average_planes",
     "half_sets_fsc",
     "reconstruct_volume",
+    "reconstruct_image",
     "soft_mask_outside_map",
     "gridding_correct",
 ]
@@ -94,17 +95,18 @@ def reconstruction_noise_sigma2(weight: Array, grid: PaddedGrid, xp: ArrayModule
     """RELION's sigma2 of the reconstruction per shell, (N//2+1,) float64.
 
     sigma2[s] = count / Σ (pf³ · weight) over padded points with |k| < R in shell
-    s = round(|k|/pf) (BackProjector::updateSSNRarrays); 0 where the weights sum to zero.
+    s = round(|k|/pf) (BackProjector::updateSSNRarrays; pf² on a 2D grid); 0 where the weights sum to zero.
     With weights Σ CTF²/σ²_noise this is the noise power of the reconstructed coefficients.
     """
     pf = grid.padding_factor
+    correction = pf ** grid.ndim
     n_shells = grid.size_px // 2 + 1
     total = xp.zeros(n_shells)
     count = xp.zeros(n_shells)
     for planes in grid.slabs():
         r2 = grid.radius2(xp, planes)
         shells = xp.where(r2 < grid.r_max_padded ** 2, _round_half_up(xp.sqrt(r2) / pf, xp), n_shells)
-        total += fourier.shell_sum(weight[planes].astype(xp.float64) * pf ** 3, shells, n_shells, xp)
+        total += fourier.shell_sum(weight[planes].astype(xp.float64) * correction, shells, n_shells, xp)
         count += fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return xp.where(total > 1e-20, count / xp.where(total > 1e-20, total, 1.0), 0.0)
 
@@ -298,12 +300,12 @@ def soft_mask_outside_map(volume: Array, radius_px: float | None = None, cosine_
 
 
 def gridding_correct(volume: Array, padded_size_px: int, xp: ArrayModule = np) -> Array:
-    """Divide a (N, N, N) map by sinc²(r/Np) (RELION's griddingCorrect for trilinear), in place, one slab at a
-    time; returns the map."""
+    """Divide a (N, N, N) map (or an (N, N) image) by sinc²(r/Np) (RELION's griddingCorrect for trilinear, or
+    bilinear, interpolation), in place, one slab at a time; returns the map."""
     n = volume.shape[0]
-    for planes in map_slabs(n):
-        volume[planes] = (volume[planes] / trilinear_gridding_kernel(n, padded_size_px, xp, planes)).astype(
-            volume.dtype)
+    for planes in map_slabs(n, volume.ndim):
+        kernel = trilinear_gridding_kernel(n, padded_size_px, xp, planes, ndim=volume.ndim)
+        volume[planes] = (volume[planes] / kernel).astype(volume.dtype)
     return volume
 
 
@@ -391,3 +393,54 @@ def reconstruct_volume(data: Array, weight: Array, grid: PaddedGrid, tau2: Array
     if mask_corners:
         vol = soft_mask_outside_map(vol, xp=xp)
     return gridding_correct(vol, npad, xp).astype(weight.dtype)
+
+
+def reconstruct_image(data: Array, weight: Array, grid: PaddedGrid, tau2: Array | npt.ArrayLike | None = None,
+                      tau2_fudge: float = 1.0, minres_map_px: int = 0, mask_corners: bool = True,
+                      xp: ArrayModule = np) -> Array:
+    """A 2D reference (N, N) from the padded 2D sums of its back-projected images: `reconstruct_volume`'s
+    arithmetic on a 2D grid (RELION's BackProjector::reconstruct with ref_dim 2). The x = 0 column is made
+    Hermitian; τ² adds 1/(pf²·tau2_fudge·τ²) to the weights (pf² in 2D, pf³ in 3D); the weight floor is 1/1000
+    of each shell's mean; the inverse transform of the Np box scaled by N²/Np², windowed to N, its corners
+    softly masked beyond N/2 with `mask_corners`, divided by sinc²(r/Np)."""
+    n = grid.size_px
+    npad = grid.padded_size_px
+    pf = grid.padding_factor
+    r_pad = grid.r_max_padded
+    r_max = grid.r_max_px
+    o = grid.origin
+    data = data.copy()
+    weight = weight.astype(xp.float64)
+    # the x = 0 column: a point and its mate (−ky) hold each other's conjugate (back-projection splats one side)
+    column, wcolumn = data[:, 0].copy(), weight[:, 0].copy()
+    data[:, 0] = column + xp.conj(column[::-1])
+    weight[:, 0] = wcolumn + wcolumn[::-1]
+    data[o, 0], weight[o, 0] = column[o], wcolumn[o]
+    r2 = grid.radius2(xp)
+    radius = xp.sqrt(r2)
+    if tau2 is not None:
+        t = xp.asarray(tau2, dtype=xp.float64).reshape(-1)
+        shell = xp.clip(_round_half_up(radius / pf, xp), 0, t.size - 1)
+        positive = t[shell] > 0
+        tiny = weight > 1e-20
+        inv = xp.where(positive, 1.0 / (pf ** 2 * tau2_fudge * xp.where(positive, t[shell], 1.0)),
+                       xp.where(tiny, 1.0 / (0.001 * xp.where(tiny, weight, 1.0)), 0.0))
+        apply = (r2 < r_pad * r_pad) & (_round_half_up(radius / pf, xp) >= minres_map_px)
+        weight = xp.where(apply, weight + inv, weight)
+    round_max_r2 = relion_round(r_max * pf * r_max * pf)
+    shells = xp.where(r2 < round_max_r2, xp.floor(radius / pf).astype(xp.int64), r_max)
+    totals = fourier.shell_sum(weight, shells, r_max, xp)
+    counts = fourier.shell_sum(xp.ones(shells.shape), shells, r_max, xp)
+    radavg = xp.where(counts > 0, totals / (1000.0 * xp.maximum(counts, 1.0)), 0.0)
+    w_eff = xp.maximum(weight, radavg[xp.minimum(xp.floor(radius / pf).astype(xp.int64), r_max - 1)])
+    quotient = xp.where(w_eff != 0, data / xp.where(w_eff != 0, w_eff, 1.0), data)
+    quotient = xp.where(r2 <= r_pad * r_pad, quotient, 0)
+    rows, rows_fft = compact_rows(grid)
+    wx = min(grid.shape[-1], r_pad + 1, npad // 2 + 1)
+    ft = xp.zeros((npad, npad // 2 + 1), dtype=data.dtype)
+    ft[xp.asarray(rows_fft), :wx] = quotient[rows[0]:rows[-1] + 1, :wx]
+    image = padded_inverse_window_2d(ft, n, xp)
+    image = image * (float(n) ** 2 / float(npad) ** 2)
+    if mask_corners:
+        image = soft_mask_outside_map(image, xp=xp)
+    return gridding_correct(image.astype(xp.float64), npad, xp).astype(data.real.dtype)

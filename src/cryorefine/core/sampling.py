@@ -40,6 +40,12 @@ Each particle's neighbourhood is found on its own (HEALPix discs around the prio
 mates, a window of psi angles) and kept as a ragged list (`LocalOrientations`): nothing the size
 of the whole grid is made, however fine the sampling.
 
+In-plane sampling (`Sampling.in_plane`, RELION's 2D classification, ref_dim 2): one direction, rot =
+tilt = 0, so that an orientation is its psi alone (o = psi_index); psi every `psi_step_deg`; each
+coarse orientation has 2^k children (psi − step/2 + (0.5 + i)·step/2^k) and each translation 4^k;
+the perturbation adds p·psi_step to every psi (and p·offset_step to the translations), keeping rot
+and tilt 0. No local searches.
+
 Angles are in degrees and translations in pixels throughout.
 """
 
@@ -263,6 +269,18 @@ def _direction_tables(healpix_order: int, symmetry: str) -> DirectionTables:
     return DirectionTables(ipix, angles, of_pixel, vectors)
 
 
+def _in_plane_directions() -> DirectionTables:
+    ipix, angles = np.zeros(1, np.int64), np.zeros((1, 2))
+    of_pixel, vectors = np.zeros(1, np.int64), np.array([[0.0, 0.0, 1.0]])
+    for table in (ipix, angles, of_pixel, vectors):
+        table.setflags(write=False)
+    return DirectionTables(ipix, angles, of_pixel, vectors)
+
+
+#: the one direction of in-plane sampling (rot = tilt = 0)
+_IN_PLANE_DIRECTIONS = _in_plane_directions()
+
+
 @dataclass(frozen=True)
 class Sampling:
     """The sampling of one iteration (RELION's HealpixSampling state).
@@ -275,6 +293,8 @@ class Sampling:
         dataclasses.replace keeps it.
     oversampling: default oversampling order k of the fine pass (RELION's adaptive_oversampling).
     perturbation: RELION's random perturbation instance p (fraction of a step), 0 for none.
+    in_plane: psi alone (2D references: one direction, rot = tilt = 0; see the module docstring); the
+        HEALPix order then only sets the default psi step.
     """
 
     healpix_order: int
@@ -284,6 +304,7 @@ class Sampling:
     psi_step_deg: float | None = None
     oversampling: int = 1
     perturbation: float = 0.0
+    in_plane: bool = False
 
     def __post_init__(self):
         if int(self.healpix_order) != self.healpix_order or self.healpix_order < 0:
@@ -302,18 +323,26 @@ class Sampling:
         object.__setattr__(self, "healpix_order", int(self.healpix_order))
         object.__setattr__(self, "oversampling", int(self.oversampling))
         object.__setattr__(self, "symmetry", symmetry_group(self.symmetry).name)
+        object.__setattr__(self, "in_plane", bool(self.in_plane))
+        if self.in_plane and self.symmetry != "C1":
+            raise ValueError(f"in-plane sampling has no point-group symmetry, got {self.symmetry}")
+
+    @property
+    def ref_dim(self) -> int:
+        """2 for in-plane sampling (2D references), else 3: RELION's ref_dim."""
+        return 2 if self.in_plane else 3
 
     # ------------------------------------------------------------------ variants
 
     def with_healpix_order(self, healpix_order: int, psi_step_deg: float | None = None) -> Sampling:
         """The same sampling at another HEALPix order, psi step reset to that order's default."""
         return Sampling(healpix_order, self.offset_range_px, self.offset_step_px, self.symmetry,
-                        psi_step_deg, self.oversampling, self.perturbation)
+                        psi_step_deg, self.oversampling, self.perturbation, self.in_plane)
 
     def with_offsets(self, offset_range_px: float, offset_step_px: float) -> Sampling:
         """The same sampling with another translation disc."""
         return Sampling(self.healpix_order, offset_range_px, offset_step_px, self.symmetry,
-                        self.psi_step_deg, self.oversampling, self.perturbation)
+                        self.psi_step_deg, self.oversampling, self.perturbation, self.in_plane)
 
     # ------------------------------------------------------------------ sizes
 
@@ -342,9 +371,9 @@ class Sampling:
         return self.n_orientations * self.n_translations
 
     def n_fine_orientations(self, oversampling: int | None = None) -> int:
-        """Children per coarse orientation: 4^k directions × 2^k psi."""
+        """Children per coarse orientation: 4^k directions × 2^k psi (in-plane: 2^k psi)."""
         k = self._k(oversampling)
-        return 8 ** k
+        return 2 ** k if self.in_plane else 8 ** k
 
     def n_fine_translations(self, oversampling: int | None = None) -> int:
         """Children per coarse translation: 4^k."""
@@ -352,7 +381,10 @@ class Sampling:
         return 4 ** k
 
     def angular_sampling_deg(self, oversampling: int | None = None) -> float:
-        """RELION's reported angular sampling 360/(6·2^(N+k)) (k defaults to `oversampling`)."""
+        """RELION's reported angular sampling 360/(6·2^(N+k)) (k defaults to `oversampling`); in-plane, the psi
+        step / 2^k."""
+        if self.in_plane:
+            return self.psi_step_deg / 2 ** self._k(oversampling)
         return 360.0 / (6 * 2 ** (self.healpix_order + self._k(oversampling)))
 
     def offset_sampling_px(self, oversampling: int | None = None) -> float:
@@ -369,12 +401,16 @@ class Sampling:
 
     @property
     def direction_ipix(self) -> np.ndarray:
-        """HEALPix NEST pixel (order N) of each coarse direction, increasing (read-only)."""
-        return _direction_tables(self.healpix_order, self.symmetry).ipix
+        """HEALPix NEST pixel (order N) of each coarse direction, increasing (read-only); in-plane, [0]."""
+        return self._tables.ipix
 
     @property
     def _directions(self) -> np.ndarray:
-        return _direction_tables(self.healpix_order, self.symmetry).angles_deg
+        return self._tables.angles_deg
+
+    @property
+    def _tables(self) -> DirectionTables:
+        return _IN_PLANE_DIRECTIONS if self.in_plane else _direction_tables(self.healpix_order, self.symmetry)
 
     @functools.cached_property
     def _translations_unperturbed(self) -> np.ndarray:
@@ -414,6 +450,9 @@ class Sampling:
         into angles. The angles of `index` are gathered on the host, or, given `directions_deg` (this sampling's
         `directions_deg(xp)`, kept by a caller that makes matrices batch after batch), where `xp` runs: an index
         on the device then never leaves it."""
+        if self.in_plane:  # rot = tilt = 0 stay so: the perturbation is a psi offset
+            return euler_to_matrix(*self._perturb_angles(*self._unperturbed_orientations_deg(xp, index,
+                                                                                          directions_deg), xp), xp=xp)
         m = euler_to_matrix(*self._unperturbed_orientations_deg(xp, index, directions_deg), xp=xp)
         if not self.perturbation:
             return m
@@ -465,6 +504,11 @@ class Sampling:
         o = host_flat(orientation_index, np.int64)
         idir, ipsi = o // self.n_psi, o % self.n_psi
         n_dc, n_pc = 4 ** k, 2 ** k
+        if self.in_plane:  # psi children only
+            step = self.psi_step_deg
+            psi = xp.asarray(ipsi)[:, None] * step - 0.5 * step + (0.5 + xp.arange(n_pc))[None, :] * step / n_pc
+            zeros = xp.zeros(psi.shape)
+            return self._perturb_angles(zeros, zeros.copy(), psi, xp)
         fine_pix = self.direction_ipix[idir][:, None] * n_dc + _morton_offsets(k)[None, :]
         # the children's directions from healpy on the host, the rest where xp runs
         rot, tilt = (xp.asarray(a) for a in healpix_angles_deg(self.healpix_order + k, fine_pix))
@@ -520,6 +564,8 @@ class Sampling:
     def _perturb_angles(self, rot, tilt, psi, xp):
         if not self.perturbation:
             return rot, tilt, psi
+        if self.in_plane:
+            return rot, tilt, psi + self.perturbation * self.psi_step_deg
         a = self.perturbation * self.angular_sampling_deg(0)
         shape = rot.shape
         m = euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=xp)
@@ -540,6 +586,8 @@ class Sampling:
         psi is < sigma_cutoff·sigma_psi_deg. A sigma ≤ 0 keeps every sample with a flat prior.
         If nothing is in range, the nearest sample alone is kept.
         """
+        if self.in_plane:
+            raise ValueError("in-plane sampling has no local searches")
         pr, pt, pp = (host_flat(a, np.float64) for a in (prior_rot_deg, prior_tilt_deg, prior_psi_deg))
         n = pr.size
         if sigma_dir_deg > 0:

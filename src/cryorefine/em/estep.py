@@ -274,7 +274,7 @@ def empty_sums(unit: WorkUnit, xp: ArrayModule = np, real_dtype: npt.DTypeLike =
     """Zero WeightedSums of a unit, shaped as its engine's would be (a unit without batches; a template to
     receive sums into), volumes of `real_dtype` (and its complex)."""
     s = unit.setup
-    grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+    grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2, ndim=s.ref_dim)
     n_optics, n_shells = np.asarray(s.sigma2_noise).shape
     return WeightedSums.zeros(grid.shape, len(unit.classes), n_optics, n_shells, s.sampling.n_directions, xp=xp,
                               real_dtype=real_dtype, n_scale_groups=s.n_scale_groups)

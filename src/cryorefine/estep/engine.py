@@ -68,6 +68,9 @@ class IterationSetup:
     # an oversampling order a later iteration may switch to (a classification's raise): the GPU engine compiles its
     # fine-pass kernels for it in the background (None: none expected)
     next_oversampling: int | None = None
+    # 3: the references are maps (N, N, N) and the sums 3D; 2: 2D references (N, N) compared at in-plane rotations
+    # (RELION's ref_dim 2, a 2D classification: `core.projector` on 2D grids, an in-plane sampling)
+    ref_dim: int = 3
 
     @property
     def n_scale_groups(self) -> int | None:

@@ -98,7 +98,7 @@ class NumpyEngine:
             self.coarse_projections = [self._project(p, matrices, self.coarse) for p in s.projectors]
         r_max = s.current_size_px // 2
         self._grid_slices = None  # the fine grid's slices, summed over the unit's batches (made on first use)
-        self.backprojectors = [BackProjector(s.ori_size_px, s.padding_factor, r_max, dtype=self.real)
+        self.backprojectors = [BackProjector(s.ori_size_px, s.padding_factor, r_max, dtype=self.real, ndim=s.ref_dim)
                                for _ in range(self.n_classes)]
         self.sums_ = WeightedSums.zeros(None, self.n_classes, t.n_optics, t.n_shells, s.sampling.n_directions,
                                         data=[b.data for b in self.backprojectors],
