@@ -36,13 +36,51 @@ def test_outputs_have_relion_names(refined):
     out = folder / "out"
     for it in (1, 2, 3):
         for suffix in ("data.star", "half1_class001.mrc", "half2_class001.mrc", "half1_model.star",
-                       "half2_model.star", "optimiser.star", "sampling.star", "report.png"):
+                       "half2_model.star", "optimiser.star", "sampling.star", "report.png",
+                       "half1_class001_angdist.bild", "half2_class001_angdist.bild"):
             assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
     data = starfile.read(out / "run_it003_data.star")
     assert {"optics", "particles"} <= set(data)
     cols = set(data["particles"].columns)
     assert {"rlnAngleRot", "rlnOriginXAngst", "rlnMaxValueProbDistribution", "rlnNrOfSignificantSamples",
             "rlnLogLikeliContribution", "rlnRandomSubset"} <= cols
+
+
+def unit_vectors(rot_deg, tilt_deg):
+    rot, tilt = np.radians(np.asarray(rot_deg, float)), np.radians(np.asarray(tilt_deg, float))
+    return np.stack([np.cos(rot) * np.sin(tilt), np.sin(rot) * np.sin(tilt), np.cos(tilt)], axis=-1)
+
+
+def test_each_half_model_holds_its_direction_distribution_and_its_bild(refined):
+    """RELION's MlModel::write for each half: data_model_pdf_orient_class_1, one row per direction of the iteration's
+    sampling, summing to 1, where that half's particles point; and run_itNNN_half{1,2}_class001_angdist.bild drawn
+    from it (HealpixSampling::writeBildFileOrientationalDistribution)."""
+    from cryorefine.io.relion_outputs import angdist_bild_text
+
+    folder, _ = refined
+    out = folder / "out"
+    sampling = starfile.read(out / "run_it003_sampling.star", always_dict=True)
+    directions = sampling["sampling_directions"]
+    order = int(sampling["sampling_general"]["rlnHealpixOrder"])
+    particles = starfile.read(out / "run_it003_data.star")["particles"]
+    pdfs = []
+    for h in (1, 2):
+        model = starfile.read(out / f"run_it003_half{h}_model.star", always_dict=True)
+        pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
+        assert len(pdf) == len(directions)
+        assert pdf.min() >= 0 and pdf.sum() == pytest.approx(1.0)
+        # the directions nearest to the half's best poses hold most of the distribution
+        mine = particles[particles["rlnRandomSubset"] == h]
+        nearest = np.argmax(unit_vectors(mine["rlnAngleRot"], mine["rlnAngleTilt"])
+                            @ unit_vectors(directions["rlnAngleRot"], directions["rlnAngleTilt"]).T, axis=1)
+        assert pdf[np.unique(nearest)].sum() > 0.6
+        assert (pdf[nearest] > 0).mean() > 0.95
+        text = (out / f"run_it003_half{h}_class001_angdist.bild").read_text()
+        assert text == angdist_bild_text(pdf, directions["rlnAngleRot"], directions["rlnAngleTilt"], BOX, PIXEL,
+                                         order)
+        assert 0 < text.count(".cylinder") <= np.count_nonzero(pdf)  # none too short to draw
+        pdfs.append(pdf)
+    assert not np.array_equal(pdfs[0], pdfs[1])  # each half its own particles'
 
 
 def test_map_improves_beyond_the_initial_low_pass(refined):
@@ -237,6 +275,8 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co.; the
     files that repeat the final iteration's (run_data.star, run_model.star, the unfiltered half maps) hold the same
     bytes."""
+    from cryorefine.io.relion_outputs import angdist_bild_text
+
     converge_at_iteration_two(monkeypatch)
     folder, truth = refined
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
@@ -261,6 +301,19 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     assert fsc[0] >= max(fsc[1], fsc[2]) - 0.01
     model = starfile.read(tmp_path / "run_model.star")
     assert "model_class_1" in model
+    # all particles' direction distribution, the halves' weighted by their sizes, and its bild (RELION's final
+    # run_class001_angdist.bild)
+    halves = [starfile.read(tmp_path / f"run_it002_half{h}_model.star", always_dict=True)["model_pdf_orient_class_1"]
+              ["rlnOrientationDistribution"].to_numpy(dtype=float) for h in (1, 2)]
+    subsets = starfile.read(tmp_path / "run_data.star")["particles"]["rlnRandomSubset"].to_numpy()
+    sizes = np.array([np.sum(subsets == h) for h in (1, 2)], dtype=float)
+    joined = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
+    np.testing.assert_allclose(joined, (sizes[0] * halves[0] + sizes[1] * halves[1]) / sizes.sum(), rtol=1e-12)
+    assert joined.sum() == pytest.approx(1.0)
+    directions = starfile.read(tmp_path / "run_sampling.star", always_dict=True)
+    assert (tmp_path / "run_class001_angdist.bild").read_text() == angdist_bild_text(
+        joined, directions["sampling_directions"]["rlnAngleRot"], directions["sampling_directions"]["rlnAngleTilt"],
+        BOX, PIXEL, int(directions["sampling_general"]["rlnHealpixOrder"]))
     # every optimiser.star, the final run_optimiser.star among them (RELION's output node), names files that exist
     assert (tmp_path / "run_optimiser.star").is_file() and (tmp_path / "run_sampling.star").is_file()
     for optimiser in sorted(tmp_path.glob("*_optimiser.star")):

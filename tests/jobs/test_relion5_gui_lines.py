@@ -110,6 +110,6 @@ def test_a_gui_line_runs_or_is_refused_in_one_line(gui_project, monkeypatch, cap
             assert (folder / name).is_file(), name
     for name in ("run_it001_data.star", "run_it001_optimiser.star", "run_it001_sampling.star"):
         assert (folder / name).is_file(), name
-    if job == "Class3D":  # RELION writes each class's direction distribution, but not without alignment
-        bild = folder / "run_it001_class001_angdist.bild"
+    for half in halves:  # RELION writes each class's (each half's) direction distribution, but not without alignment
+        bild = folder / f"run_it001_{half}class001_angdist.bild"
         assert bild.is_file() == ("--skip_align" not in args), bild

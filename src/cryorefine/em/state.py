@@ -48,7 +48,8 @@ class ModelState:
     accuracy_rotations_deg: float = 999.0
     accuracy_translations_angstrom: float = 999.0
     class_distribution: np.ndarray | None = None  # (K,)
-    pdf_direction: np.ndarray | None = None  # (K, n_directions) the direction distribution per class
+    pdf_direction: np.ndarray | None = None  # (K, n_directions) the direction distribution per class; a
+    # refinement's (2, 1, n_directions), one per half set
 
     @property
     def n_shells(self) -> int:

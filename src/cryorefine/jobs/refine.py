@@ -14,10 +14,12 @@ behind the convergence test are the smallest over the group's rotations (`em.sch
 initial reference is used as given: like RELION, nothing is symmetrised before the first M-step.
 
 Outputs per iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc,
-run_itNNN_half{1,2}_model.star, run_itNNN_optimiser.star, run_itNNN_sampling.star (with
-rlnSymmetryGroup and the unit's directions), run_itNNN_report.png; the final iteration also
-run_itNNN_model.star (the joined halves, which its optimiser.star names) and, as RELION names its
-final files, run_data.star, run_class001.mrc, run_half{1,2}_class001_unfil.mrc, run_model.star,
+run_itNNN_half{1,2}_model.star (with each half's direction distribution, data_model_pdf_orient_class_1),
+run_itNNN_half{1,2}_class001_angdist.bild (that distribution as RELION draws it),
+run_itNNN_optimiser.star, run_itNNN_sampling.star (with rlnSymmetryGroup and the unit's directions),
+run_itNNN_report.png; the final iteration also run_itNNN_model.star (the joined halves, which its
+optimiser.star names) and, as RELION names its final files, run_data.star, run_class001.mrc,
+run_half{1,2}_class001_unfil.mrc, run_model.star, run_class001_angdist.bild (all particles' directions),
 run_sampling.star, run_optimiser.star (naming those three) and run_report.png (the final
 iteration's report, in place of its run_itNNN_report.png).
 """
@@ -48,6 +50,7 @@ from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
     particle_table,
+    write_angdist_bild,
     write_optimiser_star,
     write_sampling_star,
 )
@@ -63,6 +66,20 @@ def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested
     """Run a refinement with `runner` (runners.serial or runners.mpi); the IterationReports (None on an MPI
     worker). `resume_from`: a run_itNNN_optimiser.star, continued from the iteration after it."""
     return loop.run(RefineJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
+
+
+def half_direction_distributions(sums: list) -> np.ndarray | None:
+    """Each half's direction distribution, (2, 1, n_directions), from its WeightedSums' `pdf_direction` over its
+    total (RELION's pdf_direction of each half's model: its particles' weights per direction, summing to 1); None
+    where the sums have none."""
+    if any(s.pdf_direction is None for s in sums):
+        return None
+    out = []
+    for s in sums:
+        pdf = np.asarray(s.pdf_direction, dtype=np.float64).reshape(1, -1)
+        total = pdf.sum()
+        out.append(pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size))
+    return np.stack(out)
 
 
 class RefineJob:
@@ -269,6 +286,7 @@ class RefineJob:
         model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc[None, :]
         mstep.maximize_other_parameters(model, config, sums, plan.do_cc)
         model.class_distribution = np.ones(1)
+        model.pdf_direction = half_direction_distributions(sums)
         return model
 
     def _masks(self, model):
@@ -307,6 +325,30 @@ class RefineJob:
                 f"pmax {run.model.ave_pmax:.3f}")
 
     # ------------------------------------------------------------------ outputs
+    @staticmethod
+    def _angdist_write(path, pdf_direction, model, plan):
+        """The write of RELION's `*_class001_angdist.bild` at `path` (`write_angdist_bild`) for one half's (or the
+        joined) direction distribution over this iteration's directions; None where there is none (an iteration
+        continued from files written before the distribution was kept)."""
+        if pdf_direction is None:
+            return None
+        directions = np.asarray(plan.sampling.directions_deg())
+        pdf = np.asarray(pdf_direction).reshape(-1)
+        if pdf.size != len(directions):
+            log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no %s",
+                        plan.iteration, pdf.size, len(directions), path)
+            return None
+        return partial(write_angdist_bild, path, pdf, directions[:, 0], directions[:, 1], model.ori_size_px,
+                       model.pixel_size_angstrom, plan.sampling.healpix_order)
+
+    def _joined_direction_distribution(self, model):
+        """The direction distribution of all particles (the final model's): the halves' weighted by their sizes."""
+        if model.pdf_direction is None:
+            return None
+        sizes = np.array([m.size for m in self.members], dtype=np.float64)
+        halves = np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1)
+        return np.tensordot(sizes / sizes.sum(), halves, axes=1)
+
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The iteration's files as callables over what they need now (the particle table and the STAR blocks are
         built here; the maps are the model's, which the next M-step replaces rather than changes); the optimiser
@@ -320,13 +362,17 @@ class RefineJob:
         groups = particles.scale_group_names_and_counts()
         table = particle_table(particles.star.particles, snapshot, self.halves, pixel,
                                group_number=particles.scale_group_index + 1)
+        halves_pdf = (None if model.pdf_direction is None
+                      else np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1))
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
         for h in (1, 2):
+            pdf = None if halves_pdf is None else halves_pdf[h - 1]
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
                        partial(write_star, model_star_blocks(model, optimiser, config, h,
                                                              [f"{root}_half{h}_class001.mrc"], names, counts,
-                                                             scale_groups=groups),
+                                                             pdf_direction=pdf, scale_groups=groups),
                                f"{root}_half{h}_model.star")]
+            writes.append(self._angdist_write(f"{root}_half{h}_class001_angdist.bild", pdf, model, plan))
         writes += [partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
                    InOwnProcess(partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
                                         iteration=plan.iteration, fsc=np.array(model.fsc_halves[0]),
@@ -336,6 +382,7 @@ class RefineJob:
                                         timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
                                                          "M-step": timings["maximization"]},
                                         halves_joined=plan.final))]
+        writes = [write for write in writes if write is not None]
         # side by side (each its own file), then the optimiser STAR file, which --continue reads
         writes = [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
             optimiser, model, config, str(out_root), plan.iteration), list(argv))]
@@ -346,8 +393,11 @@ class RefineJob:
                                f"{out_root}_half{h}_class001_unfil.mrc") for h in (1, 2)]
             # the joined model, which the final iteration's optimiser.star names, and RELION's final files without
             # an iteration number: their optimiser.star names run_model.star, run_data.star and run_sampling.star
+            joined_pdf = self._joined_direction_distribution(model)
             joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
-                                       scale_groups=groups)
+                                       pdf_direction=joined_pdf, scale_groups=groups)
+            bild = self._angdist_write(f"{out_root}_class001_angdist.bild", joined_pdf, model, plan)
+            writes += [bild] if bild is not None else []
             writes += [partial(write_star, joined, f"{root}_model.star"),
                        partial(copy_atomically, f"{root}_model.star", f"{out_root}_model.star"),
                        partial(copy_atomically, f"{root}_sampling.star", f"{out_root}_sampling.star"),
