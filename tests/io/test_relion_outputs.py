@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import starfile
 
+from cryorefine import __version__
 from cryorefine.config import RefineConfig
 from cryorefine.core.sampling import Sampling
 from cryorefine.em.state import ModelState, OptimiserState
@@ -29,14 +30,58 @@ MODEL_GENERAL_ADDED_SINCE_30 = {"rlnNrOpticsGroups"}
 MODEL_CLASSES_ADDED_SINCE_30 = {"rlnEstimatedResolution", "rlnOverallFourierCompleteness"}
 MODEL_CLASS_ADDED_SINCE_30 = {"rlnFourierCompleteness"}
 
+# optimiser_general as RELION 5.0.1 writes it (3dem/relion 73f0a3c0, src/ml_optimiser.cpp MlOptimiser::write, the
+# EMDL labels' names from src/metadata_label.h), in its order; rlnModelStarFile2 with half sets only
+RELION5_OPTIMISER_LABELS = (
+    "rlnOutputRootName", "rlnModelStarFile", "rlnModelStarFile2", "rlnExperimentalDataStarFile",
+    "rlnTomoTomogramsFile", "rlnTomoTrajectoriesFile", "rlnOrientSamplingStarFile", "rlnCurrentIteration",
+    "rlnNumberOfIterations", "rlnDoSplitRandomHalves", "rlnJoinHalvesUntilThisResolution",
+    "rlnAdaptiveOversampleOrder", "rlnAdaptiveOversampleFraction", "rlnRandomSeed", "rlnParticleDiameter",
+    "rlnWidthMaskEdge", "rlnDoZeroMask", "rlnDoSolventFlattening", "rlnDoSolventFscCorrection",
+    "rlnSolventMaskName", "rlnSolventMask2Name", "rlnBodyStarFile", "rlnTauSpectrumName",
+    "rlnMaximumCoarseImageSize", "rlnHighresLimitExpectation", "rlnLowresLimitExpectation", "rlnIncrementImageSize",
+    "rlnDoMapEstimation", "rlnDoFastSubsetOptimisation", "rlnDoExternalReconstruct", "rlnDoBlush",
+    "rlnBlushNoSpectralTrailing", "rlnDoGradientRefine", "rlnDoStochasticGradientDescent", "rlnGradEmIters",
+    "rlnGradHasConverged", "rlnGradCurrentStepsize", "rlnGradSubsetOrder", "rlnGradSuspendFinerSamplingIter",
+    "rlnGradSuspendLocalSamplingIter", "rlnSgdInitialIterationsFraction", "rlnSgdFinalIterationsFraction",
+    "rlnSgdMinimumResolution", "rlnSgdInitialResolution", "rlnSgdFinalResolution", "rlnSgdInitialSubsetSize",
+    "rlnSgdFinalSubsetSize", "rlnSgdMuFactor", "rlnSgdSkipAnneal", "rlnSgdClassInactivityThreshold",
+    "rlnSgdSubsetSize", "rlnSgdWriteEverySubset", "rlnSgdStepsize", "rlnSgdStepsizeScheme", "rlnTau2FudgeScheme",
+    "rlnTau2FudgeArg", "rlnMaximumSignificantPoses", "rlnDoAutoRefine", "rlnDoAutoSampling",
+    "rlnAutoLocalSearchesHealpixOrder", "rlnNumberOfIterWithoutResolutionGain", "rlnBestResolutionThusFar",
+    "rlnNumberOfIterWithoutChangingAssignments", "rlnDoSkipAlign", "rlnDoSkipRotate", "rlnOverallAccuracyRotations",
+    "rlnOverallAccuracyTranslationsAngst", "rlnChangesOptimalOrientations", "rlnChangesOptimalOffsets",
+    "rlnChangesOptimalClasses", "rlnSmallestChangesOrientations", "rlnSmallestChangesOffsets",
+    "rlnSmallestChangesClasses", "rlnLocalSymmetryFile", "rlnDoHelicalRefine", "rlnIgnoreHelicalSymmetry",
+    "rlnFourierMask", "rlnHelicalTwistInitial", "rlnHelicalRiseInitial", "rlnHelicalCentralProportion",
+    "rlnNrHelicalNStart", "rlnHelicalMaskTubeInnerDiameter", "rlnHelicalMaskTubeOuterDiameter",
+    "rlnHelicalSymmetryLocalRefinement", "rlnHelicalSigmaDistance", "rlnHelicalKeepTiltPriorFixed",
+    "rlnHasConverged", "rlnHasHighFscAtResolLimit", "rlnHasLargeSizeIncreaseIterationsAgo", "rlnDoCorrectNorm",
+    "rlnDoCorrectScale", "rlnDoCorrectCtf", "rlnDoCenterClasses", "rlnDoIgnoreCtfUntilFirstPeak",
+    "rlnCtfDataArePhaseFlipped", "rlnDoOnlyFlipCtfPhases", "rlnRefsAreCtfCorrected", "rlnFixSigmaNoiseEstimates",
+    "rlnFixSigmaOffsetEstimates", "rlnMaxNumberOfPooledParticles", "rlnOffsetRangeX", "rlnOffsetRangeY",
+    "rlnOffsetRangeZ",
+)
+# RELION 5's labels left out: the settings and state of gradient refinement, which is not run here
+# (rlnDoGradientRefine and rlnDoStochasticGradientDescent are written, 0); RELION's reader defaults them
+OPTIMISER_OMITTED_VS_5 = {
+    "rlnGradEmIters", "rlnGradHasConverged", "rlnGradCurrentStepsize", "rlnGradSubsetOrder",
+    "rlnGradSuspendFinerSamplingIter", "rlnGradSuspendLocalSamplingIter", "rlnSgdInitialIterationsFraction",
+    "rlnSgdFinalIterationsFraction", "rlnSgdMinimumResolution", "rlnSgdInitialResolution", "rlnSgdFinalResolution",
+    "rlnSgdInitialSubsetSize", "rlnSgdFinalSubsetSize", "rlnSgdMuFactor", "rlnSgdSkipAnneal",
+    "rlnSgdClassInactivityThreshold", "rlnSgdSubsetSize", "rlnSgdWriteEverySubset", "rlnSgdStepsize",
+    "rlnSgdStepsizeScheme",
+}
 # optimiser_general against RELION 3.1's own Class3D file (run_it025_optimiser_3D.star):
 OPTIMISER_ADDED_VS_31 = {
     "rlnCoarseImageSize",  # a RELION 3.0 label RELION still knows; we keep writing it
     "rlnMaximumSignificantPoses", "rlnDoAutoSampling", "rlnDoCenterClasses",  # RELION 4/5
     "rlnOffsetRangeX", "rlnOffsetRangeY", "rlnOffsetRangeZ",  # RELION 5
+    "rlnTomoTomogramsFile", "rlnTomoTrajectoriesFile", "rlnDoBlush", "rlnBlushNoSpectralTrailing",  # RELION 5
+    "rlnDoGradientRefine", "rlnTau2FudgeScheme", "rlnTau2FudgeArg",  # RELION 5
 }
 OPTIMISER_OMITTED_VS_31 = {  # stochastic gradient descent, not implemented (RELION 5 renamed them anyway)
-    "rlnDoStochasticGradientDescent", "rlnDoStochasticEM", "rlnSgdInitialIterations", "rlnSgdFinalIterations",
+    "rlnDoStochasticEM", "rlnSgdInitialIterations", "rlnSgdFinalIterations",
     "rlnSgdInBetweenIterations", "rlnSgdInitialResolution", "rlnSgdFinalResolution", "rlnSgdInitialSubsetSize",
     "rlnSgdFinalSubsetSize", "rlnSgdMuFactor", "rlnSgdSigma2FudgeInitial", "rlnSgdSigma2FudgeHalflife",
     "rlnSgdSkipAnneal", "rlnSgdSubsetSize", "rlnSgdWriteEverySubset", "rlnSgdStepsize",
@@ -183,6 +228,26 @@ def test_optimiser_star_labels_match_relion(real_data, tmp_path):
     assert set(split) - set(ours) == {"rlnModelStarFile2"}
 
 
+def test_optimiser_star_labels_are_relion_5s_in_its_order():
+    """Every label of RELION 5.0.1's MlOptimiser::write but gradient refinement's, in its order (rlnCoarseImageSize
+    after rlnTauSpectrumName), for a classification and for half sets; the values of RELION 5's labels true to the
+    run."""
+    model, optimiser = make_states()
+    for config, second_model in ((make_config(auto_refine=False), False), (make_config(), True)):
+        ours = ro.optimiser_star_blocks(optimiser, model, config, "out/run", None)["optimiser_general"]
+        expected = [label for label in RELION5_OPTIMISER_LABELS if label not in OPTIMISER_OMITTED_VS_5
+                    and (second_model or label != "rlnModelStarFile2")]
+        expected.insert(expected.index("rlnTauSpectrumName") + 1, "rlnCoarseImageSize")
+        assert list(ours) == expected
+        assert (ours["rlnDoBlush"], ours["rlnDoGradientRefine"], ours["rlnDoStochasticGradientDescent"]) == (0, 0, 0)
+        assert ours["rlnTomoTomogramsFile"] == ours["rlnTomoTrajectoriesFile"] == ""
+        assert (ours["rlnTau2FudgeScheme"], float(ours["rlnTau2FudgeArg"])) == ("plain", config.tau2_fudge)
+        assert ours["rlnDoFastSubsetOptimisation"] == 0
+    fast = ro.optimiser_star_blocks(optimiser, model, make_config(auto_refine=False, fast_subsets=True), "out/run",
+                                    None)["optimiser_general"]
+    assert fast["rlnDoFastSubsetOptimisation"] == 1
+
+
 def test_sampling_star_matches_relion_31(real_data, tmp_path):
     relion = read_star(_outputs(real_data) / "run_it025_sampling_3D.star")
     config = make_config(offset_range_px=5.0, offset_step_px=2.0)
@@ -322,13 +387,13 @@ def test_written_files_read_back_with_starfile_and_read_star(tmp_path):
     config = make_config()
     path = write_iteration(tmp_path, model, optimiser, config)
     text = path.read_text().splitlines()
-    assert text[0].startswith("# cryorefine optimiser; version")
+    assert text[0] == f"# RELION optimiser; version 5.0.1-cryorefine-{__version__}"  # RELION's, with our suffix
     assert text[1] == f"# --o {tmp_path}/run --i particles.star --healpix_order 2"
     for star in sorted(tmp_path.glob("*.star")):
         ours = read_star(star)
         theirs = starfile.read(star, always_dict=True)
         assert list(ours) == list(theirs)
-        assert "# version 30001" in star.read_text()
+        assert "# version 50001" in star.read_text()  # RELION 5's MetaDataTable version
     it = optimiser.iteration
     half1 = starfile.read(tmp_path / f"run_it{it:03d}_half1_model.star", always_dict=True)
     np.testing.assert_array_equal(half1["model_class_2"]["rlnReferenceTau2"], model.tau2[0, 1])

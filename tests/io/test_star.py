@@ -37,7 +37,7 @@ def test_real_particle_files_round_trip(real_data, tmp_path, name):
     assert "rlnImagePixelSize" in star.optics.columns
     write_particle_star(star, tmp_path / "data.star")
     text = (tmp_path / "data.star").read_text()
-    assert text.count("# version 30001") == 2
+    assert text.count("# version 50001") == 2
     again = read_particle_star(tmp_path / "data.star")
     pd.testing.assert_frame_equal(again.particles, star.particles, check_dtype=False)
     pd.testing.assert_frame_equal(again.optics, star.optics, check_dtype=False)
@@ -144,7 +144,7 @@ def test_loop_blocks_are_written_as_starfile_writes_them(monkeypatch, chunk):
     expected = []
     for name, block in blocks.items():
         text = starfile.to_string({name: block}, float_format=FLOAT_FORMAT)
-        expected.append(f"\n# version 30001\n\n{text[text.index('data_'):].rstrip()}\n")
+        expected.append(f"\n# version 50001\n\n{text[text.index('data_'):].rstrip()}\n")
     assert star_to_string(blocks) == "".join(expected) + "\n"
 
 

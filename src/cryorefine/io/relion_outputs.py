@@ -30,10 +30,13 @@ Deliberate differences from RELION's own files:
   and are 0 when not given (RELION's reader treats a missing completeness as 0 as well).
 - model_pdf_orient_class_N is written only when `pdf_direction` is given; RELION's reader starts
   from a uniform distribution when the block is absent.
-- optimiser_general follows RELION 5 (so, next to RELION 3.1's files, it has rlnDoAutoSampling,
-  rlnMaximumSignificantPoses, rlnDoCenterClasses, rlnOffsetRangeX/Y/Z), adds rlnCoarseImageSize
-  (a RELION 3.0 label RELION still knows), and leaves out the gradient/SGD, Blush, tomography and
-  tau2-scheme labels (features not implemented here; RELION's reader defaults them to off).
+- optimiser.star's first line is RELION's (`# RELION optimiser; version 5.0.1-cryorefine-0.1.0`: RELION 5.0.1's
+  layout, the suffix where RELION's build puts its own).
+- optimiser_general has RELION 5's labels in RELION 5's order (MlOptimiser::write), adds rlnCoarseImageSize
+  (a RELION 3.0 label RELION still knows), and leaves out the settings and state of gradient refinement
+  (rlnGradEmIters, rlnGradHasConverged, rlnGradCurrentStepsize, rlnGradSubsetOrder,
+  rlnGradSuspendFinerSamplingIter, rlnGradSuspendLocalSamplingIter, rlnSgd…): it is not run here
+  (rlnDoGradientRefine and rlnDoStochasticGradientDescent say so), and RELION's reader defaults them.
 - Non-finite floats are written as inf/nan, as RELION writes them (RELION reads them back as 0).
 - With --solvent_correct_fsc (a model whose `fsc_unmasked` is set), model.star says which FSC
   rlnGoldStandardFsc is: model_general gets rlnDoSolventFscCorrection, rlnSolventMaskName and
@@ -63,6 +66,7 @@ NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
 PRIOR_MODE_ROT_TILT_PSI = 1  # RELION's PRIOR_ROTTILT_PSI, used for local searches
 DEFAULT_PERTURBATION_FACTOR = 0.5  # relion_refine --perturb
+RELION_LAYOUT_VERSION = "5.0.1"  # the RELION whose files these are laid out as (optimiser.star's first line)
 NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not limited
 
 
@@ -277,6 +281,8 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
     diameter = config.particle_diameter_angstrom
     general.update({
         "rlnExperimentalDataStarFile": f"{root}_data.star",
+        "rlnTomoTomogramsFile": "",  # RELION's for particles that are not sub-tomograms
+        "rlnTomoTrajectoriesFile": "",
         "rlnOrientSamplingStarFile": f"{root}_sampling.star",
         "rlnCurrentIteration": int(optimiser.iteration),
         "rlnNumberOfIterations": int(config.max_iterations),
@@ -300,8 +306,15 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
         "rlnLowresLimitExpectation": _f(-1.0),
         "rlnIncrementImageSize": int(config.incr_size_px),
         "rlnDoMapEstimation": 1,
-        "rlnDoFastSubsetOptimisation": 0,
+        "rlnDoFastSubsetOptimisation": int(bool(getattr(config, "fast_subsets", False))),
         "rlnDoExternalReconstruct": 0,
+        "rlnDoBlush": 0,
+        "rlnBlushNoSpectralTrailing": 0,
+        "rlnDoGradientRefine": 0,
+        "rlnDoStochasticGradientDescent": 0,
+        # the fudge every iteration uses, unchanged over the run (RELION's "plain" scheme)
+        "rlnTau2FudgeScheme": "plain",
+        "rlnTau2FudgeArg": _f(config.tau2_fudge),
         "rlnMaximumSignificantPoses": int(config.max_significants),
         "rlnDoAutoRefine": int(bool(config.auto_refine)),
         "rlnDoAutoSampling": int(bool(config.auto_refine)),
@@ -339,7 +352,7 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
         "rlnDoCorrectNorm": int(bool(config.do_norm)),
         "rlnDoCorrectScale": int(bool(config.do_scale)),
         "rlnDoCorrectCtf": int(bool(config.do_ctf)),
-        "rlnDoCenterClasses": 0,
+        "rlnDoCenterClasses": int(bool(getattr(config, "center_classes", False))),
         "rlnDoIgnoreCtfUntilFirstPeak": int(bool(config.ctf_intact_first_peak)),
         "rlnCtfDataArePhaseFlipped": 0,
         "rlnDoOnlyFlipCtfPhases": 0,
@@ -360,7 +373,7 @@ def write_optimiser_star(path, blocks: dict, argv: list[str]) -> None:
     command = shlex.join(str(a) for a in argv).replace("\r", " ").replace("\n", " ")
     with atomic_path(path) as tmp:
         with open(tmp, "w") as fh:
-            fh.write(f"# cryorefine optimiser; version {__version__} (RELION 3.1+ layout)\n")
+            fh.write(f"# RELION optimiser; version {RELION_LAYOUT_VERSION}-cryorefine-{__version__}\n")
             fh.write(f"# {command}\n")
             fh.write(star_to_string(blocks))
 

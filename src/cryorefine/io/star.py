@@ -20,7 +20,9 @@ import starfile
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
 
-STAR_VERSION = 30001
+#: RELION 5's MetaDataTable version (CURRENT_MDT_VERSION). RELION 3.1 and 4 write 30001; their readers use the number
+#: only to convert RELION 3.0 particle files (those without an optics table), which are never written here
+STAR_VERSION = 50001
 FLOAT_FORMAT = "%.12g"
 FORMAT_CHUNK = 8192  # values formatted in one step of a loop (`io.relion_outputs`)
 FORMAT_CHUNK_ROWS = 16384  # rows of a loop block made in one step (`_loop_text`)
