@@ -144,6 +144,15 @@ def reconstruct(star, out, ctf, sym, maxres, half_maps, angpix, pad, batch):
 REFINE, CLASSIFY, PLAN = "refine", "classify", "plan"
 RUNS = (REFINE, CLASSIFY)
 ALL_JOBS = (REFINE, CLASSIFY, PLAN)
+CLASS2D = "class2d"
+#: the options of JOB_OPTIONS that class2d honours besides its own (declared with CLASS2D among their commands)
+CLASS2D_HONOURS = ("--i", "--o", "--continue", "--overwrite", "--particle_diameter", "--ini_high", "--ctf",
+                   "--flatten_solvent", "--zero_mask", "--ctf_intact_first_peak", "--pad", "--offset_range",
+                   "--offset_step", "--oversampling", "--tau2_fudge", "--iter", "--adaptive_fraction", "--maxsig",
+                   "--strict_highres_exp", "--coarse_size", "--norm", "--scale", "--random_seed", "--batch", "--j",
+                   "--precision", "--preread_images", "--scratch_dir", "--gpu", "--cpu", "--free_gpu_memory",
+                   "--pipeline_control", "--K", "--skip_align", "--fast_subsets", "--pool",
+                   "--dont_combine_weights_via_disc", "--no_parallel_disc_io", "--skip_gridding", "--dont_check_norm")
 
 #: the sections of their help after "Options"
 RELION_SECTION = "Accepted from RELION command lines (nothing in the run changes with them)"
@@ -153,16 +162,23 @@ REFUSED_SECTION = "RELION options refused in one line that says what to do inste
 #: RELION options that cryorefine cannot honour: (names, the commands that refuse them, why and what to do
 #: instead); a name that ends in "_" stands for every option that starts with it
 REFUSED = (
-    (("--blush", "--blush_skip_spectral_trailing"), ALL_JOBS,
+    (("--blush", "--blush_skip_spectral_trailing"), ALL_JOBS + (CLASS2D,),
      "Blush regularisation needs RELION's trained denoising network, which cryorefine does not have; run this job "
      "with RELION, or without Blush (drop {name}; RELION's GUI: 'Use Blush regularisation?' No)"),
-    (("--helix", "--helical_", "--ignore_helical_symmetry", "--skip_realspace_helical_sym"), ALL_JOBS,
+    (("--helix", "--helical_", "--ignore_helical_symmetry", "--skip_realspace_helical_sym"), ALL_JOBS + (CLASS2D,),
      "helical reconstruction is not available in cryorefine; run helical jobs with RELION, or, for particles that "
      "are not helical, drop the helical options (RELION's GUI: 'Do helical reconstruction?' No)"),
-    (("--multibody_", "--reconstruct_subtracted_bodies"), ALL_JOBS,
+    (("--multibody_", "--reconstruct_subtracted_bodies"), ALL_JOBS + (CLASS2D,),
      "multi-body refinement is not available in cryorefine; run the MultiBody job with RELION"),
     (("--auto_refine", "--split_random_halves"), (CLASSIFY,),
      "a classification has no half sets and no auto-refinement; drop {name}, or use `cryorefine refine`"),
+    (("--allow_coarser_sampling",), (CLASS2D,),
+     "coarser sampling is not available in cryorefine's 2D classification yet; drop {name} (RELION's GUI: 'Allow "
+     "coarser sampling?' No)"),
+    (("--grad", "--class_inactivity_threshold", "--grad_write_iter"), (CLASS2D,),
+     "VDAM (--grad) is not available in cryorefine's 2D classification yet; run it with the EM algorithm (drop "
+     "--grad --class_inactivity_threshold --grad_write_iter and give --iter 25; RELION's GUI: 'Use EM algorithm?' "
+     "Yes, 'Use VDAM algorithm?' No), or run VDAM with RELION"),
 )
 
 #: RELION's parseContinue reads these again from a --continue command line, and the run reads them afresh every
@@ -268,7 +284,9 @@ JOB_OPTIONS = (
     _option("--o", "output_root",
             help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own).",
             per_command={CLASSIFY: {"help": "Output root, e.g. Class3D/job001/run (with --continue: default the run's "
-                                            "own)."}}),
+                                            "own)."},
+                         CLASS2D: {"help": "Output root, e.g. Class2D/job001/run (with --continue: default the run's "
+                                           "own)."}}),
     _option("--ref", "reference_map", type=_FILE, help="Initial reference map (MRC).",
             per_command={CLASSIFY: {"help": "Initial reference: one map (MRC) for all classes, or a STAR file of K "
                                             "maps (rlnReferenceImage)."}}),
@@ -289,7 +307,9 @@ JOB_OPTIONS = (
     _option("--firstiter_cc", "firstiter_cc", is_flag=True,
             help="Cross-correlation instead of likelihood in the first iteration."),
     _option("--flatten_solvent", "flatten_solvent", is_flag=True,
-            help="Mask the references with a sphere of particle_diameter."),
+            help="Mask the references with a sphere of particle_diameter.",
+            per_command={CLASS2D: {"help": "Set the class averages outside the circle of particle_diameter to zero "
+                                           "(soft edge)."}}),
     _option("--zero_mask", "zero_mask", is_flag=True, help="Fill the solvent of the images with zeros, not noise."),
     _option("--solvent_mask", "solvent_mask", type=_FILE,
             help="With --flatten_solvent: multiply the references by this mask (values 0…1, the particles' box) "
@@ -319,7 +339,8 @@ JOB_OPTIONS = (
     _option("--oversampling", "oversampling", ALL_JOBS, type=int, help="Adaptive oversampling order."),
     _option("--tau2_fudge", "tau2_fudge", type=float, help="Regularisation parameter T."),
     _option("--iter", "max_iterations", type=int, help="At most this many iterations.",
-            per_command={CLASSIFY: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."}}),
+            per_command={CLASSIFY: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."},
+                         CLASS2D: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."}}),
     _option("--auto_iter_max", "auto_iter_max", (REFINE,), type=int,
             help="RELION's last auto-refine iteration: the same as --iter here (give one of the two, or both the "
                  "same) [default: that of --iter]."),
@@ -383,6 +404,12 @@ JOB_OPTIONS = (
             help="RELION's fast subsets: iterations 1-5 take 1500 random particles per class, 6-10 three times as "
                  "many, 11-15 that or 30% of the data, whichever is more, the later ones all; a subset no smaller "
                  "than the data set is the whole set (RELION asks for --iter 20 or more with it)."),
+    _option("--psi_step", "psi_step_deg", (CLASS2D,), type=float,
+            help="In-plane angular step (degrees) of the coarse pass; the fine pass samples 2^oversampling times "
+                 "finer (RELION's GUI writes twice its 'In-plane angular sampling') [default: 10].",),
+    _option("--center_classes", "center_classes", (CLASS2D,), is_flag=True,
+            help="Move each class average to its centre of mass (of its positive values, at most --offset_range "
+                 "pixels) after each iteration."),
     _option("--allow_coarser_sampling", "allow_coarser_sampling", (CLASSIFY,), is_flag=True,
             help="With --K 2 or more, as RELION: each iteration the coarsest HEALPix order from --healpix_order whose "
                  "step stays below 0.8x the estimated angular accuracy, and an offset step of 0.8x the translational "
@@ -418,8 +445,13 @@ NOT_PLANNED = ("--continue",)
 
 def taken_by(command: str, names) -> list[str]:
     """Those of the option `names` that `command` honours (JOB_OPTIONS)."""
-    honoured = {spec.decls[0] for spec in JOB_OPTIONS if command in spec.commands}
+    honoured = {spec.decls[0] for spec in JOB_OPTIONS if honours(command, spec)}
     return [name for name in names if name in honoured]
+
+
+def honours(command: str, spec: JobOption) -> bool:
+    """Whether `command` honours the option `spec` (its commands, or for class2d CLASS2D_HONOURS)."""
+    return command in spec.commands or (command == CLASS2D and spec.decls[0] in CLASS2D_HONOURS)
 
 
 def job_options(command: str) -> Callable[[Callable], Callable]:
@@ -427,7 +459,7 @@ def job_options(command: str) -> Callable[[Callable], Callable]:
     and for plan also refine's others (PLAN_SECTION, except NOT_PLANNED), in JOB_OPTIONS's order."""
     def decorate(function):
         for spec in reversed(JOB_OPTIONS):
-            if command in spec.commands:
+            if honours(command, spec):
                 function = spec.decorator(command, spec.section)(function)
             elif command == PLAN and REFINE in spec.commands and spec.decls[0] not in NOT_PLANNED:
                 function = spec.decorator(command, PLAN_SECTION)(function)
@@ -449,14 +481,30 @@ def classify(**params):
     _run(CLASSIFY, params)
 
 
+@cli.command(cls=JobCommand)
+@job_options(CLASS2D)
+def class2d(**params):
+    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm; on the
+    CPU engine for now)."""
+    _run(CLASS2D, params)
+
+
 def _run(command: str, params: dict) -> None:
-    """Run refine or classify with its parsed options (`params`), from scratch or, with --continue, on."""
+    """Run refine, classify or class2d with its parsed options (`params`), from scratch or, with --continue, on."""
     import logging
 
     if command == REFINE:
         from cryorefine.jobs import refine as job
 
         min_mpi_ranks, report = job.RefineJob.min_mpi_ranks, _report_end
+    elif command == CLASS2D:
+        from cryorefine.jobs import class2d as job
+        from cryorefine.runners.mpi import launched_with_mpi
+
+        if launched_with_mpi():
+            raise InputError("class2d runs in one process for now: run it without mpirun (relion_refine, not "
+                             "relion_refine_mpi; RELION's GUI: 'Number of MPI procs' 1)")
+        min_mpi_ranks, report = job.Class2DJob.min_mpi_ranks, _report_class_averages
     else:
         from cryorefine.jobs import classify as job
 
@@ -470,7 +518,7 @@ def _run(command: str, params: dict) -> None:
             config = _continued_config(params, given)
         else:
             for name, key in (("--i", "input_star"), ("--o", "output_root"), ("--ref", "reference_map")):
-                if not params[key]:
+                if key in params and not params[key]:
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
             config = job_config(command, params, given)
         reports = _run_job(job, min_mpi_ranks, config, params["continue_from"], control, params["overwrite"])
@@ -521,10 +569,11 @@ def relion_refine(ctx, arguments):
     """Run a relion_refine or relion_refine_mpi command line as is: its arguments, the job RELION would run.
 
     With --auto_refine, `cryorefine refine`; otherwise, with --ref, `cryorefine classify` (3D classification);
-    with --continue, the job of the run it continues (its optimiser.star's rlnDoAutoRefine). Every option then means
-    what it means to that command (see `cryorefine refine --help`, `cryorefine classify --help`). Under mpirun, as
-    those commands. Lines without --ref (2D classification, the initial model) are refused: those jobs are not
-    available yet. `cryorefine install-relion-shims DIR` writes relion_refine and relion_refine_mpi that run this.
+    without --ref, `cryorefine class2d` (2D classification); with --continue, the job of the run it continues (its
+    optimiser.star's rlnDoAutoRefine, and the run's saved state). Every option then means what it means to that
+    command (see `cryorefine refine --help`, `cryorefine classify --help`, `cryorefine class2d --help`). Under
+    mpirun, as those commands. Lines with --denovo_3dref (the initial model) are refused: that job is not available
+    yet. `cryorefine install-relion-shims DIR` writes relion_refine and relion_refine_mpi that run this.
     """
     arguments = [str(a) for a in arguments]
     command = relion_refine_command(arguments)
@@ -567,9 +616,10 @@ def relion_refine_command(arguments):
         return "classify"
     if not arguments or names & {"--help", "-h"}:
         return None
-    raise InputError("relion_refine without --ref or --continue (2D classification, or the initial model with "
-                     "--denovo_3dref): those jobs are not available in cryorefine yet; run them with RELION, and "
-                     "Refine3D or Class3D from their outputs (a line with --ref) with cryorefine")
+    if "--denovo_3dref" in names:
+        raise InputError("relion_refine --denovo_3dref (the initial model) is not available in cryorefine yet; run "
+                         "it with RELION, and Refine3D or Class3D from its output (a line with --ref) with cryorefine")
+    return CLASS2D  # no --ref: RELION's 2D classification
 
 
 def _continued_command(arguments, auto_refine):
@@ -584,7 +634,19 @@ def _continued_command(arguments, auto_refine):
         auto_refine = bool(int(general["rlnDoAutoRefine"]))
     except (InputError, KeyError, TypeError, ValueError):
         pass
+    if not auto_refine and _saved_job(path) == CLASS2D:
+        return CLASS2D
     return "refine" if auto_refine else "classify"
+
+
+def _saved_job(optimiser_star) -> str | None:
+    """The kind of job (refine, classify, class2d) whose --continue state sits beside `optimiser_star`, or None."""
+    from cryorefine.io import resume
+
+    try:
+        return resume.load(optimiser_star)[0].get("job")
+    except (InputError, OSError, KeyError, ValueError, TypeError):
+        return None
 
 
 def _run_job(job, min_mpi_ranks, config, resume_from, control, overwrite=False):
@@ -696,6 +758,15 @@ def _unchanged_options(skip_gridding, ctf_intact_without_ctf):
         log.info("--ctf_intact_first_peak: changes nothing without --ctf")
 
 
+def _report_class_averages(reports, out, control=None):
+    if reports is None or _report_abort(reports, out, control):
+        return
+    last = reports[-1] if reports else None
+    if last:
+        click.echo(f"{_iterations_run(reports)}; resolution {last.resolution_angstrom:.2f} Å; class averages: "
+                   f"{out}_it{last.iteration:03d}_classes.mrcs")
+
+
 def _report_classes(reports, out, control=None):
     if reports is None:  # an MPI worker: the master reports
         return
@@ -763,8 +834,11 @@ def job_config(command: str, params: dict, given: set[str] = frozenset()) -> Ref
     if "max_iterations" in params:
         values["max_iterations"] = _max_iterations(params, given)
     planned = command == PLAN
+    values.setdefault("reference_map", "")  # class2d has none
+    # class2d runs on the CPU engine unless --gpu asks otherwise (the job then says the GPU has no 2D path yet)
+    cpu_only = command == CLASS2D and params["gpu"] is None
     values.update(auto_refine=command == REFINE or (planned and params.get("n_classes") is None),
-                  **engine_options(None if planned else params["gpu"], planned or params["force_cpu"],
+                  **engine_options(None if planned else params["gpu"], planned or params["force_cpu"] or cpu_only,
                                    params["free_gpu_memory_mb"]))
     return RefineConfig(**values).check()
 

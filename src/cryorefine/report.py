@@ -135,3 +135,30 @@ def write_classification_report(path: Path | str, *, iteration: int, class_distr
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
+
+
+def write_class_gallery(path: Path | str, images: npt.ArrayLike, class_distribution: npt.ArrayLike, *,
+                        iteration: int, resolution_angstrom: float) -> None:
+    """run_itNNN_report.png of a 2D classification: the K class averages (`images` (K, N, N)) as a gallery, largest
+    class first, each titled with its number and its share of the particles (`class_distribution` (K,)), every
+    image scaled to its own range, y up as RELION's display shows them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    images = np.asarray(images, dtype=np.float64)
+    share = np.asarray(class_distribution, dtype=np.float64)
+    order = np.argsort(-share, kind="stable")
+    columns = int(min(10, max(1, images.shape[0])))
+    rows = -(-images.shape[0] // columns)
+    fig = Figure(figsize=(1.6 * columns, 1.75 * rows + 0.5), dpi=80)
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(rows, columns, squeeze=False)).reshape(-1)
+    for ax in axes:
+        ax.set_axis_off()
+    for ax, k in zip(axes, order):
+        ax.imshow(images[k], cmap="gray", origin="lower")
+        ax.set_title(f"{k + 1}: {100 * share[k]:.1f}%", fontsize="small")
+    fig.suptitle(f"iteration {iteration}: class averages (class: share of particles), resolution "
+                 f"{resolution_angstrom:.1f} Å", fontsize="small")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")

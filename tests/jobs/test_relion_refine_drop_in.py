@@ -49,10 +49,12 @@ def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
     assert relion_refine_command(["--o", "a/run", "--ref=r.mrc", "--K", "4"]) == "classify"
     assert relion_refine_command(["--ref", "r.mrc"]) == "classify"  # RELION: a 3D classification of one class
     assert relion_refine_command([]) is None and relion_refine_command(["--help"]) is None
-    for line in (["--o", "Class2D/job008/run", "--i", "p.star", "--K", "50", "--tau2_fudge", "2"],
-                 ["--o", "InitialModel/job015/run", "--grad", "--denovo_3dref", "--i", "p.star", "--K", "1"]):
-        with pytest.raises(InputError, match="not available in cryorefine yet"):
-            relion_refine_command(line)
+    # no --ref: RELION's 2D classification; --denovo_3dref: the initial model, not available
+    assert relion_refine_command(["--o", "Class2D/job008/run", "--i", "p.star", "--K", "50", "--tau2_fudge", "2"]) \
+        == "class2d"
+    with pytest.raises(InputError, match="not available in cryorefine yet"):
+        relion_refine_command(["--o", "InitialModel/job015/run", "--grad", "--denovo_3dref", "--i", "p.star", "--K",
+                               "1"])
     # --continue: the job of the run continued, read from its optimiser.star as RELION reads it (the GUI's continue
     # lines of Refine3D carry no --auto_refine)
     for auto_refine, job in ((1, "refine"), (0, "classify")):
@@ -65,18 +67,19 @@ def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
     assert relion_refine_command(["--continue", str(tmp_path / "none.star")]) == "classify"
 
 
-def test_a_line_without_ref_is_refused_in_one_line(capsys, tmp_path):
-    """RELION's Class2D line (no --ref): exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI, nothing written."""
+def test_an_initial_model_line_is_refused_in_one_line(capsys, tmp_path):
+    """RELION's InitialModel line (no --ref, --denovo_3dref): exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI,
+    nothing written. (Class2D lines, also without --ref, run: tests/jobs/test_class2d.py.)"""
     from test_cli import assert_one_line_error, run
 
-    folder = tmp_path / "Class2D" / "job008"
+    folder = tmp_path / "InitialModel" / "job015"
     folder.mkdir(parents=True)
-    line = (f"--o {folder}/run --iter 25 --i Select/job007/particles.star --dont_combine_weights_via_disc "
-            f"--preread_images --pool 30 --pad 2 --ctf --tau2_fudge 2 --particle_diameter 200 --K 50 "
-            f"--flatten_solvent --zero_mask --center_classes --oversampling 1 --psi_step 12 --offset_range 5 "
-            f"--offset_step 2 --norm --scale --j 6 --gpu \"\" --pipeline_control {folder}/")
+    line = (f"--o {folder}/run --iter 200 --grad --denovo_3dref --i Select/job014/particles.star "
+            f"--ctf --K 1 --sym C1 --flatten_solvent --zero_mask --dont_combine_weights_via_disc --pool 3 --pad 1 "
+            f"--particle_diameter 200 --oversampling 1 --healpix_order 1 --offset_range 6 --offset_step 2 "
+            f"--auto_sampling --tau2_fudge 4 --j 6 --gpu \"\" --pipeline_control {folder}/")
     code, _, err = run(capsys, "relion_refine", *shlex.split(line))
-    assert_one_line_error(code, err, "relion_refine without --ref", "not available in cryorefine yet")
+    assert_one_line_error(code, err, "relion_refine --denovo_3dref", "not available in cryorefine yet")
     assert (folder / "RELION_JOB_EXIT_FAILURE").is_file()
     assert not list(folder.glob("run_*"))
 
@@ -121,10 +124,11 @@ def test_install_relion_shims_writes_scripts_that_run_the_drop_in(tmp_path):
                              env=shim_environment(folder), cwd=tmp_path)
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.startswith("Usage: cryorefine relion_refine")
-        ran = subprocess.run([name, "--o", "Class2D/job008/run", "--K", "50", "--pipeline_control", "Class2D/job008/"],
+        ran = subprocess.run([name, "--o", "InitialModel/job015/run", "--denovo_3dref", "--K", "1",
+                              "--pipeline_control", "InitialModel/job015/"],
                              capture_output=True, text=True, timeout=120, env=shim_environment(folder), cwd=tmp_path)
         assert ran.returncode == 2 and "not available in cryorefine yet" in ran.stderr
-        assert (tmp_path / "Class2D" / "job008" / "RELION_JOB_EXIT_FAILURE").is_file()
+        assert (tmp_path / "InitialModel" / "job015" / "RELION_JOB_EXIT_FAILURE").is_file()
     # installed again over its own scripts: written again
     again = subprocess.run([sys.executable, "-m", "cryorefine", "install-relion-shims", str(folder)],
                            capture_output=True, text=True, timeout=120)

@@ -117,6 +117,7 @@ FSC_HALF_THRESHOLD = 0.5
 FSC_GOLD_THRESHOLD = 0.143
 #: updateImageSizeAndResolutionPointers: coarse resolution = rotated distance / this (3D references).
 COARSE_SIZE_KEEPSAFE_FACTOR_3D = 1.2
+COARSE_SIZE_KEEPSAFE_FACTOR_2D = 1.5  # RELION's keepsafe_factor with ref_dim 2
 #: updateOverallChangesInHiddenVariables: "no large change" = within 3 % of the smallest change so far ...
 SIMILAR_CHANGES_FACTOR = 1.03
 #: ... or a change below this fraction of the current sampling step.
@@ -383,6 +384,19 @@ def image_sizes(resolution_angstrom: float, healpix_order: int, particle_diamete
     return ImageSizes(int(current), int(coarse))
 
 
+def coarse_size_2d_px(psi_step_deg: float, particle_diameter_angstrom: float, ori_size_px: int,
+                      pixel_size_angstrom: float, current_size_px: int, max_coarse_size_px: int = -1) -> int:
+    """The coarse pass's image size of a 2D classification with oversampling (RELION's
+    updateImageSizeAndResolutionPointers with ref_dim 2): the coarse psi step moves the particle's edge by
+    step/360·π·diameter; detail finer than that / COARSE_SIZE_KEEPSAFE_FACTOR_2D is not resolved;
+    2·ceil(N·pixel / that), at most --coarse_size and the current size."""
+    resolution = psi_step_deg / 360.0 * math.pi * particle_diameter_angstrom / COARSE_SIZE_KEEPSAFE_FACTOR_2D
+    coarse = 2 * math.ceil(ori_size_px * pixel_size_angstrom / resolution)
+    if max_coarse_size_px > 0:
+        coarse = min(coarse, int(max_coarse_size_px))
+    return int(min(coarse, current_size_px))
+
+
 def keep_safe_resolution_angstrom(step_deg: float, particle_diameter_angstrom: float) -> float:
     """The finest detail an angular step resolves by RELION's keep-safe rule (the coarse size's): the step moves
     the particle's edge by its rotated distance step/360·π·diameter, and detail finer than that / 1.2 is not
@@ -464,6 +478,7 @@ def classification_sampling_raised(changes_classes, ave_pmax: float | None, step
 
 #: --fast_subsets (MlOptimiser::updateSubsetSize, 3D): particles per class in iterations 1–5 (3× that in 6–10)
 FAST_SUBSET_PARTICLES_PER_CLASS = 1500
+FAST_SUBSET_PARTICLES_PER_CLASS_2D = 100  # RELION's min_parts_per_class with ref_dim 2
 #: ... and the share of the data set that iterations 11–15 take at least
 FAST_SUBSET_LATE_FRACTION = 0.3
 #: --allow_coarser_sampling (MlOptimiser::updateAngularSampling): the steps stay this fraction of the accuracy
@@ -472,11 +487,13 @@ COARSER_SAMPLING_FRACTION_OF_ACCURACY = 0.8
 COARSER_SAMPLING_MAX_OFFSET_STEP_IN_RANGES = 0.95
 
 
-def fast_subset_size(iteration: int, n_classes: int, n_particles: int) -> int | None:
+def fast_subset_size(iteration: int, n_classes: int, n_particles: int,
+                     per_class_min: int = FAST_SUBSET_PARTICLES_PER_CLASS) -> int | None:
     """The particles a 3D classification with --fast_subsets takes in `iteration` (RELION's updateSubsetSize):
     1500·K in iterations 1–5, 4500·K in 6–10, the larger of 4500·K and 30 % of the data in 11–15; None (all of
-    them) after, or where the subset would not be smaller than the data set."""
-    per_class = FAST_SUBSET_PARTICLES_PER_CLASS * int(n_classes)
+    them) after, or where the subset would not be smaller than the data set. A 2D classification's subsets start
+    from `per_class_min` = FAST_SUBSET_PARTICLES_PER_CLASS_2D (100) particles per class instead."""
+    per_class = int(per_class_min) * int(n_classes)
     if iteration <= 5:
         size = per_class
     elif iteration <= 10:

@@ -261,10 +261,11 @@ class CupyEngine:
             self.log_pdf_class = cp.asarray(s.log_pdf_class, dtype=cp.float64)
             self.log_pdf_direction = (None if s.log_pdf_direction is None
                                       else cp.asarray(s.log_pdf_direction, dtype=cp.float64))
-            # children of the coarse orientations met so far (sorted): angles (n, NFO, 3), matrices (n, NFO, 9)
-            self._fine_known = np.zeros(0, dtype=np.int64)
-            self._fine_angles = np.zeros((0, self.n_fo, 3))
-            self._fine_matrices = np.zeros((0, self.n_fo, 9))
+            # children of the coarse orientations, filled in as batches meet them (a global search): angles
+            # (n_orient, NFO, 3), matrices (n_orient, NFO, 9), and which are filled
+            self._fine_known = np.zeros(0 if s.local_searches else self.n_orient, dtype=bool)
+            self._fine_angles = np.empty((self._fine_known.size, self.n_fo, 3))
+            self._fine_matrices = np.empty((self._fine_known.size, self.n_fo, 9))
 
             self.minv_fine = cp.asarray(t.minv_fine, dtype=cp.float32)
             self.minv_store = cp.asarray(t.minv_store, dtype=cp.float32)
@@ -757,7 +758,8 @@ class CupyEngine:
         """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique).
 
         A global search meets the same coarse orientations in every batch: their children are computed once per
-        iteration on the host, in a table of the orientations met (not the grid). A local search's neighbourhoods
+        iteration on the host, each into its row of a table of the whole grid as a batch first meets it (no batch
+        copies or re-sorts the table; rows never met take no memory). A local search's neighbourhoods
         move with the particles, so a batch's children are computed for it alone (keeping them would copy a
         growing table in every batch), on the device but for the HEALPix directions (healpy): angles and
         matrices are then device arrays."""
@@ -767,21 +769,16 @@ class CupyEngine:
                               self.setup_.sampling.fine_orientations_deg(orientations, xp=cp))
             matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=cp)
             return rot, tilt, psi, matrices.reshape(-1, 9)
-        known = self._fine_known
-        missing = orientations[~np.isin(orientations, known, assume_unique=True)]
+        missing = orientations[~self._fine_known[orientations]]
         if missing.size:
             rot, tilt, psi = (np.asarray(a, dtype=np.float64)
                               for a in self.setup_.sampling.fine_orientations_deg(missing))
             matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
-            merged = np.concatenate([known, missing])
-            order = np.argsort(merged, kind="stable")
-            self._fine_known = merged[order]
-            self._fine_angles = np.concatenate([self._fine_angles, np.stack([rot, tilt, psi], axis=-1)])[order]
-            self._fine_matrices = np.concatenate([self._fine_matrices,
-                                                  matrices.reshape(missing.size, self.n_fo, 9)])[order]
-        pos = np.searchsorted(self._fine_known, orientations)
-        angles = self._fine_angles[pos]
-        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[pos].reshape(-1, 9)
+            self._fine_angles[missing] = np.stack([rot, tilt, psi], axis=-1)
+            self._fine_matrices[missing] = matrices.reshape(missing.size, self.n_fo, 9)
+            self._fine_known[missing] = True
+        angles = self._fine_angles[orientations]
+        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[orientations].reshape(-1, 9)
 
     def _segment(self, values, starts, op):
         """Per-segment min (op 0), max (1) or sum (2) of float64 `values`, and the first arg of the extreme."""

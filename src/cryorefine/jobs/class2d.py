@@ -1,0 +1,428 @@
+"""2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm).
+
+The same machinery as the 3D jobs with 2D references (RELION's ref_dim 2): a class is an (N, N) image whose
+"projection" at an in-plane angle psi is its transform rotated (`core.projector` on a 2D grid); the sampling is
+psi alone (`core.sampling.Sampling.in_plane`: --psi_step, RELION's 10° without it; its 2^oversampling children)
+and the translations of --offset_range/--offset_step; each iteration's E-step is one work unit of the particles
+against every class, on the numpy engine; the M-step reconstructs each class from its 2D sums, regularised by τ²,
+the power of the class's previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
+- no --ref: the initial class averages are averages of random subsets (particle i in class i mod K after a
+  random permutation, each at a random psi, CTF-weighted, as RELION 5's calculateSumOfPowerSpectraAndAverageImage
+  makes them), low-passed to --ini_high, or without it to RELION's shell 0.07·box;
+- --center_classes: after each M-step every class average is moved to its centre of mass (of its positive
+  values; at most --offset_range pixels), as RELION's centerClasses;
+- --flatten_solvent: the averages outside the circle of --particle_diameter set to zero with a soft edge;
+- --fast_subsets: iterations 1-5 take 100 random particles per class, 6-10 three times as many, 11-15 that or 30 %
+  of the data (RELION's sizes in 2D); --skip_align: each particle keeps its psi and origin, only its class is
+  searched; --zero_mask, --ctf, --ctf_intact_first_peak, --norm, --scale, --oversampling, --iter, --K,
+  --particle_diameter and --continue as in the 3D jobs; every one of --iter iterations runs;
+- the class distribution is the class prior of the next search; the resolution is where the best class's SSNR
+  (tau2_fudge·τ²/σ²) drops below 1; the coarse pass compares images of the size the coarse psi step resolves at
+  the particle's edge (RELION's keep-safe factor 1.5 in 2D).
+Not yet: VDAM (--grad) and the GPU engine's 2D path (the job runs on the CPU's numpy engine), RELION's per-class
+offset priors. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
+run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
+rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
+a gallery with their shares of the particles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cryorefine.core import euler, fourier
+from cryorefine.core.arrays import to_host
+from cryorefine.core.grid import relion_round
+from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.sampling import Sampling, next_perturbation
+from cryorefine.em import loop, mstep, schedule
+from cryorefine.em.estep import WorkUnit
+from cryorefine.em.given_poses import GivenPoses
+from cryorefine.em.state import ModelState, ParticleState, RunState
+from cryorefine.errors import InputError
+from cryorefine.estep.engine import IterationSetup, WeightedSums
+from cryorefine.images import prepare_batch
+from cryorefine.io import mrc
+from cryorefine.io.background import InOwnProcess, Together
+from cryorefine.io.relion_outputs import model_star_blocks, optimiser_star_blocks, particle_table, write_optimiser_star
+from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
+from cryorefine.report import write_class_gallery
+
+if TYPE_CHECKING:  # for annotations only
+    from cryorefine.config import RefineConfig
+    from cryorefine.data import ParticleSet
+    from cryorefine.images import ImageSettings
+
+log = logging.getLogger("cryorefine.class2d")
+#: RELION's coarse psi step in 2D without --psi_step
+DEFAULT_PSI_STEP_DEG = 10.0
+#: without --ini_high the initial averages are low-passed at this fraction of the box in shells (RELION, for
+#: do_average_unaligned: "0.07 dig.freq.", Scheres 2010)
+INITIAL_LOWPASS_FRACTION_OF_BOX = 0.07
+#: the random streams of the initial subsets and of --fast_subsets' draws
+INITIAL_SUBSETS_STREAM = 2
+FAST_SUBSETS_STREAM = 1
+#: RELION's width of the low-pass edge of the initial references (WIDTH_FMASK_EDGE), in shells
+INITIAL_LOWPASS_EDGE_SHELLS = 2.0
+#: the engine 2D classification runs on for now
+ENGINE_2D = "numpy"
+
+
+def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
+    """Run a 2D classification of config.n_classes classes with `runner`; the IterationReports (None on an MPI
+    worker). `resume_from`: a run_itNNN_optimiser.star of an earlier 2D classification, continued after it."""
+    return loop.run(Class2DJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
+
+
+def psi_step_deg(config: RefineConfig) -> float:
+    """The coarse in-plane step: --psi_step, else RELION's 10° for 2D."""
+    return float(config.psi_step_deg) if config.psi_step_deg else DEFAULT_PSI_STEP_DEG
+
+
+def initial_resolution_angstrom(config: RefineConfig, box_px: int, pixel_size_angstrom: float) -> float:
+    """The low-pass of the initial averages and the first iteration's resolution: --ini_high, else the resolution
+    of RELION's shell round(0.07·box)."""
+    if config.ini_high_angstrom:
+        return float(config.ini_high_angstrom)
+    return box_px * pixel_size_angstrom / max(1, relion_round(INITIAL_LOWPASS_FRACTION_OF_BOX * box_px))
+
+
+def lowpass_image(image: np.ndarray, resolution_angstrom: float, pixel_size_angstrom: float) -> np.ndarray:
+    """An (N, N) image low-passed as RELION's initialLowPassFilterReferences: a raised cosine two shells wide
+    through 0.5 at the resolution's shell."""
+    n = image.shape[0]
+    shell = n * pixel_size_angstrom / resolution_angstrom
+    gain = fourier.raised_cosine(fourier.radius_2d(n), shell - INITIAL_LOWPASS_EDGE_SHELLS / 2,
+                                 INITIAL_LOWPASS_EDGE_SHELLS)
+    return fourier.irfft2_centered(fourier.rfft2_centered(image) * gain, n)
+
+
+def initial_references(particles: ParticleSet, settings: ImageSettings, config: RefineConfig,
+                       batch_size: int) -> list[np.ndarray]:
+    """K class averages (float64 (N, N)) of random subsets of the particles, as RELION makes them without --ref:
+    after a random permutation particle i goes to class i mod K at a random psi; each class is the CTF-weighted
+    average of its masked images (data Σ CTF·X at its psi, weights Σ CTF², no τ²), low-passed
+    (`initial_resolution_angstrom`)."""
+    n_particles, k_classes = len(particles), int(config.n_classes)
+    box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
+    draw = np.random.default_rng([config.random_seed, INITIAL_SUBSETS_STREAM])
+    class_of = np.empty(n_particles, dtype=np.int64)
+    class_of[draw.permutation(n_particles)] = np.arange(n_particles) % k_classes
+    psi = draw.uniform(0.0, 360.0, n_particles)
+    sums = [BackProjector(box, config.padding_factor, box // 2, ndim=2) for _ in range(k_classes)]
+    with particles.image_reader() as reader:
+        for indices in particles.batches(batch_size):
+            batch = prepare_batch(particles, indices, reader, settings, box, 1.0, 0)
+            mats = euler.euler_to_matrix(np.zeros(indices.size), np.zeros(indices.size), psi[indices])
+            for k in range(k_classes):
+                chosen = class_of[indices] == k
+                if chosen.any():
+                    ctf = batch.ctf[chosen]
+                    sums[k].backproject(batch.images_ft[chosen] * ctf, ctf * ctf, mats[chosen])
+    resolution = initial_resolution_angstrom(config, box, pixel)
+    return [lowpass_image(bp.reconstruct(), resolution, pixel) for bp in sums]
+
+
+def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
+    """(x, y) of the centre of mass of an image's positive values relative to its centre N//2 (RELION's
+    centerOfMass: negative values do not count); zeros where nothing is positive."""
+    n = image.shape[0]
+    positive = np.where(image > 0, image, 0.0)
+    mass = float(positive.sum())
+    if mass <= 0:
+        return np.zeros(2)
+    y, x = np.mgrid[:n, :n] - n // 2
+    return np.array([(positive * x).sum(), (positive * y).sum()]) / mass
+
+
+def centred_image(image: np.ndarray, max_shift_px: float) -> np.ndarray:
+    """The image moved so that its centre of mass (`centre_of_mass_px`) comes to the centre, the shift at most
+    `max_shift_px` long (RELION's centerClasses: at most the offset range); sub-pixel by a phase shift of the
+    transform."""
+    com = centre_of_mass_px(image)
+    length = float(np.hypot(*com))
+    if length > max_shift_px > 0:
+        com *= max_shift_px / length
+    if not length:
+        return image
+    n = image.shape[0]
+    ft = fourier.phase_shift_2d(fourier.rfft2_centered(image)[None], -com[:1], -com[1:], n)[0]
+    return fourier.irfft2_centered(ft, n)
+
+
+class Class2DJob:
+    """The 2D classification as the iteration loop (`em.loop`) runs it. Its extras, per iteration so far: the
+    class distribution (`class_distributions`), the share of particles that changed class (`class_changes`)
+    and each class's resolution in Å (`class_resolutions`)."""
+
+    kind = "class2d"
+    min_mpi_ranks = 2  # a master and a worker
+
+    def __init__(self, config):
+        self.config = config
+        self.particles = None
+        self.settings = None
+
+    # ------------------------------------------------------------------ set-up
+    def load(self):
+        config = self.config
+        if config.engine != ENGINE_2D:
+            raise InputError("class2d: the GPU engine has no 2D path yet; run 2D classification on the CPU engine "
+                             "(--cpu)")
+        if config.sigma_ang_deg or config.sigma_psi_deg:
+            raise InputError("class2d: local searches (--sigma_ang/--sigma_psi) are not available in 2D; drop them")
+        if config.firstiter_cc:
+            raise InputError("class2d: --firstiter_cc is not available in 2D; drop it")
+        if config.symmetry.upper() != "C1":
+            raise InputError(f"class2d: --sym {config.symmetry}: 2D classes have no point-group symmetry; drop --sym")
+        particles, settings = loop.particles_and_settings(config)
+        if config.skip_align and "rlnAnglePsi" not in particles.pose_columns:
+            raise InputError(f"{config.input_star}: no rlnAnglePsi column; --skip_align keeps each particle's psi and "
+                             f"origin, as an earlier 2D classification's run_data.star has them")
+        self.diameter_angstrom = settings.particle_diameter_angstrom
+        self.particles, self.settings = particles, settings
+        return particles, settings
+
+    def start(self, particles, settings, noise_spectra):
+        config = self.config
+        k_classes = int(config.n_classes)
+        if k_classes > len(particles):
+            log.warning("--K %d with %d particles: %d classes or more will hold no particle; give --K %d or fewer",
+                        k_classes, len(particles), k_classes - len(particles), len(particles))
+        box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
+        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
+                           padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
+                           sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
+                           scale_correction=np.ones(particles.n_scale_groups),
+                           pdf_direction=np.full((k_classes, 1), 1.0 / k_classes))
+        model.sigma2_noise = noise_spectra(particles, settings, len(particles.optics_groups))
+        model.maps = [initial_references(particles, settings, config, config.batch_size_for(box))]
+        model.current_resolution_angstrom = initial_resolution_angstrom(config, box, pixel)
+        optimiser, _ = schedule.initial_schedule(config)
+        poses = ParticleState.from_particles(particles, pixel)
+        poses.rot_deg[:] = 0.0  # 2D: psi alone
+        poses.tilt_deg[:] = 0.0
+        if not config.skip_align:
+            poses.psi_deg[:] = 0.0
+        return RunState(model, optimiser, poses, np.random.default_rng(config.random_seed),
+                        extras={"class_distributions": np.zeros((0, k_classes)), "class_changes": np.zeros(0),
+                                "class_resolutions": np.zeros((0, k_classes))})
+
+    def resume(self, run, particles, iteration_root):
+        stack, _ = mrc.read_volume(f"{iteration_root}_classes.mrcs", require_cubic=False)
+        if stack.shape[0] != self.config.n_classes:
+            raise InputError(f"{iteration_root}_classes.mrcs: holds {stack.shape[0]} classes, the run has "
+                             f"{self.config.n_classes}")
+        run.model.maps = [[np.array(image, dtype=np.float32) for image in stack]]
+
+    # ------------------------------------------------------------------ one iteration
+    def plan(self, run, iteration):
+        config, model = self.config, run.model
+        k_classes = int(config.n_classes)
+        box, pixel = model.ori_size_px, model.pixel_size_angstrom
+        sizes = schedule.image_sizes(model.current_resolution_angstrom, 0, self.diameter_angstrom, box, pixel,
+                                     config.incr_size_px, False, False, ave_pmax=model.ave_pmax, oversampling=0,
+                                     strict_highres_exp_angstrom=config.strict_highres_exp_angstrom,
+                                     max_coarse_size_px=config.max_coarse_size_px)
+        current = sizes.current_size_px
+        coarse = sizes.coarse_size_px
+        if config.oversampling > 0 and config.strict_highres_exp_angstrom <= 0 and not config.skip_align:
+            coarse = schedule.coarse_size_2d_px(psi_step_deg(config), self.diameter_angstrom, box, pixel, current,
+                                                config.max_coarse_size_px)
+        elif config.skip_align:
+            coarse = current
+        sizes = schedule.ImageSizes(current, coarse)
+        model.current_size_px, model.coarse_size_px = current, coarse
+        likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, current)
+        optimiser = replace(run.optimiser, iteration=iteration)
+        if not config.skip_align:  # RELION does not perturb the poses it keeps
+            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        run.optimiser = optimiser
+        sampling = Sampling(optimiser.healpix_order, optimiser.offset_range_px, optimiser.offset_step_px,
+                            psi_step_deg=psi_step_deg(config), oversampling=config.oversampling,
+                            perturbation=optimiser.perturbation, in_plane=True)
+        members = self._subset(iteration, len(run.particles.psi_deg))
+        poses = run.particles
+        searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
+                    else sampling)
+        with np.errstate(divide="ignore"):
+            log_class = np.log(np.asarray(model.pdf_class, dtype=np.float64))
+        setup = IterationSetup(
+            projectors=None, maps=list(model.maps[0]), sigma2_noise=model.sigma2_noise, sampling=searched,
+            ori_size_px=box, current_size_px=current, coarse_size_px=coarse, pixel_size_angstrom=pixel,
+            log_pdf_class=log_class, sigma_offset_px=model.sigma_offset_angstrom / pixel,
+            adaptive_fraction=config.adaptive_fraction, max_significants=config.max_significants,
+            scale_correction=model.scale_correction if config.do_scale else None,
+            data_vs_prior=None if model.ssnr is None else model.ssnr[0],
+            padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
+            local_searches=bool(config.skip_align), likelihood_size_px=likelihood, ref_dim=2)
+        unit = WorkUnit("all classes", members, np.arange(k_classes, dtype=np.int64), setup)
+        return loop.IterationPlan(iteration, sizes, sampling, False, [unit])
+
+    def _subset(self, iteration, n_particles):
+        """All particles, or with --fast_subsets RELION's random subset of 2D (`schedule.fast_subset_size` from 100
+        per class), drawn afresh each iteration; the others keep their poses and classes."""
+        config = self.config
+        size = (schedule.fast_subset_size(iteration, config.n_classes, n_particles,
+                                          schedule.FAST_SUBSET_PARTICLES_PER_CLASS_2D)
+                if config.fast_subsets else None)
+        if size is None:
+            return np.arange(n_particles)
+        log.info("--fast_subsets: iteration %d takes %d random particles of %d", iteration, size, n_particles)
+        draw = np.random.default_rng([config.random_seed, iteration, FAST_SUBSETS_STREAM])
+        return np.sort(draw.permutation(n_particles)[:size])
+
+    def maximization_groups(self, plan):
+        """Every class's average is made apart."""
+        return [[(0, i)] for i in range(len(plan.units[0].classes))]
+
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
+        """Per class: τ² from the previous average's power, the 2D reconstruction, its SSNR; --center_classes and
+        --flatten_solvent on the new average; then the class distribution and RELION's other parameters."""
+        config = self.config
+        model = dataclasses.replace(model)
+        k_classes = model.n_classes
+        unit = plan.units[0]
+        small = WeightedSums.total([s.without_volumes().spread_to_classes(u.classes, k_classes)
+                                    for s, u in zip(sums, plan.units)])
+        n_shells = model.n_shells
+        r_max = plan.sizes.current_size_px // 2
+        tau2, ssnr, ref_sigma2 = (np.zeros((1, k_classes, n_shells)) for _ in range(3))
+        total_weight = float(np.sum(small.pdf_class))
+        pdf_class = np.asarray(small.pdf_class, dtype=np.float64) / max(total_weight, 1e-300)
+        mask = (fourier.soft_circular_mask(model.ori_size_px, self.diameter_angstrom / (2 * model.pixel_size_angstrom),
+                                           config.width_mask_edge_px) if config.flatten_solvent else None)
+        made = {}
+        for i, k in enumerate(unit.classes):
+            if not mstep.volumes_here(sums[0], i):
+                continue
+            data, weight = to_host(sums[0].data[i]), to_host(sums[0].weight[i])
+            sums[0].data[i] = sums[0].weight[i] = None
+            previous = np.asarray(model.maps[0][k], dtype=np.float64)
+            t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max).power_spectrum),
+                            dtype=np.float64)[:n_shells]
+            t2[r_max + 1:] = 0.0
+            bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max)
+            if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
+                continue  # an empty class: an image of zeros
+            sigma2 = np.asarray(to_host(bp.noise_sigma2()), dtype=np.float64)[:n_shells]
+            image = np.asarray(bp.reconstruct(tau2=t2, tau2_fudge=config.tau2_fudge,
+                                              minres_map_px=schedule.MINRES_MAP_SHELL), dtype=np.float64)
+            if config.center_classes:  # RELION: centerClasses, then solventFlatten
+                image = centred_image(image, plan.sampling.offset_range_px)
+            if mask is not None:
+                image = image * mask
+            made[int(k)] = (image.astype(np.float32), t2, sigma2)
+        made = mstep.gathered(peers, made)
+        new_maps = []
+        for k in range(k_classes):
+            if k not in made:
+                new_maps.append(np.zeros_like(model.maps[0][k], dtype=np.float32))
+                continue
+            image, t2, sigma2 = made[k]
+            new_maps.append(image)
+            tau2[0, k, : t2.size] = t2
+            ref_sigma2[0, k, : sigma2.size] = sigma2
+            with np.errstate(divide="ignore", invalid="ignore"):
+                s = np.where(sigma2 > 0, config.tau2_fudge * t2[: sigma2.size] / sigma2, 0.0)
+            s[r_max + 1:] = 0.0
+            ssnr[0, k, : s.size] = s
+        model.maps = [new_maps]
+        model.tau2, model.ssnr, model.reference_sigma2 = tau2, ssnr, ref_sigma2
+        model.pdf_class = model.class_distribution = pdf_class
+        pdf = np.asarray(small.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
+        total = pdf.sum()
+        model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
+        mstep.maximize_other_parameters(model, config, [small], False)
+        return model
+
+    def update(self, run, plan, changes):
+        config, model = self.config, run.model
+
+        def resolution(ssnr):
+            return schedule.current_resolution(
+                model.ori_size_px, model.pixel_size_angstrom, data_vs_prior=ssnr, iteration=plan.iteration,
+                ini_high_angstrom=config.ini_high_angstrom, check_high_res_side=False).resolution_angstrom
+
+        model.current_resolution_angstrom = resolution(model.ssnr[0])
+        run.optimiser = replace(run.optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                                changes_optimal_classes=changes.classes)
+        per_class = [resolution(model.ssnr[0][k:k + 1]) for k in range(model.n_classes)]
+        self._append(run, "class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
+        self._append(run, "class_changes", changes.classes)
+        self._append(run, "class_resolutions", np.asarray(per_class))
+
+    @staticmethod
+    def _append(run, name, value):
+        value = np.asarray(value, dtype=np.float64)
+        history = np.asarray(run.extras.get(name, np.zeros((0,) + value.shape)), dtype=np.float64)
+        run.extras[name] = np.concatenate([history.reshape((-1,) + value.shape), value[None]])
+
+    def finished(self, run, plan):
+        return False  # every one of --iter iterations runs
+
+    def summary(self, run, plan, changes):
+        model = run.model
+        return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
+                f"{plan.sizes.coarse_size_px} px, classes {' '.join(f'{100 * p:.0f}%' for p in model.pdf_class)}, "
+                f"Δpsi {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
+                f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
+
+    # ------------------------------------------------------------------ outputs
+    def outputs(self, run, plan, snapshot, timings, stages, argv):
+        """The iteration's files (RELION's 2D names) as callables; the optimiser STAR file comes last."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        root = f"{out_root}_it{plan.iteration:03d}"
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        table = particle_table(particles.star.particles, snapshot, None, pixel,
+                               group_number=particles.scale_group_index + 1)
+        table = table.drop(columns=[c for c in ("rlnAngleRot", "rlnAngleTilt") if c in table.columns])
+        names, counts = particles.optics_names_and_counts()
+        stack = f"{root}_classes.mrcs"
+        images = [f"{k + 1:06d}@{stack}" for k in range(model.n_classes)]
+        blocks = model_star_blocks(model, optimiser, config, None, images, names, counts,
+                                   pdf_direction=model.pdf_direction,
+                                   scale_groups=particles.scale_group_names_and_counts())
+        blocks["model_general"]["rlnReferenceDimensionality"] = 2
+        classes = np.stack([np.asarray(m, dtype=np.float32) for m in model.maps[0]])
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+                  partial(mrc.write_stack, stack, classes, pixel),
+                  partial(write_star, blocks, f"{root}_model.star"),
+                  partial(write_star, sampling_star_blocks(plan.sampling, config, pixel), f"{root}_sampling.star"),
+                  InOwnProcess(partial(write_class_gallery, f"{root}_report.png", classes,
+                                       np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
+                                       resolution_angstrom=model.current_resolution_angstrom))]
+        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
+            optimiser, model, config, str(out_root), plan.iteration), list(argv))]
+
+
+def sampling_star_blocks(sampling: Sampling, config: RefineConfig, pixel_size_angstrom: float) -> dict:
+    """RELION's run_itNNN_sampling.star of a 2D classification: sampling_general alone (rlnIs3DSampling 0, the psi
+    step, offsets in Å), no table of directions."""
+    pixel = float(pixel_size_angstrom)
+    return {"sampling_general": {
+        "rlnIs3DSampling": 0,
+        "rlnIs3DTranslationalSampling": 0,
+        "rlnHealpixOrder": int(sampling.healpix_order),
+        "rlnSymmetryGroup": "C1",
+        "rlnTiltAngleLimit": "-91",
+        "rlnPsiStep": f"{sampling.psi_step_deg:.6f}",
+        "rlnOffsetRange": f"{sampling.offset_range_px * pixel:.6f}",
+        "rlnOffsetStep": f"{sampling.offset_step_px * pixel:.6f}",
+        "rlnHelicalOffsetStep": "-1",
+        "rlnSamplingPerturbInstance": f"{sampling.perturbation:.6f}",
+        "rlnSamplingPerturbFactor": "0.5",
+        "rlnPsiStepOriginal": f"{psi_step_deg(config):.6f}",
+        "rlnOffsetRangeOriginal": f"{config.offset_range_px * pixel:.6f}",
+        "rlnOffsetStepOriginal": f"{config.offset_step_px * pixel:.6f}",
+    }}

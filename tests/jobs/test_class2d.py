@@ -1,0 +1,165 @@
+"""`cryorefine class2d` and RELION's Class2D lines through `cryorefine relion_refine`, on a simulated set of three
+2D views (tests/jobs/class2d_data.py), numpy engine."""
+
+import itertools
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+import starfile
+from class2d_data import best_rotated_correlation, make_views_set, true_views
+from conftest import run_cli
+
+from cryorefine.io.mrc import read_volume
+
+LINES_FILE = Path(__file__).resolve().parents[1] / "data" / "relion5_class2d_gui_lines.txt"
+#: the options of a small, fast run (the GUI's own lines add theirs)
+FAST = ("--psi_step", 15, "--offset_range", 2, "--offset_step", 1, "--particle_diameter", 320, "--cpu")
+
+
+def matched_agreement(truth, found, k_classes):
+    """The share of particles in the class matched to their true view, under the best one-to-one matching."""
+    return max(np.mean(np.asarray(perm)[found] == truth) for perm in itertools.permutations(range(k_classes)))
+
+
+@pytest.fixture(scope="module")
+def three_views(tmp_path_factory):
+    """60 particles of each of three views (SNR 1, CTFs), K = 3, 8 iterations (about 12 s on one core): the run
+    and the true views."""
+    folder = tmp_path_factory.mktemp("class2d")
+    star, truth = make_views_set(folder, 60, snr=1.0, seed=3)
+    code = run_cli("class2d", "--i", star, "--o", folder / "out" / "run", "--K", 3, "--iter", 8, "--tau2_fudge", 2,
+                   "--ctf", "--flatten_solvent", "--zero_mask", "--center_classes", "--norm", "--scale", *FAST)
+    assert code == 0
+    return folder, star, truth
+
+
+def test_particles_end_in_the_class_of_their_view_and_the_averages_are_the_views(three_views):
+    """Chance is 1/3 (measured: every particle in its view's class from iteration 6 on; each average correlates
+    ≥ 0.99 with its view at the best in-plane angle, ≤ 0.9 with the other two)."""
+    folder, _, truth = three_views
+    found = starfile.read(folder / "out" / "run_it008_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    assert matched_agreement(truth, found, 3) >= 0.9
+    averages = read_volume(folder / "out" / "run_it008_classes.mrcs", require_cubic=False)[0]
+    views = true_views()
+    assert averages.shape == (3,) + views.shape[1:]
+    for k in range(3):  # the class's view: the one most of its particles came from
+        view = np.bincount(truth[found == k], minlength=3).argmax()
+        assert best_rotated_correlation(averages[k], views[view], 6.0) >= 0.9
+
+
+def test_the_outputs_are_relions_2d_files(three_views):
+    folder, _, _ = three_views
+    out = folder / "out"
+    for it in (1, 8):
+        for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "sampling.star", "report.png"):
+            assert (out / f"run_it{it:03d}_{suffix}").is_file(), suffix
+        assert not list(out.glob(f"run_it{it:03d}_class0*"))  # no 3D class maps
+    particles = starfile.read(out / "run_it008_data.star")["particles"]
+    assert {"rlnClassNumber", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst", "rlnMaxValueProbDistribution",
+            "rlnNrOfSignificantSamples"} <= set(particles.columns)
+    assert not {"rlnAngleRot", "rlnAngleTilt"} & set(particles.columns)
+    model = starfile.read(out / "run_it008_model.star")
+    assert int(model["model_general"]["rlnReferenceDimensionality"]) == 2
+    classes = model["model_classes"]
+    assert list(classes["rlnReferenceImage"]) == [f"{k:06d}@{out}/run_it008_classes.mrcs" for k in (1, 2, 3)]
+    assert classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
+    general = starfile.read(out / "run_it008_sampling.star")
+    assert int(general["rlnIs3DSampling"]) == 0 and float(general["rlnPsiStep"]) == pytest.approx(15.0)
+
+
+def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(three_views, tmp_path):
+    folder, _, _ = three_views
+    code = run_cli("class2d", "--continue", folder / "out" / "run_it004_optimiser.star", "--o", tmp_path / "run",
+                   "--iter", 5)
+    assert code == 0
+    assert not (tmp_path / "run_it004_data.star").exists()
+    again = starfile.read(tmp_path / "run_it005_data.star")["particles"]
+    first = starfile.read(folder / "out" / "run_it005_data.star")["particles"]
+    assert np.array_equal(again["rlnClassNumber"], first["rlnClassNumber"])
+    assert np.allclose(again["rlnAnglePsi"], first["rlnAnglePsi"])
+    a = read_volume(tmp_path / "run_it005_classes.mrcs", require_cubic=False)[0]
+    b = read_volume(folder / "out" / "run_it005_classes.mrcs", require_cubic=False)[0]
+    assert np.allclose(a, b, atol=1e-5 * np.abs(b).max())
+
+
+def gui_lines():
+    """(setting, line) for each line of LINES_FILE."""
+    out, setting = [], None
+    for text in LINES_FILE.read_text().splitlines():
+        if text.startswith("# Class2D: "):
+            setting = text[len("# Class2D: "):]
+        elif text.startswith("`which relion_refine"):
+            out.append((setting, text))
+    return out
+
+
+#: the GUI settings whose lines cryorefine refuses, with the option the message names
+REFUSED = {"every default": "--grad", "allow_coarser Yes": "--allow_coarser_sampling"}
+
+
+@pytest.fixture(scope="module")
+def gui_project(tmp_path_factory):
+    """A project folder whose Extract/job018/particles.star holds 20 particles of each view (with an rlnAnglePsi
+    column, as an earlier 2D classification's data.star has, for the --skip_align line)."""
+    project = tmp_path_factory.mktemp("project")
+    star, _ = make_views_set(project / "Extract" / "job018", 20, snr=1.0, seed=5)
+    table = starfile.read(star)
+    table["particles"]["rlnAnglePsi"] = 0.0
+    starfile.write(table, project / "Extract" / "job018" / "particles.star")
+    return project
+
+
+@pytest.mark.parametrize("setting, line", gui_lines(), ids=[s for s, _ in gui_lines()])
+def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkeypatch, setting, line, capsys):
+    """Each line, one iteration on the CPU (`--iter 1 --cpu` added, as under "Additional arguments"): it writes
+    RELION's files and RELION_JOB_EXIT_SUCCESS, or (VDAM, coarser sampling) is refused in one line naming the option,
+    exit 2, RELION_JOB_EXIT_FAILURE and no iteration's files."""
+    monkeypatch.chdir(gui_project)
+    words = shlex.split(line)[2:]
+    folder = Path(words[words.index("--pipeline_control") + 1])
+    folder.mkdir(parents=True, exist_ok=True)
+    code = run_cli("relion_refine", *words, "--cpu", "--iter", 1)
+    if setting in REFUSED:
+        assert code == 2
+        err = capsys.readouterr().err
+        assert REFUSED[setting] in err and len(err.strip().splitlines()) == 1
+        assert (folder / "RELION_JOB_EXIT_FAILURE").exists() or not (folder / "RELION_JOB_EXIT_SUCCESS").exists()
+        assert not list(folder.glob("run_it*"))
+        return
+    assert code == 0, capsys.readouterr().err
+    assert (folder / "RELION_JOB_EXIT_SUCCESS").exists()
+    for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "sampling.star"):
+        assert (folder / f"run_it001_{suffix}").is_file(), suffix
+
+
+def test_class2d_refuses_the_gpu_engine_in_one_line(gui_project, tmp_path, capsys):
+    """The GPU engine has no 2D path yet: --gpu is refused in one line (where CuPy and a device are there; without
+    them --gpu is refused for that)."""
+    code = run_cli("class2d", "--i", gui_project / "Extract" / "job018" / "particles.star", "--o", tmp_path / "run",
+                   "--K", 2, "--iter", 1, "--gpu", "0")
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ("--cpu" in err)
+    assert not list(tmp_path.glob("run_it*"))
+
+
+def test_bad_input_is_one_line_naming_the_option(gui_project, tmp_path, capsys):
+    star = gui_project / "Extract" / "job018" / "particles.star"
+    for args, named in ((("--psi_step", -3), "--psi_step"), (("--sym", "C2"), "--sym"),
+                        (("--ref", star), "--ref")):
+        code = run_cli("class2d", "--i", star, "--o", tmp_path / "run", "--K", 2, "--iter", 1, "--cpu", *args)
+        assert code == 2, args
+        err = capsys.readouterr().err.strip()
+        assert named in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.glob("run_it*"))
+
+
+def test_help_lists_class2d_options_and_not_3d_ones(capsys):
+    assert run_cli("class2d", "--help") == 0
+    text = capsys.readouterr().out
+    for name in ("--psi_step", "--center_classes", "--K", "--skip_align", "--fast_subsets", "--tau2_fudge"):
+        assert name in text
+    for name in ("--ref", "--healpix_order", "--sym", "--firstiter_cc", "--solvent_mask", "--auto_local_healpix_order"):
+        assert f"{name} " not in text and f"{name}\n" not in text
