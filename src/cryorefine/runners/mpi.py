@@ -453,10 +453,31 @@ class MpiRunner:
             _report_failure(self.comm, exc, self.on_abort)
 
     def _serve(self, job):
-        kind, payload = self.objects.bcast(None, root=0)
-        if kind not in ("noise", "setup"):  # the master could not set the run up and says why
-            sys.exit(2)
-        particles = load_particles(self.config.input_star, check_stacks=False)
+        # the worker sets itself up (the particle table, its device) while the master reads and checks the run's
+        # input; a failure of its own is raised only once the master goes on: a bad input is the master's to report
+        with contextlib.ExitStack() as scope:
+            try:
+                particles = load_particles(self.config.input_star, check_stacks=False)
+                backend = scope.enter_context(self._worker_backend())
+                failure = None
+            except Exception as exc:  # noqa: BLE001 - raised below unless the master ends the run first
+                failure = exc
+            kind, payload = self.objects.bcast(None, root=0)
+            if kind not in ("noise", "setup"):  # the master could not set the run up and says why
+                sys.exit(2)
+            if failure is not None:
+                raise failure
+            if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
+                self._noise_batches(backend, particles, *payload)
+                kind, payload = self.objects.bcast(None, root=0)
+            if kind != "setup":  # the master could not set the run up and says why
+                sys.exit(2)
+            self._iterations(job, backend, particles, payload)
+
+    @contextlib.contextmanager
+    def _worker_backend(self):
+        """This worker's E-step backend, in its run scope, with the NCCL collectives the M-step shares the maps
+        through where every worker has a GPU of its own."""
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
@@ -465,14 +486,8 @@ class MpiRunner:
             config = replace(config, free_gpu_memory_mb=config.free_gpu_memory_mb + NCCL_RESERVE_MB)
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
-            # the M-step's sharing of the maps among the workers goes through their GPUs where it can
             self.peers.channel.device = self._device_collectives(self.workers)
-            if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
-                self._noise_batches(backend, particles, *payload)
-                kind, payload = self.objects.bcast(None, root=0)
-            if kind != "setup":  # the master could not set the run up and says why
-                sys.exit(2)
-            self._iterations(job, backend, particles, payload)
+            yield backend
 
     def _noise_batches(self, backend, particles, settings, n_optics):
         """This worker's share of the initial noise pass (`initial_noise_spectra`), each batch's sums to the master."""
