@@ -50,6 +50,10 @@ log = logging.getLogger("mpi_scaling")
 ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
 STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
 WORKER_WALLS = re.compile(r"^  the workers' E-steps \(s, [^)]*\): (.*)$")  # logged before its iteration's line
+BETWEEN = re.compile(r"^  between iterations \(s\): plan ([\d.]+), outputs ([\d.]+) \(of which waiting for the previous "
+                     r"iteration's files ([\d.]+); those took ([\d.]+) on the writer, ([\d.]+) more waiting for their "
+                     r"maps\)$")
+RUN_STAGES = re.compile(r"^run (start|end): ([\d.]+) s")
 MEMORY = re.compile(r"^GPU (\d+) memory: GPU arena [\d.]+ MB: in use [\d.]+ MB, high water ([\d.]+) MB")
 MPI_STAGES = ("broadcast", "last maps to the master", "reduction", "sums to their makers", "M-step on the workers", "model to the master",
               "sums to rank 1", "M-step on rank 1")
@@ -65,9 +69,9 @@ def stage_values(text):
 
 
 def parse_log(text):
-    """The iterations (E, M, stages, each MPI worker's E-step) and the arenas' high water (GB per device) of a run's
-    log."""
-    iterations, memory, walls = [], {}, []
+    """The iterations (E, M, stages, each MPI worker's E-step, the time between them), the arenas' high water (GB per
+    device) and the seconds before and after the iterations ("start", "end") of a run's log."""
+    iterations, memory, walls, run_seconds = [], {}, [], {}
     for line in text.splitlines():
         if m := WORKER_WALLS.match(line):
             walls = [float(w) for w in m[1].split(", ")]
@@ -77,9 +81,14 @@ def parse_log(text):
             walls = []
         elif (m := STAGES.match(line)) and iterations:
             iterations[-1]["e_stages" if m[1] == "E" else "m_stages"] = stage_values(m[2])
+        elif (m := BETWEEN.match(line)) and iterations:
+            iterations[-1]["between"] = dict(zip(("plan", "outputs", "waiting for the files", "previous files written",
+                                                  "previous files waiting for maps"), map(float, m.groups())))
+        elif m := RUN_STAGES.match(line):
+            run_seconds[m[1]] = float(m[2])
         elif m := MEMORY.match(line):
             memory[f"GPU {m[1]}"] = max(memory.get(f"GPU {m[1]}", 0.0), float(m[2]) * 2 ** 20 / 1e9)
-    return iterations, memory
+    return iterations, memory, run_seconds
 
 
 def command_of(job, star, reference, out, workers, args, iterations=None, mpi=False):
@@ -117,7 +126,11 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
     if done.returncode != 0:
         sys.exit(f"mpi_scaling: {job} on {workers} failed (exit {done.returncode}); see {out / 'log.txt'}:\n"
                  + done.stderr[-3000:])
-    iterations_seen, memory = parse_log(done.stderr)
+    iterations_seen, memory, run_seconds = parse_log(done.stderr)
+    between = {}
+    for it in iterations_seen:
+        for name, seconds in it.get("between", {}).items():
+            between[name] = between.get(name, 0.0) + seconds
     loop = sum(it["expectation"] + it["maximization"] for it in iterations_seen)
     totals = {}
     for it in iterations_seen:
@@ -129,7 +142,8 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
             "iterations": iterations_seen, "stage_totals": totals, "e_step_seconds": sum(it["expectation"] for it in
                                                                                         iterations_seen),
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
-            "outside_iterations_seconds": wall - loop, "gpu_high_water_gb": memory}
+            "outside_iterations_seconds": wall - loop, "run_start_end_seconds": run_seconds,
+            "between_iterations_totals": between, "gpu_high_water_gb": memory}
     saved.write_text(json.dumps(result, indent=1))
     return result
 

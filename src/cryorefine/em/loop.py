@@ -224,8 +224,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
                                                                                           snapshot))
                 writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
-                writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
-                timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs
+                waited = writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
+                timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, and waiting
+                previous_files = dict(writer.last_seconds)  # the previous iteration's files on the writer's thread
                 model, optimiser = state.model, state.optimiser
                 reports.append(IterationReport(
                     iteration, model.current_resolution_angstrom, plan.sizes.current_size_px,
@@ -236,6 +237,10 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                          timings["expectation"], timings["maximization"])
                 log.info("  E-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}"
                                                                for name, seconds in outcome.stages.items()))
+                log.info("  between iterations (s): plan %.1f, outputs %.1f (of which waiting for the previous "
+                         "iteration's files %.1f; those took %.1f on the writer, %.1f more waiting for their maps)",
+                         plan_seconds, timings["write"], waited, previous_files.get("writing", 0.0),
+                         previous_files.get("waiting", 0.0))
                 if outcome.maximization_stages:
                     log.info("  M-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}" for name, seconds
                                                                    in outcome.maximization_stages.items()))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -73,12 +74,18 @@ class BackgroundWriter:
         self._drawing = None  # the drawing process (a ProcessPoolExecutor), False where there can be none
         self._cancelled = threading.Event()  # set when the `with` is left on an error: a WaitFor stops waiting
         self._side = None  # the threads of `Together` writes, started at the first
+        # the last finished submit's seconds on the writer thread: {"waiting": in its WaitFor, "writing": the rest}
+        self.last_seconds: dict[str, float] = {}
 
-    def submit(self, writes):
+    def submit(self, writes) -> float:
         """Run the callables `writes` in order on the writer thread, after the previous submit's (InOwnProcess
-        ones in the drawing process, the thread waiting for each)."""
+        ones in the drawing process, the thread waiting for each). Returns the seconds it waited for the previous
+        submit's writes to end."""
+        tic = time.perf_counter()
         self.wait()
+        waited = time.perf_counter() - tic
         self._pending = self._pool.submit(self._run_all, list(writes))
+        return waited
 
     def wait(self):
         """Block until the submitted writes are done; raise the first error one of them raised."""
@@ -104,11 +111,15 @@ class BackgroundWriter:
         return False
 
     def _run_all(self, writes):
+        start = time.perf_counter()
+        waiting = 0.0
         for write in writes:
             if isinstance(write, WaitFor):
+                tic = time.perf_counter()
                 while not write.ready():
                     if self._cancelled.wait(write.poll_seconds):
                         raise WriterCancelled("the run ended on an error before this iteration's files were whole")
+                waiting += time.perf_counter() - tic
             elif isinstance(write, Together):
                 if self._side is None:
                     self._side = ThreadPoolExecutor(SIDE_BY_SIDE_THREADS, thread_name_prefix="writer side")
@@ -118,6 +129,7 @@ class BackgroundWriter:
                     future.result()  # the first error, once every write has ended
             else:
                 self._run_one(write)
+        self.last_seconds = {"waiting": waiting, "writing": time.perf_counter() - start - waiting}
 
     def _run_one(self, write):
         if isinstance(write, InOwnProcess):
