@@ -53,9 +53,9 @@ class RefineConfig:
     relion_oversampling: bool = False  # --relion_oversampling (classify): --oversampling throughout
     fast_subsets: bool = False  # --fast_subsets (classify): iterations 1–15 on random subsets (RELION's sizes)
     allow_coarser_sampling: bool = False  # --allow_coarser_sampling (classify, K > 1): steps of the accuracy
-    auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     psi_step_deg: float | None = None  # --psi_step (class2d): the coarse in-plane step; None: RELION's 10° in 2D
     center_classes: bool = False  # --center_classes (class2d): class averages moved to their centre of mass
+    auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
     padding_factor: float = 2.0
     healpix_order: int = 2
@@ -129,9 +129,9 @@ class RefineConfig:
              "more than 0 degrees (the σ of local searches, ±3σ around the poses)"),
             ("--sigma_psi", self.sigma_psi_deg, self.sigma_psi_deg is None or self.sigma_psi_deg > 0,
              "more than 0 degrees"),
-            ("--coarse_size", self.max_coarse_size_px, self.max_coarse_size_px <= 0 or self.max_coarse_size_px % 2 == 0,
             ("--psi_step", self.psi_step_deg, self.psi_step_deg is None or 0 < self.psi_step_deg <= 180,
              "more than 0 and at most 180 degrees (RELION's GUI: 12, 6° after oversampling)"),
+            ("--coarse_size", self.max_coarse_size_px, self.max_coarse_size_px <= 0 or self.max_coarse_size_px % 2 == 0,
              "an even number of pixels, or -1 for none (RELION's default)"),
         ]
         for option, value, ok, wanted in rules:
