@@ -163,3 +163,25 @@ def test_help_lists_class2d_options_and_not_3d_ones(capsys):
         assert name in text
     for name in ("--ref", "--healpix_order", "--sym", "--firstiter_cc", "--solvent_mask", "--auto_local_healpix_order"):
         assert f"{name} " not in text and f"{name}\n" not in text
+
+
+def test_fast_subsets_in_2d_start_from_100_particles_per_class():
+    """RELION's updateSubsetSize with ref_dim 2: 100·K in iterations 1-5, 300·K in 6-10, that or 30 % in 11-15."""
+    from cryorefine.em.schedule import FAST_SUBSET_PARTICLES_PER_CLASS_2D, fast_subset_size
+
+    sizes = [fast_subset_size(it, 3, 2000, FAST_SUBSET_PARTICLES_PER_CLASS_2D) for it in (1, 5, 6, 10, 11, 15, 16)]
+    assert sizes == [300, 300, 900, 900, 900, 900, None]
+    assert fast_subset_size(11, 3, 4000, FAST_SUBSET_PARTICLES_PER_CLASS_2D) == 1200
+    assert fast_subset_size(1, 3, 250, FAST_SUBSET_PARTICLES_PER_CLASS_2D) is None  # not smaller than the set
+
+
+def test_centring_moves_the_centre_of_mass_to_the_centre_within_the_offset_range():
+    from cryorefine.jobs.class2d import centre_of_mass_px, centred_image
+
+    n = 32
+    y, x = np.mgrid[:n, :n] - n // 2
+    blob = np.exp(-((x - 3) ** 2 + (y + 2) ** 2) / 6.0) - 0.05  # negative values do not count (RELION's rule)
+    assert np.allclose(centre_of_mass_px(blob), [3.0, -2.0], atol=0.05)
+    assert np.allclose(centre_of_mass_px(centred_image(blob, 10.0)), [0.0, 0.0], atol=0.1)
+    limited = centre_of_mass_px(centred_image(blob, 1.0))  # moved 1 px towards the centre, no more
+    assert np.hypot(*([3.0, -2.0] - limited)) == pytest.approx(1.0, abs=0.1)
