@@ -521,6 +521,9 @@ def _run(command: str, params: dict) -> None:
                 if key in params and not params[key]:
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
             config = job_config(command, params, given)
+        if command == CLASS2D and config.engine != job.ENGINE_2D:  # before any device is set up
+            raise InputError("class2d: the GPU engine has no 2D path yet; run 2D classification on the CPU engine "
+                             "(--cpu, or leave out --gpu)")
         reports = _run_job(job, min_mpi_ranks, config, params["continue_from"], control, params["overwrite"])
         report(reports, config.output_root, control)
 
