@@ -185,3 +185,15 @@ def test_centring_moves_the_centre_of_mass_to_the_centre_within_the_offset_range
     assert np.allclose(centre_of_mass_px(centred_image(blob, 10.0)), [0.0, 0.0], atol=0.1)
     limited = centre_of_mass_px(centred_image(blob, 1.0))  # moved 1 px towards the centre, no more
     assert np.hypot(*([3.0, -2.0] - limited)) == pytest.approx(1.0, abs=0.1)
+
+
+def test_a_relion_continue_line_of_a_2d_run_continues_it_as_class2d(three_views):
+    """RELION's optimiser.star does not say a run was 2D; the run's saved state does (rlnDoCenterClasses says what
+    the run did)."""
+    from cryorefine.cli import relion_refine_command
+
+    folder, _, _ = three_views
+    optimiser = folder / "out" / "run_it008_optimiser.star"
+    assert relion_refine_command(["--continue", str(optimiser), "--o", "x/run"]) == "class2d"
+    general = starfile.read(optimiser)
+    assert int(general["rlnDoCenterClasses"]) == 1 and int(general["rlnDoAutoRefine"]) == 0
