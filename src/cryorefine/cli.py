@@ -371,9 +371,10 @@ JOB_OPTIONS = (
             help="Copy the particle stacks to this (local, fast) disk for the run; removed at the end (under MPI "
                  "once per node)."),
     _option("--preread_images", "preread_images", is_flag=True,
-            help="Keep the images in memory as the first iteration reads them (under MPI each worker its own share "
-                 "of the particles: each image held once among them); where they would take more than 80% of the "
-                 "available memory (shared among a node's workers), they are read batch by batch with a warning."),
+            help="Read the images once into the host's memory (the system's cache of their stacks, which the "
+                 "host's processes share; under MPI each worker asks for its own share of the particles) while the "
+                 "first iteration reads them; where they would take more than 80% of the available memory, they "
+                 "are read batch by batch with a warning."),
     _option("--gpu", "gpu", ALL_JOBS, is_flag=False, flag_value="", default=None,
             help='Use the GPU engine on these devices ("0", "0:1"; alone: device 0, or under mpirun one GPU per '
                  'worker of a node in turn) [default: when CuPy sees a GPU].',

@@ -180,21 +180,22 @@ class ParticleSet:
     def image_reader(self, preread_indices: npt.ArrayLike | None = None,
                      sharers: int = 1) -> mrc.StackReader | mrc.PrereadImages:
         """What batches read their images through: a fresh `mrc.StackReader`, or, once `preread_indices`
-        were given, an in-memory `mrc.PrereadImages` of those particles (each image kept as it is first read), kept
-        for the following calls
-        (read again, for all particles asked for so far, when a call asks for particles it lacks). Images that
-        would take more than PREREAD_SHARE_OF_AVAILABLE_MEMORY of the available memory, divided among `sharers`
-        (the MPI workers of this node, each holding its own), are not held: a warning, and a StackReader."""
+        were given, an `mrc.PrereadImages` of those particles (read once into the host's memory, as the system's
+        cache of their stacks, which the processes of the host share), kept for the following calls (made again,
+        for all particles asked for so far, when a call asks for particles it lacks). Images that with those of the
+        other `sharers` (the MPI workers of this node, each asking for its own share) would take more than
+        PREREAD_SHARE_OF_AVAILABLE_MEMORY of the available memory are not asked for: a warning, and a
+        StackReader."""
         if preread_indices is not None and not self.preread_refused:
             wanted = np.unique(np.asarray(preread_indices, dtype=np.int64))
             if not np.isin(wanted, self.preread_indices).all():
                 held = np.union1d(self.preread_indices, wanted)
-                self.preread = None  # let the old copy go before the new one is read
+                self.preread = None
                 need = mrc.PrereadImages.held_bytes(self.stack_paths[held])
                 available = arrays.available_memory_bytes()
                 if available is not None and need * sharers > PREREAD_SHARE_OF_AVAILABLE_MEMORY * available:
                     # not fatal: the run goes on, reading each batch from the stacks as without the option
-                    each = f" for each of this node's {sharers} workers" if sharers > 1 else ""
+                    each = f" for each of this node's {sharers} workers" if sharers > 1 else ""  # their shares
                     logging.getLogger("cryorefine").warning(
                         "--preread_images: the %d images take %.3g GB%s but this machine has %.3g GB of memory "
                         "available; they are read from their stacks batch by batch instead", held.size, need / 1e9,
@@ -202,8 +203,8 @@ class ParticleSet:
                     self.preread_refused = True
                     self.preread_indices = np.zeros(0, np.int64)
                 else:
-                    # each image kept as the first iteration reads it (no pause to read them all first)
-                    self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held], read_now=False)
+                    # the system asked to read them in while the first iteration's batches read them (no pause)
+                    self.preread = mrc.PrereadImages(self.stack_paths[held], self.stack_indices[held])
                     self.preread_indices = held
         return self.preread if self.preread is not None else mrc.StackReader()
 

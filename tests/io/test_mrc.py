@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import mrcfile
 import numpy as np
 import pytest
@@ -223,29 +226,41 @@ def test_preread_images_read_the_images_they_do_not_hold_from_their_stacks(tmp_p
         np.testing.assert_array_equal(reader.read([path] * 3, np.array([1, 2, 6])), stack[[0, 1, 5]])
 
 
-def test_preread_images_kept_as_first_read_come_from_memory_after(tmp_path):
-    """read_now=False (what a run uses): each held image is read from its stack the first time a batch asks for it
-    and from memory after that; images not held always come from the stack (here the stack is changed between the
-    reads to tell the two apart)."""
+def test_preread_images_ask_the_system_for_the_bytes_of_the_images_held(tmp_path, monkeypatch):
+    """--preread_images asks the system to read in exactly the held images' bytes of each stack (one request per
+    run of consecutive images), and reads every image through the stacks: a stack changed after the request is
+    read as it is now (the images live in the host's file cache, not in a copy of the process)."""
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: asked.append(
+        (os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice)), raising=False)
     rng = np.random.default_rng(9)
-    first = rng.normal(size=(12, 6, 6)).astype(np.float32)
-    write_mrc(tmp_path / "s.mrcs", first)
-    path = str(tmp_path / "s.mrcs")
-    held = np.arange(8)
-    with mrc.PrereadImages([path] * held.size, held + 1, read_now=False) as reader:
-        np.testing.assert_array_equal(reader.read([path] * 4, np.array([2, 3, 9, 10])), first[[1, 2, 8, 9]])
-    second = first + 100.0
-    write_mrc(tmp_path / "s.mrcs", second)
+    stacks = [rng.normal(size=(12, 6, 6)).astype(np.float32) for _ in range(2)]
+    for k, stack in enumerate(stacks):
+        write_mrc(tmp_path / f"s{k}.mrcs", stack)
+    paths = [str(tmp_path / "s0.mrcs")] * 5 + [str(tmp_path / "s1.mrcs")] * 3
+    held = np.array([2, 3, 4, 8, 9, 0, 1, 11])  # s0: runs 2-4 and 8-9; s1: 0-1 and 11
+    reader = mrc.PrereadImages(paths, held + 1)
+    assert reader.nbytes == 8 * 6 * 6 * 4
+    assert reader.advised_bytes == sum(length for _, _, length, _ in asked) == reader.nbytes
+    assert all(advice == os.POSIX_FADV_WILLNEED for *_, advice in asked)
+    for path, offset, length, _ in asked:
+        k = int(Path(path).stem[1:])
+        raw = (tmp_path / f"s{k}.mrcs").read_bytes()[offset:offset + length]
+        got = np.frombuffer(raw, np.float32).reshape(-1, 6, 6)
+        first = [i for i in range(12) if np.array_equal(stacks[k][i], got[0])]
+        assert len(first) == 1 and np.array_equal(stacks[k][first[0]:first[0] + len(got)], got)
+    assert sorted(length // (6 * 6 * 4) for *_, length, _ in asked) == [1, 2, 2, 3]  # images per run
+    with reader:
+        np.testing.assert_array_equal(reader.read(paths[:2], held[:2] + 1), stacks[0][[2, 3]])
+    write_mrc(tmp_path / "s0.mrcs", stacks[0] + 100.0)
     with reader:  # the next iteration
-        pick = np.array([1, 2, 5, 8, 9])  # read before and held; held, not read yet; not held
-        got = reader.read([path] * pick.size, pick + 1, out=np.full((6, 6, 6), np.nan, np.float32))
-        np.testing.assert_array_equal(got, np.concatenate([first[[1, 2]], second[[5, 8, 9]]]))
-        np.testing.assert_array_equal(reader.read([path], np.array([6])), second[[5]])  # held since the last read
+        np.testing.assert_array_equal(reader.read(paths[:2], held[:2] + 1), stacks[0][[2, 3]] + 100.0)
 
 
-def test_preread_images_hold_one_copy_of_the_images_and_read_them_batch_by_batch(tmp_path):
-    """--preread_images reads each batch into its place: the peak of the memory numpy takes is the held images and
-    one batch, not two copies of them (batches joined at the end), and the images are those of the stacks."""
+def test_preread_images_take_no_memory_of_the_process(tmp_path):
+    """--preread_images keeps no copy of the images in the process (the host's file cache holds them, once for
+    all its processes): making the reader takes a small part of the images' bytes, and its reads are the stacks'
+    images."""
     import tracemalloc
 
     rng = np.random.default_rng(4)
@@ -257,14 +272,14 @@ def test_preread_images_hold_one_copy_of_the_images_and_read_them_batch_by_batch
     assert mrc.PrereadImages.held_bytes(paths) == 80 * 32 * 32 * 4
     tracemalloc.start()
     try:
-        preread = mrc.PrereadImages(paths, indices, batch_size=8)
+        preread = mrc.PrereadImages(paths, indices)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    held = preread.images.nbytes
-    assert held == 80 * 32 * 32 * 4
-    assert peak < 1.5 * held, (peak, held)  # 1.24 here (a batch of 8 read, and checked, beside them); two copies: 2.0
-    np.testing.assert_array_equal(preread.images, np.concatenate(stacks))
+    assert preread.nbytes == 80 * 32 * 32 * 4
+    assert peak < 0.25 * preread.nbytes, (peak, preread.nbytes)  # a copy of its own: 1.0 or more
+    with preread:
+        np.testing.assert_array_equal(preread.read(paths, indices), np.concatenate(stacks))
 
 
 def test_a_stack_of_another_box_read_into_a_buffer_is_named(tmp_path):
