@@ -121,27 +121,33 @@ def test_conflicting_pixel_sizes(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["refine", "classify"])
-def test_trust_ref_size_runs_a_reference_of_the_particles_size_and_names_the_fix_for_another(tmp_path, capsys, command):
-    """RELION 5's GUI writes --trust_ref_size on every Refine3D and Class3D line: with a reference of the particles'
-    box and pixel size the run goes as without it; a reference of another box or pixel size is refused in one line
-    with the relion_image_handler line that fits it (RELION re-boxes the particles instead, which is not done here),
-    and nothing is written."""
+def test_trust_ref_size_rescales_and_reboxes_a_reference_of_another_size_and_without_it_it_is_refused(
+        tmp_path, capsys, caplog, command):
+    """RELION 5's GUI writes --trust_ref_size on every Refine3D and Class3D line: a reference of the particles' box
+    and pixel size runs as without it; one of another box or pixel size is re-scaled and re-boxed, said in the log;
+    without the option it is refused in one line that says to add it (RELION's MlModel::initialiseFromImages), and
+    nothing is written."""
     star, _ = make_particle_set(tmp_path, n=6, box=16, pixel_size=6.0)
-    write_mrc(tmp_path / "ref.mrc", np.random.default_rng(1).normal(size=(16, 16, 16)).astype(np.float32),
-              pixel_size=6.0, stack=False)
-    write_mrc(tmp_path / "ref24.mrc", np.zeros((24, 24, 24), np.float32), pixel_size=6.0, stack=False)
-    write_mrc(tmp_path / "ref4A.mrc", np.zeros((16, 16, 16), np.float32), pixel_size=4.0, stack=False)
+    rng = np.random.default_rng(1)
+    write_mrc(tmp_path / "ref.mrc", rng.normal(size=(16, 16, 16)).astype(np.float32), pixel_size=6.0, stack=False)
+    write_mrc(tmp_path / "ref24.mrc", rng.normal(size=(24, 24, 24)).astype(np.float32), pixel_size=6.0, stack=False)
+    write_mrc(tmp_path / "ref4A.mrc", rng.normal(size=(16, 16, 16)).astype(np.float32), pixel_size=4.0, stack=False)
     extra = ("--K", "1") if command == "classify" else ()
-    common = ("--i", str(star), "--iter", "1", "--cpu", "--trust_ref_size", "--firstiter_cc", *extra)
-    ok = tmp_path / "ok" / "run"
-    code, _, err = run(capsys, command, *common, "--ref", str(tmp_path / "ref.mrc"), "--o", str(ok))
-    assert code == 0, err
-    assert (tmp_path / "ok" / "run_it001_optimiser.star").is_file()
-    for name, fragments in (("ref24.mrc", ("24 px", "16 px", "--new_box 16")),
-                            ("ref4A.mrc", ("4 Å/px", "6 Å/px", "--rescale_angpix 6"))):
+    common = ("--i", str(star), "--iter", "1", "--cpu", "--firstiter_cc", *extra)
+    for name, said in (("ref.mrc", None), ("ref24.mrc", "is re-boxed from 24 to 16 px"),
+                       ("ref4A.mrc", "is 16 px at 4 Å/px: re-scaled to 10 px (6.4 Å/px")):
+        out = tmp_path / "trusted" / name.removesuffix(".mrc")
+        caplog.clear()
+        code, _, err = run(capsys, command, *common, "--trust_ref_size", "--ref", str(tmp_path / name), "--o",
+                           str(out / "run"))
+        assert code == 0, err
+        assert (out / "run_it001_optimiser.star").is_file()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--trust_ref_size")]
+        assert lines == ([] if said is None else [lines[0]]) and (said is None or said in lines[0]), lines
+    for name, fragments in (("ref24.mrc", ("24 px", "16 px")), ("ref4A.mrc", ("4 Å/px", "6 Å/px"))):
         out = tmp_path / name.removesuffix(".mrc")
         code, _, err = run(capsys, command, *common, "--ref", str(tmp_path / name), "--o", str(out / "run"))
-        assert_one_line_error(code, err, name, *fragments, "--trust_ref_size")
+        assert_one_line_error(code, err, name, *fragments, "add --trust_ref_size")
         assert not list(out.glob("run_*"))
 
 

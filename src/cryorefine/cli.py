@@ -188,7 +188,7 @@ CONTINUE_CHANGES = ("--tau2_fudge", "--particle_diameter", "--solvent_mask", "--
                     "--preread_images", "--scratch_dir", "--j")
 #: options of a --continue line that are taken as given (the engine, where the run goes, how far) or change nothing
 CONTINUE_TAKES = ("--continue", "--o", "--iter", "--auto_iter_max", "--gpu", "--cpu", "--free_gpu_memory",
-                  "--pipeline_control")
+                  "--pipeline_control", "--trust_ref_size")
 
 
 class SectionedOption(click.Option):
@@ -434,10 +434,10 @@ JOB_OPTIONS = (
             help="The reconstruction never runs gridding iterations here."),
     _option("--dont_check_norm", "dont_check_norm", is_flag=True, section=RELION_SECTION,
             help="Images are not checked for normalisation here."),
-    _option("--trust_ref_size", "trust_ref_size", is_flag=True, section=RELION_SECTION,
-            help="RELION 5's GUI ('Resize reference if needed?', Yes by default): a reference of the particles' box "
-                 "and pixel size runs as without it; one of another size is refused with the relion_image_handler "
-                 "line that fits it (RELION would re-box the particles into the reference's box instead)."),
+    _option("--trust_ref_size", "trust_ref_size", is_flag=True,
+            help="A reference of another box or pixel size (its header's) is re-scaled to the particles' pixel size "
+                 "(its transform windowed to the nearest even box) and re-boxed to their box, as RELION does (RELION "
+                 "5's GUI: 'Resize reference if needed?', Yes by default); without it such a reference is refused."),
 )
 
 #: refine's options that plan does not take (planning a continued run is not implemented)

@@ -46,6 +46,7 @@ class RefineConfig:
     zero_mask: bool = False
     solvent_mask: str | None = None  # --solvent_mask: the references' mask (with --flatten_solvent)
     solvent_mask2: str | None = None  # --solvent_mask2: a region set to its own average density
+    trust_ref_size: bool = False  # --trust_ref_size: a reference of another size re-scaled and re-boxed
     solvent_correct_fsc: bool = False  # --solvent_correct_fsc: the half maps' FSC masked, corrected for the mask
     skip_align: bool = False  # --skip_align (classify): the poses of the STAR file, only the class is searched
     sigma_ang_deg: float | None = None  # --sigma_ang (classify): local searches of ±3σ around the STAR poses

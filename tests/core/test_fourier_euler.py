@@ -130,6 +130,29 @@ def test_downsample_volume_keeps_the_low_frequencies():
             np.testing.assert_allclose(small_ft[i, j, :3], big_ft[k16.index(kz), k16.index(ky), :3], atol=1e-12)
 
 
+def test_resample_volume_pads_the_transform_and_crops_it_back():
+    """RELION's resizeMap both ways: zero-padding the transform interpolates (the density scale kept, every
+    frequency of the small map where it was), and cropping it back gives the map again."""
+    rng = np.random.default_rng(6)
+    vol = fourier.lowpass_band_limited(rng.normal(size=(16, 16, 16)), lambda r: (r < 6).astype(float), 6.0)
+    big = fourier.resample_volume(vol, 24)
+    assert big.shape == (24, 24, 24)
+    assert big.mean() == pytest.approx(vol.mean())
+    np.testing.assert_allclose(big[::3, ::3, ::3], vol[::2, ::2, ::2], atol=1e-12)  # the same points in space
+    np.testing.assert_allclose(fourier.resample_volume(big, 16), vol, atol=1e-12)
+    np.testing.assert_allclose(fourier.resample_volume(np.ones((10,) * 3), 14), np.ones((14,) * 3), atol=1e-12)
+
+
+def test_window_volume_crops_and_pads_about_the_centre():
+    vol = np.random.default_rng(7).normal(size=(10, 10, 10))
+    padded = fourier.window_volume(vol, 16)
+    assert padded[8, 8, 8] == vol[5, 5, 5]  # centre N//2 to box//2
+    np.testing.assert_array_equal(padded[3:13, 3:13, 3:13], vol)
+    assert padded.sum() == pytest.approx(vol.sum())
+    np.testing.assert_array_equal(fourier.window_volume(padded, 10), vol)
+    np.testing.assert_array_equal(fourier.window_volume(vol, 6), vol[2:8, 2:8, 2:8])
+
+
 @pytest.mark.parametrize("size", [32, 33, 48, 97])
 @pytest.mark.parametrize("r_max", [1.0, 3.5, 5.9, 9.0, 15.2, 24.0])
 def test_the_band_limited_lowpass_is_the_whole_transforms_filter(size, r_max):

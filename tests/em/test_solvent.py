@@ -27,23 +27,17 @@ def mask_file(path, data=None, pixel=PIXEL):
 
 
 @pytest.mark.parametrize("case, fragment", [
-    ("box", "the mask is 20 px but the particles are 24 px"),
     ("range", "outside [0, 1]"),
     ("zero", "zero everywhere"),
-    ("pixel", "at 2 Å/px"),
     ("missing", "file not found"),
     ("not_mrc", "--solvent_mask"),
 ])
 def test_bad_masks_are_refused_with_the_option_the_file_and_what_to_do(tmp_path, case, fragment):
     path = tmp_path / "mask.mrc"
-    if case == "box":
-        mask_file(path, np.ones((20, 20, 20)))
-    elif case == "range":
+    if case == "range":
         mask_file(path, 1.5 * fourier.soft_spherical_mask(BOX, 6.0, 3.0))
     elif case == "zero":
         mask_file(path, np.zeros((BOX,) * 3))
-    elif case == "pixel":
-        mask_file(path, pixel=2.0)
     elif case == "not_mrc":
         path.write_text("not a map\n")
     with pytest.raises(InputError) as err:
@@ -51,6 +45,33 @@ def test_bad_masks_are_refused_with_the_option_the_file_and_what_to_do(tmp_path,
     message = str(err.value)
     assert fragment in message and str(path) in message and "\n" not in message
     assert message.startswith("--solvent_mask")
+
+
+def test_a_mask_of_another_box_or_pixel_size_is_rescaled_and_reboxed_as_relions_check_mask(tmp_path, caplog):
+    """RELION's checkMask (with or without --trust_ref_size): the mask's transform windowed to round(N·its pixel /
+    the particles') made even upwards, then the map cropped or zero-padded about its centre to the particles' box,
+    values clipped to [0, 1]; said in one warning."""
+    import logging
+
+    truth = fourier.soft_spherical_mask(BOX, 6.0, 3.0)
+    # the same mask at 2 Å/px (36 px, its transform zero-padded) in a 41 px box: round(41 · 2 / 3) = 27 -> 28 px
+    # (2.93 Å/px), then cropped to 24
+    fine = fourier.window_volume(fourier.resample_volume(truth, 36), 41)
+    path = mask_file(tmp_path / "fine.mrc", np.clip(fine, 0, 1), pixel=2.0)
+    with caplog.at_level(logging.WARNING, logger="cryorefine"):
+        mask = read_mask("--solvent_mask", path, BOX, PIXEL, say=True)
+    expected = np.clip(fourier.window_volume(fourier.resample_volume(np.clip(fine, 0, 1).astype(np.float32)
+                                                                     .astype(np.float64), 28), BOX), 0, 1)
+    np.testing.assert_allclose(mask, expected, atol=1e-12)
+    assert np.abs(mask - truth).max() < 0.15  # the same sphere, 2 % larger
+    assert mask.min() >= 0 and mask.max() <= 1
+    [record] = [r for r in caplog.records if "--solvent_mask" in r.getMessage()]
+    assert "41 px at 2 Å/px: re-scaled to 28 px (2.929 Å/px; the nearest even box" in record.getMessage()
+    assert "re-boxed from 28 to 24 px" in record.getMessage()
+    # a mask of the particles' pixel size in another box: re-boxed only
+    boxed = mask_file(tmp_path / "boxed.mrc", fourier.window_volume(truth, 30))
+    np.testing.assert_array_equal(read_mask("--solvent_mask", boxed, BOX, PIXEL),
+                                  np.clip(truth.astype(np.float32), 0, 1))
 
 
 def test_values_a_rounding_error_outside_zero_one_are_clipped(tmp_path):

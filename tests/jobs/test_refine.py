@@ -126,6 +126,39 @@ def test_reference_box_mismatch_is_refused(tmp_path, refined):
     assert not list(tmp_path.glob("run_*"))
 
 
+def test_trust_ref_size_gives_the_first_iteration_of_the_reference_reboxed_by_hand(tmp_path, refined, caplog):
+    """--trust_ref_size with a reference of another box and pixel size (the truth at 8 Å/px in a 60 px box) gives the
+    first iteration that the same reference re-scaled and re-boxed by hand to the particles' 12 Å/px and 32 px gives
+    (RELION's MlModel::initialiseFromImages: its transform windowed to round(60 · 8 / 12) = 40 px, then the map
+    windowed to 32 px about its centre)."""
+    folder, truth = refined
+    big_ft = np.zeros((48, 48, 48), complex)  # the truth's transform zero-padded to 48 px
+    big_ft[8:40, 8:40, 8:40] = np.fft.fftshift(np.fft.fftn(np.fft.ifftshift(truth.astype(np.float64)))) / truth.size
+    fine = np.fft.fftshift(np.fft.ifftn(np.fft.ifftshift(big_ft)).real) * 48 ** 3
+    other = np.zeros((60, 60, 60))
+    other[6:54, 6:54, 6:54] = fine  # centre 24 -> 30
+    write_volume(tmp_path / "other.mrc", other.astype(np.float32), 8.0)
+    # by hand: the centred transform cropped to 40 px (frequencies -20 … 19), then the map's centre 32 px
+    stored = read_volume(tmp_path / "other.mrc")[0].astype(np.float64)
+    ft = np.fft.fftshift(np.fft.fftn(np.fft.ifftshift(stored))) / stored.size
+    rescaled = np.fft.fftshift(np.fft.ifftn(np.fft.ifftshift(ft[10:50, 10:50, 10:50])).real) * 40 ** 3
+    write_volume(tmp_path / "by_hand.mrc", rescaled[4:36, 4:36, 4:36].astype(np.float32), PIXEL)
+    args = ("--i", folder / "sim" / "particles.star", "--ini_high", 50, "--ctf", "--particle_diameter", 320,
+            "--flatten_solvent", "--zero_mask", "--offset_range", 3, "--offset_step", 1, "--iter", 1, "--cpu")
+    with caplog.at_level("WARNING", logger="cryorefine"):
+        assert run_cli("refine", *args, "--ref", tmp_path / "other.mrc", "--trust_ref_size", "--o",
+                       tmp_path / "trusted" / "run") == 0
+    assert "is 60 px at 8 Å/px: re-scaled to 40 px (12 Å/px) and re-boxed from 40 to 32 px" in caplog.text
+    assert run_cli("refine", *args, "--ref", tmp_path / "by_hand.mrc", "--o", tmp_path / "by_hand" / "run") == 0
+    for h in (1, 2):
+        a, b = (read_volume(tmp_path / run / f"run_it001_half{h}_class001.mrc")[0] for run in ("trusted", "by_hand"))
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+    a, b = (starfile.read(tmp_path / run / "run_it001_data.star")["particles"] for run in ("trusted", "by_hand"))
+    assert (np.abs(a["rlnAngleRot"] - b["rlnAngleRot"]) < 1e-3).mean() > 0.98
+    # and the reference is the truth again, to the resampling's accuracy
+    assert np.asarray(fsc_volumes(rescaled[4:36, 4:36, 4:36], truth))[1:12].min() > 0.99
+
+
 def test_unimplemented_relion_option_is_refused(tmp_path, refined, capsys):
     folder, _ = refined
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
@@ -531,10 +564,10 @@ def test_continue_of_a_masked_run_gives_the_same_iteration(masked, tmp_path):
     np.testing.assert_array_equal(a["rlnGoldStandardFsc"], b["rlnGoldStandardFsc"])
 
 
-@pytest.mark.parametrize("case", ["box", "range"])
+@pytest.mark.parametrize("case", ["zero", "range"])
 def test_a_bad_mask_ends_the_run_before_it_starts(refined, tmp_path, capsys, case):
     folder, truth = refined
-    data = np.ones((BOX + 8,) * 3) if case == "box" else 2.0 * np.ones((BOX,) * 3)
+    data = np.zeros((BOX + 8,) * 3) if case == "zero" else 2.0 * np.ones((BOX,) * 3)
     write_volume(tmp_path / "bad.mrc", data, PIXEL)
     (tmp_path / "job").mkdir()
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",

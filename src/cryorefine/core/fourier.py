@@ -317,3 +317,27 @@ def downsample_volume(volume: Array, new_size_px: int, xp: ArrayModule = np) -> 
     rows = signed_frequencies(new_size_px, xp).astype(xp.int64) % n
     small = ft[rows][:, rows][:, :, : new_size_px // 2 + 1]
     return irfft3_centered(small, new_size_px, xp)
+
+
+def resample_volume(volume: Array, new_size_px: int, xp: ArrayModule = np) -> Array:
+    """A cubic map Fourier-cropped or zero-padded to `new_size_px` voxels (pixel size × N/new), same density scale
+    (RELION's resizeMap: the transform windowed to the new size)."""
+    n = volume.shape[0]
+    if new_size_px <= n:
+        return downsample_volume(volume, new_size_px, xp)
+    ft = rfft3_centered(xp.asarray(volume, dtype=xp.float64), xp)
+    rows = signed_frequencies(n, xp).astype(xp.int64) % new_size_px
+    big = xp.zeros((new_size_px, new_size_px, new_size_px // 2 + 1), dtype=ft.dtype)
+    big[rows[:, None, None], rows[None, :, None], xp.arange(n // 2 + 1)[None, None, :]] = ft
+    return irfft3_centered(big, new_size_px, xp)
+
+
+def window_volume(volume: Array, box_px: int, xp: ArrayModule = np) -> Array:
+    """A cubic map cropped or zero-padded in real space to `box_px` voxels about its centre (voxel N//2 goes to
+    box//2, as RELION's window about the Xmipp origin)."""
+    n = volume.shape[0]
+    src, dst = max(0, n // 2 - box_px // 2), max(0, box_px // 2 - n // 2)
+    m = min(n - src, box_px - dst)
+    out = xp.zeros((box_px,) * 3, dtype=volume.dtype)
+    out[dst:dst + m, dst:dst + m, dst:dst + m] = volume[src:src + m, src:src + m, src:src + m]
+    return out

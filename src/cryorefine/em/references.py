@@ -1,9 +1,10 @@
-"""The starting references of a run: a map read and checked against the particles, and the
---ini_high low-pass that refine and classify apply to it (classify also to its class-1 map after a
-cross-correlation iteration)."""
+"""The starting references of a run: a map read and checked against the particles (with --trust_ref_size
+re-scaled and re-boxed to theirs, as a mask always is: `fit_to_particles`), and the --ini_high low-pass that
+refine and classify apply to it (classify also to its class-1 map after a cross-correlation iteration)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,22 +18,56 @@ if TYPE_CHECKING:  # for annotations only
 
     from cryorefine.config import RefineConfig
 
-#: what a size refusal adds: RELION's --trust_ref_size would go on, re-boxing the particles instead
-NOT_REBOXED = "(cryorefine does not re-box the particles into the reference's size, as RELION's --trust_ref_size does)"
+log = logging.getLogger("cryorefine")
+
+#: what a size refusal says to do: RELION's own remedy
+ADD_TRUST_REF_SIZE = ("add --trust_ref_size to re-scale and re-box it to the particles' (RELION's GUI: 'Resize "
+                      "reference if needed?' Yes)")
 
 
-def read_reference(path: Path | str, box: int, pixel: float) -> np.ndarray:
-    """A reference map checked against the particles: cubic of their box, at their pixel size."""
+def read_reference(path: Path | str, box: int, pixel: float, trust_ref_size: bool = False) -> np.ndarray:
+    """A reference map for particles of `box` px at `pixel` Å/px. Of another box or pixel size (its header's; none
+    given: the particles'), it is refused in one line (RELION's MlModel::initialiseFromImages), or, with
+    `trust_ref_size` (--trust_ref_size), re-scaled and re-boxed to the particles' as RELION does it
+    (`fit_to_particles`), with a log line that says so."""
     reference, ref_pixel = mrc.read_volume(path)
-    if ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel:
+    ref_box = reference.shape[0]
+    pixel_differs = ref_pixel is not None and abs(ref_pixel - pixel) > 0.01 * pixel
+    if trust_ref_size:
+        fitted, said = fit_to_particles(reference, ref_pixel, box, pixel, even_down=True)
+        if said:
+            log.warning("--trust_ref_size: the reference %s %s", path, said)
+        return fitted
+    if pixel_differs:
         raise InputError(f"{path}: conflicting pixel sizes, the reference is {ref_pixel:g} Å/px but the particles "
-                         f"are {pixel:g} Å/px; rescale the reference (relion_image_handler --i {path} --o "
-                         f"ref_{box}px.mrc --rescale_angpix {pixel:g} --new_box {box}) {NOT_REBOXED}")
-    if reference.shape[0] != box:
-        raise InputError(f"{path}: the reference is {reference.shape[0]} px but the particles are {box} px; resize "
-                         f"the reference (relion_image_handler --i {path} --o ref_{box}px.mrc --new_box {box}) "
-                         f"{NOT_REBOXED}")
+                         f"are {pixel:g} Å/px; {ADD_TRUST_REF_SIZE}")
+    if ref_box != box:
+        raise InputError(f"{path}: the reference is {ref_box} px but the particles are {box} px; "
+                         f"{ADD_TRUST_REF_SIZE}")
     return reference
+
+
+def fit_to_particles(volume: np.ndarray, volume_pixel: float | None, box: int, pixel: float,
+                     even_down: bool) -> tuple[np.ndarray, str]:
+    """`volume` (at `volume_pixel` Å/px; None: the particles') re-scaled to about `pixel` Å/px by windowing its
+    transform to the nearest even box (`core.fourier.resample_volume`, RELION's resizeMap), then cropped or
+    zero-padded about its centre to `box` px (`core.fourier.window_volume`), and what was done, to be said ("" where
+    nothing was). The even box is RELION's: round(N·volume_pixel/pixel) made even downwards for a reference
+    (`even_down`, MlModel::initialiseFromImages), upwards for a mask (MlOptimiser::checkMask)."""
+    n = volume.shape[0]
+    size = n if volume_pixel is None else int(round(n * volume_pixel / pixel))
+    size = size - size % 2 if even_down else size + size % 2
+    said = []
+    if size != n:
+        volume = fourier.resample_volume(volume, size)
+        actual = n * volume_pixel / size
+        said.append(f"is {n} px at {volume_pixel:g} Å/px: re-scaled to {size} px ({actual:.4g} Å/px"
+                    + (f"; the nearest even box, not the particles' {pixel:g} Å/px, as in RELION)"
+                       if abs(actual - pixel) > 0.001 else ")"))
+    if volume.shape[0] != box:
+        said.append(f"{'is' if not said else 'and'} re-boxed from {volume.shape[0]} to {box} px, the particles' box")
+        volume = fourier.window_volume(volume, box)
+    return volume, " ".join(said)
 
 
 #: Width in Fourier shells of the --ini_high low-pass's raised-cosine edge (RELION's WIDTH_FMASK_EDGE).

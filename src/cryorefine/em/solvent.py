@@ -9,7 +9,8 @@ reconstructUnregularisedMapAndCalculateSolventCorrectedFSC):
   (e.g. the inside of an icosahedral virus), with or without --solvent_mask;
 - --solvent_correct_fsc needs --solvent_mask: the half maps' FSC is then the masked one, corrected by
   phase randomisation (core.fsc.solvent_corrected_fsc); without a mask it changes nothing.
-Masks must have the particles' box, values in [0, 1] and, when the header says, their pixel size.
+Masks have values in [0, 1]; one of another box or pixel size (its header's) is re-scaled and re-boxed to the
+particles', as RELION's checkMask does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy.typing as npt
 from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, ArrayModule
 from cryorefine.core.masks import solvent_flatten
+from cryorefine.em.references import fit_to_particles
 from cryorefine.em.schedule import default_particle_diameter_angstrom
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
@@ -39,28 +41,31 @@ log = logging.getLogger("cryorefine")
 MASK_VALUE_TOLERANCE = 1e-3
 
 
-def read_mask(option: str, path: Path | str, box_px: int, pixel_size_angstrom: float) -> np.ndarray:
-    """A mask map (float64, host) checked against the particles, or an InputError naming the option, the file
-    and what to do."""
+def read_mask(option: str, path: Path | str, box_px: int, pixel_size_angstrom: float, say: bool = False) -> np.ndarray:
+    """A mask map (float64, host) for the particles, or an InputError naming the option, the file and what to do.
+    Of another pixel or box size, it is re-scaled and re-boxed to the particles' as RELION's checkMask does it (with
+    or without --trust_ref_size; `em.references.fit_to_particles`), said in a warning with `say`; values in [0, 1]."""
     try:
         volume, pixel = mrc.read_volume(path)
     except FileNotFoundError:
         raise InputError(f"{option} {path}: file not found; check the path") from None
     except InputError as exc:
         raise InputError(f"{option} {exc}") from None
-    if volume.shape[0] != box_px:
-        raise InputError(f"{option} {path}: the mask is {volume.shape[0]} px but the particles are {box_px} px; "
-                         f"make the mask in the particles' box (relion_mask_create on a map of {box_px} px)")
-    if pixel is not None and abs(pixel - pixel_size_angstrom) > 0.01 * pixel_size_angstrom:
-        raise InputError(f"{option} {path}: the mask is at {pixel:g} Å/px but the particles are at "
-                         f"{pixel_size_angstrom:g} Å/px; make the mask at the particles' pixel size")
     low, high = float(volume.min()), float(volume.max())
     if low < -MASK_VALUE_TOLERANCE or high > 1.0 + MASK_VALUE_TOLERANCE:
         raise InputError(f"{option} {path}: mask values run from {low:g} to {high:g}, outside [0, 1]; give a mask "
                          f"with 1 on the particle, 0 in the solvent and a soft edge (relion_mask_create)")
     if high <= 0.0:
         raise InputError(f"{option} {path}: the mask is zero everywhere; give a mask with 1 on the particle")
-    return np.clip(volume.astype(np.float64), 0.0, 1.0)
+    if pixel is not None and abs(pixel - pixel_size_angstrom) <= 0.001:
+        pixel = None  # RELION's tolerance: the particles' pixel size
+    volume, said = fit_to_particles(volume.astype(np.float64), pixel, box_px, pixel_size_angstrom, even_down=False)
+    if said and say:
+        log.warning("%s %s %s (as RELION's refinement does)", option, path, said)
+    if float(volume.max()) <= 0.0:
+        raise InputError(f"{option} {path}: the mask re-boxed to the particles' {box_px} px is zero everywhere; give "
+                         f"a mask with 1 on the particle inside their box")
+    return np.clip(volume, 0.0, 1.0)
 
 
 @dataclass
@@ -81,9 +86,9 @@ class SolventMasks:
         With `say`, options that change nothing are named in one INFO line each."""
         mask = mask2 = None
         if config.solvent_mask:
-            mask = read_mask("--solvent_mask", config.solvent_mask, box_px, pixel_size_angstrom)
+            mask = read_mask("--solvent_mask", config.solvent_mask, box_px, pixel_size_angstrom, say)
         if config.solvent_mask2:
-            mask2 = read_mask("--solvent_mask2", config.solvent_mask2, box_px, pixel_size_angstrom)
+            mask2 = read_mask("--solvent_mask2", config.solvent_mask2, box_px, pixel_size_angstrom, say)
         correct = bool(config.solvent_correct_fsc and mask is not None and config.auto_refine)
         if say:
             if config.solvent_correct_fsc and not correct:

@@ -101,10 +101,11 @@ def initial_references(config, box, pixel):
         names = [str(n) for n in rows["rlnReferenceImage"]]
         if len(names) != config.n_classes:
             raise InputError(f"{path}: lists {len(names)} maps but --K is {config.n_classes}; give --K {len(names)}")
-        maps = [lowpass_to_ini_high(read_reference(path.parent / n, box, pixel).astype(np.float64), config, box, pixel)
-                for n in names]
+        maps = [lowpass_to_ini_high(read_reference(path.parent / n, box, pixel, config.trust_ref_size)
+                                    .astype(np.float64), config, box, pixel) for n in names]
         return maps, False
-    single = lowpass_to_ini_high(read_reference(path, box, pixel).astype(np.float64), config, box, pixel)
+    single = lowpass_to_ini_high(read_reference(path, box, pixel, config.trust_ref_size).astype(np.float64), config,
+                                 box, pixel)
     single.setflags(write=False)
     return [single] * config.n_classes, config.n_classes > 1
 

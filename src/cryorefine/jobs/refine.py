@@ -98,7 +98,8 @@ class RefineJob:
     def load(self):
         config = self.config
         particles, settings = loop.particles_and_settings(config)
-        self.reference = read_reference(config.reference_map, settings.ori_size_px, settings.pixel_size_angstrom)
+        self.reference = read_reference(config.reference_map, settings.ori_size_px, settings.pixel_size_angstrom,
+                                        config.trust_ref_size)
         self.diameter_angstrom = settings.particle_diameter_angstrom
         self.masks = SolventMasks.from_config(config, settings.ori_size_px, settings.pixel_size_angstrom,
                                               self.diameter_angstrom, say=True)
