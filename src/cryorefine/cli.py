@@ -170,6 +170,10 @@ REFUSED = (
      "are not helical, drop the helical options (RELION's GUI: 'Do helical reconstruction?' No)"),
     (("--multibody_", "--reconstruct_subtracted_bodies"), ALL_JOBS + (CLASS2D,),
      "multi-body refinement is not available in cryorefine; run the MultiBody job with RELION"),
+    (("--relax_sym",), ALL_JOBS + (CLASS2D,),
+     "symmetry relaxation (local searches over the symmetry mates of a pseudo-symmetric particle) is not available in "
+     "cryorefine; run the job with --sym set to the lower group (e.g. C1) and local searches (classify --sigma_ang), "
+     "or run it with RELION"),
     (("--auto_refine", "--split_random_halves"), (CLASSIFY,),
      "a classification has no half sets and no auto-refinement; drop {name}, or use `cryorefine refine`"),
     (("--allow_coarser_sampling",), (CLASS2D,),
@@ -396,6 +400,11 @@ JOB_OPTIONS = (
                  "global searches]."),
     _option("--sigma_psi", "sigma_psi_deg", (CLASSIFY,), type=float,
             help="Local searches of psi alone (σ in degrees), when --sigma_ang is not given."),
+    _option("--sigma_rot", "sigma_rot_deg", (CLASSIFY,), type=float,
+            help="With --sigma_tilt, when --sigma_ang is not given: local searches of the directions with σ (degrees) "
+                 "the larger of the two, as RELION (psi by --sigma_psi, else globally)."),
+    _option("--sigma_tilt", "sigma_tilt_deg", (CLASSIFY,), type=float,
+            help="With --sigma_rot: see there."),
     _option("--relion_oversampling", "relion_oversampling", (CLASSIFY,), is_flag=True,
             help="Keep --oversampling throughout, as RELION does; by default the fine pass samples one order finer "
                  "once the average pmax reaches 0.5 while the resolution can still grow (RELION's fine angular step "

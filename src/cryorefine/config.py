@@ -51,6 +51,8 @@ class RefineConfig:
     skip_align: bool = False  # --skip_align (classify): the poses of the STAR file, only the class is searched
     sigma_ang_deg: float | None = None  # --sigma_ang (classify): local searches of ±3σ around the STAR poses
     sigma_psi_deg: float | None = None  # --sigma_psi: σ of psi in those searches (default: --sigma_ang)
+    sigma_rot_deg: float | None = None  # --sigma_rot (classify): with --sigma_tilt, the directions' local search
+    sigma_tilt_deg: float | None = None  # --sigma_tilt (classify): (σ the larger of the two, RELION's rule)
     relion_oversampling: bool = False  # --relion_oversampling (classify): --oversampling throughout
     fast_subsets: bool = False  # --fast_subsets (classify): iterations 1–15 on random subsets (RELION's sizes)
     allow_coarser_sampling: bool = False  # --allow_coarser_sampling (classify, K > 1): steps of the accuracy
@@ -129,6 +131,10 @@ class RefineConfig:
             ("--sigma_ang", self.sigma_ang_deg, self.sigma_ang_deg is None or self.sigma_ang_deg > 0,
              "more than 0 degrees (the σ of local searches, ±3σ around the poses)"),
             ("--sigma_psi", self.sigma_psi_deg, self.sigma_psi_deg is None or self.sigma_psi_deg > 0,
+             "more than 0 degrees"),
+            ("--sigma_rot", self.sigma_rot_deg, self.sigma_rot_deg is None or self.sigma_rot_deg > 0,
+             "more than 0 degrees"),
+            ("--sigma_tilt", self.sigma_tilt_deg, self.sigma_tilt_deg is None or self.sigma_tilt_deg > 0,
              "more than 0 degrees"),
             ("--psi_step", self.psi_step_deg, self.psi_step_deg is None or 0 < self.psi_step_deg <= 180,
              "more than 0 and at most 180 degrees (RELION's GUI: 12, 6° after oversampling)"),

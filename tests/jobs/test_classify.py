@@ -183,6 +183,23 @@ def test_local_searches_stay_near_the_poses_of_the_star_file(classified, tmp_pat
     assert int(model["rlnOrientationalPriorMode"]) == 1 and float(model["rlnSigmaPriorRotAngle"]) == 4.0
 
 
+def test_sigma_rot_and_sigma_tilt_search_the_directions_with_the_larger_sigma(classified, tmp_path):
+    """--sigma_rot 2 --sigma_tilt 4 --sigma_psi 4 is --sigma_ang 4 (RELION's selectOrientationsWithNonZeroPrior-
+    Probability with both given: the directions' σ is the larger); model.star says each σ as given."""
+    args = ("--i", classified / "mix.star", "--ref", classified / "a.mrc", "--iter", 1, "--K", 1, "--ini_high", 40,
+            "--ctf", "--particle_diameter", 320, "--zero_mask", "--offset_range", 3, "--offset_step", 1,
+            "--healpix_order", 3, "--cpu", "--random_seed", 3)
+    assert run_cli("classify", *args, "--o", tmp_path / "ang" / "run", "--sigma_ang", 4) == 0
+    assert run_cli("classify", *args, "--o", tmp_path / "rot_tilt" / "run", "--sigma_rot", 2, "--sigma_tilt", 4,
+                   "--sigma_psi", 4) == 0
+    a, b = (starfile.read(tmp_path / run / "run_it001_data.star")["particles"] for run in ("ang", "rot_tilt"))
+    for column in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnMaxValueProbDistribution"):
+        np.testing.assert_array_equal(a[column], b[column])
+    model = starfile.read(tmp_path / "rot_tilt" / "run_it001_model.star")["model_general"]
+    assert int(model["rlnOrientationalPriorMode"]) == 1
+    assert [float(model[f"rlnSigmaPrior{n}Angle"]) for n in ("Rot", "Tilt", "Psi")] == [2.0, 4.0, 4.0]
+
+
 def directions_between(a, b):
     from cryorefine.core.sampling import directions_to_xyz
 
@@ -203,6 +220,10 @@ def angles_between(a, b):
 @pytest.mark.parametrize("extra, fragment", [
     (("--skip_align", "--sigma_ang", 3), "exclude each other"),
     (("--sigma_ang", -2), "--sigma_ang -2: out of range"),
+    (("--sigma_rot", 3), "--sigma_rot without --sigma_tilt"),
+    (("--sigma_tilt", 3, "--sigma_psi", 2), "--sigma_tilt without --sigma_rot"),
+    (("--sigma_tilt", 0, "--sigma_rot", 2), "--sigma_tilt 0: out of range"),
+    (("--relax_sym", "C2"), "--relax_sym: symmetry relaxation"),
     (("--skip_align", "--no_poses"), "rlnAngleRot"),
 ])
 def test_skip_align_and_local_search_input_is_checked(classified, tmp_path, capsys, extra, fragment):

@@ -132,16 +132,23 @@ class ClassifyJob:
         self.diameter_angstrom = settings.particle_diameter_angstrom
         self.masks = SolventMasks.from_config(config, settings.ori_size_px, settings.pixel_size_angstrom,
                                               self.diameter_angstrom, say=True)
-        if config.skip_align and (config.sigma_ang_deg or config.sigma_psi_deg):
-            raise InputError("--skip_align and --sigma_ang/--sigma_psi exclude each other: --skip_align keeps the "
-                             "poses, local searches refine them; give one")
-        if config.sigma_ang_deg and config.sigma_psi_deg:
-            log.info("--sigma_psi %g: --sigma_ang %g sets the σ of all three angles (RELION's rule); --sigma_psi is "
-                     "not used", config.sigma_psi_deg, config.sigma_ang_deg)
+        if config.skip_align and (config.sigma_ang_deg or config.sigma_psi_deg or config.sigma_rot_deg
+                                  or config.sigma_tilt_deg):
+            raise InputError("--skip_align and --sigma_ang/--sigma_psi/--sigma_rot/--sigma_tilt exclude each other: "
+                             "--skip_align keeps the poses, local searches refine them; give one")
+        if not config.sigma_ang_deg and bool(config.sigma_rot_deg) != bool(config.sigma_tilt_deg):
+            given, other = ("--sigma_rot", "--sigma_tilt") if config.sigma_rot_deg else ("--sigma_tilt", "--sigma_rot")
+            raise InputError(f"{given} without {other}: a prior on {given[8:]} alone is not implemented; give both "
+                             f"(the directions' σ is the larger, as in RELION) or --sigma_ang")
+        for option, value in (("--sigma_psi", config.sigma_psi_deg), ("--sigma_rot", config.sigma_rot_deg),
+                              ("--sigma_tilt", config.sigma_tilt_deg)):
+            if config.sigma_ang_deg and value:
+                log.info("%s %g: --sigma_ang %g sets the σ of all three angles (RELION's rule); %s is not used",
+                         option, value, config.sigma_ang_deg, option)
         angles = {"rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi"}
         if (config.skip_align or self.local_sigmas()) and not angles <= set(particles.pose_columns):
             raise InputError(f"{config.input_star}: no rlnAngleRot/rlnAngleTilt/rlnAnglePsi columns; "
-                             f"{'--skip_align' if config.skip_align else '--sigma_ang/--sigma_psi'} needs the poses "
+                             f"{'--skip_align' if config.skip_align else 'local searches'} need the poses "
                              f"of an earlier refinement (its run_data.star)")
         if config.allow_coarser_sampling and config.n_classes == 1:
             log.info("--allow_coarser_sampling: changes nothing with one class (--K 1), as in RELION")
@@ -153,13 +160,16 @@ class ClassifyJob:
         return particles, settings
 
     def local_sigmas(self):
-        """(σ of directions, σ of psi) in degrees of --sigma_ang / --sigma_psi (RELION: --sigma_ang sets all
-        three), or None without local searches; 0 searches that angle fully."""
+        """(σ of rot, σ of tilt, σ of psi) in degrees of --sigma_ang, --sigma_rot with --sigma_tilt, --sigma_psi
+        (RELION's parseInitial: --sigma_ang sets all three; each other one its own angle), or None without local
+        searches; 0 searches that angle fully. The directions are searched with σ the larger of rot's and tilt's
+        (RELION's selectOrientationsWithNonZeroPriorProbability, both given)."""
         config = self.config
         if config.sigma_ang_deg:
-            return float(config.sigma_ang_deg), float(config.sigma_ang_deg)
-        if config.sigma_psi_deg:
-            return 0.0, float(config.sigma_psi_deg)
+            return (float(config.sigma_ang_deg),) * 3
+        if config.sigma_rot_deg or config.sigma_psi_deg:
+            return float(config.sigma_rot_deg or 0.0), float(config.sigma_tilt_deg or 0.0), float(config.sigma_psi_deg
+                                                                                                  or 0.0)
         return None
 
     def start(self, particles, settings, noise_spectra):
@@ -174,8 +184,8 @@ class ClassifyJob:
         optimiser, _ = schedule.initial_schedule(config)
         sigmas = self.local_sigmas()
         if sigmas is not None:  # RELION's PRIOR_ROTTILT_PSI from the first iteration on
-            optimiser = replace(optimiser, local_searches=True, sigma_rot_deg=sigmas[0], sigma_tilt_deg=sigmas[0],
-                                sigma_psi_deg=sigmas[1])
+            optimiser = replace(optimiser, local_searches=True, sigma_rot_deg=sigmas[0], sigma_tilt_deg=sigmas[1],
+                                sigma_psi_deg=sigmas[2])
         # --skip_align: RELION's sampling has one direction, so the direction distribution has one entry
         n_dir = 1 if config.skip_align else schedule.sampling_from_optimiser(optimiser, config).n_directions
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
@@ -358,7 +368,7 @@ class ClassifyJob:
             data_vs_prior=None if model.ssnr is None else model.ssnr[0][classes],
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             local_searches=bool(config.skip_align or optimiser.local_searches),
-            sigma_rot_deg=optimiser.sigma_rot_deg, sigma_psi_deg=optimiser.sigma_psi_deg,
+            sigma_rot_deg=max(optimiser.sigma_rot_deg, optimiser.sigma_tilt_deg), sigma_psi_deg=optimiser.sigma_psi_deg,
             likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling,
             fine_pass_raised=fine_pass_raised)
 
