@@ -122,23 +122,29 @@ def test_half_sets_fsc_is_the_fsc_of_the_downsampled_averages(n, pf, r_max):
     np.testing.assert_array_equal(planes, whole[0])
 
 
-def test_join_halves_touches_only_the_low_frequencies():
+@pytest.mark.parametrize("current_resolution, radius_padded", [
+    (np.inf, 8),  # RELION: ceil(16 px · 2 Å / 10 Å) = ceil(3.2) = 4 shells, padded round(2 · 4) = 8
+    (5.0, 8),  # a finer current resolution leaves --low_resol_join_halves's 10 Å
+    (12.5, 6),  # a coarser one limits the join: ceil(32 / 12.5) = ceil(2.56) = 3 shells, padded 6
+])
+def test_join_halves_averages_the_low_frequencies_as_relion(current_resolution, radius_padded):
+    """RELION's joinTwoHalvesAtLowResolution: lowres_r_max = CEIL(N·pixel / max(join, current resolution)), the
+    padded frequencies with |k|² ≤ ROUND(pf · lowres_r_max)² set to the average of the two halves."""
     n = 16
-    model = ModelState(ori_size_px=n, pixel_size_angstrom=2.0)
+    model = ModelState(ori_size_px=n, pixel_size_angstrom=2.0, current_resolution_angstrom=current_resolution)
     grid = PaddedGrid.create(n, 2.0)
     bps = [BackProjector.from_arrays(*_sums(grid, seed), n, 2.0) for seed in (1, 2)]
     before = [(bp.data.copy(), bp.weight.copy()) for bp in bps]
-    low_sums = [mstep.low_resolution_sums(bp, 10.0, model) for bp in bps]  # shell 16·2/10 = 3.2, padded 6.4
+    low_sums = [mstep.low_resolution_sums(bp, 10.0, model) for bp in bps]
     for bp in bps:
-        mstep.join_at_low_resolution(bp, (low_sums[0][0] + low_sums[1][0], low_sums[0][1] + low_sums[1][1]), 10.0,
-                                     model)
-    low = grid.radius2() <= (n * 2.0 / 10.0 * 2) ** 2
+        mstep.join_at_low_resolution(bp, mstep.averaged_low_resolution_sums(*low_sums), 10.0, model)
+    low = grid.radius2() <= radius_padded ** 2
     assert 50 < low.sum() < low.size // 10
     for bp, (d, w) in zip(bps, before):
         np.testing.assert_array_equal(bp.data[~low], d[~low])
         np.testing.assert_array_equal(bp.weight[~low], w[~low])
-        np.testing.assert_allclose(bp.data[low], before[0][0][low] + before[1][0][low])
-        np.testing.assert_allclose(bp.weight[low], before[0][1][low] + before[1][1][low])
+        np.testing.assert_allclose(bp.data[low], 0.5 * (before[0][0][low] + before[1][0][low]))
+        np.testing.assert_allclose(bp.weight[low], 0.5 * (before[0][1][low] + before[1][1][low]))
 
 
 @pytest.mark.gpu

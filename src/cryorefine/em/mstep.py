@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from cryorefine.core import reconstruct
 from cryorefine.core.arrays import Array, ArrayModule, to_host, to_host_pinned
-from cryorefine.core.grid import PaddedGrid
+from cryorefine.core.grid import PaddedGrid, relion_round
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import memory
@@ -93,10 +93,20 @@ def unregularised_map(bp: BackProjector, xp: ArrayModule) -> Array:
     return bp.reconstruct(tau2=None)
 
 
+def low_resolution_join_shell(resolution_angstrom: float, model: ModelState) -> int:
+    """The last Fourier shell (px of the original box) at which RELION's joinTwoHalvesAtLowResolution joins the
+    halves: ceil(N·pixel / r), r the larger (coarser) of --low_resol_join_halves and the model's current resolution
+    (the previous iteration's; ignored while it is not finite)."""
+    current = model.current_resolution_angstrom
+    limit = max(resolution_angstrom, current) if math.isfinite(current) else resolution_angstrom
+    return int(math.ceil(model.ori_size_px * model.pixel_size_angstrom / limit))
+
+
 def _low_resolution_box(grid, resolution_angstrom, model, xp):
-    shell_limit = model.ori_size_px * model.pixel_size_angstrom / resolution_angstrom
-    limit2 = (shell_limit * grid.padding_factor) ** 2
-    reach = min(int(math.floor(math.sqrt(limit2))), grid.origin)
+    # RELION's getLowResDataAndWeight: padded frequencies with |k|² ≤ round(pf · shell)²
+    radius = relion_round(grid.padding_factor * low_resolution_join_shell(resolution_angstrom, model))
+    limit2 = radius * radius
+    reach = min(radius, grid.origin)
     o = grid.origin
     box = (slice(o - reach, o + reach + 1), slice(o - reach, o + reach + 1), slice(0, reach + 1))
     kz, ky, kx = grid.frequencies(xp)
@@ -106,15 +116,21 @@ def _low_resolution_box(grid, resolution_angstrom, model, xp):
 def low_resolution_sums(bp: BackProjector, resolution_angstrom: float,
                         model: ModelState) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of (data, weight) of a back-projector in the small box around the origin that holds the
-    frequencies below a resolution (what RELION's joinTwoHalvesAtLowResolution adds up)."""
+    frequencies up to `low_resolution_join_shell` (what RELION's joinTwoHalvesAtLowResolution averages)."""
     box, _ = _low_resolution_box(bp.grid, resolution_angstrom, model, bp.xp)
     return np.array(to_host(bp.data[box])), np.array(to_host(bp.weight[box]))  # copies, also of host sums
 
 
+def averaged_low_resolution_sums(first: tuple[np.ndarray, np.ndarray],
+                                 second: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The two halves' `low_resolution_sums` averaged, data and weights (RELION's joinTwoHalvesAtLowResolution)."""
+    return 0.5 * (first[0] + second[0]), 0.5 * (first[1] + second[1])
+
+
 def join_at_low_resolution(bp: BackProjector, joined: tuple[np.ndarray, np.ndarray], resolution_angstrom: float,
                            model: ModelState) -> None:
-    """RELION's joinTwoHalvesAtLowResolution for one half: its sums below a resolution replaced by `joined`, the
-    sum of both halves' `low_resolution_sums` (only that small box is touched)."""
+    """RELION's joinTwoHalvesAtLowResolution for one half: its sums up to `low_resolution_join_shell` replaced by
+    `joined`, the average of both halves' `low_resolution_sums` (only that small box is touched)."""
     xp = bp.xp
     box, low = _low_resolution_box(bp.grid, resolution_angstrom, model, xp)
     bp.data[box] = xp.where(low, xp.asarray(joined[0]), bp.data[box])

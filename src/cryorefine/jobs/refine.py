@@ -243,7 +243,7 @@ class RefineJob:
                 fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], halves.grid, xp)
                 shared["fsc"][: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
             if join_low:
-                shared["low"] = (low[0][0] + low[1][0], low[0][1] + low[1][1])
+                shared["low"] = mstep.averaged_low_resolution_sums(low[0], low[1])
         del fsc_inputs, low
         shared = mstep.gathered(peers, {"shared": shared} if first_here else {})["shared"]
         fsc, curves, low_joined = shared["fsc"], shared["curves"], shared["low"]
