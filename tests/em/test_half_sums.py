@@ -168,3 +168,14 @@ def test_halves_taking_turns_on_the_gpu_give_the_same_model():
         np.testing.assert_array_equal(getattr(models[0], name), getattr(models[1], name), err_msg=name)
     np.testing.assert_array_equal(models[0].maps[1][0], models[1].maps[1][0])
     np.testing.assert_array_equal(models[0].joined_map, models[1].joined_map)
+
+
+def test_halves_are_joined_at_low_resolution_before_their_fsc():
+    # RELION's iterate: joinTwoHalvesAtLowResolution, then compareTwoHalves on the joined sums, so the halves'
+    # FSC is 1 wherever the join reaches: --low_resol_join_halves 40 Å in a 24 px box of 4 Å/px joins up to
+    # shell ceil(96 / 40) = 3 (padded radius 6): shell 1 holds only joined coefficients, shell 2 nearly only
+    model = _maximize(NumpyBackend(np.float64), False, False, device_halves=())
+    fsc = model.fsc_halves[0]
+    assert fsc[1] == pytest.approx(1.0, abs=1e-6)
+    assert fsc[2] > 0.99
+    assert fsc[6] < 0.99  # beyond the join the halves differ

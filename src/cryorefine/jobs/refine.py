@@ -195,13 +195,16 @@ class RefineJob:
         Runs on `backend` (estep.backend): on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU
         engine, with numpy otherwise; the maps come back to the host. Each half is on the device while it is
         worked on; where both do not fit, they take turns and the other waits on the host (`mstep.HalfSums`):
-        first each half's part of the FSC and of the low-resolution join, then each half's map.
+        first each half's low-resolution sums, averaged into both halves (RELION's joinTwoHalvesAtLowResolution,
+        before the FSC as in RELION, so that the FSC is 1 there), then each half's part of the FSC, then each half's
+        map.
 
         Under MPI each half's map is made by the worker that holds its sums, as on RELION's ranks (`sums` holds the
-        volumes of the halves made here, None for the others; `peers` are the other workers): half 2's maker gives
-        its part of the FSC (the downsampled average, or the unregularised map with --solvent_correct_fsc) and of
-        the low-resolution join to half 1's maker, which computes the FSC and the join for both; the maps are then
-        shared, so that every worker holds both. The final iteration's joined map is made where both halves are.
+        volumes of the halves made here, None for the others; `peers` are the other workers): the makers share their
+        low-resolution sums and each joins its half; half 2's maker gives its part of the FSC (the downsampled
+        average, or the unregularised map with --solvent_correct_fsc) to half 1's maker, which computes the FSC for
+        both; the maps are then shared, so that every worker holds both. The final iteration's joined map is made
+        where both halves are.
         """
         config = self.config
         model = dataclasses.replace(model)
@@ -212,25 +215,32 @@ class RefineJob:
         halves = mstep.HalfSums(sums, backend, model, config, current)
         masks = self._masks(model)
         join_low = config.low_resol_join_halves_angstrom > 0 and not joined  # RELION: 0 or less joins nothing
-        first_here = 0 in halves.here  # this process computes the FSC and the join
-        fsc_inputs, low = {}, {}
+        first_here = 0 in halves.here  # this process computes the FSC
+        fsc_inputs, low_joined = {}, None
+        if join_low:  # RELION joins the halves at low resolution before their FSC (joinTwoHalvesAtLowResolution)
+            low = {}
+            for h in halves.order():
+                bp = halves.backprojector(h)
+                low[h] = mstep.low_resolution_sums(bp, config.low_resol_join_halves_angstrom, model)
+                del bp
+            low = mstep.gathered(peers, low)  # every worker holds both halves' low-resolution sums
+            low_joined = mstep.averaged_low_resolution_sums(low[0], low[1])
+            del low
         for i, h in enumerate(halves.order()):
             bp = halves.backprojector(h)
+            if join_low:
+                mstep.join_at_low_resolution(bp, low_joined, config.low_resol_join_halves_angstrom, model)
             if masks.correct_fsc:  # the unregularised half maps (host)
                 fsc_inputs[h] = to_host(mstep.unregularised_map(bp, xp))
             elif (halves.parking and i == 0) or not first_here:  # leaves the device, or goes to half 1's maker
                 fsc_inputs[h] = mstep.downsampled_average(bp)
             else:
                 fsc_inputs[h] = (bp.data, bp.weight)
-            if join_low:
-                low[h] = mstep.low_resolution_sums(bp, config.low_resol_join_halves_angstrom, model)
             del bp
-        given = mstep.gathered(peers, {} if first_here else {h: (fsc_inputs[h], low.get(h)) for h in fsc_inputs})
-        for h, (fsc_input, low_sums) in given.items():
-            fsc_inputs[h], low[h] = fsc_input, low_sums
+        fsc_inputs.update(mstep.gathered(peers, {} if first_here else fsc_inputs))
         shared = None
         if first_here:
-            shared = {"fsc": np.zeros(n_shells), "curves": None, "low": None}
+            shared = {"fsc": np.zeros(n_shells), "curves": None}
             if masks.correct_fsc:  # RELION: the FSC of the unregularised half maps, masked and corrected for the mask
                 rng = np.random.default_rng([config.random_seed, plan.iteration])
                 unfiltered = [xp.asarray(fsc_inputs[h]) for h in range(2)]
@@ -242,11 +252,9 @@ class RefineJob:
             else:
                 fsc_part = mstep.half_sets_fsc(fsc_inputs[0], fsc_inputs[1], halves.grid, xp)
                 shared["fsc"][: min(n_shells, fsc_part.size)] = fsc_part[:n_shells]
-            if join_low:
-                shared["low"] = mstep.averaged_low_resolution_sums(low[0], low[1])
-        del fsc_inputs, low
+        del fsc_inputs, low_joined
         shared = mstep.gathered(peers, {"shared": shared} if first_here else {})["shared"]
-        fsc, curves, low_joined = shared["fsc"], shared["curves"], shared["low"]
+        fsc, curves = shared["fsc"], shared["curves"]
         if curves is not None:
             model.fsc_unmasked, model.fsc_masked = curves.unmasked[None, :], curves.masked[None, :]
             model.fsc_random_masked = curves.random_masked[None, :]
@@ -263,8 +271,6 @@ class RefineJob:
         made = {}
         for h in halves.order():
             bp = halves.backprojector(h)
-            if join_low:
-                mstep.join_at_low_resolution(bp, low_joined, config.low_resol_join_halves_angstrom, model)
             made[h] = reconstruct(bp, False)
             del bp
             if not joined:
