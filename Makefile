@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with only Python 3.10+:
 #   make demo   runs the built-in example end to end (CPU when there is no GPU)
-#   make test   checks the code with ruff and runs the whole test suite (two pytest workers)
+#   make test   checks the code with ruff and the typed modules with mypy, and runs the whole test suite (two
+#               pytest workers)
 # Each creates ./.venv on first use and installs cryorefine into it.
 
 PYTHON ?= python3
@@ -21,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
 clean:

@@ -101,12 +101,12 @@ def ctf_2d(size_px: int, ctf: CtfParameters, abs_value: bool = False, only_flip_
     ky, kx = _half_frequencies(size_px, xp)
     k2 = kx * kx + ky * ky
     gamma = k_xx * (kx * kx) + k_xy * (kx * ky) + k_yy * (ky * ky) + k_4 * (k2 * k2) - offset
-    ctf = -xp.sin(gamma)
+    value = -xp.sin(gamma)
     if intact_until_first_peak:
-        ctf = xp.where(xp.abs(gamma) < 0.5 * np.pi, 1.0, ctf)
-    ctf = ctf * xp.exp(envelope * k2)
+        value = xp.where(xp.abs(gamma) < 0.5 * np.pi, 1.0, value)
+    value = value * xp.exp(envelope * k2)
     if abs_value:
-        ctf = xp.abs(ctf)
+        value = xp.abs(value)
     elif only_flip_phases:
-        ctf = xp.where(ctf < 0.0, -1.0, 1.0)
-    return (scl * ctf).astype(dtype, copy=False)
+        value = xp.where(value < 0.0, -1.0, 1.0)
+    return (scl * value).astype(dtype, copy=False)

@@ -48,6 +48,7 @@ import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from cryorefine.errors import InputError
 
@@ -311,7 +312,7 @@ class DeviceArena(StackArena):
 
         self.device_id = int(device_id)
         self._memory = None
-        self._pools = []  # the `pooled` pools open now, innermost last
+        self._pools: list[Any] = []  # the `pooled` pools open now, innermost last (`_Pooled`)
         with cupy.cuda.Device(self.device_id):
             cupy.get_default_memory_pool().free_all_blocks()
             free, total = cupy.cuda.runtime.memGetInfo()

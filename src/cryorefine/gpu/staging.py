@@ -13,7 +13,7 @@ allocated from another thread), and let go with the object.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cryorefine.gpu import DeviceArray
 
@@ -32,7 +32,7 @@ class UploadSlots:
         self.device_id = cupy.cuda.Device().id
         self.slots = [cupy.empty((int(n_images), *image_shape), dtype=dtype) for _ in range(2)]
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.uploaded = [None, None]  # the event after each slot's last copy
+        self.uploaded: list[Any] = [None, None]  # the event after each slot's last copy (cupy.cuda.Event)
         self.released = [None, None]  # the event after the caller's last use of each slot
 
     @staticmethod
@@ -49,8 +49,9 @@ class UploadSlots:
 
     def wait_uploaded(self, slot: int) -> None:
         """On the reading thread, before it refills the host buffer of `slot`: the last copy out of it has ended."""
-        if self.uploaded[slot] is not None:
-            self.uploaded[slot].synchronize()
+        uploaded = self.uploaded[slot]
+        if uploaded is not None:
+            uploaded.synchronize()
 
     def upload(self, slot: int, host_images: np.ndarray) -> DeviceArray:
         """On the reading thread: copy `host_images` (page-locked) into `slot` once the caller has let it go; returns

@@ -30,7 +30,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 log = logging.getLogger("cryorefine")
@@ -68,12 +68,13 @@ class WriterCancelled(RuntimeError):
 
 
 class BackgroundWriter:
-    def __init__(self):
+    def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="writer")
-        self._pending = None
-        self._drawing = None  # the drawing process (a ProcessPoolExecutor), False where there can be none
+        self._pending: Future | None = None
+        # the drawing process, started at the first drawing; False where there can be none
+        self._drawing: ProcessPoolExecutor | bool | None = None
         self._cancelled = threading.Event()  # set when the `with` is left on an error: a WaitFor stops waiting
-        self._side = None  # the threads of `Together` writes, started at the first
+        self._side: ThreadPoolExecutor | None = None  # the threads of `Together` writes, started at the first
         # the last finished submit's seconds on the writer thread: {"waiting": in its WaitFor, "writing": the rest}
         self.last_seconds: dict[str, float] = {}
 

@@ -160,12 +160,12 @@ class PrereadImages:
     the 105k 360 px stand-in took 10.4 s to read in page by page, 7.4 s with its memory mapped in one call."""
 
     def __init__(self, paths: Sequence[Path | str], indices_1based: npt.ArrayLike, threads: int | None = None) -> None:
-        paths = [str(p) for p in paths]
+        names = [str(p) for p in paths]
         indices = np.asarray(indices_1based, dtype=np.int64)
         self._reader = StackReader(threads)
-        shape, dtype = _held_shape_and_dtype(self._reader, paths)
+        shape, dtype = _held_shape_and_dtype(self._reader, names)
         self.nbytes = int(np.prod(shape)) * dtype.itemsize  # the images' bytes, in the dtype they are read in
-        self.advised_bytes = self._advise(paths, indices)
+        self.advised_bytes = self._advise(names, indices)
 
     @staticmethod
     def held_bytes(paths: Sequence[Path | str]) -> int:
@@ -231,9 +231,9 @@ class StackReader:
     """
 
     def __init__(self, threads: int | None = None) -> None:
-        self._open = {}
-        self._fd = {}
-        self._verified = {}  # path -> whether preadv at the memory map's offset reads the same bytes
+        self._open: dict[str, mrcfile.mrcmemmap.MrcMemmap] = {}
+        self._fd: dict[str, int] = {}
+        self._verified: dict[str, bool] = {}  # path -> whether preadv at the memory map's offset reads the same bytes
         self._reads = _Pieces(READ_THREADS if threads is None else threads)
 
     def __enter__(self):
@@ -401,5 +401,6 @@ def require_finite(array: np.ndarray, path: Path | str, indices_1based: npt.Arra
         raise InputError(f"{path}: contains NaN or Inf values; fix or regenerate the file")
     flat = array.reshape(array.shape[0], -1)
     first = int(np.flatnonzero(~np.isfinite(flat).all(axis=1))[0])
-    raise InputError(f"{indices_1based[first]}@{path}: image contains NaN or Inf pixels; remove the particle "
-                     f"from the STAR file or re-extract it")
+    index = np.asarray(indices_1based)[first]
+    raise InputError(f"{index}@{path}: image contains NaN or Inf pixels; remove the particle from the STAR file or "
+                     f"re-extract it")

@@ -26,7 +26,9 @@ def save(path: Path | str, document: dict[str, Any], arrays: Mapping[str, np.nda
     """Write `document` (JSON-able; numpy scalars become numbers) and the named `arrays` to `path`."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as handle:
-            np.savez(handle, document=np.array(json.dumps(document, default=_plain)), **arrays)
+            # numpy's stubs would match the mapping's values to allow_pickle
+            np.savez(handle, document=np.array(json.dumps(document, default=_plain)),
+                     **arrays)  # type: ignore[arg-type]
 
 
 def resume_path(optimiser_star: Path | str) -> Path:

@@ -72,7 +72,7 @@ def earlier_run(root: str) -> EarlierRun | None:
         return None
     numbered = re.compile(re.escape(name) + r"_it(\d{3})_")
     iteration_files = [p for p in folder.glob(glob.escape(name) + ITERATION_PATTERN) if p.is_file()]
-    iterations = sorted({int(numbered.match(p.name).group(1)) for p in iteration_files})
+    iterations = sorted({int(m.group(1)) for p in iteration_files if (m := numbered.match(p.name))})
     if not iterations and not any(Path(f"{root}{suffix}").is_file() for suffix in FINAL_SIGNS):
         return None
     finals = [Path(f"{root}{suffix}") for suffix in FINAL_SUFFIXES if Path(f"{root}{suffix}").is_file()]
