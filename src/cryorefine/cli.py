@@ -171,9 +171,9 @@ REFUSED = (
     (("--multibody_", "--reconstruct_subtracted_bodies"), ALL_JOBS + (CLASS2D,),
      "multi-body refinement is not available in cryorefine; run the MultiBody job with RELION"),
     (("--relax_sym",), ALL_JOBS + (CLASS2D,),
-     "symmetry relaxation (local searches over the symmetry mates of a pseudo-symmetric particle) is not available in "
-     "cryorefine; run the job with --sym set to the lower group (e.g. C1) and local searches (classify --sigma_ang), "
-     "or run it with RELION"),
+     "symmetry relaxation (local searches over the symmetry mates of a pseudo-symmetric particle) is not implemented "
+     "in cryorefine; run the job with --sym set to the lower group (e.g. C1) and local searches (classify "
+     "--sigma_ang), or run it with RELION"),
     (("--auto_refine", "--split_random_halves"), (CLASSIFY,),
      "a classification has no half sets and no auto-refinement; drop {name}, or use `cryorefine refine`"),
     (("--allow_coarser_sampling",), (CLASS2D,),

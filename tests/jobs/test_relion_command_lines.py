@@ -150,12 +150,13 @@ def test_a_tutorial_command_line_runs_and_reports_success(project, monkeypatch, 
 
 
 def test_a_bad_input_leaves_the_failure_file_and_no_iteration(project, monkeypatch, tmp_path):
-    """The job029 line with a mask of another box: exit 2 before any work, RELION_JOB_EXIT_FAILURE, no outputs."""
+    """The job029 line with a mask whose values are not in [0, 1]: exit 2 before any work, RELION_JOB_EXIT_FAILURE,
+    no outputs (a mask of another box is re-boxed, as RELION's checkMask does)."""
     from cryorefine.io.mrc import write_volume
 
     monkeypatch.chdir(project)
     (project / "MaskCreate" / "job099").mkdir()
-    write_volume(project / "MaskCreate" / "job099" / "mask.mrc", np.ones((BOX + 4,) * 3, np.float32), PIXEL)
+    write_volume(project / "MaskCreate" / "job099" / "mask.mrc", np.full((BOX,) * 3, 2.0, np.float32), PIXEL)
     line = (REFINE3D_JOB029.replace("MaskCreate/job020", "MaskCreate/job099")
             .replace("Refine3D/job029/", "Refine3D/job099/"))
     (project / "Refine3D" / "job099").mkdir()
