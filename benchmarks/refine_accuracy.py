@@ -194,10 +194,19 @@ def resolutions(fsc, box, pixel):
     return {f"fsc_{t}": resolution_at_threshold(fsc, box, pixel, t) for t in (0.5, 0.143)}
 
 
+def image_key(name: str) -> str:
+    """An image name without the stack's folder ("12@particles.mrcs"): refine writes the path of the stack it read,
+    which may not be the one the input STAR file named."""
+    number, _, stack = str(name).partition("@")
+    return f"{number}@{os.path.basename(stack)}"
+
+
 def pose_errors(truth_star, refined_star):
     """Angles (degrees) between true and refined rotations, and origin distances (Å), per particle."""
-    truth = read_star(truth_star)["particles"].set_index("rlnImageName")
-    found = read_star(refined_star)["particles"].set_index("rlnImageName")
+    truth = read_star(truth_star)["particles"]
+    found = read_star(refined_star)["particles"]
+    truth = truth.set_index(truth["rlnImageName"].map(image_key))
+    found = found.set_index(found["rlnImageName"].map(image_key))
     truth = truth.loc[found.index]
     a = euler.euler_to_matrix(truth["rlnAngleRot"], truth["rlnAngleTilt"], truth["rlnAnglePsi"])
     b = euler.euler_to_matrix(found["rlnAngleRot"], found["rlnAngleTilt"], found["rlnAnglePsi"])

@@ -127,3 +127,25 @@ def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     assert parity["same_class_fraction"] == 1.0
     assert parity["class_distribution"][0] == parity["class_distribution"][1]
     assert min(parity["map_correlation"].values()) > 0.999999
+
+
+def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_with(monkeypatch):
+    import pandas as pd
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import refine_accuracy
+
+    def table(names, rot, x):
+        return {"particles": pd.DataFrame({"rlnImageName": names, "rlnAngleRot": rot, "rlnAngleTilt": [30.0, 30.0],
+                                           "rlnAnglePsi": [0.0, 0.0], "rlnOriginXAngst": x,
+                                           "rlnOriginYAngst": [0.0, 0.0]})}
+
+    stars = {"truth": table(["1@particles.mrcs", "2@particles.mrcs"], [10.0, 20.0], [1.0, 2.0]),
+             # refine names the stack it read by its path, and keeps its own order
+             "found": table(["2@/tmp/work/sim/particles.mrcs", "1@/tmp/work/sim/particles.mrcs"], [20.0, 13.0],
+                            [2.0, 4.0])}
+    monkeypatch.setattr(refine_accuracy, "read_star", lambda path: stars[path])
+    angle, shift = refine_accuracy.pose_errors("truth", "found")
+    np_angle = [float(a) for a in angle]
+    assert np_angle[0] == pytest.approx(0.0, abs=1e-6) and np_angle[1] > 1.0  # particle 2 exact, particle 1 off
+    assert list(shift) == pytest.approx([0.0, 3.0])
