@@ -488,12 +488,13 @@ COARSER_SAMPLING_MAX_OFFSET_STEP_IN_RANGES = 0.95
 
 
 def fast_subset_size(iteration: int, n_classes: int, n_particles: int,
-                     per_class_min: int = FAST_SUBSET_PARTICLES_PER_CLASS) -> int | None:
+                     per_class_min: int | None = None) -> int | None:
     """The particles a 3D classification with --fast_subsets takes in `iteration` (RELION's updateSubsetSize):
     1500·K in iterations 1–5, 4500·K in 6–10, the larger of 4500·K and 30 % of the data in 11–15; None (all of
     them) after, or where the subset would not be smaller than the data set. A 2D classification's subsets start
-    from `per_class_min` = FAST_SUBSET_PARTICLES_PER_CLASS_2D (100) particles per class instead."""
-    per_class = int(per_class_min) * int(n_classes)
+    from `per_class_min` = FAST_SUBSET_PARTICLES_PER_CLASS_2D (100) particles per class instead (None:
+    FAST_SUBSET_PARTICLES_PER_CLASS, read when called)."""
+    per_class = int(FAST_SUBSET_PARTICLES_PER_CLASS if per_class_min is None else per_class_min) * int(n_classes)
     if iteration <= 5:
         size = per_class
     elif iteration <= 10:
