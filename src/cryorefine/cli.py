@@ -153,6 +153,20 @@ CLASS2D_HONOURS = ("--i", "--o", "--continue", "--overwrite", "--particle_diamet
                    "--precision", "--preread_images", "--scratch_dir", "--gpu", "--cpu", "--free_gpu_memory",
                    "--pipeline_control", "--K", "--skip_align", "--fast_subsets", "--pool",
                    "--dont_combine_weights_via_disc", "--no_parallel_disc_io", "--skip_gridding", "--dont_check_norm")
+INITIAL_MODEL = "initial_model"
+#: the options of JOB_OPTIONS that initial_model honours besides its own (declared with INITIAL_MODEL among their
+#: commands)
+INITIAL_MODEL_HONOURS = ("--i", "--o", "--continue", "--overwrite", "--particle_diameter", "--ini_high", "--ctf",
+                         "--sym", "--K", "--flatten_solvent", "--zero_mask", "--ctf_intact_first_peak", "--pad",
+                         "--healpix_order", "--offset_range", "--offset_step", "--oversampling", "--tau2_fudge",
+                         "--iter", "--adaptive_fraction", "--maxsig", "--strict_highres_exp", "--coarse_size",
+                         "--norm", "--scale", "--random_seed", "--batch", "--j", "--precision", "--preread_images",
+                         "--scratch_dir", "--gpu", "--cpu", "--free_gpu_memory", "--pipeline_control", "--pool",
+                         "--dont_combine_weights_via_disc", "--no_parallel_disc_io", "--skip_gridding",
+                         "--dont_check_norm")
+#: initial_model's --iter and --tau2_fudge without them (RELION's GUI and updateTau2Fudge for the initial model)
+INITIAL_MODEL_ITERATIONS = 200
+INITIAL_MODEL_TAU2_FUDGE = 4.0
 
 #: the sections of their help after "Options"
 RELION_SECTION = "Accepted from RELION command lines (nothing in the run changes with them)"
@@ -290,7 +304,8 @@ JOB_OPTIONS = (
             per_command={CLASSIFY: {"help": "Output root, e.g. Class3D/job001/run (with --continue: default the run's "
                                             "own)."},
                          CLASS2D: {"help": "Output root, e.g. Class2D/job001/run (with --continue: default the run's "
-                                           "own)."}}),
+                                           "own)."},
+                         INITIAL_MODEL: {"help": "Output root, e.g. InitialModel/job001/run."}}),
     _option("--ref", "reference_map", type=_FILE, help="Initial reference map (MRC).",
             per_command={CLASSIFY: {"help": "Initial reference: one map (MRC) for all classes, or a STAR file of K "
                                             "maps (rlnReferenceImage)."}}),
@@ -341,10 +356,14 @@ JOB_OPTIONS = (
     _option("--offset_range", "offset_range_px", ALL_JOBS, type=float, help="Translation search range (px)."),
     _option("--offset_step", "offset_step_px", ALL_JOBS, type=float, help="Translation search step (px)."),
     _option("--oversampling", "oversampling", ALL_JOBS, type=int, help="Adaptive oversampling order."),
-    _option("--tau2_fudge", "tau2_fudge", type=float, help="Regularisation parameter T."),
+    _option("--tau2_fudge", "tau2_fudge", type=float, help="Regularisation parameter T.",
+            per_command={INITIAL_MODEL: {"default": INITIAL_MODEL_TAU2_FUDGE,
+                                         "help": "Regularisation parameter T (RELION's schedule: from 1)."}}),
     _option("--iter", "max_iterations", type=int, help="At most this many iterations.",
             per_command={CLASSIFY: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."},
-                         CLASS2D: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."}}),
+                         CLASS2D: {"default": CLASSIFY_ITERATIONS, "help": "The number of iterations."},
+                         INITIAL_MODEL: {"default": INITIAL_MODEL_ITERATIONS,
+                                         "help": "The number of iterations (gradient steps)."}}),
     _option("--auto_iter_max", "auto_iter_max", (REFINE,), type=int,
             help="RELION's last auto-refine iteration: the same as --iter here (give one of the two, or both the "
                  "same) [default: that of --iter]."),
@@ -443,6 +462,13 @@ JOB_OPTIONS = (
             help="The reconstruction never runs gridding iterations here."),
     _option("--dont_check_norm", "dont_check_norm", is_flag=True, section=RELION_SECTION,
             help="Images are not checked for normalisation here."),
+    _option("--grad", "grad", (INITIAL_MODEL,), is_flag=True, section=RELION_SECTION,
+            help="Gradient refinement (VDAM): what initial_model always does."),
+    _option("--denovo_3dref", "denovo_3dref", (INITIAL_MODEL,), is_flag=True, section=RELION_SECTION,
+            help="A 3D model from the particles alone: what initial_model always does."),
+    _option("--auto_sampling", "auto_sampling", (INITIAL_MODEL,), is_flag=True,
+            help="Accepted from RELION's line, not followed yet: the sampling stays as given (RELION refines it "
+                 "every 10 iterations of a gradient run)."),
     _option("--trust_ref_size", "trust_ref_size", is_flag=True,
             help="A reference of another box or pixel size (its header's) is re-scaled to the particles' pixel size "
                  "(its transform windowed to the nearest even box) and re-boxed to their box, as RELION does (RELION "
@@ -461,7 +487,8 @@ def taken_by(command: str, names) -> list[str]:
 
 def honours(command: str, spec: JobOption) -> bool:
     """Whether `command` honours the option `spec` (its commands, or for class2d CLASS2D_HONOURS)."""
-    return command in spec.commands or (command == CLASS2D and spec.decls[0] in CLASS2D_HONOURS)
+    return command in spec.commands or (command == CLASS2D and spec.decls[0] in CLASS2D_HONOURS) or (
+        command == INITIAL_MODEL and spec.decls[0] in INITIAL_MODEL_HONOURS)
 
 
 def job_options(command: str) -> Callable[[Callable], Callable]:
@@ -499,6 +526,14 @@ def class2d(**params):
     _run(CLASS2D, params)
 
 
+@cli.command(INITIAL_MODEL, cls=JobCommand)
+@job_options(INITIAL_MODEL)
+def initial_model(**params):
+    """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM;
+    one class, C1, on the CPU engine for now)."""
+    _run(INITIAL_MODEL, params)
+
+
 def _run(command: str, params: dict) -> None:
     """Run refine, classify or class2d with its parsed options (`params`), from scratch or, with --continue, on."""
     import logging
@@ -515,6 +550,14 @@ def _run(command: str, params: dict) -> None:
             raise InputError("class2d runs in one process for now: run it without mpirun (relion_refine, not "
                              "relion_refine_mpi; RELION's GUI: 'Number of MPI procs' 1)")
         min_mpi_ranks, report = job.Class2DJob.min_mpi_ranks, _report_class_averages
+    elif command == INITIAL_MODEL:
+        from cryorefine.jobs import initial_model as job
+        from cryorefine.runners.mpi import launched_with_mpi
+
+        if launched_with_mpi():
+            raise InputError("initial_model runs in one process for now: run it without mpirun (relion_refine, not "
+                             "relion_refine_mpi; RELION's GUI: 'Number of MPI procs' 1)")
+        min_mpi_ranks, report = job.InitialModelJob.min_mpi_ranks, _report_classes
     else:
         from cryorefine.jobs import classify as job
 
@@ -531,6 +574,10 @@ def _run(command: str, params: dict) -> None:
                 if key in params and not params[key]:
                     raise click.UsageError(f"Missing option '{name}' (needed unless --continue is given).")
             config = job_config(command, params, given)
+        if command == INITIAL_MODEL:  # before any device is set up
+            job.check_config(config)
+            if params["auto_sampling"]:
+                _command_line_log().warning("--auto_sampling: not followed yet; the sampling stays as given")
         if command == CLASS2D and config.engine != job.ENGINE_2D:  # before any device is set up
             raise InputError("class2d: the GPU engine has no 2D path yet; run 2D classification on the CPU engine "
                              "(--cpu, or leave out --gpu)")
@@ -585,8 +632,8 @@ def relion_refine(ctx, arguments):
     without --ref, `cryorefine class2d` (2D classification); with --continue, the job of the run it continues (its
     optimiser.star's rlnDoAutoRefine, and the run's saved state). Every option then means what it means to that
     command (see `cryorefine refine --help`, `cryorefine classify --help`, `cryorefine class2d --help`). Under
-    mpirun, as those commands. Lines with --denovo_3dref (the initial model) are refused: that job is not available
-    yet. `cryorefine install-relion-shims DIR` writes relion_refine and relion_refine_mpi that run this.
+    mpirun, as those commands. Lines with --denovo_3dref (the initial model) run `cryorefine initial_model`.
+    `cryorefine install-relion-shims DIR` writes relion_refine and relion_refine_mpi that run this.
     """
     arguments = [str(a) for a in arguments]
     command = relion_refine_command(arguments)
@@ -630,8 +677,7 @@ def relion_refine_command(arguments):
     if not arguments or names & {"--help", "-h"}:
         return None
     if "--denovo_3dref" in names:
-        raise InputError("relion_refine --denovo_3dref (the initial model) is not available in cryorefine yet; run "
-                         "it with RELION, and Refine3D or Class3D from its output (a line with --ref) with cryorefine")
+        return INITIAL_MODEL  # RELION's InitialModel
     return CLASS2D  # no --ref: RELION's 2D classification
 
 
@@ -849,7 +895,7 @@ def job_config(command: str, params: dict, given: set[str] = frozenset()) -> Ref
     planned = command == PLAN
     values.setdefault("reference_map", "")  # class2d has none
     # class2d runs on the CPU engine unless --gpu asks otherwise (the job then says the GPU has no 2D path yet)
-    cpu_only = command == CLASS2D and params["gpu"] is None
+    cpu_only = command in (CLASS2D, INITIAL_MODEL) and params["gpu"] is None
     values.update(auto_refine=command == REFINE or (planned and params.get("n_classes") is None),
                   **engine_options(None if planned else params["gpu"], planned or params["force_cpu"] or cpu_only,
                                    params["free_gpu_memory_mb"]))

@@ -42,19 +42,17 @@ def test_a_tutorial_line_runs_through_the_drop_in(project, monkeypatch, tmp_path
 
 def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
     from cryorefine.cli import relion_refine_command
-    from cryorefine.errors import InputError
 
     line = ["--o", "a/run", "--auto_refine", "--split_random_halves", "--ref", "r.mrc"]
     assert relion_refine_command(line) == "refine"
     assert relion_refine_command(["--o", "a/run", "--ref=r.mrc", "--K", "4"]) == "classify"
     assert relion_refine_command(["--ref", "r.mrc"]) == "classify"  # RELION: a 3D classification of one class
     assert relion_refine_command([]) is None and relion_refine_command(["--help"]) is None
-    # no --ref: RELION's 2D classification; --denovo_3dref: the initial model, not available
+    # no --ref: RELION's 2D classification; --denovo_3dref: the initial model
     assert relion_refine_command(["--o", "Class2D/job008/run", "--i", "p.star", "--K", "50", "--tau2_fudge", "2"]) \
         == "class2d"
-    with pytest.raises(InputError, match="not available in cryorefine yet"):
-        relion_refine_command(["--o", "InitialModel/job015/run", "--grad", "--denovo_3dref", "--i", "p.star", "--K",
-                               "1"])
+    assert relion_refine_command(["--o", "InitialModel/job015/run", "--grad", "--denovo_3dref", "--i", "p.star",
+                                  "--K", "1"]) == "initial_model"
     # --continue: the job of the run continued, read from its optimiser.star as RELION reads it (the GUI's continue
     # lines of Refine3D carry no --auto_refine)
     for auto_refine, job in ((1, "refine"), (0, "classify")):
@@ -67,19 +65,22 @@ def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
     assert relion_refine_command(["--continue", str(tmp_path / "none.star")]) == "classify"
 
 
-def test_an_initial_model_line_is_refused_in_one_line(capsys, tmp_path):
-    """RELION's InitialModel line (no --ref, --denovo_3dref): exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI,
-    nothing written. (Class2D lines, also without --ref, run: tests/jobs/test_class2d.py.)"""
+def test_an_initial_model_line_with_what_is_not_there_yet_is_refused_in_one_line(capsys, tmp_path):
+    """RELION's InitialModel line (no --ref, --denovo_3dref) runs `cryorefine initial_model` (tests/jobs/
+    test_initial_model.py); with --K 2 (not there yet): exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI, nothing
+    written."""
+    from conftest import make_particle_set
     from test_cli import assert_one_line_error, run
 
     folder = tmp_path / "InitialModel" / "job015"
     folder.mkdir(parents=True)
-    line = (f"--o {folder}/run --iter 200 --grad --denovo_3dref --i Select/job014/particles.star "
-            f"--ctf --K 1 --sym C1 --flatten_solvent --zero_mask --dont_combine_weights_via_disc --pool 3 --pad 1 "
+    star, _ = make_particle_set(tmp_path)
+    line = (f"--o {folder}/run --iter 200 --grad --denovo_3dref --i {star} "
+            f"--ctf --K 2 --sym C1 --flatten_solvent --zero_mask --dont_combine_weights_via_disc --pool 3 --pad 1 "
             f"--particle_diameter 200 --oversampling 1 --healpix_order 1 --offset_range 6 --offset_step 2 "
-            f"--auto_sampling --tau2_fudge 4 --j 6 --gpu \"\" --pipeline_control {folder}/")
-    code, _, err = run(capsys, "relion_refine", *shlex.split(line))
-    assert_one_line_error(code, err, "relion_refine --denovo_3dref", "not available in cryorefine yet")
+            f"--auto_sampling --tau2_fudge 4 --j 6 --pipeline_control {folder}/")  # the GUI's --gpu "" left out:
+    code, _, err = run(capsys, "relion_refine", *shlex.split(line))  # no CuPy here
+    assert_one_line_error(code, err, "initial_model: --K 2", "give --K 1")
     assert (folder / "RELION_JOB_EXIT_FAILURE").is_file()
     assert not list(folder.glob("run_*"))
 
@@ -127,7 +128,8 @@ def test_install_relion_shims_writes_scripts_that_run_the_drop_in(tmp_path):
         ran = subprocess.run([name, "--o", "InitialModel/job015/run", "--denovo_3dref", "--K", "1",
                               "--pipeline_control", "InitialModel/job015/"],
                              capture_output=True, text=True, timeout=120, env=shim_environment(folder), cwd=tmp_path)
-        assert ran.returncode == 2 and "not available in cryorefine yet" in ran.stderr
+        # routed to initial_model, which refuses a line without --i
+        assert ran.returncode == 2 and "Missing option '--i'" in ran.stderr and "initial_model" in ran.stderr
         assert (tmp_path / "InitialModel" / "job015" / "RELION_JOB_EXIT_FAILURE").is_file()
     # installed again over its own scripts: written again
     again = subprocess.run([sys.executable, "-m", "cryorefine", "install-relion-shims", str(folder)],
