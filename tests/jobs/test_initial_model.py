@@ -174,3 +174,18 @@ def test_the_gpu_engine_is_refused_before_any_device_is_set_up():
                           engine="cuda")
     with pytest.raises(InputError, match="does not run the initial model yet; run it on the CPU engine"):
         check_config(config)
+
+
+def test_the_mini_batches_are_relions_sizes_drawn_afresh_and_split_by_parity():
+    from cryorefine.config import RefineConfig
+    from cryorefine.jobs.initial_model import InitialModelJob
+
+    job = InitialModelJob(RefineConfig(input_star="p.star", output_root="out/run", reference_map="",
+                                       auto_refine=False, max_iterations=200, random_seed=3))
+    job.subset_sizes = (200, 1000)  # RELION's for 10,000 particles (as load sets them)
+    for iteration, size in ((1, 200), (110, 600), (200, 1000)):
+        first, second = job.batch(iteration, 10_000)
+        assert first.size + second.size == size
+        assert (first % 2 == 0).all() and (second % 2 == 1).all()  # RELION's pseudo-halves: part_id % 2
+    assert not np.array_equal(np.concatenate(job.batch(1, 10_000)), np.concatenate(job.batch(2, 10_000)))
+    assert sum(h.size for h in job.batch(200, 900)) == 900  # a batch as large as the set: every particle

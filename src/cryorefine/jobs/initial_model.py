@@ -300,14 +300,15 @@ class InitialModelJob:
         total = pdf.sum()
         pdf = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
         mstep.maximize_other_parameters(model, config, [small], False)
-        self._with_momentum(model, previous_model, pdf)
+        whole = sum(unit.members.size for unit in plan.units) == len(self.particles)
+        self._with_momentum(model, previous_model, pdf, 0.0 if whole else gradient.MOMENTUM)
         return model
 
     @staticmethod
-    def _with_momentum(model, previous, pdf_direction):
+    def _with_momentum(model, previous, pdf_direction, mu):
         """RELION's maximizationOtherParameters under --grad: each parameter the mini-batch estimates is averaged
-        with its previous value, momentum 0.9 (the first iteration's previous values are the start's)."""
-        mu = gradient.MOMENTUM
+        with its previous value, momentum `mu` (RELION's 0.9; 0 where the batch holds every particle; the first
+        iteration's previous values are the start's)."""
         model.sigma2_noise = with_momentum(previous.sigma2_noise, model.sigma2_noise, mu)
         model.sigma_offset_angstrom = float(np.sqrt(with_momentum(previous.sigma_offset_angstrom ** 2,
                                                                   model.sigma_offset_angstrom ** 2, mu)))
