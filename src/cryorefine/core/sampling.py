@@ -44,7 +44,7 @@ In-plane sampling (`Sampling.in_plane`, RELION's 2D classification, ref_dim 2): 
 tilt = 0, so that an orientation is its psi alone (o = psi_index); psi every `psi_step_deg`; each
 coarse orientation has 2^k children (psi − step/2 + (0.5 + i)·step/2^k) and each translation 4^k;
 the perturbation adds p·psi_step to every psi (and p·offset_step to the translations), keeping rot
-and tilt 0. No local searches.
+and tilt 0; psi angles are given in (−180, 180]. No local searches.
 
 Angles are in degrees and translations in pixels throughout.
 """
@@ -562,10 +562,10 @@ class Sampling:
     # ------------------------------------------------------------------ perturbation
 
     def _perturb_angles(self, rot, tilt, psi, xp):
+        if self.in_plane:  # psi moved by the perturbation, into (−180, 180] as RELION writes angles
+            return rot, tilt, _wrap_deg(psi + self.perturbation * self.psi_step_deg, xp)
         if not self.perturbation:
             return rot, tilt, psi
-        if self.in_plane:
-            return rot, tilt, psi + self.perturbation * self.psi_step_deg
         a = self.perturbation * self.angular_sampling_deg(0)
         shape = rot.shape
         m = euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=xp)
