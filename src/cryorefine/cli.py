@@ -530,7 +530,7 @@ def class2d(**params):
 @job_options(INITIAL_MODEL)
 def initial_model(**params):
     """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM;
-    one class, C1, on the CPU engine for now)."""
+    one class, on the CPU engine for now; with --sym, run in C1 and aligned to the group's axes at the end)."""
     _run(INITIAL_MODEL, params)
 
 

@@ -24,10 +24,14 @@ FAST = ("--healpix_order", 1, "--offset_range", 2, "--offset_step", 1, "--oversa
         "--particle_diameter", 300, "--ini_high", 128, "--cpu")
 
 
-def blobs_map():
+#: half of a C2-symmetric map (about z), elongated along x
+C2_BLOBS = ((5, 1, -3, 2.2, 1.0), (2, -3, 4, 1.8, 0.8))
+
+
+def blobs_map(blobs=BLOBS):
     z, y, x = np.indices((BOX,) * 3) - BOX // 2
     return sum(a * np.exp(-((x - cx) ** 2 + (y - cy) ** 2 + (z - cz) ** 2) / (2 * s * s))
-               for cx, cy, cz, s, a in BLOBS)
+               for cx, cy, cz, s, a in blobs)
 
 
 def rotated(volume, matrix):
@@ -137,6 +141,8 @@ def test_the_files_are_relions(twelve_iterations):
     model = starfile.read(out / "run_it012_model.star")
     assert int(model["model_general"]["rlnNrClasses"]) == 1
     assert model["model_classes"]["rlnReferenceImage"].iloc[0].endswith("run_it012_class001.mrc")
+    # C1: the last map is the initial model, beside the run (RELION's job folder's initial_model.mrc)
+    assert np.allclose(read_volume(out / "initial_model.mrc")[0], read_volume(out / "run_it012_class001.mrc")[0])
     particles = starfile.read(out / "run_it012_data.star")["particles"]
     assert {"rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnClassNumber"} <= set(particles)
     assert len(particles) == 300
@@ -154,7 +160,7 @@ def test_relions_initial_model_line_runs_initial_model(blobs_set, tmp_path):
     assert (tmp_path / "RELION_JOB_EXIT_SUCCESS").is_file()
 
 
-@pytest.mark.parametrize("option, says", [(("--K", 2), "one class only"), (("--sym", "D2"), "give --sym C1")])
+@pytest.mark.parametrize("option, says", [(("--K", 2), "one class only")])
 def test_what_is_not_there_yet_is_refused_in_one_line(blobs_set, tmp_path, capsys, option, says):
     _, star = blobs_set
     code = run_cli("initial_model", "--i", star, "--o", tmp_path / "run", *option)
@@ -189,3 +195,33 @@ def test_the_mini_batches_are_relions_sizes_drawn_afresh_and_split_by_parity():
         assert (first % 2 == 0).all() and (second % 2 == 1).all()  # RELION's pseudo-halves: part_id % 2
     assert not np.array_equal(np.concatenate(job.batch(1, 10_000)), np.concatenate(job.batch(2, 10_000)))
     assert sum(h.size for h in job.batch(200, 900)) == 900  # a batch as large as the set: every particle
+
+
+def test_with_sym_the_run_is_in_c1_and_the_model_is_aligned_to_the_groups_axes(tmp_path):
+    """A C2-symmetric truth (two pairs of blobs about z, elongated along x), --sym C2: the iterations run in C1 (the
+    sampling says C1), initial_model.mrc is the last map turned to the group's axes and symmetrised. Measured: the
+    turn lowers the last map's asymmetry 3-fold (5.5 → 1.8, of a power of 34: the C1 map is far from symmetric); the
+    model correlates 0.66 with the truth after alignment, the sphere 0.59, the last C1 map itself 0.76 (0.84 on a
+    grid of rotations): symmetrising this imperfect map loses some of it."""
+    from cryorefine.core.symmetry import symmetrise_volume, symmetry_group
+    from cryorefine.em.align_symmetry import align_to_symmetry, asymmetry
+
+    group = symmetry_group("C2")
+    truth = symmetrise_volume(blobs_map(C2_BLOBS), group)
+    write_volume(tmp_path / "truth.mrc", truth, PIXEL)
+    assert run_cli("simulate", "--ref", tmp_path / "truth.mrc", "--n", 300, "--snr", 1.0, "--seed", 2, "--o",
+                   tmp_path / "sim") == 0
+    assert run_cli("initial_model", "--i", tmp_path / "sim" / "particles.star", "--o", tmp_path / "out" / "run",
+                   "--iter", 12, "--ctf", "--sym", "C2", "--flatten_solvent", "--zero_mask", "--random_seed", 1,
+                   *FAST) == 0
+    out = tmp_path / "out"
+    assert str(starfile.read(out / "run_it012_sampling.star", always_dict=True)["sampling_general"]
+               ["rlnSymmetryGroup"]).upper() == "C1"
+    model = read_volume(out / "initial_model.mrc")[0].astype(np.float64)
+    assert asymmetry(model, group) < 1e-3 * float(np.sum(model ** 2))
+    last = read_volume(out / "run_it012_class001.mrc")[0].astype(np.float64)
+    turn = align_to_symmetry(last, group, np.random.default_rng(0))
+    assert turn.asymmetry_after < 0.5 * turn.asymmetry_before
+    sphere = aligned_correlation(same_size_sphere(truth), truth)
+    assert aligned_correlation(last, truth) > sphere + 0.1
+    assert aligned_correlation(model, truth) > sphere + 0.04

@@ -21,8 +21,10 @@ No reference is given. RELION's rules, as this job follows them:
 Outputs, as RELION writes them under --grad (every 10th iteration, the last, and those whose batch holds every
 particle): run_itNNN_class001.mrc,
 run_itNNN_data.star, run_itNNN_model.star, run_itNNN_sampling.star, run_itNNN_optimiser.star.
-Not yet: --K above 1, --sym other than C1 (RELION refines in C1 and aligns the map to the group's axes at the end),
-the GPU engine, MPI, --continue, RELION's --auto_sampling steps (every 10 iterations).
+--sym: as RELION's InitialModel job, the run is in C1 and the last map is turned to the group's axes and symmetrised
+(`em.align_symmetry`, RELION's relion_align_symmetry); that map is initial_model.mrc beside the run (the last map as
+it is for C1), as RELION's job writes it in its folder.
+Not yet: --K above 1, the GPU engine, MPI, --continue, RELION's --auto_sampling steps (every 10 iterations).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 import logging
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +44,9 @@ from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.reconstruct import soft_mask_outside_map
 from cryorefine.core.sampling import next_perturbation
+from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import gradient, loop, mstep, schedule
+from cryorefine.em.align_symmetry import align_to_symmetry
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import lowpass_to_ini_high
 from cryorefine.em.solvent import SolventMasks
@@ -83,6 +88,10 @@ MAX_SIGNIFICANTS_PER_CLASS = 100
 #: the random streams of the de-novo map, the mini-batches and their halves
 DENOVO_STREAM = 3
 SUBSET_STREAM = 4
+ALIGN_STREAM = 5
+#: the map of the last iteration, aligned to --sym's axes and symmetrised, beside the run (RELION's InitialModel job
+#: writes it in its folder)
+INITIAL_MODEL_NAME = "initial_model.mrc"
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
@@ -99,9 +108,6 @@ def check_config(config: RefineConfig) -> None:
                          "(drop --gpu)")
     if int(config.n_classes) != 1:
         raise InputError(f"initial_model: --K {config.n_classes}: one class only for now; give --K 1")
-    if config.symmetry.upper() != "C1":
-        raise InputError(f"initial_model: --sym {config.symmetry}: not available yet (RELION makes the model in C1 and "
-                         f"aligns it to the group's axes); give --sym C1")
     for option, value in (("--firstiter_cc", config.firstiter_cc), ("--fast_subsets", config.fast_subsets),
                           ("--skip_align", config.skip_align), ("--sigma_ang", config.sigma_ang_deg),
                           ("--sigma_psi", config.sigma_psi_deg)):
@@ -169,7 +175,9 @@ class InitialModelJob:
     min_mpi_ranks = 2
 
     def __init__(self, config):
-        self.config = config
+        # RELION's InitialModel runs relion_refine in C1 and aligns the map to --sym's axes at the end
+        self.symmetry = config.symmetry
+        self.config = config = dataclasses.replace(config, symmetry="C1")
         self.particles = None
         self.moments = None  # em.gradient.Moments of the class
         self.masks = None
@@ -373,10 +381,26 @@ class InitialModelJob:
                   partial(mrc.write_volume, maps[0], model.maps[0][0], pixel),
                   partial(write_star, blocks, f"{root}_model.star"),
                   partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel)]
+        if plan.iteration == int(config.max_iterations):
+            writes.append(partial(self.write_initial_model, np.array(model.maps[0][0], dtype=np.float64), pixel))
         optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration)
         self._gradient_labels(optimiser_blocks["optimiser_general"], plan)
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
                                           list(argv))]
+
+    def write_initial_model(self, volume: np.ndarray, pixel_size_angstrom: float) -> None:
+        """INITIAL_MODEL_NAME beside the run: the last map, with --sym other than C1 turned to the group's axes and
+        symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry --apply_sym)."""
+        path = Path(self.config.output_root).parent / INITIAL_MODEL_NAME
+        group = symmetry_group(self.symmetry)
+        if group.order > 1:
+            aligned = align_to_symmetry(volume, group, np.random.default_rng([self.config.random_seed,
+                                                                              ALIGN_STREAM]))
+            log.info("initial model: turned by rot %.1f°, tilt %.1f°, psi %.1f° to the axes of %s (asymmetry %.3g → "
+                     "%.3g) and symmetrised: %s", *aligned.angles_deg, self.symmetry, aligned.asymmetry_before,
+                     aligned.asymmetry_after, path)
+            volume = aligned.volume
+        mrc.write_volume(str(path), np.asarray(volume, dtype=np.float32), pixel_size_angstrom)
 
     def _gradient_labels(self, general: dict, plan) -> None:
         """RELION's gradient labels of optimiser_general (MlOptimiser::write) for this run."""
