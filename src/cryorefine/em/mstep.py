@@ -166,6 +166,29 @@ def gathered(peers: Peers, mine: dict) -> dict:
     return merged
 
 
+def class_maps_and_spectra(made: dict, previous_maps: Sequence[np.ndarray], spectra: tuple[np.ndarray, ...],
+                           tau2_fudge: float, r_max: int) -> list[np.ndarray]:
+    """The new map of each class from `made` ({class: (map, τ², σ² of the reference)}, gathered from the
+    workers that made them); a class none made (empty) gets zeros shaped as its previous map. Each made class's
+    τ², reference σ² and SSNR (tau2_fudge·τ²/σ², zero beyond shell `r_max`) are written into its row of
+    `spectra` = (tau2, reference_sigma2, ssnr), arrays (1, K, shells)."""
+    tau2, reference_sigma2, ssnr = spectra
+    maps = []
+    for k, previous in enumerate(previous_maps):
+        if k not in made:
+            maps.append(np.zeros_like(previous, dtype=np.float32))
+            continue
+        new, t2, sigma2 = made[k]
+        maps.append(new)
+        tau2[0, k, : t2.size] = t2
+        reference_sigma2[0, k, : sigma2.size] = sigma2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = np.where(sigma2 > 0, tau2_fudge * t2[: sigma2.size] / sigma2, 0.0)
+        s[r_max + 1:] = 0.0
+        ssnr[0, k, : s.size] = s
+    return maps
+
+
 def volumes_here(sums: WeightedSums, index: int) -> bool:
     """Whether a unit's WeightedSums hold class `index`'s volumes here (MPI: made by this worker, else None)."""
     return index < len(sums.data) and sums.data[index] is not None

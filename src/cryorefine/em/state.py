@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.data import ParticleSet
@@ -130,6 +131,13 @@ class RunState:
     rng: np.random.Generator
     schedule: object = None
     extras: dict = field(default_factory=dict)
+
+    def append_history(self, name: str, value: npt.ArrayLike) -> None:
+        """Add this iteration's `value` to the history extras[name] (one row per iteration; a run continued from
+        files written before the history was kept starts it empty)."""
+        value = np.asarray(value, dtype=np.float64)
+        history = np.asarray(self.extras.get(name, np.zeros((0,) + value.shape)), dtype=np.float64)
+        self.extras[name] = np.concatenate([history.reshape((-1,) + value.shape), value[None]])
 
 
 @dataclass

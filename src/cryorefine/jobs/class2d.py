@@ -321,19 +321,8 @@ class Class2DJob:
                 image = image * mask
             made[int(k)] = (image.astype(np.float32), t2, sigma2)
         made = mstep.gathered(peers, made)
-        new_maps = []
-        for k in range(k_classes):
-            if k not in made:
-                new_maps.append(np.zeros_like(model.maps[0][k], dtype=np.float32))
-                continue
-            image, t2, sigma2 = made[k]
-            new_maps.append(image)
-            tau2[0, k, : t2.size] = t2
-            ref_sigma2[0, k, : sigma2.size] = sigma2
-            with np.errstate(divide="ignore", invalid="ignore"):
-                s = np.where(sigma2 > 0, config.tau2_fudge * t2[: sigma2.size] / sigma2, 0.0)
-            s[r_max + 1:] = 0.0
-            ssnr[0, k, : s.size] = s
+        new_maps = mstep.class_maps_and_spectra(made, model.maps[0][:k_classes], (tau2, ref_sigma2, ssnr),
+                                                config.tau2_fudge, r_max)
         model.maps = [new_maps]
         model.tau2, model.ssnr, model.reference_sigma2 = tau2, ssnr, ref_sigma2
         model.pdf_class = model.class_distribution = pdf_class
@@ -356,15 +345,9 @@ class Class2DJob:
                                 changes_optimal_offsets_angstrom=changes.offsets_angstrom,
                                 changes_optimal_classes=changes.classes)
         per_class = [resolution(model.ssnr[0][k:k + 1]) for k in range(model.n_classes)]
-        self._append(run, "class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
-        self._append(run, "class_changes", changes.classes)
-        self._append(run, "class_resolutions", np.asarray(per_class))
-
-    @staticmethod
-    def _append(run, name, value):
-        value = np.asarray(value, dtype=np.float64)
-        history = np.asarray(run.extras.get(name, np.zeros((0,) + value.shape)), dtype=np.float64)
-        run.extras[name] = np.concatenate([history.reshape((-1,) + value.shape), value[None]])
+        run.append_history("class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
+        run.append_history("class_changes", changes.classes)
+        run.append_history("class_resolutions", np.asarray(per_class))
 
     def finished(self, run, plan):
         return False  # every one of --iter iterations runs

@@ -415,19 +415,8 @@ class ClassifyJob:
             made[k] = (mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)), t2, sigma2)
             del bp
         made = mstep.gathered(peers, made)  # every worker holds every map
-        new_maps = []
-        for k in range(k_classes):
-            if k not in made:
-                new_maps.append(np.zeros_like(model.maps[0][k], dtype=np.float32))
-                continue
-            volume, t2, sigma2 = made[k]
-            new_maps.append(volume)
-            tau2[0, k, : t2.size] = t2
-            ref_sigma2[0, k, : sigma2.size] = sigma2
-            with np.errstate(divide="ignore", invalid="ignore"):
-                s = np.where(sigma2 > 0, config.tau2_fudge * t2[: sigma2.size] / sigma2, 0.0)
-            s[r_max + 1:] = 0.0
-            ssnr[0, k, : s.size] = s
+        new_maps = mstep.class_maps_and_spectra(made, model.maps[0][:k_classes], (tau2, ref_sigma2, ssnr),
+                                                config.tau2_fudge, r_max)
         if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
             first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
                                                 model.pixel_size_angstrom))
@@ -465,9 +454,9 @@ class ClassifyJob:
             iteration=plan.iteration, ini_high_angstrom=config.ini_high_angstrom, firstiter_cc=config.firstiter_cc,
             check_high_res_side=False).resolution_angstrom for k in range(model.n_classes)]
         self._drop_finer_sampling_where_too_broad(run, plan)
-        self._append(run, "class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
-        self._append(run, "class_changes", changes.classes)
-        self._append(run, "class_resolutions", np.asarray(per_class))
+        run.append_history("class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
+        run.append_history("class_changes", changes.classes)
+        run.append_history("class_resolutions", np.asarray(per_class))
 
     @staticmethod
     def _drop_finer_sampling_where_too_broad(run, plan):
@@ -484,14 +473,6 @@ class ClassifyJob:
         log.warning("from iteration %d on the fine pass samples at --oversampling again (RELION's): %d of %d "
                     "particles reached the finer pass's limit in iteration %d, their coarse posteriors too broad "
                     "for it", plan.iteration + 1, n_reached, n_particles, plan.iteration)
-
-    @staticmethod
-    def _append(run, name, value):
-        """Add this iteration's `value` to the history run.extras[name] (one row per iteration; a run continued
-        from files written before the history was kept starts it empty)."""
-        value = np.asarray(value, dtype=np.float64)
-        history = np.asarray(run.extras.get(name, np.zeros((0,) + value.shape)), dtype=np.float64)
-        run.extras[name] = np.concatenate([history.reshape((-1,) + value.shape), value[None]])
 
     def finished(self, run, plan):
         return False  # every one of --iter iterations runs
