@@ -52,6 +52,7 @@ from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import model_star_blocks, optimiser_star_blocks, particle_table, write_optimiser_star
 from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
 
@@ -353,11 +354,7 @@ class Class2DJob:
         return False  # every one of --iter iterations runs
 
     def summary(self, run, plan, changes):
-        model = run.model
-        return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
-                f"{plan.sizes.coarse_size_px} px, classes {' '.join(f'{100 * p:.0f}%' for p in model.pdf_class)}, "
-                f"Δpsi {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
-                f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
+        return classification_summary(run, plan, changes, angle_name="psi")
 
     # ------------------------------------------------------------------ outputs
     def outputs(self, run, plan, snapshot, timings, stages, argv):

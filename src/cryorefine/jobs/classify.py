@@ -87,6 +87,16 @@ def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested
     return loop.run(ClassifyJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
 
 
+def classification_summary(run: RunState, plan, changes, angle_name: str = "angle") -> str:
+    """An iteration's log line of a classification: resolution, sizes, class shares, the changes of the hidden
+    variables (the angle's as Δ`angle_name`) and the average pmax."""
+    model = run.model
+    return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
+            f"{plan.sizes.coarse_size_px} px, classes {' '.join(f'{100 * p:.0f}%' for p in model.pdf_class)}, "
+            f"Δ{angle_name} {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
+            f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
+
+
 def initial_references(config, box, pixel):
     """K maps (float64) and whether they came from one map (then iteration 1 or 2 draws random seeds). From one map,
     the classes share one read-only array: the M-step replaces maps and nothing changes one in place, so K copies of
@@ -478,11 +488,7 @@ class ClassifyJob:
         return False  # every one of --iter iterations runs
 
     def summary(self, run, plan, changes):
-        model = run.model
-        return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
-                f"{plan.sizes.coarse_size_px} px, classes {' '.join(f'{100 * p:.0f}%' for p in model.pdf_class)}, "
-                f"Δangle {changes.orientations_deg:.2f}°, Δoffset {changes.offsets_angstrom:.2f} Å, "
-                f"Δclass {changes.classes:.3f}, pmax {model.ave_pmax:.3f}")
+        return classification_summary(run, plan, changes)
 
     # ------------------------------------------------------------------ outputs
     def _angdist_writes(self, root, model, plan):
