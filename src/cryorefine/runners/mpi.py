@@ -72,6 +72,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cryorefine.core.grid import complex_dtype_for
+from cryorefine.core.sampling import direction_tables
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em import mstep
 from cryorefine.em.estep import (
@@ -459,6 +460,8 @@ class MpiRunner:
             try:
                 particles = load_particles(self.config.input_star, check_stacks=False)
                 backend = scope.enter_context(self._worker_backend())
+                # the first iteration's directions (and healpy's import, about a second) made now, not in its set-up
+                direction_tables(self.config.healpix_order, self.config.symmetry)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below unless the master ends the run first
                 failure = exc
@@ -487,6 +490,8 @@ class MpiRunner:
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             self.peers.channel.device = self._device_collectives(self.workers)
+            if self.peers.channel.device is not None:  # NCCL's connections made now, not in the first reduction
+                self.peers.channel.device.warm_up()
             yield backend
 
     def _noise_batches(self, backend, particles, settings, n_optics):
@@ -665,8 +670,9 @@ class MpiRunner:
         if self.n_workers < n_units:  # each unit has one worker, which holds it
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
         (u, s), = sums.items()
-        if n_units not in self._unit_comms:
-            self._unit_comms[n_units] = self._unit_communicators(worker % n_units, worker)
+        if n_units not in self._unit_comms:  # one unit: its workers are all the workers, whose NCCL is made
+            self._unit_comms[n_units] = ((self.workers, self.peers.channel.device) if n_units == 1
+                                         else self._unit_communicators(worker % n_units, worker))
         unit_comm, device = self._unit_comms[n_units]
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
