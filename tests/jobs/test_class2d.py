@@ -96,7 +96,7 @@ def gui_lines():
 
 
 #: the GUI settings whose lines cryorefine refuses, with the option the message names
-REFUSED = {"every default": "--grad", "allow_coarser Yes": "--allow_coarser_sampling"}
+REFUSED = {"allow_coarser Yes": "--allow_coarser_sampling"}
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +114,8 @@ def gui_project(tmp_path_factory):
 @pytest.mark.parametrize("setting, line", gui_lines(), ids=[s for s, _ in gui_lines()])
 def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkeypatch, setting, line, capsys):
     """Each line, one iteration on the CPU (`--iter 1 --cpu` added, as under "Additional arguments"): it writes
-    RELION's files and RELION_JOB_EXIT_SUCCESS, or (VDAM, coarser sampling) is refused in one line naming the option,
-    exit 2, RELION_JOB_EXIT_FAILURE and no iteration's files."""
+    RELION's files (VDAM's with the momenta: its one iteration is its last) and RELION_JOB_EXIT_SUCCESS, or (coarser
+    sampling) is refused in one line naming the option, exit 2, RELION_JOB_EXIT_FAILURE and no iteration's files."""
     monkeypatch.chdir(gui_project)
     words = shlex.split(line)[2:]
     folder = Path(words[words.index("--pipeline_control") + 1])
@@ -132,6 +132,10 @@ def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkey
     assert (folder / "RELION_JOB_EXIT_SUCCESS").exists()
     for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "sampling.star"):
         assert (folder / f"run_it001_{suffix}").is_file(), suffix
+    vdam = "--grad" in words
+    assert (folder / "run_it001_1moment.mrcs").is_file() == vdam
+    general = starfile.read(folder / "run_it001_optimiser.star", always_dict=True)["optimiser_general"]
+    assert int(general["rlnDoGradientRefine"]) == int(vdam)
 
 
 def test_class2d_refuses_the_gpu_engine_in_one_line(gui_project, tmp_path, capsys):

@@ -333,7 +333,7 @@ def saved_state(kind, config, state, particles):
     import json
 
     scalars = {f.name: getattr(state.model, f.name) for f in dataclasses.fields(state.model)
-               if f.name not in MODEL_ARRAYS + ("maps", "joined_map")}
+               if f.name not in MODEL_ARRAYS + ("maps", "joined_map", "moments")}
     document = {"config": json.loads(config.to_json()), "job": kind, "model": scalars,
                 "optimiser": dataclasses.asdict(state.optimiser),
                 "schedule": None if state.schedule is None else dataclasses.asdict(state.schedule),
