@@ -59,6 +59,7 @@ CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -541,13 +542,15 @@ class MpiRunner:
             # this worker's share of its unit: the workers together hold each image once. A classification's seeding
             # iteration (a unit per class, more than the workers) adds none: the shares stay those of the job's unit
             preread = np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
+        units = self._with_shared_references(plan, mine, backend, stages)
         reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
             if preread is not None:
                 add_seconds(stages, "preread", reading)  # the first iteration reads them in
-            sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
+            sums = run_batches(backend, units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
+        del units
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
         del sums
@@ -574,6 +577,43 @@ class MpiRunner:
         share = [np.ascontiguousarray(m) for _, _, m in maps_of_worker(new_model.maps, worker, self.n_workers)]
         self._send_maps(share)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out
+
+    def _with_shared_references(self, plan, mine, backend, stages):
+        """The plan's units, this worker's own with its classes' references made once among the unit's workers
+        (stage `references`): each worker transforms every W-th class (the engine's projector set-up, the padded
+        transform of each map) and they share them, through NCCL where the unit's workers have GPUs of their own,
+        through MPI on the host with the numpy engine. Where a GPU is shared by several workers, a worker serves
+        several units or a unit has one class, each engine makes its own as in one process."""
+        units = list(plan.units)
+        n_units = len(units)
+        if len(mine) != 1 or n_units > self.n_workers:
+            return units
+        u = mine[0]
+        setup = units[u].setup
+        if setup.maps is None or setup.projectors is not None or len(setup.maps) < 2:
+            return units
+        unit_comm, device = self._unit_comm(n_units)
+        size = unit_comm.Get_size()
+        if size == 1 or (backend.name == "cuda" and device is None):
+            return units
+        share = device.broadcast if backend.name == "cuda" else functools.partial(_host_broadcast, unit_comm)
+        tic = time.perf_counter()
+        projectors = backend.shared_projectors(setup.maps, setup.padding_factor, setup.current_size_px // 2,
+                                               [k % size for k in range(len(setup.maps))], unit_comm.Get_rank(),
+                                               share)
+        units[u] = replace(units[u], setup=replace(setup, maps=None, projectors=projectors))
+        add_seconds(stages, "references", tic)
+        return units
+
+    def _unit_comm(self, n_units):
+        """(MPI communicator of the workers of this worker's unit, its NCCL collectives or None) where each worker
+        serves one unit (`units_of_worker`), made once per number of units; one unit's workers are all the workers,
+        whose NCCL communicator is made as they start."""
+        if n_units not in self._unit_comms:
+            worker = self.rank - 1
+            self._unit_comms[n_units] = ((self.workers, self.peers.channel.device) if n_units == 1
+                                         else self._unit_communicators(worker % n_units, worker))
+        return self._unit_comms[n_units]
 
     def _send_maps(self, share):
         """This worker's share of the new maps on its way to the master while the next E-step runs: a thread moves
@@ -665,15 +705,11 @@ class MpiRunner:
         they are, or copies them to the host in that precision when it serves several units."""
         from mpi4py import MPI
 
-        worker = self.rank - 1
         n_units = len(plan.units)
         if self.n_workers < n_units:  # each unit has one worker, which holds it
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
         (u, s), = sums.items()
-        if n_units not in self._unit_comms:  # one unit: its workers are all the workers, whose NCCL is made
-            self._unit_comms[n_units] = ((self.workers, self.peers.channel.device) if n_units == 1
-                                         else self._unit_communicators(worker % n_units, worker))
-        unit_comm, device = self._unit_comms[n_units]
+        unit_comm, device = self._unit_comm(n_units)
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
         unit_workers = workers_of_unit(u, self.n_workers, n_units)
@@ -765,6 +801,13 @@ class MpiRunner:
         for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
             self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source + 1, tag=TAG_SUMS)
         return from_flat_reals(flat, like.shape, like.dtype)
+
+
+def _host_broadcast(comm, array, root):
+    """`array` (a contiguous numpy array) of rank `root` of `comm` on every rank, in place, in chunks."""
+    flat = array.reshape(-1).view(np.float64 if array.dtype.itemsize % 8 == 0 else np.float32)
+    for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+        comm.Bcast(flat[start:start + REDUCE_CHUNK_ELEMENTS], root=root)
 
 
 class WorkerPeers:
