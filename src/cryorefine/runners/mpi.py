@@ -526,6 +526,8 @@ class MpiRunner:
                     self._iteration(job, backend, particles, settings, plan, model, previous, node_workers)
 
     def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers):
+        from mpi4py import MPI
+
         comm, worker = self.comm, self.rank - 1
         start = time.perf_counter()
         n_units = len(plan.units)
@@ -534,8 +536,13 @@ class MpiRunner:
         inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
                              self.config.do_norm)
 
+        sending = []  # the batches' results on their way to the master: the engine goes on meanwhile (a result is
+        # larger than MPI's eager limit, so a blocking send waited for the master's receive, a few ms a batch)
+
         def on_result(u, indices, result):
-            comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
+            sending.append(comm.isend(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST))
+            while sending and sending[0].Test():  # those the master has received let go of their bytes
+                sending.pop(0)
 
         preread = None
         if self.config.preread_images and n_units <= self.n_workers:
@@ -551,6 +558,9 @@ class MpiRunner:
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
         del units
+        tic = time.perf_counter()
+        MPI.Request.Waitall(sending)
+        add_seconds(stages, "results", tic)
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
         del sums
