@@ -13,8 +13,10 @@ Workers (ranks 1 … N−1) are assigned work units: with at least as many worke
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
 the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
 next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
-device each when CuPy sees one, else numpy; `--preread_images` keeps its shares' images in memory)
-and asks for the next batch before it starts on the current one.
+device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
+file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
+without waiting for its receive. Where each worker serves one unit of several classes, the unit's workers make the
+classes' reference transforms once among them, each every W-th class, and share them (`_with_shared_references`).
 
 At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
 reconstructions: the job names its maps in groups whose sums must be in one process
