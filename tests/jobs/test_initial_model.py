@@ -259,28 +259,46 @@ def two_maps(tmp_path_factory):
     return folder
 
 
-#: two classes, three iterations with files each (mini-batches of RELION's smallest, 200: every particle)
-TWO_CLASSES = ("--iter", 3, "--grad_write_iter", 1, "--ctf", "--K", 2, "--flatten_solvent", "--zero_mask",
-               "--random_seed", 1, *FAST)
+#: two classes (mini-batches of RELION's smallest, 200: every particle)
+TWO_CLASSES = ("--ctf", "--K", 2, "--flatten_solvent", "--zero_mask", "--random_seed", 1, *FAST)
 
 
-def test_two_classes_write_relions_files_of_each_class(two_maps):
-    out = two_maps / "serial"
-    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", out / "run", *TWO_CLASSES) == 0
+@pytest.fixture(scope="module")
+def two_classes(two_maps):
+    """12 iterations of two classes (about 8 s on two cores)."""
+    out = two_maps / "k2"
+    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", out / "run", "--iter", 12,
+                   *TWO_CLASSES) == 0
+    return out
+
+
+def test_two_classes_take_the_particles_of_the_two_maps_apart(two_classes, two_maps):
+    """Chance is 1/2 (measured with seeds 1, 2, 3: 82, 93 and 87 % of the particles in the class of their map;
+    each class's map correlates 0.12-0.30 more with the truth of most of its particles than with the other)."""
+    truth = np.repeat([0, 1], 100)
+    found = starfile.read(two_classes / "run_it012_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    assert max(np.mean(found == truth), np.mean(found == 1 - truth)) >= 0.7
+    truths = [read_volume(two_maps / f"{name}.mrc")[0].astype(np.float64) for name in "ab"]
+    for k in (0, 1):
+        own = np.bincount(truth[found == k], minlength=2).argmax()
+        found_map = read_volume(two_classes / f"run_it012_class{k + 1:03d}.mrc")[0].astype(np.float64)
+        assert aligned_correlation(found_map, truths[own]) > aligned_correlation(found_map, truths[1 - own]) + 0.05
+
+
+def test_two_classes_write_relions_files_of_each_class(two_classes):
+    out = two_classes
     for k in (1, 2):
-        assert (out / f"run_it003_class{k:03d}.mrc").is_file()
-        assert (out / f"run_it003_2moment{k:03d}.mrc").is_file()
+        assert (out / f"run_it012_class{k:03d}.mrc").is_file()
+        assert (out / f"run_it012_2moment{k:03d}.mrc").is_file()
     # the first moments of the two pseudo-half sets: classes 1, 2, then 3, 4 (RELION's K + k); 24 px padded once
     for k in (1, 2, 3, 4):
-        assert read_volume(out / f"run_it003_1moment{k:03d}.mrc", require_cubic=False)[0].shape == (24, 24, 26)
-    classes = starfile.read(out / "run_it003_model.star")["model_classes"]
+        assert read_volume(out / f"run_it012_1moment{k:03d}.mrc", require_cubic=False)[0].shape == (24, 24, 26)
+    classes = starfile.read(out / "run_it012_model.star")["model_classes"]
     assert len(classes) == 2 and classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
-    assert list(classes["rlnGradMoment2"]) == [f"{out}/run_it003_2moment{k:03d}.mrc" for k in (1, 2)]
+    assert list(classes["rlnGradMoment2"]) == [f"{out}/run_it012_2moment{k:03d}.mrc" for k in (1, 2)]
     largest = int(np.argmax(classes["rlnClassDistribution"])) + 1  # RELION's --select_largest_class
     assert np.array_equal(read_volume(out / "initial_model.mrc")[0],
-                          read_volume(out / f"run_it003_class{largest:03d}.mrc")[0])
-    found = starfile.read(out / "run_it003_data.star")["particles"]["rlnClassNumber"]
-    assert set(found) <= {1, 2}
+                          read_volume(out / f"run_it012_class{largest:03d}.mrc")[0])
 
 
 @pytest.mark.mpi
@@ -290,13 +308,13 @@ def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
-    serial = two_maps / "serial"
-    if not (serial / "run_it003_class002.mrc").is_file():
-        assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", serial / "run", *TWO_CLASSES) == 0
+    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "serial" / "run", "--iter", 3,
+                   *TWO_CLASSES) == 0
     environment = dict(os.environ)
     environment.pop("PMI_SIZE", None)
     done = subprocess.run([str(mpiexec), "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
-                           str(two_maps / "mix.star"), "--o", str(two_maps / "mpi" / "run"), *map(str, TWO_CLASSES)],
+                           str(two_maps / "mix.star"), "--o", str(two_maps / "mpi" / "run"), "--iter", "3",
+                           *map(str, TWO_CLASSES)],
                           capture_output=True, text=True, timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-2000:]
     for it in (1, 2, 3):
