@@ -11,7 +11,8 @@ worker with most left, so that the workers end together and `--preread_images` h
 once among them (each worker its share; a batch taken over from another's is read from the stacks).
 Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
-the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
+the units u with u mod W = w, one after the other, where U is a multiple of W, and otherwise every worker serves
+every unit (`units_of_worker`: the workers end together). A worker reads its batches' images itself (the
 next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
 device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
 file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
@@ -145,10 +146,15 @@ def half_of_rank(rank):
 
 
 def units_of_worker(worker, n_workers, n_units):
-    """The work units worker `worker` (0-based, of `n_workers`) serves, in the order it serves them."""
+    """The work units worker `worker` (0-based, of `n_workers`) serves, in the order it serves them: with at least
+    as many workers as units, unit `worker` mod U; with fewer, the units u with u mod W = `worker` where that shares
+    them out evenly (U a multiple of W), else every unit (a classification's seeding iteration, a unit per class:
+    six on four workers would be two, two, one and one units of the same size)."""
     if n_workers >= n_units:
         return [worker % n_units]
-    return [u for u in range(n_units) if u % n_workers == worker]
+    if n_units % n_workers == 0:
+        return [u for u in range(n_units) if u % n_workers == worker]
+    return list(range(n_units))
 
 
 def holder_of_unit(unit, n_workers):
@@ -157,8 +163,11 @@ def holder_of_unit(unit, n_workers):
 
 
 def workers_of_unit(unit, n_workers, n_units):
-    """The workers that serve a unit, its holder first."""
-    return [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+    """The workers that serve a unit, its holder (`holder_of_unit`) first, then on in worker order (so that the first
+    of every unit is not one worker where every worker serves every unit)."""
+    holder = holder_of_unit(unit, n_workers)
+    serving = [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+    return sorted(serving, key=lambda w: (w - holder) % n_workers)
 
 
 def shares_of_unit(members, n_workers):
@@ -714,17 +723,27 @@ class MpiRunner:
         one of the unit's, `_sums_of_makers` sends it on), the other sums onto the unit's holder (`holder_of_unit`).
         A class volume not held here is None; the other sums are whole only on the holder. The volumes are added in
         the engine's precision (`real_dtype`), the other sums in float64; a unit's only worker keeps them where
-        they are, or copies them to the host in that precision when it serves several units."""
-        from mpi4py import MPI
-
+        they are, or copies them to the host in that precision when it serves several units. Where every worker
+        serves every unit (`units_of_worker`), each unit is added over all the workers, one unit after the other."""
         n_units = len(plan.units)
-        if self.n_workers < n_units:  # each unit has one worker, which holds it
+        if self.n_workers < n_units and n_units % self.n_workers == 0:  # each unit has one worker, which holds it
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
+        if self.n_workers < n_units:  # every worker serves every unit: each is added over all of them, in order
+            return {u: self._reduce_unit(u, sums[u], self.workers, self.peers.channel.device, plan, makers,
+                                         real_dtype) for u in sorted(sums)}
         (u, s), = sums.items()
         unit_comm, device = self._unit_comm(n_units)
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
-        unit_workers = workers_of_unit(u, self.n_workers, n_units)
+        return {u: self._reduce_unit(u, s, unit_comm, device, plan, makers, real_dtype)}
+
+    def _reduce_unit(self, u, s, unit_comm, device, plan, makers, real_dtype):
+        """Unit `u`'s WeightedSums `s` added over `unit_comm`, the communicator of its workers (`_reduce`)."""
+        from mpi4py import MPI
+
+        unit_workers = workers_of_unit(u, self.n_workers, len(plan.units))
+        in_comm = sorted(unit_workers)  # the communicators rank the workers in worker order
+        holder = in_comm.index(holder_of_unit(u, self.n_workers))
 
         def reduced(array, root, dtype, wire=np.float64):
             """`array` added over the unit's workers onto `root` (its rank in the unit): on the GPUs where every
@@ -746,7 +765,7 @@ class MpiRunner:
         data, weight = [], []
         for c in range(len(s.data)):
             maker = makers[(u, c)]
-            root = unit_workers.index(maker) if maker in unit_workers else 0
+            root = in_comm.index(maker) if maker in in_comm else holder
             # the class volumes in the engine's own precision: each worker's are float32 sums of thousands of
             # atomic adds, and float64 on the wire doubled the bytes and cost a conversion on each side (the
             # reduction of Class3D's six volumes grew to 1.3 s a worker an iteration on two H200s)
@@ -755,9 +774,9 @@ class MpiRunner:
             weight.append(reduced(s.weight[c], root, np.dtype(real_dtype), real_dtype))
             s.weight[c] = None
         small = s.without_volumes()
-        flats = [reduced(flat, 0, np.float64) for flat in small.pack()]
-        small = small.unpack(flats) if unit_comm.Get_rank() == 0 else small
-        return {u: replace(small, data=data, weight=weight)}
+        flats = [reduced(flat, holder, np.float64) for flat in small.pack()]
+        small = small.unpack(flats) if unit_comm.Get_rank() == holder else small
+        return replace(small, data=data, weight=weight)
 
     def _unit_communicators(self, color, key):
         """(MPI communicator of the workers of this worker's unit, its `_device_collectives` or None)."""
