@@ -264,6 +264,23 @@ def test_more_seed_units_than_workers_are_served_by_every_worker_as_one_process_
         assert_same_classification(mixture, "k3_n3", "k3_n1", it, classes=(1, 2, 3))
 
 
+def test_a_bad_input_found_while_the_workers_add_up_the_noise_ends_every_rank_with_the_masters_line(mixture):
+    """The workers begin the initial noise pass while the master makes the starting maps: a bad input found there
+    ends the job with exit code 2 and the master's one line, once the workers' pass has ended (none left waiting)."""
+    from conftest import CLASSIFY_ARGS
+
+    script = Path(__file__).with_name("start_failure_script.py")
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)  # a test run under mpiexec itself must not pass it on
+    command = [mpiexec(), "-n", "3", sys.executable, str(script), "--i", str(mixture / "mix.star"), "--ref",
+               str(mixture / "avg.mrc"), "--o", str(mixture / "start_failure" / "run"),
+               *(str(a) for a in CLASSIFY_ARGS), "--batch", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("the starting maps failed") == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture):
     # batches of 4 (15 an iteration), so that both workers get some of iteration 2's single work unit: with the
     # default batch the one batch goes to whichever worker asks first

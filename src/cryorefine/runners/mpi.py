@@ -314,33 +314,49 @@ class MpiRunner:
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
         self.maps_outgoing = None  # a worker: the thread moving its share of the last maps to the master
+        self.noise_begun = False  # the master: the workers run the initial noise pass (`begin_initial_noise`)
+        self.noise_batches_left = 0  # its batches whose sums the master has not received
+
+    def begin_initial_noise(self, particles, settings, n_optics):
+        """The workers start the initial noise pass (`_noise_batches`), each batch's sums sent here as it is ready,
+        while this process goes on (job.start makes the starting maps); `initial_noise_spectra` collects them."""
+        self.objects.bcast(("noise", (settings, n_optics)), root=0)
+        self.noise_begun = True
+        self.noise_batches_left = -(-len(particles) // self.config.batch_size_for(settings.ori_size_px))
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
         on its engine and sends each batch's sums here, where they are added in batch order (bit for bit as one
         process adds them). The workers' seconds waiting for their reads and preparing their images, added up,
         are logged in one line."""
-        from mpi4py import MPI
-
-        comm = self.comm
-        self.objects.bcast(("noise", (settings, n_optics)), root=0)
+        if not self.noise_begun:  # job.start's call, with the loop's arguments of `begin_initial_noise`
+            self.begin_initial_noise(particles, settings, n_optics)
+        self.noise_begun = False
         noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
-        pending, status = {}, MPI.Status()
+        pending = {}
         worker_stages = {}  # rank -> that worker's seconds so far, by stage
-        for number in range(-(-len(particles) // self.config.batch_size_for(settings.ori_size_px))):
+        for number in range(self.noise_batches_left):
             while number not in pending:
-                while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
-                    self._raise_worker_failure()
-                    time.sleep(0.0005)  # poll gently, as the E-step's master does
-                source = status.Get_source()
-                received, sums, worker_stages[source] = comm.recv(source=source, tag=TAG_NOISE)
-                pending[received] = sums
+                source, (received, sums, stages) = self._next_noise_batch()
+                pending[received], worker_stages[source] = sums, stages
             noise.add_batch_sums(*pending.pop(number))
         totals = {}
         for stages in worker_stages.values():
             add_counts(totals, stages)
         log_stages("initial noise spectra, the workers' seconds added", totals)
         return noise.sigma2()
+
+    def _next_noise_batch(self):
+        """(worker's rank, (batch number, its sums, the worker's stage seconds)) of the next noise batch to arrive."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
+            self._raise_worker_failure()
+            time.sleep(0.0005)  # poll gently, as the E-step's master does
+        source = status.Get_source()
+        self.noise_batches_left -= 1
+        return source, self.comm.recv(source=source, tag=TAG_NOISE)
 
     # ------------------------------------------------------------------ master
     def _raise_worker_failure(self):
@@ -360,6 +376,11 @@ class MpiRunner:
         except BaseException as exc:
             # nothing distributed yet and no worker failed: every rank ends quietly, the master reports
             if not self.announced and not isinstance(exc, WorkerFailed):
+                try:
+                    while self.noise_batches_left:  # the workers' noise pass, begun, ends first
+                        self._next_noise_batch()
+                except WorkerFailed as failed:
+                    _abort(self.comm, failed, self.on_abort)
                 self.objects.bcast(("error", None), root=0)
                 raise
             _abort(self.comm, exc, self.on_abort)

@@ -45,6 +45,9 @@ class SerialRunner:
         return spectra
 
     @contextlib.contextmanager
+    def begin_initial_noise(self, particles, settings, n_optics):
+        """Nothing: the noise pass runs here, when job.start asks for it."""
+
     def session(self):
         """The whole run inside the backend's run scope (the GPU arena)."""
         with self.backend.run_scope():
