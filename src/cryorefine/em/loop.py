@@ -124,6 +124,11 @@ class Runner(Protocol):
     def initial_noise_spectra(self, particles, settings, n_optics):
         """RELION's initial noise spectra (n_optics, shells) from all images, on the runner's engines."""
 
+    def begin_initial_noise(self, particles, settings, n_optics) -> None:
+        """Start the initial noise pass where it runs beside this process (MPI: on the workers), so that
+        `initial_noise_spectra` with the same arguments, called by `job.start` once the starting maps are made,
+        only collects it; nothing where it would run here."""
+
     def session(self):
         """A context manager around the run (the device arena; MPI: the workers' start and stop, failures)."""
 
@@ -133,11 +138,6 @@ class Runner(Protocol):
     def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress) -> StepOutcome:
         """The E-step of every unit of `plan` (results through `store(indices, BatchResult)`) and `job.maximize`."""
 
-
-    def begin_initial_noise(self, particles, settings, n_optics) -> None:
-        """Start the initial noise pass where it runs beside this process (MPI: on the workers), so that
-        `initial_noise_spectra` with the same arguments, called by `job.start` once the starting maps are made,
-        only collects it; nothing where it would run here."""
 
 def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
     """Run `job` to its end with `runner`; its `RunReports` (None on an MPI worker).
@@ -169,6 +169,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         particles, settings = job.load()
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))
+        if resume_from is None:  # the workers' noise pass runs while job.start makes the starting maps
+            runner.begin_initial_noise(particles, settings, len(particles.optics_groups))
         clock.mark("particles, reference and masks read")
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)
@@ -179,8 +181,6 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 raise InputError(f"{resume_from}: the run had {state.particles.rot_deg.size} particles, the STAR "
                                  f"file has {len(particles)}; continue with the same --i")
             scales = state.model.scale_correction
-        if resume_from is None:  # the workers' noise pass runs while job.start makes the starting maps
-            runner.begin_initial_noise(particles, settings, len(particles.optics_groups))
             if scales is not None and np.size(scales) != particles.n_scale_groups:  # a run saved before its groups
                 log.warning("%s: %d intensity scales saved for %d groups of the particles; the scales start again "
                             "from 1", resume_from, np.size(scales), particles.n_scale_groups)
