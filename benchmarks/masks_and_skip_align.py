@@ -118,7 +118,9 @@ def measure(work, name, truth, mask, box, pixel):
     reported = float(general["rlnCurrentResolution"])
     reported_shell = int(round(box * pixel / reported))
     truth_shell = shell_below(inside, 0.5)
-    row = {"run": name, "converged": converged, "final_map": str(final), "iterations": len(list(out.glob("run_it*_optimiser.star"))),
+    # iteration 0's files come before iteration 1; a converged run's final iteration writes run_optimiser.star
+    iterations = len([p for p in out.glob("run_it*_optimiser.star") if not p.name.startswith("run_it000_")]) + converged
+    row = {"run": name, "converged": converged, "final_map": str(final), "iterations": iterations,
            "fsc_truth_0.5_A": angstrom(shell_below(whole, 0.5), box, pixel),
            "fsc_truth_0.143_A": angstrom(shell_below(whole, 0.143), box, pixel),
            "fsc_truth_masked_0.5_A": angstrom(truth_shell, box, pixel),

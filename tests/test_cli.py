@@ -227,7 +227,7 @@ def test_a_full_disk_is_named_with_what_to_do_not_as_an_internal_error(tmp_path,
     lines = err.strip().splitlines()
     assert code == 3 and len(lines) == 1, err
     assert lines[0].startswith("cryorefine: error: no space left on the device writing ")
-    assert "run_it001_half1_class001.mrc" in lines[0] and "--continue" in lines[0]
+    assert "run_it000_half1_class001.mrc" in lines[0] and "--continue" in lines[0]  # the first map: iteration 0's
     assert "internal error" not in err and "Traceback" not in err
 
 
@@ -405,10 +405,30 @@ def test_ctrl_c_names_the_last_complete_iteration_and_the_continue_line_that_res
     assert code == 0 and "continued from iteration 2" in stdout
 
 
-def test_ctrl_c_before_the_first_iteration_is_complete_says_there_is_nothing_to_continue_from(tmp_path, capsys,
-                                                                                             monkeypatch):
+def test_ctrl_c_in_the_first_iteration_names_iteration_0_and_before_it_there_is_nothing_to_continue_from(
+        tmp_path, capsys, monkeypatch):
+    """Ctrl-C in iteration 1: iteration 0's files (RELION's run_it000_*, written before iteration 1) are the last
+    complete ones, and their --continue line runs iteration 1; Ctrl-C as the run starts, before them: nothing to
+    continue from."""
+    from cryorefine.jobs.refine import RefineJob
+
+    star = tmp_path / "run_it000_optimiser.star"
     interrupt_at(monkeypatch, 1)
     code, _, err = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "run"), "--iter", "2")
+    assert code == 130
+    assert err.strip() == (f"cryorefine: error: interrupted (Ctrl-C); iteration 0 is the last complete one: resume "
+                           f"with `cryorefine refine --continue {star}`")
+    monkeypatch.undo()
+    code, stdout, _ = run(capsys, "refine", "--continue", str(star), "--iter", "1")
+    assert code == 0 and "(iteration 1, continued from iteration 0)" in stdout
+    assert (tmp_path / "run_it001_half1_class001.mrc").is_file()
+
+    def interrupted_start(self, *args):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(RefineJob, "start", interrupted_start)
+    code, _, err = run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(tmp_path / "again" / "run"),
+                       "--iter", "2")
     assert code == 130 and "before iteration 1 was complete: nothing to continue from" in err
     assert len(err.strip().splitlines()) == 1
 

@@ -979,8 +979,10 @@ def _report_end(reports, out, control=None):
         return
     last = reports[-1]
     root = f"{out}_it{last.iteration:03d}"
+    # a converged run names its final files (RELION's, written by the final iteration instead of run_itNNN_* files)
     click.echo(f"converged after {_iterations_run(reports)}; final resolution {last.resolution_angstrom:.2f} Å; "
-               f"map: {out}_class001.mrc" if reports.finished else
+               f"particles: {out}_data.star; model: {out}_model.star; half maps: {out}_half1_class001_unfil.mrc, "
+               f"{out}_half2_class001_unfil.mrc; map: {out}_class001.mrc" if reports.finished else
                f"not converged after {_iterations_run(reports)} (--iter); resolution {last.resolution_angstrom:.2f} Å; "
                f"last maps: {root}_half1_class001.mrc, {root}_half2_class001.mrc; go on with --continue "
                f"{root}_optimiser.star and a larger --iter")

@@ -304,27 +304,29 @@ def converge_at_iteration_two(monkeypatch):
     monkeypatch.setattr(schedule, "check_convergence", converge_at_two)
 
 
-def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch):
-    """Force convergence after iteration 1: iteration 2 joins the halves and writes run_class001.mrc & co.; the
-    files that repeat the final iteration's (run_data.star, run_model.star, the unfiltered half maps) hold the same
-    bytes."""
+def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, monkeypatch, capsys):
+    """Force convergence after iteration 1: iteration 2 joins the halves and writes, as RELION's
+    MlOptimiserMpi::iterate does once its iteration number is -1, the converged run's files alone (no run_it002_*):
+    the joined map not solvent-flattened, the half maps without τ² and masks (RELION's _unfil.mrc), and an
+    optimiser.star of iteration -1 that names one model. The run's end line names those files."""
+    import re
+
     from cryorefine.io.relion_outputs import angdist_bild_text
 
     converge_at_iteration_two(monkeypatch)
     folder, truth = refined
+    capsys.readouterr()
     code = run_cli("refine", "--i", folder / "sim" / "particles.star", "--ref", folder / "truth.mrc",
                    "--o", tmp_path / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320, "--zero_mask",
-                   "--offset_range", 3, "--offset_step", 1, "--iter", 5)
+                   "--flatten_solvent", "--offset_range", 3, "--offset_step", 1, "--iter", 5)
     assert code == 0
-    for name in ("run_data.star", "run_model.star", "run_class001.mrc", "run_half1_class001_unfil.mrc",
-                 "run_half2_class001_unfil.mrc", "run_report.png"):
-        assert (tmp_path / name).is_file(), name
-    assert not (tmp_path / "run_it003_data.star").exists()  # it stopped after the final iteration
-    # the converged run's particles and unfiltered half maps are the final iteration's, byte for byte
-    for name, final_iteration in (("run_data.star", "run_it002_data.star"), ("run_model.star", "run_it002_model.star"),
-                                  ("run_half1_class001_unfil.mrc", "run_it002_half1_class001.mrc"),
-                                  ("run_half2_class001_unfil.mrc", "run_it002_half2_class001.mrc")):
-        assert (tmp_path / name).read_bytes() == (tmp_path / final_iteration).read_bytes(), name
+    assert {p.name for p in tmp_path.glob("run_*") if not p.name.startswith(("run_it000_", "run_it001_"))} == {
+        "run_data.star", "run_model.star", "run_class001.mrc", "run_class001_angdist.bild",
+        "run_half1_class001_unfil.mrc", "run_half2_class001_unfil.mrc", "run_sampling.star", "run_optimiser.star",
+        "run_report.png"}
+    # every file the run names at its end is one it wrote
+    named = re.findall(r"(/\S+?\.(?:mrc|star))\b", capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(named) == 5 and all(Path(name).is_file() for name in named), named
     joined, _ = read_volume(tmp_path / "run_class001.mrc")
     half1, _ = read_volume(tmp_path / "run_half1_class001_unfil.mrc")
     half2, _ = read_volume(tmp_path / "run_half2_class001_unfil.mrc")
@@ -332,32 +334,44 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     # the joined map holds both halves' data: closer to the truth than either half
     fsc = [np.asarray(fsc_volumes(v, truth))[8:14].mean() for v in (joined, half1, half2)]
     assert fsc[0] >= max(fsc[1], fsc[2]) - 0.01
-    model = starfile.read(tmp_path / "run_model.star")
+    # --flatten_solvent masks the iterations' maps (zero in the box's corners, outside the particle's sphere), not the
+    # final ones
+    corners = np.zeros(joined.shape, bool)
+    corners[[0, 0, 0, 0, -1, -1, -1, -1], [0, 0, -1, -1, 0, 0, -1, -1], [0, -1, 0, -1, 0, -1, 0, -1]] = True
+    assert np.abs(read_volume(tmp_path / "run_it001_half1_class001.mrc")[0][corners]).max() == 0
+    for volume in (joined, half1, half2):
+        assert np.abs(volume[corners]).max() > 0
+    # unregularised half maps keep their noise in the shells of a low FSC, where τ² takes power away from the joined
+    # map (and, more, from a half's regularised map: its SSNR is lower)
+    model = starfile.read(tmp_path / "run_model.star", always_dict=True)
+    low = np.flatnonzero(model["model_class_1"]["rlnGoldStandardFsc"].to_numpy(dtype=float) < 0.5)
+    assert low.size >= 2
+    power = [fourier.power_spectrum_3d(fourier.rfft3_centered(v.astype(np.float64)))[low].mean()
+             for v in (joined, half1, half2)]
+    assert min(power[1], power[2]) > 2 * power[0], power
     assert "model_class_1" in model
     # all particles' direction distribution, the halves' weighted by their sizes, and its bild (RELION's final
-    # run_class001_angdist.bild)
-    halves = [starfile.read(tmp_path / f"run_it002_half{h}_model.star", always_dict=True)["model_pdf_orient_class_1"]
-              ["rlnOrientationDistribution"].to_numpy(dtype=float) for h in (1, 2)]
+    # run_class001_angdist.bild); the halves' are iteration 2's sums, so here only its sum and its shape
     subsets = starfile.read(tmp_path / "run_data.star")["particles"]["rlnRandomSubset"].to_numpy()
-    sizes = np.array([np.sum(subsets == h) for h in (1, 2)], dtype=float)
-    joined = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
-    np.testing.assert_allclose(joined, (sizes[0] * halves[0] + sizes[1] * halves[1]) / sizes.sum(), rtol=1e-12)
-    assert joined.sum() == pytest.approx(1.0)
+    assert set(subsets) == {1, 2}
+    joined_pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
+    assert joined_pdf.sum() == pytest.approx(1.0)
     directions = starfile.read(tmp_path / "run_sampling.star", always_dict=True)
+    assert len(joined_pdf) == len(directions["sampling_directions"])
     assert (tmp_path / "run_class001_angdist.bild").read_text() == angdist_bild_text(
-        joined, directions["sampling_directions"]["rlnAngleRot"], directions["sampling_directions"]["rlnAngleTilt"],
-        BOX, PIXEL, int(directions["sampling_general"]["rlnHealpixOrder"]))
+        joined_pdf, directions["sampling_directions"]["rlnAngleRot"],
+        directions["sampling_directions"]["rlnAngleTilt"], BOX, PIXEL,
+        int(directions["sampling_general"]["rlnHealpixOrder"]))
     # every optimiser.star, the final run_optimiser.star among them (RELION's output node), names files that exist
-    assert (tmp_path / "run_optimiser.star").is_file() and (tmp_path / "run_sampling.star").is_file()
     for optimiser in sorted(tmp_path.glob("*_optimiser.star")):
         general = starfile.read(optimiser, always_dict=True)["optimiser_general"]
         for label in ("rlnModelStarFile", "rlnModelStarFile2", "rlnExperimentalDataStarFile",
                       "rlnOrientSamplingStarFile"):
-            named = str(general.get(label, ""))
-            empty = label == "rlnModelStarFile2" and named in ("", '""', "nan")  # a single model: RELION's ""
-            assert empty or Path(named).is_file(), (optimiser, label, named)
+            if label in general:
+                assert Path(str(general[label])).is_file(), (optimiser, label, general[label])
     final = starfile.read(tmp_path / "run_optimiser.star", always_dict=True)["optimiser_general"]
-    assert final["rlnModelStarFile"] == f"{tmp_path / 'run'}_model.star"
+    assert final["rlnModelStarFile"] == f"{tmp_path / 'run'}_model.star" and "rlnModelStarFile2" not in final
+    assert (final["rlnCurrentIteration"], final["rlnDoSplitRandomHalves"], final["rlnHasConverged"]) == (-1, 0, 1)
     # the input names its stack beside itself (particles.mrcs); the run's particles name it from the project (the
     # current) directory, where RELION looks
     stacks = {name.partition("@")[2] for name in starfile.read(tmp_path / "run_data.star")["particles"]["rlnImageName"]}
@@ -604,3 +618,26 @@ def test_a_small_device_gives_the_same_refinement(refined, tmp_path, monkeypatch
     want, _ = read_volume(tmp_path / "roomy" / "run_class001.mrc")
     got, _ = read_volume(tmp_path / "small" / "run_class001.mrc")
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_sigma_offset_of_local_searches_stays_the_spread_of_the_offsets(tmp_path):
+    """Local searches from the first iteration (--auto_local_healpix_order at --healpix_order): RELION centres the
+    offsets' prior on the particle's origin prior, (0, 0) here, as in global searches, so σ_offset (its σ² the
+    weighted mean of |offset − prior|² per axis) stays the spread of the particles' offsets about the box centre.
+    Centred on the previous offsets it fell to the offsets' change between iterations (3.9, then 2.6 Å here)."""
+    truth = downsample_volume(read_volume(EXAMPLE_MAP)[0], BOX)
+    write_volume(tmp_path / "truth.mrc", truth, PIXEL)
+    assert run_cli("simulate", "--ref", tmp_path / "truth.mrc", "--n", 100, "--snr", 0.5, "--seed", 4,
+                   "--o", tmp_path / "sim") == 0
+    assert run_cli("refine", "--i", tmp_path / "sim" / "particles.star", "--ref", tmp_path / "truth.mrc",
+                   "--o", tmp_path / "out" / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320,
+                   "--flatten_solvent", "--zero_mask", "--healpix_order", 1, "--auto_local_healpix_order", 1,
+                   "--offset_range", 3, "--offset_step", 1, "--iter", 2, "--auto_refine", "--split_random_halves") == 0
+    true_offsets = starfile.read(tmp_path / "sim" / "particles.star")["particles"]
+    spread = np.sqrt(np.mean(np.concatenate([true_offsets["rlnOriginXAngst"], true_offsets["rlnOriginYAngst"]]) ** 2))
+    assert spread > 15  # 3 px = 36 Å at most, uniform in a disc: 18 Å per axis
+    for iteration in (1, 2):
+        model = starfile.read(tmp_path / "out" / f"run_it{iteration:03d}_half1_model.star")["model_general"]
+        assert int(model["rlnOrientationalPriorMode"]) == 1  # local searches
+        sigma = float(model["rlnSigmaOffsetsAngst"])
+        assert 0.85 * spread < sigma < 1.15 * spread, (iteration, sigma, spread)

@@ -15,6 +15,7 @@ import pytest
 import starfile
 import test_relion_command_lines as tutorial
 from conftest import run_cli
+from test_relion5_gui_lines import gui_project  # noqa: F401 (a fixture)
 from test_relion_command_lines import REFINE3D_JOB019, project  # noqa: F401 (a fixture)
 
 AS_CRYOREFINE = tutorial.as_cryorefine  # that test's rewriting (replaced by the drop-in's in a test below)
@@ -210,3 +211,46 @@ def test_a_continue_line_runs_the_job_it_continues(project, monkeypatch, tmp_pat
     assert run_cli("relion_refine", *shlex.split(continued)) == 0
     assert (folder / "RELION_JOB_EXIT_SUCCESS").is_file()
     assert (folder / "run_ct1_it002_class004.mrc").is_file() and (folder / "run_ct1_it002_model.star").is_file()
+
+
+#: RELION 5's files of a one-iteration run of each GUI default line under relion_refine_mpi (besides
+#: RELION_JOB_EXIT_SUCCESS): iteration 0's (MlOptimiserMpi::initialise: the sampling.star too, written by the workers)
+#: and iteration 1's (MlOptimiser::write; Class3D --K 1), the run_itNNN_report.png and run_itNNN_resume.npz of
+#: cryorefine's own beside them
+RELION5_MPI_FILES = {
+    "Refine3D": {f"run_it{i:03d}_{suffix}" for i in (0, 1) for suffix in (
+        "data.star", "sampling.star", "optimiser.star", "half1_model.star", "half2_model.star",
+        "half1_class001.mrc", "half2_class001.mrc", "half1_class001_angdist.bild", "half2_class001_angdist.bild")},
+    "Class3D": {f"run_it{i:03d}_{suffix}" for i in (0, 1) for suffix in (
+        "data.star", "sampling.star", "optimiser.star", "model.star", "class001.mrc", "class001_angdist.bild")},
+}
+CRYOREFINE_OWN = {"run_it000_resume.npz", "run_it001_resume.npz", "run_it001_report.png"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("job", ["Refine3D", "Class3D"])
+def test_relion5_gui_default_lines_through_the_mpi_shim(gui_project, tmp_path, job):  # noqa: F811
+    """`mpiexec -n 3 relion_refine_mpi <RELION 5's GUI line of every default>` through the shim of
+    `cryorefine install-relion-shims` (the line changed only as tests/jobs/test_relion5_gui_lines.py changes it: --gpu
+    dropped, --cpu and one iteration added): RELION's exit file and RELION 5's files of the run under MPI, nothing
+    else but cryorefine's report and --continue state, and the files its end line names are among them."""
+    import re
+
+    from test_relion5_gui_lines import LINES, relion_refine_arguments
+
+    launcher = mpiexec()
+    if launcher is None:
+        pytest.skip("no mpiexec beside the Python (pip install mpich, part of the test extra)")
+    assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
+    line = next(text for kind, setting, text in LINES if kind == job and setting == "every default")
+    args = relion_refine_arguments(line)[1:]
+    folder = gui_project / args[args.index("--pipeline_control") + 1]
+    folder.mkdir(parents=True, exist_ok=True)  # the GUI makes the job's folder
+    ran = subprocess.run([launcher, "-n", "3", "relion_refine_mpi", *args], capture_output=True, text=True,
+                         timeout=600, env=shim_environment(tmp_path / "bin"), cwd=gui_project)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "the workers' seconds added" in ran.stderr, ran.stderr[-3000:]  # the MPI runner's line, said once
+    written = {p.name for p in folder.iterdir()}
+    assert written == RELION5_MPI_FILES[job] | CRYOREFINE_OWN | {"RELION_JOB_EXIT_SUCCESS"}, written
+    named = re.findall(r"(\S+?\.(?:mrc|star))\b", ran.stdout.strip().splitlines()[-1])  # files, or their pattern
+    assert named and all(list(gui_project.glob(name)) for name in named), (named, ran.stdout)

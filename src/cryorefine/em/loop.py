@@ -2,6 +2,7 @@
 
     session (the backend's run scope; under MPI the workers are told the run is set up)
     job.load → job.start (or the saved state of --continue)
+    iteration 0's files (a new run: RELION's run_it000_*, the state before iteration 1), on the writer's thread
     for each iteration:
         job.plan          schedule: image sizes, sampling, the E-step's work units
         runner            E-step of every unit (batches, per-particle results), sums reduced,
@@ -9,6 +10,9 @@
         job.update        resolution, convergence, what the job keeps between iterations
         outputs           --continue's state, then job.outputs written on a thread
         until job.finished or --iter
+
+A refinement's final iteration (`IterationPlan.final`) writes only the converged run's files, as RELION does: no
+run_itNNN_* files and no --continue state of its own.
 
 A job (`Job`) states what it needs from the loop; the runner (`runners.serial.SerialRunner`,
 `runners.mpi.MpiRunner`) decides where each step runs. Nothing here knows how an engine computes
@@ -106,6 +110,11 @@ class Job(Protocol):
     def outputs(self, run: RunState, plan: IterationPlan, snapshot, timings: dict, stages: dict, argv) -> list:
         """The iteration's files as callables (run on the writer thread), RELION's names."""
 
+    # A job may also have (jobs without it write no iteration-0 files and cannot be continued from iteration 0):
+    # def initial_outputs(self, run: RunState, argv, under_mpi: bool) -> list:
+    #     """The files RELION writes before iteration 1 (run_it000_*: the starting maps, model, particles and
+    #     optimiser.star) as callables, as relion_refine (`under_mpi` False) or relion_refine_mpi writes them."""
+
     def summary(self, run: RunState, plan: IterationPlan, changes) -> str:
         """The iteration's log line, after "iteration N: "."""
 
@@ -117,6 +126,7 @@ class Runner(Protocol):
     """Where the loop's steps run (`runners.serial.SerialRunner`, `runners.mpi.MpiRunner`): what the loop asks."""
 
     leads: bool  # this process runs the loop (False: an MPI worker, which serves instead)
+    n_workers: int  # the worker processes under MPI (0: this process runs everything)
 
     def serve(self, job) -> None:
         """An MPI worker's part of the whole run."""
@@ -197,6 +207,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         out_root = config.output_root
         with BackgroundWriter() as writer, long_lived_objects_frozen():
             clock.mark("long-lived objects frozen")
+            if resume_from is None:
+                initial_files_submitted(job, state, runner, writer, argv)
+                clock.mark("iteration 0's files handed to the writer")
             log_stages("run start", reports.start_seconds)
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
@@ -228,8 +241,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
 
                 tic = time.perf_counter()
                 snapshot = state.particles.copy()  # the next E-step changes the state while the writer reads this
-                resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
-                                                                                          snapshot))
+                if not plan.final:  # the final iteration writes no run_itNNN_optimiser.star to go on from
+                    resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
+                                                                                              snapshot))
                 writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
                 waited = writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
                 timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, and waiting
@@ -266,6 +280,18 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
 INITIAL_MODEL = "initial model (maps, schedule)"
 
 
+def initial_files_submitted(job, state: RunState, runner, writer, argv) -> None:
+    """A new run's iteration-0 files (`job.initial_outputs`, RELION's run_it000_*) handed to `writer`, after the
+    state --continue reads beside run_it000_optimiser.star (a continued run then goes on from iteration 1 exactly as
+    this one does, but for its maps, read back from their files). Nothing for a job without iteration-0 files."""
+    initial_outputs = getattr(job, "initial_outputs", None)
+    if initial_outputs is None:
+        return
+    root = run_files.iteration_root(job.config.output_root, 0)
+    resume.save(f"{root}{resume.SUFFIX}", *saved_state(job.kind, job.config, state, state.particles.copy()))
+    writer.submit(initial_outputs(state, list(argv), runner.n_workers > 0))
+
+
 @contextlib.contextmanager
 def interruption_reported(kind: str, out_root: str, reports, resume_from: str | None):
     """Ctrl-C (KeyboardInterrupt) or SIGTERM (errors.Terminated) in the run becomes RunInterrupted, raised once the
@@ -275,7 +301,9 @@ def interruption_reported(kind: str, out_root: str, reports, resume_from: str | 
         yield
     except KeyboardInterrupt as exc:
         how, exit_code = ("SIGTERM", 143) if isinstance(exc, Terminated) else ("Ctrl-C", 130)
-        complete = run_files.last_complete_iteration(out_root, [r.iteration for r in reports], resume_from)
+        iterations = [r.iteration for r in reports] if resume_from is not None else [0, *(r.iteration for r in
+                                                                                          reports)]
+        complete = run_files.last_complete_iteration(out_root, iterations, resume_from)
         if complete is None:
             raise RunInterrupted(f"interrupted ({how}) before iteration 1 was complete: nothing to continue from; "
                                  f"start the run again (with --overwrite where it left files)", exit_code) from None

@@ -1,6 +1,7 @@
 """The starting references of a run: a map read and checked against the particles (with --trust_ref_size
-re-scaled and re-boxed to theirs, as a mask always is: `fit_to_particles`), and the --ini_high low-pass that
-refine and classify apply to it (classify also to its class-1 map after a cross-correlation iteration)."""
+re-scaled and re-boxed to theirs, as a mask always is: `fit_to_particles`), the --ini_high low-pass that
+refine and classify apply to it (classify also to its class-1 map after a cross-correlation iteration), and the
+spectra the iteration-0 model.star holds (`initial_data_versus_prior`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cryorefine.core import fourier
 from cryorefine.core.arrays import Array, array_module
 from cryorefine.errors import InputError
 from cryorefine.io import mrc
 
 if TYPE_CHECKING:  # for annotations only
-    import numpy as np
+    from collections.abc import Sequence
+
+    import numpy.typing as npt
 
     from cryorefine.config import RefineConfig
 
@@ -86,3 +91,27 @@ def lowpass_to_ini_high(volume: Array, config: RefineConfig, box: int, pixel: fl
     start = box * pixel / config.ini_high_angstrom - INI_HIGH_EDGE_SHELLS / 2
     return fourier.lowpass_band_limited(volume, lambda r: fourier.raised_cosine(r, start, INI_HIGH_EDGE_SHELLS, xp),
                                         start + INI_HIGH_EDGE_SHELLS, xp)
+
+
+def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.ArrayLike, n_particles: int,
+                              pdf_class: npt.ArrayLike, tau2_fudge: float) -> tuple[np.ndarray, np.ndarray]:
+    """(τ², data versus prior), each (K, N//2+1), of K starting maps (N px), as RELION's
+    MlModel::initialiseDataVersusPrior makes them for the iteration-0 model.star (rlnReferenceTau2, rlnSsnrMap).
+
+    τ²(i) = tau2_fudge · P(i) · N²/2, P the map's power spectrum (the mean |F|² of its half transform, normalised by
+    1/N³, over the coefficients of round(|k|) = i: RELION's getSpectrum); the data versus prior of class k is
+    n_particles · pdf_class[k] / σ²(i) · τ²(i), divided by 2i for i > 0 (RELION's allowance for the ratio of a 3D
+    shell's voxels to a 2D shell's pixels), σ² the noise spectra (n_groups, N//2+1) averaged over the groups with
+    any power. A shell without noise power gives inf, as RELION's division does."""
+    noise = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
+    used = noise[noise.sum(axis=1) > 0]
+    average = used.mean(axis=0) if len(used) else np.zeros(noise.shape[1])
+    size = int(np.shape(maps[0])[0])
+    shells = np.arange(size // 2 + 1)
+    tau2 = np.stack([tau2_fudge * fourier.power_spectrum_3d(fourier.rfft3_centered(np.asarray(m, dtype=np.float64)))
+                     * size * size / 2.0 for m in maps])
+    per_shell = np.where(shells > 0, 2.0 * shells, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        evidence = n_particles * np.asarray(pdf_class, dtype=np.float64)[:, None] / average[None, :] / per_shell
+        data_vs_prior = evidence / (1.0 / tau2)
+    return tau2, data_vs_prior

@@ -260,22 +260,25 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
     """The data_optimiser_general block of RELION's run_itNNN_optimiser.star.
 
     File names follow RELION: `<output_root>_itNNN_{half1,half2}_model.star` for gold-standard
-    halves (`config.auto_refine`), `<output_root>_itNNN_model.star` otherwise or once the halves
-    are joined (then rlnModelStarFile2 is empty, as RELION writes it); `iteration` None names the
-    final files without `_itNNN`. rlnCurrentIteration is `optimiser.iteration` (an `iteration`
-    that differs is an error). Write it with `write_optimiser_star` to get the command line comment.
+    halves (`config.auto_refine`), `<output_root>_itNNN_model.star` otherwise; `iteration` None names the
+    files without `_itNNN`. rlnCurrentIteration is `optimiser.iteration` (an `iteration`
+    that differs is an error). A refinement's final iteration (`optimiser.do_join_halves`) has only the converged
+    run's optimiser.star (`iteration` None, else an error), as RELION's MlOptimiserMpi::iterate writes it after it
+    joins the halves: one model file, rlnDoSplitRandomHalves 0 and rlnCurrentIteration -1. Write it with
+    `write_optimiser_star` to get the command line comment.
     """
     if iteration is not None and int(iteration) != int(optimiser.iteration):
         raise ValueError(f"iteration {iteration} differs from optimiser.iteration {optimiser.iteration}")
-    root = _iteration_root(output_root, iteration)
     split = bool(config.auto_refine)
+    converged = split and bool(optimiser.do_join_halves)
+    if converged and iteration is not None:
+        raise ValueError(f"iteration {iteration}: a refinement's final iteration writes only the converged run's "
+                         f"optimiser.star, without an iteration number")
+    root = _iteration_root(output_root, iteration)
     general = {"rlnOutputRootName": str(output_root)}
-    if split and not optimiser.do_join_halves:
+    if split and not converged:
         general["rlnModelStarFile"] = f"{root}_half1_model.star"
         general["rlnModelStarFile2"] = f"{root}_half2_model.star"
-    elif split:
-        general["rlnModelStarFile"] = f"{root}_model.star"
-        general["rlnModelStarFile2"] = ""
     else:
         general["rlnModelStarFile"] = f"{root}_model.star"
     diameter = config.particle_diameter_angstrom
@@ -284,9 +287,9 @@ def optimiser_star_blocks(optimiser, model, config, output_root: str,
         "rlnTomoTomogramsFile": "",  # RELION's for particles that are not sub-tomograms
         "rlnTomoTrajectoriesFile": "",
         "rlnOrientSamplingStarFile": f"{root}_sampling.star",
-        "rlnCurrentIteration": int(optimiser.iteration),
+        "rlnCurrentIteration": -1 if converged else int(optimiser.iteration),
         "rlnNumberOfIterations": int(config.max_iterations),
-        "rlnDoSplitRandomHalves": int(split),
+        "rlnDoSplitRandomHalves": int(split and not converged),
         "rlnJoinHalvesUntilThisResolution": _f(config.low_resol_join_halves_angstrom if split else -1.0),
         "rlnAdaptiveOversampleOrder": int(config.oversampling),
         "rlnAdaptiveOversampleFraction": _f(config.adaptive_fraction),

@@ -1,8 +1,9 @@
 """The files a run leaves under its output root (--o, e.g. out/run): an earlier run's, found before a new run
 starts on that root (refused, or removed with --overwrite), and the iteration a stopped run can be continued from.
 
-A run's files are out/run_itNNN_* (every iteration's) and the files a converged refinement writes without an
-iteration number (out/run_data.star, out/run_class001.mrc, …).
+A run's files are out/run_itNNN_* (every iteration's, from out/run_it000_*: the state before iteration 1, which
+--continue can start from as it can from any other iteration) and the files a converged refinement writes, as RELION
+does, without an iteration number in its final iteration (out/run_data.star, out/run_class001.mrc, …).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from cryorefine.errors import InputError
 from cryorefine.io.resume import SUFFIX as RESUME_SUFFIX
 
 #: a converged refinement's files without an iteration number (`jobs.refine`), after the root
-FINAL_SUFFIXES = ("_data.star", "_model.star", "_class001.mrc", "_half1_class001_unfil.mrc",
+FINAL_SUFFIXES = ("_data.star", "_model.star", "_class001.mrc", "_class001_angdist.bild", "_half1_class001_unfil.mrc",
                   "_half2_class001_unfil.mrc", "_sampling.star", "_optimiser.star", "_report.png")
 #: the final files by which an earlier run is known (its other final files come with them)
 FINAL_SIGNS = ("_data.star", "_model.star", "_class001.mrc")
@@ -54,14 +55,19 @@ class EarlierRun:
         return None
 
 
+def iteration_root(root: str, iteration: int) -> str:
+    """<root>_itNNN, the start of iteration NNN's file names (NNN 000: the files before iteration 1)."""
+    return f"{root}_it{iteration:03d}"
+
+
 def optimiser_star(root: str, iteration: int) -> Path:
     """<root>_itNNN_optimiser.star."""
-    return Path(f"{root}_it{iteration:03d}_optimiser.star")
+    return Path(f"{iteration_root(root, iteration)}_optimiser.star")
 
 
 def resume_file(root: str, iteration: int) -> Path:
     """<root>_itNNN_resume.npz, what --continue reads beside the optimiser.star."""
-    return Path(f"{root}_it{iteration:03d}{RESUME_SUFFIX}")
+    return Path(f"{iteration_root(root, iteration)}{RESUME_SUFFIX}")
 
 
 def earlier_run(root: str) -> EarlierRun | None:

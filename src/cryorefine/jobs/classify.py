@@ -36,7 +36,10 @@ of the particles drawn for it. Outputs per iteration: run_itNNN_data.star (rlnCl
 run_itNNN_classKKK.mrc, run_itNNN_model.star (K classes), run_itNNN_optimiser.star,
 run_itNNN_sampling.star, and run_itNNN_report.png (class distributions and the share of particles
 that changed class over the iterations, each class's resolution over the iterations, SSNR per class,
-orientations).
+orientations). Before iteration 1, as RELION writes them, the files of iteration 0 (run_it000_*: the particles as
+read, the starting maps, the model with uniform class and direction distributions, the initial noise spectra and
+RELION's starting τ² and data-versus-prior spectra, the direction distributions' bild files, the optimiser.star, and
+under mpirun, as relion_refine_mpi, the sampling.star); --continue can start from its optimiser.star.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, fine_pass_limits_reached
 from cryorefine.em.given_poses import GivenPoses
-from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.references import initial_data_versus_prior, lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
@@ -491,20 +494,52 @@ class ClassifyJob:
         return classification_summary(run, plan, changes)
 
     # ------------------------------------------------------------------ outputs
-    def _angdist_writes(self, root, model, plan):
-        """RELION's run_itNNN_classKKK_angdist.bild of each class (its direction distribution over this iteration's
-        directions); none with --skip_align, as RELION writes none."""
+    def _angdist_writes(self, root, model, sampling, iteration):
+        """RELION's run_itNNN_classKKK_angdist.bild of each class (its direction distribution over the directions of
+        `sampling`, the iteration's); none with --skip_align, as RELION writes none."""
         if self.config.skip_align or model.pdf_direction is None:
             return []
-        directions = np.asarray(plan.sampling.directions_deg())
+        directions = np.asarray(sampling.directions_deg())
         pdf = np.asarray(model.pdf_direction).reshape(model.n_classes, -1)
         if pdf.shape[1] != len(directions):
             log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no "
-                        "*_angdist.bild written", plan.iteration, pdf.shape[1], len(directions))
+                        "*_angdist.bild written", iteration, pdf.shape[1], len(directions))
             return []
         return [partial(write_angdist_bild, f"{root}_class{k + 1:03d}_angdist.bild", pdf[k], directions[:, 0],
-                        directions[:, 1], model.ori_size_px, model.pixel_size_angstrom, plan.sampling.healpix_order)
+                        directions[:, 1], model.ori_size_px, model.pixel_size_angstrom, sampling.healpix_order)
                 for k in range(model.n_classes)]
+
+    def initial_outputs(self, run, argv, under_mpi):
+        """RELION's files of iteration 0, before iteration 1: run_it000_data.star, run_it000_classKKK.mrc (the
+        starting maps), run_it000_model.star (uniform class and direction distributions, the initial noise spectra,
+        RELION's starting τ² and data versus prior: `em.references.initial_data_versus_prior`),
+        run_it000_classKKK_angdist.bild (not with --skip_align), then run_it000_optimiser.star; under mpirun also
+        run_it000_sampling.star, as relion_refine_mpi writes it and relion_refine does not
+        (MlOptimiserMpi::initialise, MlOptimiser::initialise)."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        root = f"{out_root}_it000"
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        names, counts = particles.optics_names_and_counts()
+        tau2, data_vs_prior = initial_data_versus_prior(model.maps[0], model.sigma2_noise, len(particles),
+                                                        model.pdf_class, config.tau2_fudge)
+        written = replace(model, tau2=tau2[None], ssnr=data_vs_prior[None])
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+        maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
+        table = particle_table(particles.star.particles, run.particles.copy(), None, pixel,
+                               group_number=particles.scale_group_index + 1)
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+                  *(partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)),
+                  partial(write_star, model_star_blocks(written, optimiser, config, None, maps, names, counts,
+                                                        pdf_direction=model.pdf_direction,
+                                                        scale_groups=particles.scale_group_names_and_counts()),
+                          f"{root}_model.star"),
+                  *self._angdist_writes(root, model, sampling, 0)]
+        if under_mpi:
+            writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
+        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
+            optimiser, model, config, str(out_root), 0), list(argv))]
 
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The writes of one iteration's files as callables over what they need now (tables and STAR blocks are
@@ -527,7 +562,7 @@ class ClassifyJob:
                                                   scale_groups=particles.scale_group_names_and_counts()),
                     f"{root}_model.star"),
             partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
-            *self._angdist_writes(root, model, plan),
+            *self._angdist_writes(root, model, plan.sampling, plan.iteration),
             InOwnProcess(partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
                                  class_distributions=np.array(run.extras["class_distributions"]),
                                  ssnr=model.ssnr[0].copy(),

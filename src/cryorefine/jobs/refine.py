@@ -17,11 +17,14 @@ Outputs per iteration: run_itNNN_data.star, run_itNNN_half{1,2}_class001.mrc,
 run_itNNN_half{1,2}_model.star (with each half's direction distribution, data_model_pdf_orient_class_1),
 run_itNNN_half{1,2}_class001_angdist.bild (that distribution as RELION draws it),
 run_itNNN_optimiser.star, run_itNNN_sampling.star (with rlnSymmetryGroup and the unit's directions),
-run_itNNN_report.png; the final iteration also run_itNNN_model.star (the joined halves, which its
-optimiser.star names) and, as RELION names its final files, run_data.star, run_class001.mrc,
-run_half{1,2}_class001_unfil.mrc, run_model.star, run_class001_angdist.bild (all particles' directions),
-run_sampling.star, run_optimiser.star (naming those three) and run_report.png (the final
-iteration's report, in place of its run_itNNN_report.png).
+run_itNNN_report.png. Before iteration 1, as RELION's relion_refine_mpi writes them, the same files of iteration 0
+but the report (run_it000_*: the starting maps, the particles as read and split, uniform direction distributions,
+and in each half's model.star the initial noise spectra and RELION's starting τ² and data-versus-prior spectra,
+`em.references.initial_data_versus_prior`); --continue can start from its optimiser.star. The final iteration
+writes, as RELION's does, only the converged run's files, without an iteration number: run_data.star,
+run_class001.mrc (the joined halves' map, not solvent-flattened), run_half{1,2}_class001_unfil.mrc (each half's map
+without τ² and masks), run_model.star, run_class001_angdist.bild (all particles' directions), run_sampling.star,
+run_optimiser.star (naming those three; rlnCurrentIteration -1) and run_report.png.
 """
 
 from __future__ import annotations
@@ -33,18 +36,17 @@ from functools import partial
 
 import numpy as np
 
-from cryorefine.core.arrays import to_host
+from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
-from cryorefine.em.references import lowpass_to_ini_high, read_reference
+from cryorefine.em.references import initial_data_versus_prior, lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
-from cryorefine.io.atomic import copy_atomically
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
     model_star_blocks,
@@ -263,10 +265,20 @@ class RefineJob:
                 log.warning("--solvent_correct_fsc: the FSC of the unmasked half maps never drops below 0.8; the "
                             "unmasked FSC is used (RELION does the same; it goes away as the resolution improves)")
 
+        # the final iteration as RELION's: its maps are not solvent-flattened, and each half's map is the one written
+        # as run_half?_class001_unfil.mrc, without τ² and masks (the joined map has τ² of the joined FSC)
+        final_masks = dataclasses.replace(masks, flatten=False)
+
         def reconstruct(bp, whole):
             sigma2 = to_host(bp.noise_sigma2())[:n_shells]
             t2 = np.asarray(tau2_from_fsc(fsc, sigma2, config.tau2_fudge, whole_instead_of_half=whole))[:n_shells]
-            return mstep.reconstruct_map(bp, t2, model, config, xp, masks), sigma2, t2
+            if not joined:
+                volume = mstep.reconstruct_map(bp, t2, model, config, xp, masks)
+            elif whole:
+                volume = mstep.reconstruct_map(bp, t2, model, config, xp, final_masks)
+            else:
+                volume = to_host_pinned(mstep.unregularised_map(bp, xp).astype(np.float32, copy=False))
+            return volume, sigma2, t2
 
         made = {}
         for h in halves.order():
@@ -333,20 +345,20 @@ class RefineJob:
 
     # ------------------------------------------------------------------ outputs
     @staticmethod
-    def _angdist_write(path, pdf_direction, model, plan):
+    def _angdist_write(path, pdf_direction, model, sampling, iteration):
         """The write of RELION's `*_class001_angdist.bild` at `path` (`write_angdist_bild`) for one half's (or the
-        joined) direction distribution over this iteration's directions; None where there is none (an iteration
-        continued from files written before the distribution was kept)."""
+        joined) direction distribution over the directions of `sampling`, the iteration's; None where there is none
+        (an iteration continued from files written before the distribution was kept)."""
         if pdf_direction is None:
             return None
-        directions = np.asarray(plan.sampling.directions_deg())
+        directions = np.asarray(sampling.directions_deg())
         pdf = np.asarray(pdf_direction).reshape(-1)
         if pdf.size != len(directions):
             log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no %s",
-                        plan.iteration, pdf.size, len(directions), path)
+                        iteration, pdf.size, len(directions), path)
             return None
         return partial(write_angdist_bild, path, pdf, directions[:, 0], directions[:, 1], model.ori_size_px,
-                       model.pixel_size_angstrom, plan.sampling.healpix_order)
+                       model.pixel_size_angstrom, sampling.healpix_order)
 
     def _joined_direction_distribution(self, model):
         """The direction distribution of all particles (the final model's): the halves' weighted by their sizes."""
@@ -356,10 +368,50 @@ class RefineJob:
         halves = np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1)
         return np.tensordot(sizes / sizes.sum(), halves, axes=1)
 
+    def _particle_table(self, snapshot, pixel):
+        particles = self.particles
+        return particle_table(particles.star.particles, snapshot, self.halves, pixel,
+                              group_number=particles.scale_group_index + 1)
+
+    def initial_outputs(self, run, argv, under_mpi):
+        """RELION's files of iteration 0, before iteration 1 (MlOptimiserMpi::initialise; an auto-refine runs only
+        under MPI in RELION, so `under_mpi` changes nothing): run_it000_data.star (the particles as read, with their
+        half sets), run_it000_half{1,2}_class001.mrc (the starting map), run_it000_half{1,2}_model.star and
+        run_it000_half{1,2}_class001_angdist.bild (uniform direction distributions), run_it000_sampling.star, then
+        run_it000_optimiser.star. Each half's model.star has the initial noise spectra and RELION's starting τ² and
+        data versus prior of that half's particles (`em.references.initial_data_versus_prior`)."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        root = f"{out_root}_it000"
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        names, counts = particles.optics_names_and_counts()
+        groups = particles.scale_group_names_and_counts()
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+        tau2, data_vs_prior = zip(*(initial_data_versus_prior(model.maps[h], model.sigma2_noise, self.members[h].size,
+                                                              np.ones(1), config.tau2_fudge) for h in (0, 1)))
+        written = replace(model, tau2=np.stack(tau2), ssnr=np.stack(data_vs_prior))
+        uniform = np.full((1, sampling.n_directions), 1.0 / sampling.n_directions)
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
+                          self._particle_table(run.particles.copy(), pixel))]
+        for h in (1, 2):
+            writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
+                       partial(write_star, model_star_blocks(written, optimiser, config, h,
+                                                             [f"{root}_half{h}_class001.mrc"], names, counts,
+                                                             pdf_direction=uniform, scale_groups=groups),
+                               f"{root}_half{h}_model.star"),
+                       self._angdist_write(f"{root}_half{h}_class001_angdist.bild", uniform, model, sampling, 0)]
+        writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
+        return [Together([write for write in writes if write is not None]),
+                partial(write_optimiser_star, f"{root}_optimiser.star",
+                        optimiser_star_blocks(optimiser, model, config, str(out_root), 0), list(argv))]
+
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The iteration's files as callables over what they need now (the particle table and the STAR blocks are
         built here; the maps are the model's, which the next M-step replaces rather than changes); the optimiser
-        STAR file comes last but for the final files."""
+        STAR file comes last. The final iteration writes the converged run's files instead (`_final_outputs`)."""
+        if plan.final:
+            return self._final_outputs(run, plan, snapshot, timings, stages, argv)
         config, model, optimiser = self.config, run.model, run.optimiser
         out_root = config.output_root
         root = f"{out_root}_it{plan.iteration:03d}"
@@ -367,11 +419,10 @@ class RefineJob:
         particles = self.particles
         names, counts = particles.optics_names_and_counts()
         groups = particles.scale_group_names_and_counts()
-        table = particle_table(particles.star.particles, snapshot, self.halves, pixel,
-                               group_number=particles.scale_group_index + 1)
         halves_pdf = (None if model.pdf_direction is None
                       else np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1))
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
+                          self._particle_table(snapshot, pixel))]
         for h in (1, 2):
             pdf = None if halves_pdf is None else halves_pdf[h - 1]
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
@@ -379,35 +430,49 @@ class RefineJob:
                                                              [f"{root}_half{h}_class001.mrc"], names, counts,
                                                              pdf_direction=pdf, scale_groups=groups),
                                f"{root}_half{h}_model.star")]
-            writes.append(self._angdist_write(f"{root}_half{h}_class001_angdist.bild", pdf, model, plan))
+            writes.append(self._angdist_write(f"{root}_half{h}_class001_angdist.bild", pdf, model, plan.sampling,
+                                              plan.iteration))
         writes += [partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
-                   InOwnProcess(partial(write_iteration_report, f"{out_root if plan.final else root}_report.png",
-                                        iteration=plan.iteration, fsc=np.array(model.fsc_halves[0]),
-                                        ori_size_px=model.ori_size_px, pixel_size_angstrom=pixel,
-                                        resolution_angstrom=model.current_resolution_angstrom,
-                                        rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg,
-                                        timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
-                                                         "M-step": timings["maximization"]},
-                                        halves_joined=plan.final))]
+                   self._report_write(f"{root}_report.png", run, plan, snapshot, timings, stages)]
         writes = [write for write in writes if write is not None]
         # side by side (each its own file), then the optimiser STAR file, which --continue reads
-        writes = [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
+        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
             optimiser, model, config, str(out_root), plan.iteration), list(argv))]
-        if plan.final:  # the converged run's files; those that repeat the final iteration's are copies of them
-            writes += [partial(copy_atomically, f"{root}_data.star", f"{out_root}_data.star"),
-                       partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel)]
-            writes += [partial(copy_atomically, f"{root}_half{h}_class001.mrc",
-                               f"{out_root}_half{h}_class001_unfil.mrc") for h in (1, 2)]
-            # the joined model, which the final iteration's optimiser.star names, and RELION's final files without
-            # an iteration number: their optimiser.star names run_model.star, run_data.star and run_sampling.star
-            joined_pdf = self._joined_direction_distribution(model)
-            joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
-                                       pdf_direction=joined_pdf, scale_groups=groups)
-            bild = self._angdist_write(f"{out_root}_class001_angdist.bild", joined_pdf, model, plan)
-            writes += [bild] if bild is not None else []
-            writes += [partial(write_star, joined, f"{root}_model.star"),
-                       partial(copy_atomically, f"{root}_model.star", f"{out_root}_model.star"),
-                       partial(copy_atomically, f"{root}_sampling.star", f"{out_root}_sampling.star"),
-                       partial(write_optimiser_star, f"{out_root}_optimiser.star",
-                               optimiser_star_blocks(optimiser, model, config, str(out_root)), list(argv))]
-        return writes
+
+    def _final_outputs(self, run, plan, snapshot, timings, stages, argv):
+        """The final iteration's files, as RELION's MlOptimiserMpi::iterate writes them once the halves are joined
+        (its iteration number set to -1): the converged run's files without an iteration number, and no
+        run_itNNN_* file. The half maps are the unregularised ones (`maximize`); run_optimiser.star comes last."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        out_root = config.output_root
+        pixel = model.pixel_size_angstrom
+        particles = self.particles
+        names, counts = particles.optics_names_and_counts()
+        joined_pdf = self._joined_direction_distribution(model)
+        joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
+                                   pdf_direction=joined_pdf, scale_groups=particles.scale_group_names_and_counts())
+        writes = [partial(write_particle_star, particles.star, f"{out_root}_data.star",
+                          self._particle_table(snapshot, pixel)),
+                  partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel),
+                  *(partial(mrc.write_volume, f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
+                    for h in (1, 2)),
+                  partial(write_star, joined, f"{out_root}_model.star"),
+                  self._angdist_write(f"{out_root}_class001_angdist.bild", joined_pdf, model, plan.sampling,
+                                      plan.iteration),
+                  partial(write_sampling_star, f"{out_root}_sampling.star", plan.sampling, optimiser, config, pixel),
+                  self._report_write(f"{out_root}_report.png", run, plan, snapshot, timings, stages)]
+        return [Together([write for write in writes if write is not None]),
+                partial(write_optimiser_star, f"{out_root}_optimiser.star",
+                        optimiser_star_blocks(optimiser, model, config, str(out_root)), list(argv))]
+
+    @staticmethod
+    def _report_write(path, run, plan, snapshot, timings, stages):
+        model = run.model
+        return InOwnProcess(partial(write_iteration_report, path, iteration=plan.iteration,
+                                    fsc=np.array(model.fsc_halves[0]), ori_size_px=model.ori_size_px,
+                                    pixel_size_angstrom=model.pixel_size_angstrom,
+                                    resolution_angstrom=model.current_resolution_angstrom,
+                                    rot_deg=snapshot.rot_deg, tilt_deg=snapshot.tilt_deg,
+                                    timings_seconds={**{f"E: {k}": v for k, v in stages.items()},
+                                                     "M-step": timings["maximization"]},
+                                    halves_joined=plan.final))

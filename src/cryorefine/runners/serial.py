@@ -28,6 +28,7 @@ class SerialRunner:
     """Runs the E- and M-steps in this process on `backend` (estep.backend)."""
 
     leads = True  # runs the iteration loop itself
+    n_workers = 0  # no MPI workers: this process runs everything
 
     def __init__(self, backend, batch_size_for, preread_images=False, scratch_dir=None):
         self.backend = backend
