@@ -57,6 +57,9 @@ class _SlowRunner:
     def announce(self, particles, settings):
         pass
 
+    def begin_initial_noise(self, particles, settings, n_optics):
+        pass
+
     def initial_noise_spectra(self, particles, settings, n_optics):
         time.sleep(self.naps["noise"])
         return np.ones((n_optics, 5))
