@@ -57,7 +57,7 @@ class _SlowRunner:
     def announce(self, particles, settings):
         pass
 
-    def begin_initial_noise(self, particles, settings, n_optics):
+    def begin_initial_noise(self, particles, settings):
         pass
 
     def initial_noise_spectra(self, particles, settings, n_optics):

@@ -134,10 +134,10 @@ class Runner(Protocol):
     def initial_noise_spectra(self, particles, settings, n_optics):
         """RELION's initial noise spectra (n_optics, shells) from all images, on the runner's engines."""
 
-    def begin_initial_noise(self, particles, settings, n_optics) -> None:
+    def begin_initial_noise(self, particles, settings) -> None:
         """Start the initial noise pass where it runs beside this process (MPI: on the workers), so that
-        `initial_noise_spectra` with the same arguments, called by `job.start` once the starting maps are made,
-        only collects it; nothing where it would run here."""
+        `initial_noise_spectra` of these particles, called by `job.start` once the starting maps are made, only
+        collects it; nothing where it would run here."""
 
     def session(self):
         """A context manager around the run (the device arena; MPI: the workers' start and stop, failures)."""
@@ -180,7 +180,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))
         if resume_from is None:  # the workers' noise pass runs while job.start makes the starting maps
-            runner.begin_initial_noise(particles, settings, len(particles.optics_groups))
+            runner.begin_initial_noise(particles, settings)
         clock.mark("particles, reference and masks read")
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)

@@ -317,9 +317,10 @@ class MpiRunner:
         self.noise_begun = False  # the master: the workers run the initial noise pass (`begin_initial_noise`)
         self.noise_batches_left = 0  # its batches whose sums the master has not received
 
-    def begin_initial_noise(self, particles, settings, n_optics):
+    def begin_initial_noise(self, particles, settings, n_optics=None):
         """The workers start the initial noise pass (`_noise_batches`), each batch's sums sent here as it is ready,
         while this process goes on (job.start makes the starting maps); `initial_noise_spectra` collects them."""
+        n_optics = len(particles.optics_groups) if n_optics is None else n_optics
         self.objects.bcast(("noise", (settings, n_optics)), root=0)
         self.noise_begun = True
         self.noise_batches_left = -(-len(particles) // self.config.batch_size_for(settings.ori_size_px))

@@ -45,7 +45,7 @@ class SerialRunner:
         log_stages("initial noise spectra", stages)
         return spectra
 
-    def begin_initial_noise(self, particles, settings, n_optics):
+    def begin_initial_noise(self, particles, settings):
         """Nothing: the noise pass runs here, when job.start asks for it."""
 
     @contextlib.contextmanager
