@@ -34,8 +34,9 @@ def blob_volume(rng, n, blobs=8):
 
 
 def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset_step=2, noise=0.3, ctf=True,
-                   sigma_scale=1.0, sampling_kw=None, **setup_kw):
-    """A reference, a sampling, and noisy CTF-modulated projections at random poses and shifts."""
+                   sigma_scale=1.0, sampling_kw=None, origin_prior=False, **setup_kw):
+    """A reference, a sampling, and noisy CTF-modulated projections at random poses and shifts; with
+    `origin_prior`, each particle's offsets' prior centred up to 1 px from the box centre (else (0, 0))."""
     rng = np.random.default_rng(seed)
     volume = blob_volume(rng, n)
     sampling = Sampling(healpix_order=healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
@@ -63,7 +64,8 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
                   optics_index=np.zeros(n_particles, np.int64), old_origin_px=old, residual_origin_px=residual,
                   prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
                   old_class=np.zeros(n_particles, np.int64), norm_correction=rng.uniform(0.9, 1.1, n_particles),
-                  power_beyond_current=np.zeros((n_particles, n // 2 + 1)))
+                  power_beyond_current=np.zeros((n_particles, n // 2 + 1)),
+                  origin_prior_px=rng.uniform(-1.0, 1.0, (n_particles, 2)) if origin_prior else None)
     kw = dict(current_size_px=n, coarse_size_px=n, pixel_size_angstrom=2.0, log_pdf_class=np.zeros(1),
               sigma_offset_px=3.0)
     kw.update(setup_kw)
@@ -354,8 +356,15 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
 @pytest.mark.parametrize("kw", [dict(), dict(do_cc=True), dict(local_searches=True, sigma_rot_deg=12.0,
                                                                 sigma_psi_deg=12.0),
                                 dict(coarse_size_px=20, likelihood_size_px=20),  # --strict_highres_exp
-                                dict(sampling_kw=dict(oversampling=2))],  # 64 × 16 fine children
-                         ids=["global", "cc", "local", "strict_highres_exp", "oversampling_2"])
+                                dict(sampling_kw=dict(oversampling=2)),  # 64 × 16 fine children
+                                # the offsets' prior felt (σ 1 px), centred on each particle's origin prior; its fine
+                                # translations take their coarse translation's prior (RELION's pdf_offset)
+                                dict(sigma_offset_px=1.0, origin_prior=True),
+                                dict(local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0, sigma_offset_px=1.0,
+                                     origin_prior=True),
+                                dict(sampling_kw=dict(oversampling=2), sigma_offset_px=1.0, origin_prior=True)],
+                         ids=["global", "cc", "local", "strict_highres_exp", "oversampling_2", "global_offset_prior",
+                              "local_offset_prior", "oversampling_2_offset_prior"])
 def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     _, setup, batch = random_problem(7, 32, 12, sigma_scale=5.0, **kw)
     ref, want, gpu, got = run_both(cp, setup, batch)

@@ -85,8 +85,10 @@ def test_coarse_diff2_equals_brute_force(problem):
 def test_noise_free_particles_at_grid_poses_are_found_exactly(problem):
     rng, volume, projector, sampling, sigma2 = problem
     engine = NumpyEngine()
-    # noise broad enough that the coarse pass keeps the true pose's parent among the significant samples
-    engine.setup(setup_for(projector, sampling, sigma2 * 1e3, adaptive_fraction=0.99999))
+    # noise broad enough that the coarse pass keeps the true pose's parent among the significant samples, and a flat
+    # offset prior: under noise this broad the prior each child takes from its coarse translation would outweigh
+    # the likelihood's preference within a coarse step
+    engine.setup(replace(setup_for(projector, sampling, sigma2 * 1e3, adaptive_fraction=0.99999), sigma_offset_px=1e3))
     # true poses: fine-grid children of random coarse samples; origins = coarse translation + child offset
     coarse_index = rng.choice(sampling.n_coarse_samples, 4, replace=False)
     rot, tilt, psi, tx, ty = sampling.fine_samples_flat(coarse_index)
@@ -551,3 +553,106 @@ def test_fine_blocks_are_kept_only_when_asked(problem):
         assert len(engine.last_blocks) == (3 if keep else 0)
     for name in ("rot_deg", "pmax", "log_likelihood", "n_significant"):
         np.testing.assert_array_equal(getattr(results[0], name), getattr(results[1], name))
+
+
+def _offset_prior_problem(rng, n, local, prior_given):
+    """n particles, previous offsets up to 1.5 px, prior centres up to 1 px from the box centre (or none given:
+    RELION's (0, 0)); previous poses for a local search; the offsets' σ 1.5 px, so that the prior is felt."""
+    sampling = Sampling(healpix_order=1, offset_range_px=2, offset_step_px=2)
+    old = rng.uniform(-1.5, 1.5, (n, 2))
+    prior = rng.uniform(-1.0, 1.0, (n, 2)) if prior_given else None
+    angles = rng.uniform(-180, 180, n), rng.uniform(10, 170, n), rng.uniform(-180, 180, n)
+    kw = dict(local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0) if local else {}
+    return sampling, old, prior, angles, kw
+
+
+@pytest.mark.parametrize("prior_given", [True, False], ids=["origin prior", "no origin prior"])
+@pytest.mark.parametrize("local", [True, False], ids=["local", "global"])
+def test_the_offset_prior_is_centred_on_the_origin_prior_and_taken_at_the_coarse_translation(local, prior_given):
+    """RELION's pdf_offset (convertAllSquaredDifferencesToWeights): exp(−|old + t − prior|²/2σ²) with t the coarse
+    translation, prior the particle's rlnOriginX/YPriorAngst or (0, 0), in local searches as in global ones, and
+    every oversampled child of t takes t's value. Against a reference of zeros every sample fits the image
+    equally (diff2 the same everywhere), so each kept child's weight is its prior alone: orientation prior ×
+    offset prior, worked out here from the coarse translations."""
+    from cryorefine.estep.common import local_orientations
+
+    rng = np.random.default_rng(21)
+    n = 4
+    sampling, old, prior, angles, kw = _offset_prior_problem(rng, n, local, prior_given)
+    setup = replace(setup_for(Projector(np.zeros((N, N, N))), sampling, np.full((1, N // 2 + 1), 1e-4),
+                              adaptive_fraction=0.999, **kw), sigma_offset_px=1.5)
+    images = fourier.rfft2_centered(rng.normal(size=(n, N, N)))
+    batch = replace(make_batch(images, np.ones((n, N, N // 2 + 1)), old, old - np.round(old)),
+                    prior_rot_deg=angles[0], prior_tilt_deg=angles[1], prior_psi_deg=angles[2], origin_prior_px=prior)
+    engine = NumpyEngine(keep_blocks=True)
+    engine.setup(setup)
+    engine.run(batch)
+    centre = np.zeros((n, 2)) if prior is None else prior
+    neighbourhoods = local_orientations(setup, *angles)
+    translations = sampling.translations_px()
+    n_trans, n_orient = sampling.n_translations, sampling.n_orientations
+    n_fine_t = sampling.n_fine_translations()
+    for b, blocks in enumerate(engine.last_blocks):
+        orientation, t = np.divmod(blocks.coarse_index, n_trans)
+        orientation = orientation % n_orient
+        if local:
+            own = slice(neighbourhoods.offsets[b], neighbourhoods.offsets[b + 1])
+            olp = dict(zip(neighbourhoods.orientation[own].tolist(), neighbourhoods.log_prior[own]))
+            orientation_prior = np.array([olp[o] for o in orientation.tolist()])
+        else:
+            orientation_prior = np.zeros(orientation.size)
+        offset_prior = -np.sum((old[b] + translations[t] - centre[b]) ** 2, axis=1) / (2 * 1.5 ** 2)
+        expected = np.broadcast_to((orientation_prior + offset_prior)[:, None], blocks.weights.shape)
+        kept = blocks.weights > 0
+        assert kept.sum() >= 0.9 * kept.size and np.unique(t).size == n_trans  # the prior is felt, not cut away
+        # log w − log prior is the particle's normalisation alone (exact up to rounding)
+        residual = np.log(blocks.weights[kept]) - expected[kept]
+        assert np.ptp(residual) < 1e-9, (b, np.ptp(residual))
+        # every child of a coarse translation has its weight: n_fine_t children per fine orientation alike
+        per_t = blocks.weights.reshape(blocks.weights.shape[0], -1, n_fine_t)
+        np.testing.assert_allclose(per_t, per_t[..., :1].repeat(n_fine_t, axis=2), rtol=1e-12)
+
+
+@pytest.mark.parametrize("prior_given", [True, False], ids=["origin prior", "no origin prior"])
+def test_sigma_offset_after_a_local_search_is_the_weighted_spread_of_the_offsets_about_the_prior(problem,
+                                                                                                prior_given):
+    """RELION's σ²_offset (storeWeightedSums, maximizationOtherParameters) after a local search: Σ w·|old + t −
+    prior|² over the kept fine samples, t the fine translation, summed over particles and divided by 2 · the
+    number of particles (two axes) — the spread of the offsets about the prior centre, not about the previous
+    offsets. Worked out here sample by sample from the engine's fine weights and the sampling's fine
+    translations, and compared to em.mstep's σ."""
+    from cryorefine.config import RefineConfig
+    from cryorefine.em import mstep
+    from cryorefine.em.state import ModelState
+
+    rng, volume, projector, _, sigma2 = problem
+    n = 6
+    sampling, old, prior, angles, kw = _offset_prior_problem(rng, n, True, prior_given)
+    old = old * 2  # offsets of up to 3 px: their spread about the centre is well above RELION's 2 Å² floor
+    truth = euler.euler_to_matrix(angles[0] - 3, angles[1] + 2, angles[2] - 4)
+    images = fourier.phase_shift_2d(projector.project(truth, N), -old[:, 0], -old[:, 1], N)
+    images = images + fourier.rfft2_centered(rng.normal(size=(n, N, N)) * 0.05)
+    batch = replace(make_batch(images, np.ones((n, N, N // 2 + 1)), old, old - np.round(old)),
+                    prior_rot_deg=angles[0], prior_tilt_deg=angles[1], prior_psi_deg=angles[2], origin_prior_px=prior)
+    setup = setup_for(projector, sampling, sigma2 * 100, **kw)
+    engine = NumpyEngine(keep_blocks=True)
+    engine.setup(setup)
+    engine.run(batch)
+    sums = engine.sums()
+    centre = np.zeros((n, 2)) if prior is None else prior
+    pixel = setup.pixel_size_angstrom
+    per_class = sampling.n_orientations * sampling.n_translations
+    weighted, about_old = 0.0, 0.0
+    for b, blocks in enumerate(engine.last_blocks):
+        *_, tx, ty = sampling.fine_samples_flat(blocks.coarse_index % per_class)  # (blocks, children) px
+        dx, dy = old[b, 0] + tx - centre[b, 0], old[b, 1] + ty - centre[b, 1]
+        weighted += np.sum(blocks.weights * (dx ** 2 + dy ** 2))
+        about_old += np.sum(blocks.weights * (tx ** 2 + ty ** 2))
+    sigma2_offset = weighted * pixel ** 2 / (2 * n)
+    assert sigma2_offset > 4 * mstep.MIN_SIGMA2_OFFSET_ANGSTROM2  # above the floor …
+    assert sigma2_offset > 3 * about_old * pixel ** 2 / (2 * n)  # … and far from the spread about the old offsets
+    assert sums.sigma2_offset_angstrom2 == pytest.approx(weighted * pixel ** 2, rel=1e-10)
+    model = ModelState(ori_size_px=N, pixel_size_angstrom=pixel, sigma2_noise=sigma2 * 100)
+    mstep.maximize_other_parameters(model, RefineConfig(input_star="p.star", output_root="o/run", reference_map=""),
+                                    [sums], do_cc=False)
+    assert model.sigma_offset_angstrom == pytest.approx(np.sqrt(sigma2_offset), rel=1e-10)

@@ -428,6 +428,7 @@ class CupyEngine:
             "optics_d": cp.asarray(optics, dtype=cp.int32),
             "residual": np.asarray(batch.residual_origin_px, dtype=np.float64)[rows],
             "old": np.asarray(batch.old_origin_px, dtype=np.float64)[rows],
+            "prior": np.asarray(batch.origin_prior_px, dtype=np.float64)[rows],  # the offsets' prior centre
             "norm": np.asarray(batch.norm_correction, dtype=np.float64)[rows],
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64)[rows],
         }
@@ -581,8 +582,8 @@ class CupyEngine:
         lp = self.log_pdf_class[None, :, None, None] + cp.asarray(orientation_prior)[:, None, :, None]
         if self.log_pdf_direction is not None:
             lp = lp + self.log_pdf_direction[:, orientation // self.n_psi].transpose(1, 0, 2)[..., None]
-        centre = pre["old"] if s.local_searches else None
-        off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, centre)  # (B, T)
+        # centred on the particles' priors in local searches as in global ones (RELION's), not on the previous offsets
+        off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, pre["prior"])  # (B, T)
         return lp, cp.asarray(off)[:, None, None, :]  # (B or 1, K, R, 1) and (B, 1, 1, T), float64
 
     def _local_coarse_pass(self, pre, local):
@@ -697,14 +698,15 @@ class CupyEngine:
         parent = self.log_pdf_class[k_blk] + olp_blk
         if self.log_pdf_direction is not None:
             parent = parent + self.log_pdf_direction[k_blk, o_blk // self.n_psi]
-        old = cp.asarray(pre["old"])
-        off = old[b_blk][:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
-        if s.local_searches:
-            off = off - old[b_blk][:, None, :]
+        # |offset − prior centre|² of the children (the σ_offset sums) and of their coarse translation, whose offset
+        # prior each child has (RELION computes pdf_offset at the coarse sampling only)
+        from_centre = cp.asarray(pre["old"] - pre["prior"])[b_blk]  # (n_blocks, 2)
+        off = from_centre[:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
         d2_off = cp.sum(off * off, axis=2)  # (n_blocks, nft)
-        del off
-        off_prior = -d2_off / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
-        prior = cp.broadcast_to(parent[:, None, None] + off_prior[:, None, :], (n_blocks, nfo, nft)).reshape(-1)
+        off = from_centre + cp.asarray(self.translations)[t_blk]  # (n_blocks, 2)
+        off_prior = -cp.sum(off * off, axis=1) / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)  # (n_blocks,)
+        del off, from_centre
+        prior = cp.broadcast_to((parent + off_prior)[:, None, None], (n_blocks, nfo, nft)).reshape(-1)
         del parent, off_prior
         d2 = diff2.reshape(-1)
         b_of = cp.repeat(blk["b"], nf)

@@ -97,10 +97,15 @@ class Batch:
     norm_correction: np.ndarray  # (B,) the norm correction applied to the images
     power_beyond_current: np.ndarray  # (B, ori_size//2+1) per shell, the masked image's power at |k| > current/2
     scale_group_index: np.ndarray | None = None  # (B,) int: the intensity group of --scale (None: the optics group)
+    # (B, 2) x, y: the centre of the offsets' prior (RELION's rlnOriginX/YPriorAngst in px), in global and local
+    # searches alike; None: (0, 0), RELION's centre where the STAR file gives none
+    origin_prior_px: np.ndarray | None = None
 
     def __post_init__(self):
         if self.scale_group_index is None:
             self.scale_group_index = self.optics_index
+        if self.origin_prior_px is None:
+            self.origin_prior_px = np.zeros((len(self.indices), 2))
 
 
 @dataclass

@@ -127,6 +127,7 @@ class NumpyEngine:
             "group": groups,
             "residual": np.asarray(batch.residual_origin_px, dtype=np.float64),
             "old": np.asarray(batch.old_origin_px, dtype=np.float64),
+            "prior": np.asarray(batch.origin_prior_px, dtype=np.float64),  # the offsets' prior centre
             "norm": np.asarray(batch.norm_correction, dtype=np.float64),
             "power_beyond": np.asarray(batch.power_beyond_current, dtype=np.float64),
         }
@@ -197,8 +198,7 @@ class NumpyEngine:
             shifts_c = pre["residual"][rows][:, None, :] + self.translations[None, :, :]  # (b, T, 2)
             x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p) for p in proj], axis=1)
-            old = pre["old"][rows]
-            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px)
+            offset_prior = offset_log_prior(self.translations, pre["old"][rows], s.sigma_offset_px, pre["prior"][rows])
             log_prior = class_direction_prior[None, :, :, None] + offset_prior[:, None, None, :]
             n = x_c.shape[0]
             mask, n_sig = self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
@@ -215,8 +215,9 @@ class NumpyEngine:
             shifts_c = pre["residual"][b][None, :] + self.translations  # (T, 2)
             x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)[None]
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p[cols]) for p in proj], axis=1)
-            old = pre["old"][b:b + 1]
-            offset_prior = offset_log_prior(self.translations, old, s.sigma_offset_px, old)
+            # centred on the particle's prior, as in a global search (RELION's), not on its previous offset
+            offset_prior = offset_log_prior(self.translations, pre["old"][b:b + 1], s.sigma_offset_px,
+                                            pre["prior"][b:b + 1])
             log_prior = (class_direction_prior[None, :, cols, None] + own_prior[None, None, :, None]
                          + offset_prior[:, None, None, :])
             mask, n_sig = self._significant(self._weights(diff2.reshape(1, -1), log_prior.reshape(1, -1)))
@@ -450,12 +451,15 @@ class NumpyEngine:
             np.subtract(a + 0.5 * power[:, None], diff2, out=diff2)
         in_block = np.zeros((n_ko, n_t), bool)
         in_block[ko_pos, t_pos] = True
-        centre = pre["old"][b] if s.local_searches else 0.0
+        # |offset − prior centre|² of the fine translations (the σ_offset sums), and of their coarse parents: a child
+        # has its parent's offset prior (RELION computes pdf_offset at the coarse sampling only)
+        centre = pre["prior"][b]
         offset_d2 = np.sum((pre["old"][b] + shifts - centre) ** 2, axis=1)  # (T,)
+        parent_d2 = np.sum((pre["old"][b] + self.translations[u_t] - centre) ** 2, axis=1)  # (n_t,)
         orientation_prior = np.zeros(n_ko)
         orientation_prior[ko_pos] = olp  # the prior of each significant sample's orientation
         row_prior = np.repeat(table.prior[u_ko] + orientation_prior, n_fo)
-        col_prior = -offset_d2 / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)
+        col_prior = np.repeat(-parent_d2 / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2), n_ft)
         prior = row_prior[:, None] + col_prior[None, :]
         considered = np.repeat(np.repeat(in_block, n_fo, axis=0), n_ft, axis=1) & np.isfinite(prior)
         min_diff2 = float(np.min(diff2, where=considered, initial=np.inf))
