@@ -333,7 +333,7 @@ class CupyEngine:
                                           dtype=np.float32, xp=cp, out=self.ref_volumes[k])
                     assert projector.grid == grid
                     del projector
-        else:
+        else:  # a runner's (`CudaBackend.shared_projectors`): the classes of one array, taken as they are
             grid = s.projectors[0].grid
             self.ref_volumes = _one_stack(cp, [p.data for p in s.projectors])
         self.ref_grid = grid
