@@ -193,10 +193,6 @@ REFUSED = (
     (("--allow_coarser_sampling",), (CLASS2D,),
      "coarser sampling is not available in cryorefine's 2D classification yet; drop {name} (RELION's GUI: 'Allow "
      "coarser sampling?' No)"),
-    (("--grad", "--class_inactivity_threshold", "--grad_write_iter"), (CLASS2D,),
-     "VDAM (--grad) is not available in cryorefine's 2D classification yet; run it with the EM algorithm (drop "
-     "--grad --class_inactivity_threshold --grad_write_iter and give --iter 25; RELION's GUI: 'Use EM algorithm?' "
-     "Yes, 'Use VDAM algorithm?' No), or run VDAM with RELION"),
 )
 
 #: RELION's parseContinue reads these again from a --continue command line, and the run reads them afresh every
@@ -277,6 +273,7 @@ class JobOption:
     def decorator(self, command: str, section: str | None) -> Callable[[Callable], Callable]:
         """click's decorator of this option for `command`, listed in `section` of its help."""
         settings = dict(self.settings, **self.per_command.get(command, {}))
+        section = settings.pop("section", section)
         if callable(settings.get("help")):
             settings["help"] = settings["help"](command)
         if "default" not in settings and not settings.get("is_flag") and self.decls[1] in CONFIG_DEFAULTS:
@@ -294,6 +291,8 @@ def _option(name: str, parameter: str, commands=RUNS, section=None, per_command=
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RefineConfig) if f.default is not dataclasses.MISSING}
 #: classify's --iter (RELION's GUI writes 25 for Class3D; relion_refine's own default is 50, as refine's here)
 CLASSIFY_ITERATIONS = 25
+#: class2d --grad's --iter without it (relion_refine's default for a gradient run, and RELION's GUI's VDAM line)
+CLASS2D_GRAD_ITERATIONS = 200
 _FILE = click.Path(dir_okay=False)
 _FOLDER = click.Path(file_okay=False)
 
@@ -462,8 +461,18 @@ JOB_OPTIONS = (
             help="The reconstruction never runs gridding iterations here."),
     _option("--dont_check_norm", "dont_check_norm", is_flag=True, section=RELION_SECTION,
             help="Images are not checked for normalisation here."),
-    _option("--grad", "grad", (INITIAL_MODEL,), is_flag=True, section=RELION_SECTION,
-            help="Gradient refinement (VDAM): what initial_model always does."),
+    _option("--grad", "grad", (INITIAL_MODEL, CLASS2D), is_flag=True, section=RELION_SECTION,
+            help="Gradient refinement (VDAM): what initial_model always does.",
+            per_command={CLASS2D: {"section": None, "help": "VDAM (RELION 4/5's default for 2D classification) instead "
+                                   "of EM: each iteration a gradient step on a random mini-batch (RELION's sizes, from "
+                                   "0.5 % to 5 % of the particles), 200 iterations unless --iter says otherwise."}}),
+    _option("--class_inactivity_threshold", "class_inactivity_threshold", (CLASS2D,), type=float,
+            help="With --grad: between the initial and the final iterations, the least active class, when its share "
+                 "is below this fraction of an even share, is replaced by a copy of the class of the largest "
+                 "gradient (RELION's GUI: 0.1; 0: none)."),
+    _option("--grad_write_iter", "grad_write_iter", (CLASS2D, INITIAL_MODEL), type=int,
+            help="A gradient run (--grad) writes its iteration's files every this many iterations, at the last, and "
+                 "where the mini-batch holds every particle; --continue starts from those."),
     _option("--denovo_3dref", "denovo_3dref", (INITIAL_MODEL,), is_flag=True, section=RELION_SECTION,
             help="A 3D model from the particles alone: what initial_model always does."),
     _option("--auto_sampling", "auto_sampling", (INITIAL_MODEL,), is_flag=True,
@@ -521,8 +530,8 @@ def classify(**params):
 @cli.command(cls=JobCommand)
 @job_options(CLASS2D)
 def class2d(**params):
-    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm; on the
-    CPU engine, or with --gpu on one GPU)."""
+    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm on the CPU
+    engine or with --gpu on one GPU, or with --grad VDAM on the CPU engine)."""
     _run(CLASS2D, params)
 
 
@@ -530,7 +539,7 @@ def class2d(**params):
 @job_options(INITIAL_MODEL)
 def initial_model(**params):
     """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM;
-    one class, on the CPU engine for now; with --sym, run in C1 and aligned to the group's axes at the end)."""
+    --K classes, on the CPU engine for now; with --sym, run in C1 and aligned to the group's axes at the end)."""
     _run(INITIAL_MODEL, params)
 
 
@@ -544,19 +553,11 @@ def _run(command: str, params: dict) -> None:
         min_mpi_ranks, report = job.RefineJob.min_mpi_ranks, _report_end
     elif command == CLASS2D:
         from cryorefine.jobs import class2d as job
-        from cryorefine.runners.mpi import launched_with_mpi
 
-        if launched_with_mpi():
-            raise InputError("class2d runs in one process for now: run it without mpirun (relion_refine, not "
-                             "relion_refine_mpi; RELION's GUI: 'Number of MPI procs' 1)")
         min_mpi_ranks, report = job.Class2DJob.min_mpi_ranks, _report_class_averages
     elif command == INITIAL_MODEL:
         from cryorefine.jobs import initial_model as job
-        from cryorefine.runners.mpi import launched_with_mpi
 
-        if launched_with_mpi():
-            raise InputError("initial_model runs in one process for now: run it without mpirun (relion_refine, not "
-                             "relion_refine_mpi; RELION's GUI: 'Number of MPI procs' 1)")
         min_mpi_ranks, report = job.InitialModelJob.min_mpi_ranks, _report_classes
     else:
         from cryorefine.jobs import classify as job
@@ -690,13 +691,15 @@ def _continued_command(arguments, auto_refine):
         auto_refine = bool(int(general["rlnDoAutoRefine"]))
     except (InputError, KeyError, TypeError, ValueError):
         pass
-    if not auto_refine and _saved_job(path) == CLASS2D:
-        return CLASS2D
+    saved = None if auto_refine else _saved_job(path)
+    if saved in (CLASS2D, INITIAL_MODEL):
+        return saved
     return "refine" if auto_refine else "classify"
 
 
 def _saved_job(optimiser_star) -> str | None:
-    """The kind of job (refine, classify, class2d) whose --continue state sits beside `optimiser_star`, or None."""
+    """The kind of job (refine, classify, class2d, initial_model) whose --continue state sits beside `optimiser_star`,
+    or None."""
     from cryorefine.io import resume
 
     try:
@@ -889,6 +892,8 @@ def job_config(command: str, params: dict, given: set[str] = frozenset()) -> Ref
         values["dtype"] = "float64" if params["precision"] == "double" else "float32"
     if "max_iterations" in params:
         values["max_iterations"] = _max_iterations(params, given)
+        if command == CLASS2D and params.get("grad") and "--iter" not in given:
+            values["max_iterations"] = CLASS2D_GRAD_ITERATIONS
     planned = command == PLAN
     values.setdefault("reference_map", "")  # class2d has none
     # class2d (as relion_refine) and initial_model run on the CPU engine unless --gpu asks for the GPU engine

@@ -58,6 +58,9 @@ class RefineConfig:
     allow_coarser_sampling: bool = False  # --allow_coarser_sampling (classify, K > 1): steps of the accuracy
     psi_step_deg: float | None = None  # --psi_step (class2d): the coarse in-plane step; None: RELION's 10° in 2D
     center_classes: bool = False  # --center_classes (class2d): class averages moved to their centre of mass
+    grad: bool = False  # --grad (class2d): VDAM, RELION's gradient refinement on mini-batches, instead of EM
+    class_inactivity_threshold: float = 0.0  # --class_inactivity_threshold (class2d --grad): inactive classes replaced
+    grad_write_iter: int = 10  # --grad_write_iter: a gradient run writes its files every this many iterations
     auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
     padding_factor: float = 2.0
@@ -138,6 +141,9 @@ class RefineConfig:
              "more than 0 degrees"),
             ("--psi_step", self.psi_step_deg, self.psi_step_deg is None or 0 < self.psi_step_deg <= 180,
              "more than 0 and at most 180 degrees (RELION's GUI: 12, 6° after oversampling)"),
+            ("--class_inactivity_threshold", self.class_inactivity_threshold, 0 <= self.class_inactivity_threshold < 1,
+             "a fraction from 0 (none replaced) to below 1 (RELION's GUI: 0.1)"),
+            ("--grad_write_iter", self.grad_write_iter, self.grad_write_iter >= 1, "1 iteration or more (RELION: 10)"),
             ("--coarse_size", self.max_coarse_size_px, self.max_coarse_size_px <= 0 or self.max_coarse_size_px % 2 == 0,
              "an even number of pixels, or -1 for none (RELION's default)"),
         ]

@@ -89,3 +89,77 @@ def test_updates_move_the_reference_to_the_batches_map():
     assert np.corrcoef(found.ravel(), blob_map(seed=1).ravel())[0, 1] > 0.95
     assert step.fsc_estimate[:3].min() > 0.9
     assert step.fsc_estimate.shape == (n // 2 + 1,)
+
+
+def test_2d_classifications_mini_batches_are_relions_and_a_last_iteration_of_classes_takes_all():
+    """RELION's initialiseGeneral for ref_dim 2: max(min(0.5 %, 10000), 200) and max(min(5 %, 100000), 1000)."""
+    assert gradient.class2d_subset_sizes(10_000) == (200, 1000)
+    assert gradient.class2d_subset_sizes(105_247) == (526, 5262)
+    assert gradient.class2d_subset_sizes(3_000_000) == (10000, 100000)
+    phases = gradient.gradient_phases(200)
+    assert gradient.subset_size(200, phases, 200, 1000, 10_000, n_classes=1) == 1000
+    assert gradient.subset_size(200, phases, 200, 1000, 10_000, n_classes=50) is None  # updateSubsetSize's rule
+    assert gradient.subset_size(199, phases, 200, 1000, 10_000, n_classes=50) == 1000
+    # the 2D step size: "3-step" from 0.9 to 0.3; the middle of the sigmoid at 60 + 25 is 0.6
+    assert gradient.step_size(85, phases, gradient.CLASS2D_STEP_SIZE, gradient.CLASS2D_FIRST_STEP_SIZE) == \
+        pytest.approx(0.6)
+    first, second = gradient.pseudo_halves(np.array([2, 3, 8, 11, 14]))
+    assert first.tolist() == [2, 8, 14] and second.tolist() == [3, 11]
+
+
+def test_the_least_active_class_is_replaced_by_a_copy_of_the_most_erring_one():
+    """RELION's rule: drop the class of the smallest share where it is below threshold / (classes with a share);
+    copy the class of the largest error (mean power of its step times its share)."""
+    shares = np.array([0.5, 0.02, 0.3, 0.18])
+    errors = np.array([1.0, 9.0, 5.0, 0.1]) * shares  # 0.5, 0.18, 1.5, 0.018
+    assert gradient.class_to_replace(shares, errors, 0.1) == (1, 2)  # 0.02 < 0.1 / 4
+    assert gradient.class_to_replace(shares, errors, 0.05) is None  # 0.02 ≥ 0.05 / 4
+    assert gradient.class_to_replace(shares, errors, 0.0) is None
+    # a class without a share does not count among the active ones: 0.02 < 0.1 / 3 as well, and 0 is the least
+    assert gradient.class_to_replace(np.array([0.5, 0.02, 0.48, 0.0]), errors, 0.1) == (3, 2)
+
+
+def test_the_moments_go_to_relions_files_and_back_exactly():
+    """RELION's layout: (Np[, Np], 2·(Np/2 + 1)) float32, real and imaginary parts side by side, frequency 0 at Np/2;
+    a round trip gives back every value an update reads (inside the radius)."""
+    for ndim, n in ((2, 16), (3, 8)):
+        grid = gradient.full_grid(n, 2.0, ndim)
+        rng = np.random.default_rng(ndim)
+        moments = gradient.Moments.start(grid)
+        inside = grid.radius2() < grid.r_max_padded ** 2
+        for m in moments.first:
+            m[...] = np.where(inside, rng.normal(size=grid.shape) + 1j * rng.normal(size=grid.shape), 0)
+        moments.second[...] = np.where(inside, rng.uniform(0.5, 2.0, grid.shape), 1.0)
+        first, second = gradient.moments_as_relion(moments, grid)
+        assert first[0].shape == (2 * n,) * (ndim - 1) + (2 * (n + 1),) and first[0].dtype == np.float32
+        # frequency (ky, kx) = (1, 2) of the first pseudo-half set: row Np/2 + 1, columns 4 and 5
+        o = grid.origin
+        if ndim == 2:
+            assert first[0][n + 1, 4] == moments.first[0][o + 1, 2].real
+            assert first[0][n + 1, 5] == moments.first[0][o + 1, 2].imag
+        back = gradient.moments_from_relion(first, second, grid)
+        for a, b in zip(back.first + [back.second], moments.first + [moments.second]):
+            assert np.array_equal(a[inside], b[inside])
+
+
+def test_moving_a_2d_class_moves_its_moments_as_its_transform():
+    """RELION's centerClasses under --grad shifts the first moments by the image's move: the padded transform of the
+    image moved by whole pixels is the transform of the image with the moments' phase."""
+    n = 16
+    y, x = np.mgrid[:n, :n] - n // 2
+    image = np.exp(-((x - 1) ** 2 + (y + 2) ** 2) / 2.0)
+    moved = np.roll(image, (-1, 3), axis=(0, 1))  # 3 px along x, −1 px along y
+    grid = gradient.full_grid(n, 2.0, 2)
+    moments = gradient.Moments.start(grid)
+    moments.first = [Projector(image, 2.0, None, do_gridding=False).data.astype(np.complex64)] * 2
+    shifted = gradient.shifted_moments(moments, grid, np.array([3.0, -1.0]))
+    want = Projector(moved, 2.0, None, do_gridding=False).data
+    assert np.abs(shifted.first[0] - want).max() < 1e-3 * np.abs(want).max()  # the other way: about 2
+
+
+def test_map_from_padded_ft_inverts_the_2d_projectors_transform():
+    n = 16
+    y, x = np.mgrid[:n, :n] - n // 2
+    image = np.exp(-((x - 2) ** 2 + (y + 1) ** 2) / 4.0)
+    projector = Projector(image, 2.0, None, do_gridding=False)
+    assert np.allclose(gradient.map_from_padded_ft(projector.data, projector.grid), image, atol=1e-3)

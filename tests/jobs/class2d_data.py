@@ -59,10 +59,13 @@ def best_rotated_correlation(average: np.ndarray, truth: np.ndarray, step_deg: f
     return best
 
 
-def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int = 0) -> tuple[Path, np.ndarray]:
+def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int = 0,
+                   normalised: bool = False) -> tuple[Path, np.ndarray]:
     """n_each particles of each of the three views in folder/views.star (+ views.mrcs): random psi, shifts of up to
-    2 px, CTFs of 1-2.5 µm defocus (300 kV), white noise of variance var(signal)/`snr` in the particle's circle.
-    Returns the STAR file's path and the true view of each particle (0, 1, 2)."""
+    2 px, CTFs of 1-2.5 µm defocus (300 kV), white noise of variance var(signal)/`snr` in the particle's circle;
+    `normalised`: the images divided by the noise's σ, as RELION's extraction normalises particles (background σ 1,
+    so that the norm corrections are about 1). Returns the STAR file's path and the true view of each particle (0,
+    1, 2)."""
     from cryorefine.core import fourier
     from cryorefine.core.ctf import CtfParameters, ctf_2d
 
@@ -81,7 +84,8 @@ def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int 
     signal = fourier.irfft2_centered(fourier.rfft2_centered(clean) * ctf, BOX_PX)
     circle = np.hypot(*(np.mgrid[:BOX_PX, :BOX_PX] - BOX_PX // 2)) < BOX_PX // 2 - 2
     sigma = np.sqrt(signal[:, circle].var() / snr)
-    images = (signal + rng.normal(scale=sigma, size=signal.shape)).astype(np.float32)
+    images = signal + rng.normal(scale=sigma, size=signal.shape)
+    images = (images / sigma if normalised else images).astype(np.float32)
     write_mrc(folder / "views.mrcs", images, PIXEL_ANGSTROM)
     particles = pd.DataFrame({
         "rlnImageName": [f"{i + 1:06d}@views.mrcs" for i in range(n)],

@@ -126,7 +126,7 @@ def gui_lines():
 
 
 #: the GUI settings whose lines cryorefine refuses, with the option the message names
-REFUSED = {"every default": "--grad", "allow_coarser Yes": "--allow_coarser_sampling"}
+REFUSED = {"allow_coarser Yes": "--allow_coarser_sampling"}
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,8 @@ def gui_project(tmp_path_factory):
 @pytest.mark.parametrize("setting, line", gui_lines(), ids=[s for s, _ in gui_lines()])
 def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkeypatch, setting, line, capsys):
     """Each line, one iteration on the CPU (`--iter 1 --cpu` added, as under "Additional arguments"): it writes
-    RELION's files and RELION_JOB_EXIT_SUCCESS, or (VDAM, coarser sampling) is refused in one line naming the option,
-    exit 2, RELION_JOB_EXIT_FAILURE and no iteration's files."""
+    RELION's files (VDAM's with the momenta: its one iteration is its last) and RELION_JOB_EXIT_SUCCESS, or (coarser
+    sampling) is refused in one line naming the option, exit 2, RELION_JOB_EXIT_FAILURE and no iteration's files."""
     monkeypatch.chdir(gui_project)
     words = shlex.split(line)[2:]
     folder = Path(words[words.index("--pipeline_control") + 1])
@@ -162,6 +162,10 @@ def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkey
     assert (folder / "RELION_JOB_EXIT_SUCCESS").exists()
     for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "sampling.star"):
         assert (folder / f"run_it001_{suffix}").is_file(), suffix
+    vdam = "--grad" in words
+    assert (folder / "run_it001_1moment.mrcs").is_file() == vdam
+    general = starfile.read(folder / "run_it001_optimiser.star", always_dict=True)["optimiser_general"]
+    assert int(general["rlnDoGradientRefine"]) == int(vdam)
 
 
 def test_class2d_asks_for_cpu_where_gpu_has_no_device_in_one_line(gui_project, tmp_path, capsys):
@@ -231,3 +235,16 @@ def test_a_relion_continue_line_of_a_2d_run_continues_it_as_class2d(three_views)
     assert relion_refine_command(["--continue", str(optimiser), "--o", "x/run"]) == "class2d"
     general = starfile.read(optimiser)
     assert int(general["rlnDoCenterClasses"]) == 1 and int(general["rlnDoAutoRefine"]) == 0
+
+
+@pytest.mark.gpu
+def test_class2d_on_the_gpu_refuses_vdam_in_one_line(three_views, capsys):
+    """--grad with --gpu: VDAM takes the CPU engine for now; one line naming --gpu, exit 2, no files."""
+    from conftest import cupy_or_skip
+
+    cupy_or_skip()
+    folder, star, _ = three_views
+    assert run_cli("class2d", "--i", star, "--o", folder / "gpu_grad" / "run", *THREE_VIEWS_RUN, "--grad",
+                   "--gpu", "0") == 2
+    assert "--gpu" in capsys.readouterr().err
+    assert not list((folder / "gpu_grad").glob("run_it*")) if (folder / "gpu_grad").exists() else True

@@ -67,8 +67,8 @@ def test_the_job_is_chosen_as_relion_chooses_it(tmp_path):
 
 def test_an_initial_model_line_with_what_is_not_there_yet_is_refused_in_one_line(capsys, tmp_path):
     """RELION's InitialModel line (no --ref, --denovo_3dref) runs `cryorefine initial_model` (tests/jobs/
-    test_initial_model.py); with --K 2 (not there yet): exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI, nothing
-    written."""
+    test_initial_model.py); with an option that is not part of it (--fast_subsets, which RELION refuses with --grad):
+    exit 2, one line, RELION_JOB_EXIT_FAILURE for the GUI, nothing written."""
     from conftest import make_particle_set
     from test_cli import assert_one_line_error, run
 
@@ -78,9 +78,9 @@ def test_an_initial_model_line_with_what_is_not_there_yet_is_refused_in_one_line
     line = (f"--o {folder}/run --iter 200 --grad --denovo_3dref --i {star} "
             f"--ctf --K 2 --sym C1 --flatten_solvent --zero_mask --dont_combine_weights_via_disc --pool 3 --pad 1 "
             f"--particle_diameter 200 --oversampling 1 --healpix_order 1 --offset_range 6 --offset_step 2 "
-            f"--auto_sampling --tau2_fudge 4 --j 6 --pipeline_control {folder}/")  # the GUI's --gpu "" left out:
-    code, _, err = run(capsys, "relion_refine", *shlex.split(line))  # no CuPy here
-    assert_one_line_error(code, err, "initial_model: --K 2", "give --K 1")
+            f"--auto_sampling --tau2_fudge 4 --j 6 --fast_subsets --pipeline_control {folder}/")  # the GUI's --gpu ""
+    code, _, err = run(capsys, "relion_refine", *shlex.split(line))  # left out: no CuPy here
+    assert_one_line_error(code, err, "No such option: --fast_subsets", "`cryorefine initial_model` does not")
     assert (folder / "RELION_JOB_EXIT_FAILURE").is_file()
     assert not list(folder.glob("run_*"))
 

@@ -254,6 +254,33 @@ def test_classify_under_mpi_writes_the_single_process_class_maps(mixture):
         np.testing.assert_array_equal(got["rlnClassNumber"], want["rlnClassNumber"])
 
 
+def test_more_seed_units_than_workers_are_served_by_every_worker_as_one_process_classifies(mixture):
+    """K = 3 on two workers: the seeding iteration's three units (one a class) are each served by both workers and
+    added over both, each class's map made by its unit's holder; classes and maps are those of one process."""
+    for ranks in (1, 3):
+        result = run_classify(ranks, mixture, f"k3_n{ranks}", "--iter", "2", "--K", "3", "--batch", "4")
+        assert result.returncode == 0, (ranks, result.stderr[-2000:])
+    for it in (1, 2):
+        assert_same_classification(mixture, "k3_n3", "k3_n1", it, classes=(1, 2, 3))
+
+
+def test_a_bad_input_found_while_the_workers_add_up_the_noise_ends_every_rank_with_the_masters_line(mixture):
+    """The workers begin the initial noise pass while the master makes the starting maps: a bad input found there
+    ends the job with exit code 2 and the master's one line, once the workers' pass has ended (none left waiting)."""
+    from conftest import CLASSIFY_ARGS
+
+    script = Path(__file__).with_name("start_failure_script.py")
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)  # a test run under mpiexec itself must not pass it on
+    command = [mpiexec(), "-n", "3", sys.executable, str(script), "--i", str(mixture / "mix.star"), "--ref",
+               str(mixture / "avg.mrc"), "--o", str(mixture / "start_failure" / "run"),
+               *(str(a) for a in CLASSIFY_ARGS), "--batch", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("the starting maps failed") == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture):
     # batches of 4 (15 an iteration), so that both workers get some of iteration 2's single work unit: with the
     # default batch the one batch goes to whichever worker asks first
@@ -312,15 +339,23 @@ def test_workers_take_the_gpus_of_gpu_or_of_their_node_in_turn(monkeypatch):
 
 
 def test_work_units_are_shared_out_over_the_workers():
-    from cryorefine.runners.mpi import holder_of_unit, units_of_worker
+    from cryorefine.runners.mpi import holder_of_unit, makers_of_parts, units_of_worker, workers_of_unit
 
     assert [units_of_worker(w, 4, 2) for w in range(4)] == [[0], [1], [0], [1]]  # refine: halves alternate
     assert [units_of_worker(w, 3, 1) for w in range(3)] == [[0], [0], [0]]  # classify: every worker, one unit
-    assert [units_of_worker(w, 2, 5) for w in range(2)] == [[0, 2, 4], [1, 3]]  # seeds of 5 classes on 2 workers
-    for n_workers, n_units in ((4, 2), (3, 1), (2, 5), (1, 3)):
+    assert [units_of_worker(w, 2, 6) for w in range(2)] == [[0, 2, 4], [1, 3, 5]]  # seeds of 6 classes, 2 workers
+    # seeds of 5 classes on 2 workers, 6 on 4: one unit each would leave some workers with more; every worker
+    # serves every unit, and each unit's first worker (its holder, who makes its map) is another
+    assert [units_of_worker(w, 2, 5) for w in range(2)] == [[0, 1, 2, 3, 4]] * 2
+    assert [workers_of_unit(u, 4, 6) for u in range(6)] == [[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1], [3, 0, 1, 2],
+                                                            [0, 1, 2, 3], [1, 2, 3, 0]]
+    assert sorted(makers_of_parts([[(u, 0)] for u in range(6)], 4, 6).values()) == [0, 0, 1, 1, 2, 3]
+    for n_workers, n_units in ((4, 2), (3, 1), (2, 5), (1, 3), (4, 6), (2, 6)):
         served = [u for w in range(n_workers) for u in units_of_worker(w, n_workers, n_units)]
         assert sorted(set(served)) == list(range(n_units))  # every unit served
+        assert len({len(units_of_worker(w, n_workers, n_units)) for w in range(n_workers)}) == 1  # equal loads
         for u in range(n_units):
+            assert workers_of_unit(u, n_workers, n_units)[0] == holder_of_unit(u, n_workers)
             assert u in units_of_worker(holder_of_unit(u, n_workers), n_workers, n_units)
 
 

@@ -222,6 +222,16 @@ class Projector(_OnPaddedGrid):
         # DFT3(V)(k) / N² of the zero-padded box, |k| ≤ R, one slab at a time (core.padded_transforms)
         self.data = padded_forward(corrected, grid, xp, out=out)
 
+    @classmethod
+    def from_transform(cls, data: Array, grid: PaddedGrid, xp: ArrayModule = np) -> Projector:
+        """The projector of a padded transform made before (`data`, complex, in `grid`'s compact layout): e.g. one
+        another MPI worker made and shared."""
+        projector = cls.__new__(cls)
+        projector.xp, projector.grid, projector.data = xp, grid, data
+        projector.complex_dtype = np.dtype(data.dtype).type
+        projector.real_dtype = np.dtype(data.dtype).type(0).real.dtype.type
+        return projector
+
     @cached_property
     def power_spectrum(self) -> Array:
         """RELION's radial power of `data` (computed on first use: the E-step never needs it)."""

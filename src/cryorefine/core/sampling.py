@@ -249,10 +249,11 @@ class DirectionTables(NamedTuple):
 
 
 @functools.lru_cache(maxsize=2)
-def _direction_tables(healpix_order: int, symmetry: str) -> DirectionTables:
+def direction_tables(healpix_order: int, symmetry: str) -> DirectionTables:
     """DirectionTables of `healpix_order` and `symmetry`, made once for the iterations that share them: every
     iteration has a Sampling of its own (its perturbation), and at order 8 these tables take about a tenth of a
-    second to make. Two kept: an auto-refine's current order and the one before it."""
+    second to make. Two kept: an auto-refine's current order and the one before it. The first call also imports
+    healpy (with astropy and matplotlib, about a second), which an MPI worker does while it sets itself up."""
     n_pix = 12 * 4 ** healpix_order
     ipix = np.arange(n_pix, dtype=np.int64)
     group = symmetry_group(symmetry)
@@ -410,7 +411,7 @@ class Sampling:
 
     @property
     def _tables(self) -> DirectionTables:
-        return _IN_PLANE_DIRECTIONS if self.in_plane else _direction_tables(self.healpix_order, self.symmetry)
+        return _IN_PLANE_DIRECTIONS if self.in_plane else direction_tables(self.healpix_order, self.symmetry)
 
     @functools.cached_property
     def _translations_unperturbed(self) -> np.ndarray:
@@ -608,11 +609,11 @@ class Sampling:
     @property
     def _direction_of_pixel(self) -> np.ndarray:
         """Direction index of each HEALPix pixel of order N, −1 outside the asymmetric unit."""
-        return _direction_tables(self.healpix_order, self.symmetry).of_pixel
+        return direction_tables(self.healpix_order, self.symmetry).of_pixel
 
     @property
     def _direction_vectors(self) -> np.ndarray:
-        return _direction_tables(self.healpix_order, self.symmetry).vectors
+        return direction_tables(self.healpix_order, self.symmetry).vectors
 
     def _local_directions(self, prior_rot_deg, prior_tilt_deg, sigma_deg, cutoff):
         """Ragged (offsets, directions, log priors) of the directions near each prior direction: the

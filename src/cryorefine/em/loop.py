@@ -124,6 +124,11 @@ class Runner(Protocol):
     def initial_noise_spectra(self, particles, settings, n_optics):
         """RELION's initial noise spectra (n_optics, shells) from all images, on the runner's engines."""
 
+    def begin_initial_noise(self, particles, settings, n_optics) -> None:
+        """Start the initial noise pass where it runs beside this process (MPI: on the workers), so that
+        `initial_noise_spectra` with the same arguments, called by `job.start` once the starting maps are made,
+        only collects it; nothing where it would run here."""
+
     def session(self):
         """A context manager around the run (the device arena; MPI: the workers' start and stop, failures)."""
 
@@ -164,6 +169,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         particles, settings = job.load()
         Path(config.output_root).parent.mkdir(parents=True, exist_ok=True)
         particles = stack.enter_context(runner.staged(particles))
+        if resume_from is None:  # the workers' noise pass runs while job.start makes the starting maps
+            runner.begin_initial_noise(particles, settings, len(particles.optics_groups))
         clock.mark("particles, reference and masks read")
         if resume_from is not None:
             state = restored_state(resume_from, job.kind)
@@ -333,7 +340,7 @@ def saved_state(kind, config, state, particles):
     import json
 
     scalars = {f.name: getattr(state.model, f.name) for f in dataclasses.fields(state.model)
-               if f.name not in MODEL_ARRAYS + ("maps", "joined_map")}
+               if f.name not in MODEL_ARRAYS + ("maps", "joined_map", "moments")}
     document = {"config": json.loads(config.to_json()), "job": kind, "model": scalars,
                 "optimiser": dataclasses.asdict(state.optimiser),
                 "schedule": None if state.schedule is None else dataclasses.asdict(state.schedule),

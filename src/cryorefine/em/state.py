@@ -51,6 +51,8 @@ class ModelState:
     class_distribution: np.ndarray | None = None  # (K,)
     pdf_direction: np.ndarray | None = None  # (K, n_directions) the direction distribution per class; a
     # refinement's (2, 1, n_directions), one per half set
+    moments: list | None = None  # a gradient run's (VDAM, --grad) per class: em.gradient.Moments (RELION's Igrad1/2);
+    # --continue reads them from the iteration's files, not from the saved state
 
     @property
     def n_shells(self) -> int:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -28,6 +28,7 @@ from cryorefine.core.arrays import Array, ArrayModule
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
+    from cryorefine.core.projector import Projector
     from cryorefine.estep.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,23 @@ class NumpyBackend:
 
     def release_cached(self) -> None:
         """Nothing is cached on the host."""
+
+    def shared_projectors(self, maps: Sequence[Array], padding_factor: float, r_max_px: int,
+                          owners: Sequence[int], me: int, share: Callable[[Array, int], object]) -> list[Projector]:
+        """The projectors of `maps` as the numpy engine makes them (`IterationSetup.projectors`), each transform
+        computed only where `owners[k]` is `me` and then `share(data, owners[k])`d, class by class in order (every
+        worker calls `share` for every class: from the owner to the others, in place)."""
+        from cryorefine.core.grid import PaddedGrid
+        from cryorefine.core.projector import Projector
+
+        grid = PaddedGrid.create(np.shape(maps[0])[0], padding_factor, r_max_px, ndim=np.ndim(maps[0]))
+        out = []
+        for k, volume in enumerate(maps):
+            data = (Projector(volume, padding_factor, r_max_px).data if owners[k] == me
+                    else np.zeros(grid.shape, dtype=np.complex128))
+            share(data, owners[k])
+            out.append(Projector.from_transform(data, grid))
+        return out
 
 
 class CudaBackend:
@@ -224,6 +242,34 @@ class CudaBackend:
         (sums moved to the host) can be used again."""
         if self.arena is not None:
             self.arena.release_pooled()
+
+    def shared_projectors(self, maps: Sequence[Array], padding_factor: float, r_max_px: int,
+                          owners: Sequence[int], me: int, share: Callable[[Array, int], object]) -> list[Projector]:
+        """The projectors of `maps` as the CuPy engine makes them, views of one (K, …) complex64 device array that
+        the engine takes as its references without a copy (`estep.cuda`): each transform computed only where
+        `owners[k]` is `me` (its temporaries in a scope of their own, as the engine's), then `share(data,
+        owners[k])`d class by class in order (in place, on the current stream, which this waits for)."""
+        import cupy
+
+        from cryorefine.core.grid import PaddedGrid
+        from cryorefine.core.projector import Projector
+        from cryorefine.gpu.allocator import Scope
+
+        with cupy.cuda.Device(self.device_id):
+            grid = PaddedGrid.create(np.shape(maps[0])[0], padding_factor, r_max_px, ndim=np.ndim(maps[0]))
+            stack = cupy.empty((len(maps),) + grid.shape, dtype=cupy.complex64)
+            for k, volume in enumerate(maps):
+                if owners[k] != me:
+                    continue
+                scope = contextlib.nullcontext() if self.arena is None else self.arena.scope(Scope.PARTICLE)
+                pooled = contextlib.nullcontext() if self.arena is None else self.arena.pooled()
+                with scope, pooled:
+                    Projector(cupy.asarray(volume), padding_factor, r_max_px, dtype=np.float32, xp=cupy,
+                              out=stack[k])
+            for k in range(len(maps)):
+                share(stack[k], owners[k])
+            cupy.cuda.get_current_stream().synchronize()
+            return [Projector.from_transform(stack[k], grid, cupy) for k in range(len(maps))]
 
 
 #: The backend of a process: numpy on the host, or CuPy on one GPU.

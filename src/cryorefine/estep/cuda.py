@@ -94,6 +94,17 @@ log = logging.getLogger(__name__)
 _NULL = np.uint64(0)  # a null pointer argument of a kernel
 
 
+def _one_stack(cp, arrays):
+    """`arrays` (K transforms of one shape) as one (K, …) complex64 device array: the array they are the classes of,
+    in order, where they are (no copy of gigabytes), else a stacked copy."""
+    base = getattr(arrays[0], "base", None)
+    if (isinstance(base, cp.ndarray) and base.dtype == cp.complex64 and base.flags.c_contiguous
+            and base.shape == (len(arrays),) + tuple(arrays[0].shape)
+            and all(isinstance(a, cp.ndarray) and a.data.ptr == base[k].data.ptr for k, a in enumerate(arrays))):
+        return base
+    return cp.stack([cp.asarray(a, dtype=cp.complex64) for a in arrays])
+
+
 def _i32(v):
     return np.int32(v)
 
@@ -340,7 +351,7 @@ class CupyEngine:
                     del projector
         else:
             grid = s.projectors[0].grid
-            self.ref_volumes = cp.stack([cp.asarray(p.data, dtype=cp.complex64) for p in s.projectors])
+            self.ref_volumes = _one_stack(cp, [p.data for p in s.projectors])
         self.ref_grid = grid
         # the kernels' geometry: the grid's first and last sizes (d, d, w) or, of 2D references, (d, w)
         d, w = grid.shape[0], grid.shape[-1]

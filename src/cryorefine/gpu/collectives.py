@@ -4,6 +4,7 @@ has NCCL and each worker has a GPU of its own; the MPI runner moves the data thr
 - `DeviceCollectives.reduce`: a work unit's sums added up onto the worker that makes a map. On four H200s of one
   host the host path (copy to the host, MPI reduction, copy back) took about 1 s a worker an iteration for the six
   class volumes of the 105k Class3D's late iterations: a quarter of its E-step.
+- `DeviceCollectives.broadcast`: a device array of one worker on every worker, in place.
 - `DeviceCollectives.broadcast_host`: a host buffer of one worker (a map it made) on every worker, through the
   GPUs, which the M-step's sharing of the maps among the workers uses (`runners.objects.ObjectChannel`).
 """
@@ -45,6 +46,32 @@ class DeviceCollectives:
         self.rank = mpi_comm.Get_rank()
         unique_id = mpi_comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         self._comm = nccl.NcclCommunicator(mpi_comm.Get_size(), unique_id, self.rank)
+
+    def warm_up(self) -> None:
+        """One small and one large reduction and broadcast: NCCL connects the ranks and allocates its buffers on a
+        communicator's first collectives of each size class (about half a second on two H200s), here instead of in
+        the first iteration's reduction and M-step."""
+        import cupy
+
+        for count in (1 << 10, 1 << 24):
+            array = cupy.zeros(count, dtype=cupy.float32)
+            self.reduce(array, 0)
+            self.broadcast(array, 0)
+            del array
+        cupy.cuda.get_current_stream().synchronize()
+
+    def broadcast(self, array: DeviceArray, root: int) -> DeviceArray:
+        """Rank `root`'s `array` (`takes`) on every rank, in place: the other ranks' arrays of the same shape and
+        dtype are overwritten. Ordered on the current stream."""
+        import cupy
+        from cupy.cuda import nccl
+
+        real = np.dtype(array.dtype).type(0).real.dtype
+        count = array.size * (2 if np.iscomplexobj(array) else 1)
+        kind = nccl.NCCL_FLOAT32 if real == np.float32 else nccl.NCCL_FLOAT64
+        stream = cupy.cuda.get_current_stream()
+        self._comm.broadcast(array.data.ptr, array.data.ptr, count, kind, root, stream.ptr)
+        return array
 
     @staticmethod
     def takes(array: object) -> bool:

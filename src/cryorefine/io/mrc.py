@@ -87,6 +87,18 @@ def read_volume(path: Path | str, require_cubic: bool = True) -> tuple[np.ndarra
     return volume, pixel
 
 
+def read_stack(path: Path | str) -> np.ndarray:
+    """An image stack (.mrcs) as float32 (n, y, x); a stack of one image, which the file cannot tell from an image,
+    as (1, y, x)."""
+    with open_mrc(path) as m:
+        data = np.asarray(m.data)
+        if data.ndim not in (2, 3):
+            raise InputError(f"{path}: expected a stack of images, found shape {data.shape}")
+        stack = data.reshape((-1,) + data.shape[-2:]).astype(np.float32)
+    require_finite(stack, path)
+    return stack
+
+
 def write_volume(path: Path | str, volume: npt.ArrayLike, pixel_size_angstrom: float) -> None:
     """Write a float32 map with its pixel size and up-to-date header statistics, atomically."""
     _write(path, np.asarray(volume, dtype=np.float32), pixel_size_angstrom, stack=False)

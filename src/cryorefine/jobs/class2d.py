@@ -20,10 +20,27 @@ previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's
 - the class distribution is the class prior of the next search; the resolution is where the best class's SSNR
   (tau2_fudge·τ²/σ²) drops below 1; the coarse pass compares images of the size the coarse psi step resolves at
   the particle's edge (RELION's keep-safe factor 1.5 in 2D).
-Not yet: VDAM (--grad), MPI, RELION's per-class offset priors. Outputs per iteration: run_itNNN_classes.mrcs (the
-K class averages, one stack), run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi,
-rlnOriginXAngst/YAngst, no rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star,
-run_itNNN_report.png (the class averages as a gallery with their shares of the particles).
+VDAM (--grad, RELION 4/5's GUI default: `--grad --class_inactivity_threshold 0.1 --grad_write_iter 10 --iter 200`):
+each iteration is a gradient step (`em.gradient`) on a random mini-batch of RELION's 2D sizes
+(`em.gradient.class2d_subset_sizes`: from max(min(0.5 %, 10,000), 200) to max(min(5 %, 100,000), 1,000) particles,
+every particle in the last iteration), split into two pseudo-half sets by the parity of the particle's index, each an
+E-step work unit against every class (at most 5 significant poses per class without --maxsig, RELION's 2D rule);
+each class's average moves along its gradient with momentum (`em.gradient.vdam_maximization`), the step size from 0.9
+to 0.3 and the τ² fudge from 1 to --tau2_fudge over RELION's phases of --iter; the class distribution and the other
+parameters take momentum 0.9; between the initial and the final phase the least active class, where its share is
+below --class_inactivity_threshold of an even share, becomes a copy of the class of the largest gradient;
+--center_classes moves an average only by 2 px or more (or 1 % of the diameter), with its momenta, and not in the
+final phase but for the last iteration (RELION's rules under --grad); --fast_subsets is refused (RELION's rule).
+The files are written every --grad_write_iter iterations, at the last, and where the batch holds every particle, with
+the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of the two pseudo-half sets, classes
+1…K then K+1…2K; run_itNNN_2moment.mrcs; model.star's rlnGradMoment1/2), from which --continue goes on exactly as
+the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
+With --gpu the EM algorithm runs on one GPU in one process (the GPU engine's 2D path); VDAM and runs under mpirun
+take the CPU's numpy engine for now. Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
+averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
+run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
+rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
+a gallery with their shares of the particles).
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import dataclasses
 import logging
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +59,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import relion_round
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import Sampling, next_perturbation
-from cryorefine.em import loop, mstep, schedule
+from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
 from cryorefine.em.state import ModelState, ParticleState, RunState
@@ -55,6 +73,7 @@ from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
+from cryorefine.runners.mpi import launched_with_mpi
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -67,9 +86,16 @@ DEFAULT_PSI_STEP_DEG = 10.0
 #: without --ini_high the initial averages are low-passed at this fraction of the box in shells (RELION, for
 #: do_average_unaligned: "0.07 dig.freq.", Scheres 2010)
 INITIAL_LOWPASS_FRACTION_OF_BOX = 0.07
-#: the random streams of the initial subsets and of --fast_subsets' draws
+#: the random streams of the initial subsets, of --fast_subsets' draws and of --grad's mini-batches
 INITIAL_SUBSETS_STREAM = 2
 FAST_SUBSETS_STREAM = 1
+GRAD_SUBSET_STREAM = 4
+#: RELION's most significant poses per class under --grad in 2D without --maxsig
+GRAD_MAX_SIGNIFICANTS_PER_CLASS = 5
+#: under --grad an average is centred only where it moves at least this many pixels, or this share of the particle's
+#: diameter (RELION's centerClasses: small moves upset the momenta)
+GRAD_CENTRE_MIN_SHIFT_PX = 2.0
+GRAD_CENTRE_MIN_SHIFT_OF_DIAMETER = 0.01
 #: RELION's width of the low-pass edge of the initial references (WIDTH_FMASK_EDGE), in shells
 INITIAL_LOWPASS_EDGE_SHELLS = 2.0
 
@@ -141,19 +167,34 @@ def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
     return np.array([(positive * x).sum(), (positive * y).sum()]) / mass
 
 
-def centred_image(image: np.ndarray, max_shift_px: float) -> np.ndarray:
-    """The image moved so that its centre of mass (`centre_of_mass_px`) comes to the centre, the shift at most
-    `max_shift_px` long (RELION's centerClasses: at most the offset range); sub-pixel by a phase shift of the
-    transform."""
+def centring_shift_px(image: np.ndarray, max_shift_px: float) -> np.ndarray:
+    """The (x, y) move that brings the image's centre of mass (`centre_of_mass_px`) to the centre, at most
+    `max_shift_px` long (RELION's centerClasses: at most the offset range)."""
     com = centre_of_mass_px(image)
     length = float(np.hypot(*com))
     if length > max_shift_px > 0:
         com *= max_shift_px / length
-    if not length:
+    return -com
+
+
+def shifted_image(image: np.ndarray, shift_px: np.ndarray) -> np.ndarray:
+    """The image moved by `shift_px` (x, y), sub-pixel by a phase shift of its transform."""
+    if not np.any(shift_px):
         return image
     n = image.shape[0]
-    ft = fourier.phase_shift_2d(fourier.rfft2_centered(image)[None], -com[:1], -com[1:], n)[0]
+    ft = fourier.phase_shift_2d(fourier.rfft2_centered(image)[None], shift_px[:1], shift_px[1:], n)[0]
     return fourier.irfft2_centered(ft, n)
+
+
+def centred_image(image: np.ndarray, max_shift_px: float) -> np.ndarray:
+    """The image moved so that its centre of mass comes to the centre (`centring_shift_px`)."""
+    return shifted_image(image, centring_shift_px(image, max_shift_px))
+
+
+def moment_stack_names(root: str) -> tuple[str, str]:
+    """RELION's files of a 2D gradient run's momenta (MlModel::write, ref_dim 2): the first moments of the two
+    pseudo-half sets (classes 1…K, then K+1…2K) and the second moments, one stack each."""
+    return f"{root}_1moment.mrcs", f"{root}_2moment.mrcs"
 
 
 class Class2DJob:
@@ -168,6 +209,8 @@ class Class2DJob:
         self.config = config
         self.particles = None
         self.settings = None
+        self.phases = gradient.gradient_phases(int(config.max_iterations))  # --grad's
+        self.subset_sizes = (0, 0)  # --grad's mini-batches, set by load
 
     # ------------------------------------------------------------------ set-up
     def load(self):
@@ -178,13 +221,29 @@ class Class2DJob:
             raise InputError("class2d: --firstiter_cc is not available in 2D; drop it")
         if config.symmetry.upper() != "C1":
             raise InputError(f"class2d: --sym {config.symmetry}: 2D classes have no point-group symmetry; drop --sym")
+        if config.engine == "cuda" and (config.grad or launched_with_mpi()):
+            raise InputError(f"class2d: {'--grad (VDAM)' if config.grad else 'a run under mpirun'} takes the CPU "
+                             f"engine for now (the GPU's 2D path runs the EM algorithm in one process); drop --gpu")
+        if config.grad and config.fast_subsets:
+            raise InputError("class2d: --fast_subsets cannot be used with --grad (as in RELION: VDAM takes its own "
+                             "mini-batches); drop --fast_subsets")
         particles, settings = loop.particles_and_settings(config)
         if config.skip_align and "rlnAnglePsi" not in particles.pose_columns:
             raise InputError(f"{config.input_star}: no rlnAnglePsi column; --skip_align keeps each particle's psi and "
                              f"origin, as an earlier 2D classification's run_data.star has them")
         self.diameter_angstrom = settings.particle_diameter_angstrom
         self.particles, self.settings = particles, settings
+        if config.grad:
+            self.subset_sizes = gradient.class2d_subset_sizes(len(particles))
+            log.info("VDAM: %d iterations (%d initial, %d in between, %d final), mini-batches of %d to %d of %d "
+                     "particles", self.phases.n_iterations, self.phases.initial, self.phases.between,
+                     self.phases.final, *self.subset_sizes, len(particles))
         return particles, settings
+
+    def _diameter_angstrom(self, model):
+        """The particle's diameter (Å) of the run (what load finds; an MPI worker, which does not load, from the
+        model's box)."""
+        return schedule.default_particle_diameter_angstrom(self.config, model.ori_size_px, model.pixel_size_angstrom)
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
@@ -202,6 +261,9 @@ class Class2DJob:
         model.maps = [initial_references(particles, settings, config, config.batch_size_for(box))]
         model.current_resolution_angstrom = initial_resolution_angstrom(config, box, pixel)
         optimiser, _ = schedule.initial_schedule(config)
+        if config.grad:
+            grid = gradient.full_grid(box, config.padding_factor, 2)
+            model.moments = [gradient.Moments.start(grid) for _ in range(k_classes)]
         poses = ParticleState.from_particles(particles, pixel)
         poses.rot_deg[:] = 0.0  # 2D: psi alone
         poses.tilt_deg[:] = 0.0
@@ -212,11 +274,15 @@ class Class2DJob:
                                 "class_resolutions": np.zeros((0, k_classes))})
 
     def resume(self, run, particles, iteration_root):
-        stack, _ = mrc.read_volume(f"{iteration_root}_classes.mrcs", require_cubic=False)
+        stack = mrc.read_stack(f"{iteration_root}_classes.mrcs")
         if stack.shape[0] != self.config.n_classes:
             raise InputError(f"{iteration_root}_classes.mrcs: holds {stack.shape[0]} classes, the run has "
                              f"{self.config.n_classes}")
         run.model.maps = [[np.array(image, dtype=np.float32) for image in stack]]
+        if self.config.grad:
+            run.model.moments = read_moment_stacks(iteration_root, int(self.config.n_classes),
+                                                   gradient.full_grid(run.model.ori_size_px,
+                                                                      self.config.padding_factor, 2))
 
     # ------------------------------------------------------------------ one iteration
     def plan(self, run, iteration):
@@ -244,23 +310,42 @@ class Class2DJob:
         sampling = Sampling(optimiser.healpix_order, optimiser.offset_range_px, optimiser.offset_step_px,
                             psi_step_deg=psi_step_deg(config), oversampling=config.oversampling,
                             perturbation=optimiser.perturbation, in_plane=True)
-        members = self._subset(iteration, len(run.particles.psi_deg))
         poses = run.particles
-        searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
-                    else sampling)
         with np.errstate(divide="ignore"):
             log_class = np.log(np.asarray(model.pdf_class, dtype=np.float64))
-        setup = IterationSetup(
-            projectors=None, maps=list(model.maps[0]), sigma2_noise=model.sigma2_noise, sampling=searched,
-            ori_size_px=box, current_size_px=current, coarse_size_px=coarse, pixel_size_angstrom=pixel,
-            log_pdf_class=log_class, sigma_offset_px=model.sigma_offset_angstrom / pixel,
-            adaptive_fraction=config.adaptive_fraction, max_significants=config.max_significants,
-            scale_correction=model.scale_correction if config.do_scale else None,
-            data_vs_prior=None if model.ssnr is None else model.ssnr[0],
-            padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
-            local_searches=bool(config.skip_align), likelihood_size_px=likelihood, ref_dim=2)
-        unit = WorkUnit("all classes", members, np.arange(k_classes, dtype=np.int64), setup)
-        return loop.IterationPlan(iteration, sizes, sampling, False, [unit])
+
+        def unit(name, members, max_significants):
+            searched = (GivenPoses.of(poses.rot_deg, poses.tilt_deg, poses.psi_deg, members) if config.skip_align
+                        else sampling)
+            setup = IterationSetup(
+                projectors=None, maps=list(model.maps[0]), sigma2_noise=model.sigma2_noise, sampling=searched,
+                ori_size_px=box, current_size_px=current, coarse_size_px=coarse, pixel_size_angstrom=pixel,
+                log_pdf_class=log_class, sigma_offset_px=model.sigma_offset_angstrom / pixel,
+                adaptive_fraction=config.adaptive_fraction, max_significants=max_significants,
+                scale_correction=model.scale_correction if config.do_scale else None,
+                data_vs_prior=None if model.ssnr is None else model.ssnr[0],
+                padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
+                local_searches=bool(config.skip_align), likelihood_size_px=likelihood, ref_dim=2)
+            return WorkUnit(name, members, np.arange(k_classes, dtype=np.int64), setup)
+
+        n_particles = len(poses.psi_deg)
+        if not config.grad:
+            units = [unit("all classes", self._subset(iteration, n_particles), config.max_significants)]
+            return loop.IterationPlan(iteration, sizes, sampling, False, units)
+        batch = gradient.mini_batch(iteration, self.phases, self.subset_sizes, n_particles, k_classes,
+                                    config.random_seed, GRAD_SUBSET_STREAM)
+        max_sig = (config.max_significants if config.max_significants > 0
+                   else GRAD_MAX_SIGNIFICANTS_PER_CLASS * k_classes)
+        units = [unit(f"pseudo-half {h + 1}", members, max_sig)
+                 for h, members in enumerate(gradient.pseudo_halves(batch))]
+        phases = self.phases
+        return gradient.GradientPlan(
+            iteration, sizes, sampling, False, units,
+            step_size=gradient.step_size(iteration, phases, gradient.CLASS2D_STEP_SIZE,
+                                         gradient.CLASS2D_FIRST_STEP_SIZE),
+            tau2_fudge=gradient.tau2_fudge_at(iteration, phases, config.tau2_fudge),
+            whole_batch=batch.size == n_particles,
+            may_replace_class=phases.initial < iteration < phases.initial + phases.between)
 
     def _subset(self, iteration, n_particles):
         """All particles, or with --fast_subsets RELION's random subset of 2D (`schedule.fast_subset_size` from 100
@@ -276,14 +361,19 @@ class Class2DJob:
         return np.sort(draw.permutation(n_particles)[:size])
 
     def maximization_groups(self, plan):
-        """Every class's average is made apart."""
+        """Every class's average is made apart (under --grad from both pseudo-half sets' sums)."""
+        if self.config.grad:
+            return [[(0, i), (1, i)] for i in range(len(plan.units[0].classes))]
         return [[(0, i)] for i in range(len(plan.units[0].classes))]
 
     def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
         """Per class: τ² from the previous average's power, the 2D reconstruction, its SSNR, on the backend's device
         where the sums are (the GPU engine's stay there); --center_classes and --flatten_solvent on the new average
-        (on the host); then the class distribution and RELION's other parameters."""
+        (on the host); then the class distribution and RELION's other parameters. Under --grad,
+        `_maximize_gradient`."""
         config = self.config
+        if config.grad:
+            return self._maximize_gradient(model, sums, plan, peers)
         xp = backend.array_module
         model = dataclasses.replace(model)
         k_classes = model.n_classes
@@ -295,8 +385,7 @@ class Class2DJob:
         tau2, ssnr, ref_sigma2 = (np.zeros((1, k_classes, n_shells)) for _ in range(3))
         total_weight = float(np.sum(small.pdf_class))
         pdf_class = np.asarray(small.pdf_class, dtype=np.float64) / max(total_weight, 1e-300)
-        mask = (fourier.soft_circular_mask(model.ori_size_px, self.diameter_angstrom / (2 * model.pixel_size_angstrom),
-                                           config.width_mask_edge_px) if config.flatten_solvent else None)
+        mask = self._mask(model)
         made = {}
         for i, k in enumerate(unit.classes):
             if not mstep.volumes_here(sums[0], i):
@@ -331,6 +420,41 @@ class Class2DJob:
         mstep.maximize_other_parameters(model, config, [small], False)
         return model
 
+    def _mask(self, model):
+        """--flatten_solvent's soft circle of the particle's diameter, or None."""
+        if not self.config.flatten_solvent:
+            return None
+        return fourier.soft_circular_mask(model.ori_size_px, self._diameter_angstrom(model) /
+                                          (2 * model.pixel_size_angstrom), self.config.width_mask_edge_px)
+
+    def _maximize_gradient(self, model, sums, plan, peers):
+        """VDAM's M-step (`em.gradient.vdam_maximization`, --class_inactivity_threshold), each average then centred
+        (--center_classes, RELION's rules under --grad: `_centres_under_grad`) with its first moments, and masked
+        (--flatten_solvent)."""
+        config = self.config
+        mask = self._mask(model)
+        centre = config.center_classes and (plan.iteration < self.phases.initial + self.phases.between
+                                            or plan.iteration == int(config.max_iterations))
+        least_shift_px = max(GRAD_CENTRE_MIN_SHIFT_OF_DIAMETER * self._diameter_angstrom(model)
+                             / model.pixel_size_angstrom, GRAD_CENTRE_MIN_SHIFT_PX)
+        grid = gradient.full_grid(model.ori_size_px, config.padding_factor, 2)
+
+        def finish(image, moments):
+            if centre:
+                shift = centring_shift_px(image, plan.sampling.offset_range_px)
+                if float(np.hypot(*shift)) >= least_shift_px:
+                    image = shifted_image(image, shift)
+                    moments = gradient.shifted_moments(moments, grid, shift)
+            return (image if mask is None else image * mask), moments
+
+        model, replaced = gradient.vdam_maximization(model, sums, plan, config, peers, finish,
+                                                     config.class_inactivity_threshold)
+        if replaced is not None:
+            log.info("iteration %d: class %d (its share below --class_inactivity_threshold %g of an even share) "
+                     "replaced by a copy of class %d", plan.iteration, replaced.dropped + 1,
+                     config.class_inactivity_threshold, replaced.copied + 1)
+        return model
+
     def update(self, run, plan, changes):
         config, model = self.config, run.model
 
@@ -352,12 +476,20 @@ class Class2DJob:
         return False  # every one of --iter iterations runs
 
     def summary(self, run, plan, changes):
-        return classification_summary(run, plan, changes, angle_name="psi")
+        line = classification_summary(run, plan, changes, angle_name="psi")
+        if not self.config.grad:
+            return line
+        return (f"{line}, mini-batch {sum(unit.members.size for unit in plan.units)}, step {plan.step_size:.2f}, "
+                f"τ² fudge {plan.tau2_fudge:.2f}")
 
     # ------------------------------------------------------------------ outputs
     def outputs(self, run, plan, snapshot, timings, stages, argv):
-        """The iteration's files (RELION's 2D names) as callables; the optimiser STAR file comes last."""
+        """The iteration's files (RELION's 2D names) as callables; the optimiser STAR file comes last. Under --grad
+        only where RELION writes them (`em.gradient.writes_files`), with the momenta."""
         config, model, optimiser = self.config, run.model, run.optimiser
+        if config.grad and not gradient.writes_files(plan.iteration, int(config.max_iterations), plan.whole_batch,
+                                                     config.grad_write_iter):
+            return []
         out_root = config.output_root
         root = f"{out_root}_it{plan.iteration:03d}"
         pixel = model.pixel_size_angstrom
@@ -372,16 +504,60 @@ class Class2DJob:
                                    pdf_direction=model.pdf_direction,
                                    scale_groups=particles.scale_group_names_and_counts())
         blocks["model_general"]["rlnReferenceDimensionality"] = 2
-        classes = np.stack([np.asarray(m, dtype=np.float32) for m in model.maps[0]])
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
-                  partial(mrc.write_stack, stack, classes, pixel),
+        classes = list(model.maps[0])  # under MPI their arrays are filled as the maps arrive: stacked when written
+        extra = []
+        optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration)
+        if config.grad:
+            first, second = moment_stack_names(root)
+            blocks["model_classes"]["rlnGradMoment1"] = [f"{k + 1:06d}@{first}" for k in range(model.n_classes)]
+            blocks["model_classes"]["rlnGradMoment2"] = [f"{k + 1:06d}@{second}" for k in range(model.n_classes)]
+            extra.append(partial(write_moment_stacks, root, list(model.moments),
+                                 gradient.full_grid(model.ori_size_px, config.padding_factor, 2), pixel))
+            optimiser_blocks["optimiser_general"].update(gradient.optimiser_labels(
+                plan, config, self.phases, self.subset_sizes, len(particles),
+                (gradient.CLASS2D_STEP_SIZE, gradient.CLASS2D_FIRST_STEP_SIZE), config.class_inactivity_threshold))
+        writes = [*extra, partial(write_particle_star, particles.star, f"{root}_data.star", table),
+                  partial(write_class_stack, stack, classes, pixel),
                   partial(write_star, blocks, f"{root}_model.star"),
                   partial(write_star, sampling_star_blocks(plan.sampling, config, pixel), f"{root}_sampling.star"),
-                  InOwnProcess(partial(write_class_gallery, f"{root}_report.png", classes,
+                  InOwnProcess(partial(write_gallery, f"{root}_report.png", classes,
                                        np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
                                        resolution_angstrom=model.current_resolution_angstrom))]
-        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
-            optimiser, model, config, str(out_root), plan.iteration), list(argv))]
+        return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
+                                          list(argv))]
+
+
+def write_class_stack(path: str, images: list, pixel_size_angstrom: float) -> None:
+    """The class averages in one stack (RELION's run_itNNN_classes.mrcs)."""
+    mrc.write_stack(path, np.stack([np.asarray(m, dtype=np.float32) for m in images]), pixel_size_angstrom)
+
+
+def write_gallery(path: str, images: list, shares: np.ndarray, **settings) -> None:
+    """The report's gallery of the class averages (`report.write_class_gallery`)."""
+    write_class_gallery(path, np.stack([np.asarray(m, dtype=np.float32) for m in images]), shares, **settings)
+
+
+def write_moment_stacks(root: str, moments: list, grid, pixel_size_angstrom: float) -> None:
+    """The classes' momenta as RELION writes them in 2D (`moment_stack_names`, `em.gradient.moments_as_relion`)."""
+    pairs = [gradient.moments_as_relion(m, grid) for m in moments]
+    first, second = moment_stack_names(root)
+    mrc.write_stack(first, np.stack([f[0] for f, _ in pairs] + [f[1] for f, _ in pairs]), pixel_size_angstrom)
+    mrc.write_stack(second, np.stack([s for _, s in pairs]), pixel_size_angstrom)
+
+
+def read_moment_stacks(root: str, n_classes: int, grid) -> list:
+    """The classes' momenta from RELION's 2D files (`write_moment_stacks`); an InputError naming a file that is
+    missing or of another number of classes."""
+    first, second = moment_stack_names(root)
+    for name in (first, second):
+        if not Path(name).is_file():
+            raise InputError(f"{name}: not found; --continue of a --grad run needs the momenta its iteration wrote; "
+                             f"continue from an iteration whose files are all there")
+    firsts, seconds = mrc.read_stack(first), mrc.read_stack(second)
+    if firsts.shape[0] != 2 * n_classes or seconds.shape[0] != n_classes:
+        raise InputError(f"{first}: holds the momenta of {seconds.shape[0]} classes, the run has {n_classes}")
+    return [gradient.moments_from_relion((firsts[k], firsts[n_classes + k]), seconds[k], grid)
+            for k in range(n_classes)]
 
 
 def sampling_star_blocks(sampling: Sampling, config: RefineConfig, pixel_size_angstrom: float) -> dict:

@@ -1,30 +1,36 @@
 """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM).
 
 No reference is given. RELION's rules, as this job follows them:
-- the initial map (`denovo_map`): a random orientation for each of a subset of the particles (RELION's draw: rot and
-  psi uniform over 360°, tilt over 180°), their CTF-weighted back-projection averaged (data Σ CTF·X, weights Σ CTF²),
-  low-passed to --ini_high; then RELION 4/5's blobs (initialiseReferences): 40 Gaussian blobs at random places
-  about the centre (σ of the places diameter/6, width diameter/10, amplitudes the average's magnitude there) minus
-  half of 40 more, scaled to the average's standard deviation, low-passed again and softly masked to the
-  particle's circle (--particle_diameter);
+- the initial maps (`denovo_maps`), one per class (--K): a subset of the particles (RELION's: at least 1,000, at least
+  5 per class), shared out over the classes at random (particle i of a random permutation in class i mod K), each at
+  a random orientation (RELION's draw: rot and psi uniform over 360°, tilt over 180°); each class's CTF-weighted
+  back-projection averaged (data Σ CTF·X, weights Σ CTF²), low-passed to --ini_high; then RELION 4/5's blobs
+  (initialiseReferences): 40 Gaussian blobs at random places about the centre (σ of the places diameter/6, width
+  diameter/10, amplitudes the average's magnitude there) minus half of 40 more, scaled to the average's standard
+  deviation, low-passed again and softly masked to the particle's circle (--particle_diameter);
 - every iteration is one gradient step (VDAM, `em.gradient`): an E-step of a random mini-batch (RELION's sizes,
-  `em.gradient.initial_model_subset_sizes`, growing over the iterations), split into two pseudo-half sets (by the
-  parity of the particle's index, as RELION's storeWeightedSums), each an E-step work unit against the same map;
-  the M-step moves the map along the batch's gradient with momentum, the step size and τ² fudge following RELION's
-  schedule over --iter (RELION's GUI: 200); the other model parameters
-  (noise spectra, σ of the offsets, norm and scale corrections, direction distribution) are averaged with
-  momentum 0.9 as RELION's maximizationOtherParameters does under --grad;
+  `em.gradient.initial_model_subset_sizes`, growing over the iterations; with several classes every particle in the
+  last iteration), split into two pseudo-half sets (by the parity of the particle's index, as RELION's
+  storeWeightedSums), each an E-step work unit against every class, the class distribution the classes' prior;
+  the M-step (`em.gradient.vdam_maximization`) moves each class's map along the batch's gradient with momentum, the
+  step size and τ² fudge following RELION's schedule over --iter (RELION's GUI: 200), a class's step scaled by its
+  share; the class distribution and the other model parameters (noise spectra, σ of the offsets, norm and scale
+  corrections, direction distributions) are averaged with momentum 0.9 as RELION's maximizationOtherParameters
+  does under --grad;
 - the sampling stays as given (--healpix_order, --offset_range, --offset_step, --oversampling; RELION's GUI: 1, 6,
-  2, 1); the image size follows the resolution, where the model's SSNR (--tau2_fudge·τ²/σ²) drops below 1;
-  --flatten_solvent masks the map to the particle's sphere after each update; --maxsig without a value is RELION's
+  2, 1); the image size follows the resolution, where the best class's SSNR (--tau2_fudge·τ²/σ²) drops below 1;
+  --flatten_solvent masks the maps to the particle's sphere after each update; --maxsig without a value is RELION's
   100 per class under --grad.
-Outputs, as RELION writes them under --grad (every 10th iteration, the last, and those whose batch holds every
-particle): run_itNNN_class001.mrc,
-run_itNNN_data.star, run_itNNN_model.star, run_itNNN_sampling.star, run_itNNN_optimiser.star.
---sym: as RELION's InitialModel job, the run is in C1 and the last map is turned to the group's axes and symmetrised
-(`em.align_symmetry`, RELION's relion_align_symmetry); that map is initial_model.mrc beside the run (the last map as
-it is for C1), as RELION's job writes it in its folder.
-Not yet: --K above 1, the GPU engine, MPI, --continue, RELION's --auto_sampling steps (every 10 iterations).
+Outputs, as RELION writes them under --grad (every --grad_write_iter iterations, RELION's 10, the last, and those
+whose batch holds every particle): run_itNNN_classNNN.mrc, run_itNNN_data.star, run_itNNN_model.star,
+run_itNNN_sampling.star, run_itNNN_optimiser.star, and the momenta as RELION writes them (run_itNNN_1momentNNN.mrc
+of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's rlnGradMoment1/2):
+--continue reads them back and goes on exactly as the run would have. Under mpirun the E-steps and the classes' steps
+are shared out over the workers as in the other jobs.
+initial_model.mrc beside the run is the largest class of the last iteration (RELION's relion_align_symmetry
+--select_largest_class); with --sym, as RELION's InitialModel job, the run is in C1 and that map is turned to the
+group's axes and symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry).
+Not yet: the GPU engine, RELION's --auto_sampling steps (every 10 iterations).
 """
 
 from __future__ import annotations
@@ -39,9 +45,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cryorefine.core import euler
-from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import PaddedGrid
-from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.projector import BackProjector
 from cryorefine.core.reconstruct import soft_mask_outside_map
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.core.symmetry import symmetry_group
@@ -52,7 +57,7 @@ from cryorefine.em.references import lowpass_to_ini_high
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
-from cryorefine.estep.engine import IterationSetup, WeightedSums
+from cryorefine.estep.engine import IterationSetup
 from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.background import Together
@@ -74,15 +79,14 @@ if TYPE_CHECKING:  # for annotations only
 log = logging.getLogger("cryorefine.initial_model")
 #: the engine the initial model runs on for now
 ENGINE = "numpy"
-#: RELION's particles for the initial noise spectra and the de-novo average (minimum_nr_particles_sigma2_noise in
-#: 2D data), at least 5 per class
+#: RELION's particles for the initial noise spectra and the de-novo averages (minimum_nr_particles_sigma2_noise in
+#: 2D data), at least DENOVO_PARTICLES_PER_CLASS per class
 DENOVO_PARTICLES = 1000
+DENOVO_PARTICLES_PER_CLASS = 5
 #: RELION's blobs of the initial map (initialiseReferences, SomGraph::make_blobs_3d)
 N_BLOBS = 40
 BLOB_PLACE_SIGMA_OF_DIAMETER = 1.0 / 6.0
 BLOB_WIDTH_OF_DIAMETER = 1.0 / 10.0
-#: RELION's --grad_write_iter: the files of every so many iterations (and of the last)
-WRITE_EVERY = 10
 #: RELION's most significant poses per class under --grad without --maxsig
 MAX_SIGNIFICANTS_PER_CLASS = 100
 #: the random streams of the de-novo map, the mini-batches and their halves
@@ -95,19 +99,16 @@ INITIAL_MODEL_NAME = "initial_model.mrc"
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
-    """Run the initial model with `runner`; the IterationReports."""
-    if resume_from is not None:
-        raise InputError("initial_model: --continue is not available yet; start the run again")
+    """Run the initial model with `runner`; the IterationReports (None on an MPI worker). `resume_from`: a
+    run_itNNN_optimiser.star of an earlier initial model, continued after it."""
     return loop.run(InitialModelJob(config), runner, argv, progress, resume_from, stop_requested, overwrite)
 
 
 def check_config(config: RefineConfig) -> None:
-    """The options this first version runs; an InputError in one line for the others."""
+    """The options this job runs; an InputError in one line for the others."""
     if config.engine != ENGINE:
         raise InputError("initial_model: the GPU engine does not run the initial model yet; run it on the CPU engine "
                          "(drop --gpu)")
-    if int(config.n_classes) != 1:
-        raise InputError(f"initial_model: --K {config.n_classes}: one class only for now; give --K 1")
     for option, value in (("--firstiter_cc", config.firstiter_cc), ("--fast_subsets", config.fast_subsets),
                           ("--skip_align", config.skip_align), ("--sigma_ang", config.sigma_ang_deg),
                           ("--sigma_psi", config.sigma_psi_deg)):
@@ -140,36 +141,71 @@ def blobs_map(average: np.ndarray, diameter_px: float, rng: np.random.Generator)
     return volume * (float(average.std()) / spread) if spread > 0 else volume
 
 
-def denovo_map(particles: ParticleSet, settings: ImageSettings, config: RefineConfig, batch_size: int) -> np.ndarray:
-    """The initial map (float64, (N, N, N)) from the particles alone: see the module docstring."""
+def denovo_maps(particles: ParticleSet, settings: ImageSettings, config: RefineConfig,
+                batch_size: int) -> list[np.ndarray]:
+    """The initial maps of the --K classes (float64, (N, N, N)) from the particles alone: see the module docstring."""
     box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
+    k_classes = int(config.n_classes)
     draw = np.random.default_rng([config.random_seed, DENOVO_STREAM])
-    chosen = np.sort(draw.permutation(len(particles))[:DENOVO_PARTICLES])
+    order = draw.permutation(len(particles))[:max(DENOVO_PARTICLES, DENOVO_PARTICLES_PER_CLASS * k_classes)]
+    class_of = np.empty(len(particles), dtype=np.int64)
+    class_of[order] = np.arange(order.size) % k_classes
+    chosen = np.sort(order)
     rot, tilt, psi = draw.uniform(0, 360, chosen.size), draw.uniform(0, 180, chosen.size), draw.uniform(0, 360,
                                                                                                        chosen.size)
-    bp = BackProjector(box, config.padding_factor, box // 2)
+    sums = [BackProjector(box, config.padding_factor, box // 2) for _ in range(k_classes)]
     with particles.image_reader() as reader:
         for start in range(0, chosen.size, batch_size):
             part = slice(start, start + batch_size)
             batch = prepare_batch(particles, chosen[part], reader, settings, box, 1.0, 0)
             mats = euler.euler_to_matrix(rot[part], tilt[part], psi[part])
-            bp.backproject(batch.images_ft * batch.ctf, batch.ctf * batch.ctf, mats)
-    average = lowpass_to_ini_high(bp.reconstruct(), config, box, pixel)
+            classes = class_of[chosen[part]]
+            for k, bp in enumerate(sums):
+                mine = classes == k
+                if mine.any():
+                    ctf = batch.ctf[mine]
+                    bp.backproject(batch.images_ft[mine] * ctf, ctf * ctf, mats[mine])
     diameter_px = settings.particle_diameter_angstrom / pixel
-    volume = lowpass_to_ini_high(blobs_map(average, diameter_px, draw), config, box, pixel)
-    return soft_mask_outside_map(np.asarray(volume, dtype=np.float64), diameter_px / 2.0, config.width_mask_edge_px)
+    maps = []
+    for bp in sums:
+        average = lowpass_to_ini_high(bp.reconstruct(), config, box, pixel)
+        volume = lowpass_to_ini_high(blobs_map(average, diameter_px, draw), config, box, pixel)
+        maps.append(soft_mask_outside_map(np.asarray(volume, dtype=np.float64), diameter_px / 2.0,
+                                          config.width_mask_edge_px))
+    return maps
 
 
-def with_momentum(previous: float | np.ndarray | None, new: float | np.ndarray, mu: float) -> float | np.ndarray:
-    """mu·previous + (1 − mu)·new (RELION's parameters under --grad); `new` where there is no previous value."""
-    if previous is None:
-        return new
-    return mu * np.asarray(previous) + (1.0 - mu) * np.asarray(new)
+def moment_file_names(root: str, n_classes: int) -> list[tuple[str, str, str]]:
+    """RELION's files of each class's momenta under --grad (MlModel::write of 3D classes): (first moment of the first
+    pseudo-half set, of the second, second moment) = root_1momentNNN.mrc (class k), root_1momentNNN.mrc (class
+    K + k), root_2momentNNN.mrc (class k)."""
+    return [(f"{root}_1moment{k + 1:03d}.mrc", f"{root}_1moment{n_classes + k + 1:03d}.mrc",
+             f"{root}_2moment{k + 1:03d}.mrc") for k in range(n_classes)]
+
+
+def write_moments(root: str, moments: list, grid: PaddedGrid) -> None:
+    """The classes' momenta in RELION's files (`moment_file_names`, `em.gradient.moments_as_relion`)."""
+    for names, class_moments in zip(moment_file_names(root, len(moments)), moments):
+        first, second = gradient.moments_as_relion(class_moments, grid)
+        for name, values in zip(names, (*first, second)):
+            mrc.write_volume(name, values, 1.0)
+
+
+def read_moments(root: str, n_classes: int, grid: PaddedGrid) -> list:
+    """The classes' momenta from RELION's files (`write_moments`); an InputError naming a file that is missing."""
+    moments = []
+    for names in moment_file_names(root, n_classes):
+        for name in names:
+            if not Path(name).is_file():
+                raise InputError(f"{name}: not found; --continue of a gradient run needs the momenta its iteration "
+                                 f"wrote; continue from an iteration whose files are all there")
+        arrays = [mrc.read_volume(name, require_cubic=False)[0] for name in names]
+        moments.append(gradient.moments_from_relion(arrays[:2], arrays[2], grid))
+    return moments
 
 
 class InitialModelJob:
-    """The initial model as the iteration loop (`em.loop`) runs it; the VDAM momenta live on the job (serial
-    runner only)."""
+    """The initial model as the iteration loop (`em.loop`) runs it; the VDAM momenta live in the model."""
 
     kind = "initial_model"
     min_mpi_ranks = 2
@@ -179,8 +215,7 @@ class InitialModelJob:
         self.symmetry = config.symmetry
         self.config = config = dataclasses.replace(config, symmetry="C1")
         self.particles = None
-        self.moments = None  # em.gradient.Moments of the class
-        self.masks = None
+        self.masks = None  # em.solvent.SolventMasks, made by load (on an MPI worker: at its first M-step)
         self.phases = gradient.gradient_phases(int(config.max_iterations))
         self.subset_sizes = (0, 0)
 
@@ -200,39 +235,51 @@ class InitialModelJob:
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
+        k_classes = int(config.n_classes)
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         optimiser, _ = schedule.initial_schedule(config)
         n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
-        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
-                           padding_factor=config.padding_factor, pdf_class=np.ones(1),
+        model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
+                           padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
                            sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
                            scale_correction=np.ones(particles.n_scale_groups),
-                           pdf_direction=np.full((1, n_dir), 1.0 / n_dir))
+                           pdf_direction=np.full((k_classes, n_dir), 1.0 / (k_classes * n_dir)))
         model.sigma2_noise = noise_spectra(particles, settings, len(particles.optics_groups))
-        model.maps = [[denovo_map(particles, settings, config, config.batch_size_for(box))]]
+        model.maps = [denovo_maps(particles, settings, config, config.batch_size_for(box))]
         model.current_resolution_angstrom = schedule.current_resolution(
             box, pixel, iteration=0, ini_high_angstrom=schedule.starting_resolution_angstrom(config)
         ).resolution_angstrom
-        self.moments = gradient.Moments.start(PaddedGrid.create(box, config.padding_factor, box // 2))
+        grid = gradient.full_grid(box, config.padding_factor, 3)
+        model.moments = [gradient.Moments.start(grid) for _ in range(k_classes)]
         poses = ParticleState.from_particles(particles, pixel)
         return RunState(model, optimiser, poses, np.random.default_rng(config.random_seed),
                         extras={"step_sizes": np.zeros(0), "subset_sizes": np.zeros(0)})
 
     def resume(self, run, particles, iteration_root):
-        raise InputError("initial_model: --continue is not available yet; start the run again")
+        """The maps and the momenta of the iteration's files (RELION's names)."""
+        k_classes = int(self.config.n_classes)
+        maps = []
+        for k in range(k_classes):
+            name = f"{iteration_root}_class{k + 1:03d}.mrc"
+            if not Path(name).is_file():
+                raise InputError(f"{name}: not found; the run has {k_classes} classes; continue with the run's own "
+                                 f"files")
+            maps.append(mrc.read_volume(name)[0])
+        run.model.maps = [maps]
+        grid = gradient.full_grid(run.model.ori_size_px, self.config.padding_factor, 3)
+        run.model.moments = read_moments(iteration_root, k_classes, grid)
 
     # ------------------------------------------------------------------ one iteration
     def batch(self, iteration: int, n_particles: int) -> tuple[np.ndarray, np.ndarray]:
         """The two pseudo-half sets of the iteration's mini-batch (sorted particle indices): a random draw of
-        RELION's size (`em.gradient.subset_size`; every particle where it would hold them all), split as RELION
-        splits them, by the parity of the particle's index (even: the first)."""
-        size = gradient.subset_size(iteration, self.phases, *self.subset_sizes, n_particles)
-        draw = np.random.default_rng([self.config.random_seed, iteration, SUBSET_STREAM])
-        members = np.sort(draw.permutation(n_particles)[: size or n_particles])
-        return members[members % 2 == 0], members[members % 2 == 1]
+        RELION's size (`em.gradient.mini_batch`), split as RELION splits them (`em.gradient.pseudo_halves`)."""
+        return gradient.pseudo_halves(gradient.mini_batch(iteration, self.phases, self.subset_sizes, n_particles,
+                                                          int(self.config.n_classes), self.config.random_seed,
+                                                          SUBSET_STREAM))
 
     def plan(self, run, iteration):
         config, model = self.config, run.model
+        k_classes = int(config.n_classes)
         optimiser = replace(run.optimiser, iteration=iteration)
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order,
                                      self.diameter_angstrom, model.ori_size_px, model.pixel_size_angstrom,
@@ -244,89 +291,42 @@ class InitialModelJob:
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
-        max_sig = config.max_significants if config.max_significants > 0 else MAX_SIGNIFICANTS_PER_CLASS
+        max_sig = (config.max_significants if config.max_significants > 0
+                   else MAX_SIGNIFICANTS_PER_CLASS * k_classes)
+        with np.errstate(divide="ignore"):
+            log_class = np.log(np.asarray(model.pdf_class, dtype=np.float64))
         setup = IterationSetup(
-            projectors=None, maps=[model.maps[0][0]], sigma2_noise=model.sigma2_noise, sampling=sampling,
+            projectors=None, maps=list(model.maps[0]), sigma2_noise=model.sigma2_noise, sampling=sampling,
             ori_size_px=model.ori_size_px, current_size_px=sizes.current_size_px,
             coarse_size_px=sizes.coarse_size_px, pixel_size_angstrom=model.pixel_size_angstrom,
-            log_pdf_class=np.zeros(1), sigma_offset_px=model.sigma_offset_angstrom / model.pixel_size_angstrom,
+            log_pdf_class=log_class, sigma_offset_px=model.sigma_offset_angstrom / model.pixel_size_angstrom,
             do_cc=False, adaptive_fraction=config.adaptive_fraction, max_significants=max_sig,
             scale_correction=model.scale_correction if config.do_scale else None,
             data_vs_prior=None if model.ssnr is None else model.ssnr[0],
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
             likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
                                                            model.pixel_size_angstrom, sizes.current_size_px))
-        halves = self.batch(iteration, len(run.particles.rot_deg))
-        units = [WorkUnit(f"pseudo-half {h + 1}", members, np.zeros(1, dtype=np.int64), setup)
+        n_particles = len(run.particles.rot_deg)
+        halves = self.batch(iteration, n_particles)
+        units = [WorkUnit(f"pseudo-half {h + 1}", members, np.arange(k_classes, dtype=np.int64), setup)
                  for h, members in enumerate(halves)]
-        return loop.IterationPlan(iteration, sizes, sampling, False, units)
+        return gradient.GradientPlan(
+            iteration, sizes, sampling, False, units, step_size=gradient.step_size(iteration, self.phases),
+            tau2_fudge=gradient.tau2_fudge_at(iteration, self.phases, config.tau2_fudge),
+            whole_batch=sum(h.size for h in halves) == n_particles)
 
     def maximization_groups(self, plan):
-        """The one map is made from both pseudo-half sets' sums."""
-        return [[(0, 0), (1, 0)]]
+        """Each class's map is made from both pseudo-half sets' sums."""
+        return [[(0, k), (1, k)] for k in range(len(plan.units[0].classes))]
 
     def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
-        """The VDAM step of the map (`em.gradient.gradient_update`) and RELION's other parameters with momentum."""
-        config = self.config
-        previous_model = model
-        model = dataclasses.replace(model)
-        small = WeightedSums.total([s.without_volumes() for s in sums])
-        box, n_shells = model.ori_size_px, model.n_shells
-        r_max = plan.sizes.current_size_px // 2
-        grid = PaddedGrid.create(box, config.padding_factor, r_max)
-        previous = np.asarray(model.maps[0][0], dtype=np.float64)
-        reference_ft = Projector(previous, config.padding_factor, r_max, do_gridding=False).data
-        tau2 = np.zeros((1, 1, n_shells))
-        t2 = np.asarray(Projector(previous, config.padding_factor, r_max).power_spectrum, dtype=np.float64)[:n_shells]
-        t2[r_max + 1:] = 0.0
-        tau2[0, 0, : t2.size] = t2
-        halves = [(to_host(s.data[0]), to_host(s.weight[0])) for s in sums]
-        for s in sums:
-            s.data[0] = s.weight[0] = None
-        # the noise of the reconstruction from the first pseudo-half set's weights (RELION's updateSSNRarrays of
-        # its first back-projector)
-        sigma2 = np.asarray(to_host(BackProjector.from_arrays(halves[0][0], halves[0][1], box, config.padding_factor,
-                                                              r_max).noise_sigma2()), dtype=np.float64)[:n_shells]
-        iteration = plan.iteration
-        fudge = gradient.tau2_fudge_at(iteration, self.phases, config.tau2_fudge)
-        step = gradient.class_step_size(gradient.step_size(iteration, self.phases), float(model.pdf_class[0]), 1)
-        update = gradient.gradient_update(reference_ft, halves, grid, self.moments, step=step, tau2_fudge=fudge)
-        volume = gradient.map_from_padded_ft(update.reference_ft, grid)
-        volume = self.masks.apply(volume)
-        model.maps = [[np.asarray(volume, dtype=np.float32)]]
-        ssnr = np.zeros((1, 1, n_shells))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            s = np.where(sigma2 > 0, fudge * t2[: sigma2.size] / sigma2, 0.0)
-        s[r_max + 1:] = 0.0
-        ssnr[0, 0, : s.size] = s
-        ref_sigma2 = np.zeros((1, 1, n_shells))
-        ref_sigma2[0, 0, : sigma2.size] = sigma2
-        model.tau2, model.ssnr, model.reference_sigma2 = tau2, ssnr, ref_sigma2
-        model.pdf_class = model.class_distribution = np.ones(1)
-        model.fsc_halves = update.fsc_estimate[None, :n_shells]
-        pdf = np.asarray(small.pdf_direction, dtype=np.float64).reshape(1, -1)
-        total = pdf.sum()
-        pdf = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
-        mstep.maximize_other_parameters(model, config, [small], False)
-        whole = sum(unit.members.size for unit in plan.units) == len(self.particles)
-        self._with_momentum(model, previous_model, pdf, 0.0 if whole else gradient.MOMENTUM)
+        """The VDAM step of every class (`em.gradient.vdam_maximization`), each map then masked (--flatten_solvent)."""
+        if self.masks is None:  # an MPI worker, which does not load the run
+            self.masks = SolventMasks.for_model(self.config, model)
+        masks = self.masks
+        model, _ = gradient.vdam_maximization(model, sums, plan, self.config, peers,
+                                              lambda volume, moments: (masks.apply(volume), moments))
         return model
-
-    @staticmethod
-    def _with_momentum(model, previous, pdf_direction, mu):
-        """RELION's maximizationOtherParameters under --grad: each parameter the mini-batch estimates is averaged
-        with its previous value, momentum `mu` (RELION's 0.9; 0 where the batch holds every particle; the first
-        iteration's previous values are the start's)."""
-        model.sigma2_noise = with_momentum(previous.sigma2_noise, model.sigma2_noise, mu)
-        model.sigma_offset_angstrom = float(np.sqrt(with_momentum(previous.sigma_offset_angstrom ** 2,
-                                                                  model.sigma_offset_angstrom ** 2, mu)))
-        model.avg_norm_correction = float(with_momentum(previous.avg_norm_correction, model.avg_norm_correction, mu))
-        if model.scale_correction is not None and previous.scale_correction is not None:
-            model.scale_correction = with_momentum(previous.scale_correction, model.scale_correction, mu)
-        old = previous.pdf_direction
-        if old is not None and np.shape(old) == np.shape(pdf_direction):
-            pdf_direction = with_momentum(old, pdf_direction, mu)
-        model.pdf_direction = pdf_direction
 
     def update(self, run, plan, changes):
         config, model = self.config, run.model
@@ -337,9 +337,9 @@ class InitialModelJob:
                                 changes_optimal_offsets_angstrom=changes.offsets_angstrom,
                                 changes_optimal_classes=changes.classes)
         n_batch = sum(unit.members.size for unit in plan.units)
-        run.extras["step_sizes"] = np.append(run.extras["step_sizes"],
-                                             gradient.step_size(plan.iteration, self.phases))
+        run.extras["step_sizes"] = np.append(run.extras["step_sizes"], plan.step_size)
         run.extras["subset_sizes"] = np.append(run.extras["subset_sizes"], n_batch)
+        run.append_history("class_distributions", np.asarray(model.pdf_class, dtype=np.float64))
 
     def finished(self, run, plan):
         return False  # every one of --iter iterations runs
@@ -347,18 +347,17 @@ class InitialModelJob:
     def summary(self, run, plan, changes):
         model = run.model
         n_batch = sum(unit.members.size for unit in plan.units)
+        shares = (f", classes {' '.join(f'{p:.2f}' for p in model.pdf_class)}" if model.n_classes > 1 else "")
         return (f"resolution {model.current_resolution_angstrom:.2f} Å, size {plan.sizes.current_size_px}/"
-                f"{plan.sizes.coarse_size_px} px, mini-batch {n_batch}, step "
-                f"{gradient.step_size(plan.iteration, self.phases):.2f}, τ² fudge "
-                f"{gradient.tau2_fudge_at(plan.iteration, self.phases, self.config.tau2_fudge):.2f}, "
-                f"pmax {model.ave_pmax:.3f}")
+                f"{plan.sizes.coarse_size_px} px, mini-batch {n_batch}, step {plan.step_size:.2f}, τ² fudge "
+                f"{plan.tau2_fudge:.2f}{shares}, pmax {model.ave_pmax:.3f}")
 
     # ------------------------------------------------------------------ outputs
     def writes_files(self, plan) -> bool:
-        """RELION writes a gradient run's files every WRITE_EVERY iterations, at the last, and in every iteration
-        whose batch holds every particle (MlOptimiser::write)."""
-        every = sum(unit.members.size for unit in plan.units) == len(self.particles)
-        return every or plan.iteration % WRITE_EVERY == 0 or plan.iteration == int(self.config.max_iterations)
+        """RELION writes a gradient run's files every --grad_write_iter iterations, at the last, and in every
+        iteration whose batch holds every particle (`em.gradient.writes_files`)."""
+        return gradient.writes_files(plan.iteration, int(self.config.max_iterations), plan.whole_batch,
+                                     self.config.grad_write_iter)
 
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The iteration's files (RELION's names) where RELION writes them (`writes_files`); the optimiser STAR file
@@ -366,6 +365,7 @@ class InitialModelJob:
         if not self.writes_files(plan):
             return []
         config, model, optimiser = self.config, run.model, run.optimiser
+        k_classes = model.n_classes
         out_root = config.output_root
         root = f"{out_root}_it{plan.iteration:03d}"
         pixel = model.pixel_size_angstrom
@@ -373,25 +373,35 @@ class InitialModelJob:
         table = particle_table(particles.star.particles, snapshot, None, pixel,
                                group_number=particles.scale_group_index + 1)
         names, counts = particles.optics_names_and_counts()
-        maps = [f"{root}_class001.mrc"]
+        maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(k_classes)]
         blocks = model_star_blocks(model, optimiser, config, None, maps, names, counts,
                                    pdf_direction=model.pdf_direction,
                                    scale_groups=particles.scale_group_names_and_counts())
+        moment_files = moment_file_names(root, k_classes)
+        blocks["model_classes"]["rlnGradMoment1"] = [first for first, _, _ in moment_files]
+        blocks["model_classes"]["rlnGradMoment2"] = [second for _, _, second in moment_files]
+        grid = gradient.full_grid(model.ori_size_px, config.padding_factor, 3)
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
-                  partial(mrc.write_volume, maps[0], model.maps[0][0], pixel),
+                  *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
+                  partial(write_moments, root, list(model.moments), grid),
                   partial(write_star, blocks, f"{root}_model.star"),
                   partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel)]
         if plan.iteration == int(config.max_iterations):
-            writes.append(partial(self.write_initial_model, np.array(model.maps[0][0], dtype=np.float64), pixel))
+            largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
+            # under MPI the map's array is filled as it arrives: read when written
+            writes.append(partial(self.write_initial_model, model.maps[0][largest], pixel))
         optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration)
-        self._gradient_labels(optimiser_blocks["optimiser_general"], plan)
+        optimiser_blocks["optimiser_general"].update(gradient.optimiser_labels(
+            plan, config, self.phases, self.subset_sizes, len(particles),
+            (gradient.INITIAL_MODEL_STEP_SIZE, gradient.INITIAL_MODEL_FIRST_STEP_SIZE)))
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
                                           list(argv))]
 
     def write_initial_model(self, volume: np.ndarray, pixel_size_angstrom: float) -> None:
-        """INITIAL_MODEL_NAME beside the run: the last map, with --sym other than C1 turned to the group's axes and
-        symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry --apply_sym)."""
+        """INITIAL_MODEL_NAME beside the run: the last iteration's largest class, with --sym other than C1 turned to
+        the group's axes and symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry --apply_sym)."""
         path = Path(self.config.output_root).parent / INITIAL_MODEL_NAME
+        volume = np.array(volume, dtype=np.float64)
         group = symmetry_group(self.symmetry)
         if group.order > 1:
             aligned = align_to_symmetry(volume, group, np.random.default_rng([self.config.random_seed,
@@ -401,23 +411,3 @@ class InitialModelJob:
                      aligned.asymmetry_after, path)
             volume = aligned.volume
         mrc.write_volume(str(path), np.asarray(volume, dtype=np.float32), pixel_size_angstrom)
-
-    def _gradient_labels(self, general: dict, plan) -> None:
-        """RELION's gradient labels of optimiser_general (MlOptimiser::write) for this run."""
-        n_batch = sum(unit.members.size for unit in plan.units)
-        initial, final = self.subset_sizes
-        general.update({
-            "rlnDoGradientRefine": 1, "rlnDoStochasticGradientDescent": 1,
-            "rlnTau2FudgeScheme": f"{self.config.tau2_fudge:.6f}-step",
-            "rlnGradEmIters": 0, "rlnGradHasConverged": 0,
-            "rlnGradCurrentStepsize": f"{gradient.step_size(plan.iteration, self.phases):.6f}",
-            "rlnSgdInitialIterationsFraction": f"{gradient.INITIAL_FRACTION:.6f}",
-            "rlnSgdFinalIterationsFraction": f"{gradient.FINAL_FRACTION:.6f}",
-            "rlnSgdInitialSubsetSize": initial, "rlnSgdFinalSubsetSize": final,
-            "rlnSgdMuFactor": f"{gradient.MOMENTUM:.6f}",
-            "rlnSgdSubsetSize": n_batch if n_batch < len(self.particles) else -1,
-            "rlnSgdWriteEverySubset": WRITE_EVERY,
-            "rlnSgdStepsize": f"{gradient.INITIAL_MODEL_STEP_SIZE:.6f}",
-            "rlnSgdStepsizeScheme": f"{gradient.INITIAL_MODEL_FIRST_STEP_SIZE / gradient.INITIAL_MODEL_STEP_SIZE:.6f}"
-                                    f"-step",
-        })

@@ -11,10 +11,13 @@ worker with most left, so that the workers end together and `--preread_images` h
 once among them (each worker its share; a batch taken over from another's is read from the stacks).
 Workers (ranks 1 … N−1) are assigned work units: with at least as many workers as units,
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
-the units u with u mod W = w, one after the other. A worker reads its batches' images itself (the
+the units u with u mod W = w, one after the other, where U is a multiple of W, and otherwise every worker serves
+every unit (`units_of_worker`: the workers end together). A worker reads its batches' images itself (the
 next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
-device each when CuPy sees one, else numpy; `--preread_images` keeps its shares' images in memory)
-and asks for the next batch before it starts on the current one.
+device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
+file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
+without waiting for its receive. Where each worker serves one unit of several classes, the unit's workers make the
+classes' reference transforms once among them, each every W-th class, and share them (`_with_shared_references`).
 
 At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
 reconstructions: the job names its maps in groups whose sums must be in one process
@@ -59,6 +62,7 @@ CRYOREFINE_FAULT="RANK:ITERATION" makes that worker raise at its first batch of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -72,6 +76,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cryorefine.core.grid import complex_dtype_for
+from cryorefine.core.sampling import direction_tables
 from cryorefine.data import load_particles, scratch_copy
 from cryorefine.em import mstep
 from cryorefine.em.estep import (
@@ -141,10 +146,15 @@ def half_of_rank(rank):
 
 
 def units_of_worker(worker, n_workers, n_units):
-    """The work units worker `worker` (0-based, of `n_workers`) serves, in the order it serves them."""
+    """The work units worker `worker` (0-based, of `n_workers`) serves, in the order it serves them: with at least
+    as many workers as units, unit `worker` mod U; with fewer, the units u with u mod W = `worker` where that shares
+    them out evenly (U a multiple of W), else every unit (a classification's seeding iteration, a unit per class:
+    six on four workers would be two, two, one and one units of the same size)."""
     if n_workers >= n_units:
         return [worker % n_units]
-    return [u for u in range(n_units) if u % n_workers == worker]
+    if n_units % n_workers == 0:
+        return [u for u in range(n_units) if u % n_workers == worker]
+    return list(range(n_units))
 
 
 def holder_of_unit(unit, n_workers):
@@ -153,8 +163,11 @@ def holder_of_unit(unit, n_workers):
 
 
 def workers_of_unit(unit, n_workers, n_units):
-    """The workers that serve a unit, its holder first."""
-    return [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+    """The workers that serve a unit, its holder (`holder_of_unit`) first, then on in worker order (so that the first
+    of every unit is not one worker where every worker serves every unit)."""
+    holder = holder_of_unit(unit, n_workers)
+    serving = [w for w in range(n_workers) if unit in units_of_worker(w, n_workers, n_units)]
+    return sorted(serving, key=lambda w: (w - holder) % n_workers)
 
 
 def shares_of_unit(members, n_workers):
@@ -301,33 +314,49 @@ class MpiRunner:
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
         self.maps_outgoing = None  # a worker: the thread moving its share of the last maps to the master
+        self.noise_begun = False  # the master: the workers run the initial noise pass (`begin_initial_noise`)
+        self.noise_batches_left = 0  # its batches whose sums the master has not received
+
+    def begin_initial_noise(self, particles, settings, n_optics):
+        """The workers start the initial noise pass (`_noise_batches`), each batch's sums sent here as it is ready,
+        while this process goes on (job.start makes the starting maps); `initial_noise_spectra` collects them."""
+        self.objects.bcast(("noise", (settings, n_optics)), root=0)
+        self.noise_begun = True
+        self.noise_batches_left = -(-len(particles) // self.config.batch_size_for(settings.ori_size_px))
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass shared out before the run is announced: worker w prepares batches w, w + W, …
         on its engine and sends each batch's sums here, where they are added in batch order (bit for bit as one
         process adds them). The workers' seconds waiting for their reads and preparing their images, added up,
         are logged in one line."""
-        from mpi4py import MPI
-
-        comm = self.comm
-        self.objects.bcast(("noise", (settings, n_optics)), root=0)
+        if not self.noise_begun:  # job.start's call, with the loop's arguments of `begin_initial_noise`
+            self.begin_initial_noise(particles, settings, n_optics)
+        self.noise_begun = False
         noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
-        pending, status = {}, MPI.Status()
+        pending = {}
         worker_stages = {}  # rank -> that worker's seconds so far, by stage
-        for number in range(-(-len(particles) // self.config.batch_size_for(settings.ori_size_px))):
+        for number in range(self.noise_batches_left):
             while number not in pending:
-                while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
-                    self._raise_worker_failure()
-                    time.sleep(0.0005)  # poll gently, as the E-step's master does
-                source = status.Get_source()
-                received, sums, worker_stages[source] = comm.recv(source=source, tag=TAG_NOISE)
-                pending[received] = sums
+                source, (received, sums, stages) = self._next_noise_batch()
+                pending[received], worker_stages[source] = sums, stages
             noise.add_batch_sums(*pending.pop(number))
         totals = {}
         for stages in worker_stages.values():
             add_counts(totals, stages)
         log_stages("initial noise spectra, the workers' seconds added", totals)
         return noise.sigma2()
+
+    def _next_noise_batch(self):
+        """(worker's rank, (batch number, its sums, the worker's stage seconds)) of the next noise batch to arrive."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_NOISE, status=status):
+            self._raise_worker_failure()
+            time.sleep(0.0005)  # poll gently, as the E-step's master does
+        source = status.Get_source()
+        self.noise_batches_left -= 1
+        return source, self.comm.recv(source=source, tag=TAG_NOISE)
 
     # ------------------------------------------------------------------ master
     def _raise_worker_failure(self):
@@ -347,6 +376,11 @@ class MpiRunner:
         except BaseException as exc:
             # nothing distributed yet and no worker failed: every rank ends quietly, the master reports
             if not self.announced and not isinstance(exc, WorkerFailed):
+                try:
+                    while self.noise_batches_left:  # the workers' noise pass, begun, ends first
+                        self._next_noise_batch()
+                except WorkerFailed as failed:
+                    _abort(self.comm, failed, self.on_abort)
                 self.objects.bcast(("error", None), root=0)
                 raise
             _abort(self.comm, exc, self.on_abort)
@@ -459,6 +493,8 @@ class MpiRunner:
             try:
                 particles = load_particles(self.config.input_star, check_stacks=False)
                 backend = scope.enter_context(self._worker_backend())
+                # the first iteration's directions (and healpy's import, about a second) made now, not in its set-up
+                direction_tables(self.config.healpix_order, self.config.symmetry)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below unless the master ends the run first
                 failure = exc
@@ -487,6 +523,8 @@ class MpiRunner:
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             self.peers.channel.device = self._device_collectives(self.workers)
+            if self.peers.channel.device is not None:  # NCCL's connections made now, not in the first reduction
+                self.peers.channel.device.warm_up()
             yield backend
 
     def _noise_batches(self, backend, particles, settings, n_optics):
@@ -520,6 +558,8 @@ class MpiRunner:
                     self._iteration(job, backend, particles, settings, plan, model, previous, node_workers)
 
     def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers):
+        from mpi4py import MPI
+
         comm, worker = self.comm, self.rank - 1
         start = time.perf_counter()
         n_units = len(plan.units)
@@ -528,21 +568,31 @@ class MpiRunner:
         inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
                              self.config.do_norm)
 
+        sending = []  # the batches' results on their way to the master: the engine goes on meanwhile (a result is
+        # larger than MPI's eager limit, so a blocking send waited for the master's receive, a few ms a batch)
+
         def on_result(u, indices, result):
-            comm.send(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST)
+            sending.append(comm.isend(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST))
+            while sending and sending[0].Test():  # those the master has received let go of their bytes
+                sending.pop(0)
 
         preread = None
         if self.config.preread_images and n_units <= self.n_workers:
             # this worker's share of its unit: the workers together hold each image once. A classification's seeding
             # iteration (a unit per class, more than the workers) adds none: the shares stay those of the job's unit
             preread = np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
+        units = self._with_shared_references(plan, mine, backend, stages)
         reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
             if preread is not None:
                 add_seconds(stages, "preread", reading)  # the first iteration reads them in
-            sums = run_batches(backend, plan.units, self._work(plan.iteration), particles, settings, inputs, reader,
+            sums = run_batches(backend, units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
+        del units
+        tic = time.perf_counter()
+        MPI.Request.Waitall(sending)
+        add_seconds(stages, "results", tic)
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
         del sums
@@ -569,6 +619,43 @@ class MpiRunner:
         share = [np.ascontiguousarray(m) for _, _, m in maps_of_worker(new_model.maps, worker, self.n_workers)]
         self._send_maps(share)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out
+
+    def _with_shared_references(self, plan, mine, backend, stages):
+        """The plan's units, this worker's own with its classes' references made once among the unit's workers
+        (stage `references`): each worker transforms every W-th class (the engine's projector set-up, the padded
+        transform of each map) and they share them, through NCCL where the unit's workers have GPUs of their own,
+        through MPI on the host with the numpy engine. Where a GPU is shared by several workers, a worker serves
+        several units or a unit has one class, each engine makes its own as in one process."""
+        units = list(plan.units)
+        n_units = len(units)
+        if len(mine) != 1 or n_units > self.n_workers:
+            return units
+        u = mine[0]
+        setup = units[u].setup
+        if setup.maps is None or setup.projectors is not None or len(setup.maps) < 2:
+            return units
+        unit_comm, device = self._unit_comm(n_units)
+        size = unit_comm.Get_size()
+        if size == 1 or (backend.name == "cuda" and device is None):
+            return units
+        share = device.broadcast if backend.name == "cuda" else functools.partial(_host_broadcast, unit_comm)
+        tic = time.perf_counter()
+        projectors = backend.shared_projectors(setup.maps, setup.padding_factor, setup.current_size_px // 2,
+                                               [k % size for k in range(len(setup.maps))], unit_comm.Get_rank(),
+                                               share)
+        units[u] = replace(units[u], setup=replace(setup, maps=None, projectors=projectors))
+        add_seconds(stages, "references", tic)
+        return units
+
+    def _unit_comm(self, n_units):
+        """(MPI communicator of the workers of this worker's unit, its NCCL collectives or None) where each worker
+        serves one unit (`units_of_worker`), made once per number of units; one unit's workers are all the workers,
+        whose NCCL communicator is made as they start."""
+        if n_units not in self._unit_comms:
+            worker = self.rank - 1
+            self._unit_comms[n_units] = ((self.workers, self.peers.channel.device) if n_units == 1
+                                         else self._unit_communicators(worker % n_units, worker))
+        return self._unit_comms[n_units]
 
     def _send_maps(self, share):
         """This worker's share of the new maps on its way to the master while the next E-step runs: a thread moves
@@ -657,20 +744,27 @@ class MpiRunner:
         one of the unit's, `_sums_of_makers` sends it on), the other sums onto the unit's holder (`holder_of_unit`).
         A class volume not held here is None; the other sums are whole only on the holder. The volumes are added in
         the engine's precision (`real_dtype`), the other sums in float64; a unit's only worker keeps them where
-        they are, or copies them to the host in that precision when it serves several units."""
-        from mpi4py import MPI
-
-        worker = self.rank - 1
+        they are, or copies them to the host in that precision when it serves several units. Where every worker
+        serves every unit (`units_of_worker`), each unit is added over all the workers, one unit after the other."""
         n_units = len(plan.units)
-        if self.n_workers < n_units:  # each unit has one worker, which holds it
+        if self.n_workers < n_units and n_units % self.n_workers == 0:  # each unit has one worker, which holds it
             return {u: s.unpack(s.pack(volume_real_dtype=real_dtype)) for u, s in sums.items()}
+        if self.n_workers < n_units:  # every worker serves every unit: each is added over all of them, in order
+            return {u: self._reduce_unit(u, sums[u], self.workers, self.peers.channel.device, plan, makers,
+                                         real_dtype) for u in sorted(sums)}
         (u, s), = sums.items()
-        if n_units not in self._unit_comms:
-            self._unit_comms[n_units] = self._unit_communicators(worker % n_units, worker)
-        unit_comm, device = self._unit_comms[n_units]
+        unit_comm, device = self._unit_comm(n_units)
         if unit_comm.Get_size() == 1:  # the unit's only worker: its sums are the unit's, where they are
             return {u: s}
-        unit_workers = workers_of_unit(u, self.n_workers, n_units)
+        return {u: self._reduce_unit(u, s, unit_comm, device, plan, makers, real_dtype)}
+
+    def _reduce_unit(self, u, s, unit_comm, device, plan, makers, real_dtype):
+        """Unit `u`'s WeightedSums `s` added over `unit_comm`, the communicator of its workers (`_reduce`)."""
+        from mpi4py import MPI
+
+        unit_workers = workers_of_unit(u, self.n_workers, len(plan.units))
+        in_comm = sorted(unit_workers)  # the communicators rank the workers in worker order
+        holder = in_comm.index(holder_of_unit(u, self.n_workers))
 
         def reduced(array, root, dtype, wire=np.float64):
             """`array` added over the unit's workers onto `root` (its rank in the unit): on the GPUs where every
@@ -692,7 +786,7 @@ class MpiRunner:
         data, weight = [], []
         for c in range(len(s.data)):
             maker = makers[(u, c)]
-            root = unit_workers.index(maker) if maker in unit_workers else 0
+            root = in_comm.index(maker) if maker in in_comm else holder
             # the class volumes in the engine's own precision: each worker's are float32 sums of thousands of
             # atomic adds, and float64 on the wire doubled the bytes and cost a conversion on each side (the
             # reduction of Class3D's six volumes grew to 1.3 s a worker an iteration on two H200s)
@@ -701,9 +795,9 @@ class MpiRunner:
             weight.append(reduced(s.weight[c], root, np.dtype(real_dtype), real_dtype))
             s.weight[c] = None
         small = s.without_volumes()
-        flats = [reduced(flat, 0, np.float64) for flat in small.pack()]
-        small = small.unpack(flats) if unit_comm.Get_rank() == 0 else small
-        return {u: replace(small, data=data, weight=weight)}
+        flats = [reduced(flat, holder, np.float64) for flat in small.pack()]
+        small = small.unpack(flats) if unit_comm.Get_rank() == holder else small
+        return replace(small, data=data, weight=weight)
 
     def _unit_communicators(self, color, key):
         """(MPI communicator of the workers of this worker's unit, its `_device_collectives` or None)."""
@@ -759,6 +853,13 @@ class MpiRunner:
         for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
             self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source + 1, tag=TAG_SUMS)
         return from_flat_reals(flat, like.shape, like.dtype)
+
+
+def _host_broadcast(comm, array, root):
+    """`array` (a contiguous numpy array) of rank `root` of `comm` on every rank, in place, in chunks."""
+    flat = array.reshape(-1).view(np.float64 if array.dtype.itemsize % 8 == 0 else np.float32)
+    for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
+        comm.Bcast(flat[start:start + REDUCE_CHUNK_ELEMENTS], root=root)
 
 
 class WorkerPeers:

@@ -44,6 +44,9 @@ class SerialRunner:
         log_stages("initial noise spectra", stages)
         return spectra
 
+    def begin_initial_noise(self, particles, settings, n_optics):
+        """Nothing: the noise pass runs here, when job.start asks for it."""
+
     @contextlib.contextmanager
     def session(self):
         """The whole run inside the backend's run scope (the GPU arena)."""

@@ -1,0 +1,129 @@
+"""`cryorefine class2d --grad` (RELION 4/5's VDAM 2D classification) on a simulated set of three 2D views
+(tests/jobs/class2d_data.py, normalised as extracted particles are), numpy engine: the classes against the true views,
+RELION's files where RELION writes them, --continue from a mini-batch iteration giving the uninterrupted run's result,
+and mpiexec -n 3 giving the serial run's classes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import starfile
+from class2d_data import best_rotated_correlation, make_views_set, true_views
+from conftest import run_cli
+from test_class2d import FAST, matched_agreement
+
+from cryorefine.io.mrc import read_stack
+
+#: RELION's GUI VDAM options (--iter and --grad_write_iter made small for a test)
+VDAM = ("--grad", "--class_inactivity_threshold", 0.1, "--K", 3, "--tau2_fudge", 2, "--ctf", "--flatten_solvent",
+        "--zero_mask", "--center_classes", "--norm", "--scale", *FAST)
+
+
+@pytest.fixture(scope="module")
+def vdam_run(tmp_path_factory):
+    """100 particles of each view (SNR 1, CTFs), 10 iterations with files every 2nd: mini-batches of 200 (RELION's
+    smallest) in iterations 1-3, then all 300 (about 6 s on two cores)."""
+    folder = tmp_path_factory.mktemp("class2d_vdam")
+    star, truth = make_views_set(folder, 100, snr=1.0, seed=3, normalised=True)
+    assert run_cli("class2d", "--i", star, "--o", folder / "out" / "run", "--iter", 10, "--grad_write_iter", 2,
+                   *VDAM) == 0
+    return folder, star, truth
+
+
+def test_vdam_puts_the_particles_in_the_classes_of_their_views(vdam_run):
+    """Chance is 1/3 (measured: every particle in its view's class from iteration 6; each average correlates 0.96
+    or more with its view at the best in-plane angle)."""
+    folder, _, truth = vdam_run
+    found = starfile.read(folder / "out" / "run_it010_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    assert matched_agreement(truth, found, 3) >= 0.9
+    averages = read_stack(folder / "out" / "run_it010_classes.mrcs")
+    views = true_views()
+    for k in range(3):
+        view = np.bincount(truth[found == k], minlength=3).argmax()
+        assert best_rotated_correlation(averages[k], views[view], 6.0) >= 0.9
+
+
+def test_vdam_writes_relions_files_where_relion_writes_them(vdam_run):
+    """Every --grad_write_iter iterations, at the last and where the batch holds every particle (from iteration 4:
+    200 + round(1/5 · 800) ≥ 300); the momenta as RELION writes them in 2D."""
+    folder, _, _ = vdam_run
+    out = folder / "out"
+    for it in (2, 4, 5, 6, 7, 8, 9, 10):
+        for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "1moment.mrcs", "2moment.mrcs"):
+            assert (out / f"run_it{it:03d}_{suffix}").is_file(), (it, suffix)
+    for it in (1, 3):
+        assert not list(out.glob(f"run_it{it:03d}_*.star"))
+    # two pseudo-half sets' first moments of 3 classes, one second moment each; 32 px padded twice: 64 × 2·33
+    assert read_stack(out / "run_it010_1moment.mrcs").shape == (6, 64, 66)
+    assert read_stack(out / "run_it010_2moment.mrcs").shape == (3, 64, 66)
+    classes = starfile.read(out / "run_it010_model.star")["model_classes"]
+    assert list(classes["rlnGradMoment1"]) == [f"{k:06d}@{out}/run_it010_1moment.mrcs" for k in (1, 2, 3)]
+    general = starfile.read(out / "run_it002_optimiser.star", always_dict=True)["optimiser_general"]
+    assert int(general["rlnSgdSubsetSize"]) == 200 and float(general["rlnSgdClassInactivityThreshold"]) == 0.1
+    assert float(general["rlnGradCurrentStepsize"]) == pytest.approx(0.9, abs=0.01)
+    assert int(starfile.read(out / "run_it010_optimiser.star", always_dict=True)["optimiser_general"]
+               ["rlnSgdSubsetSize"]) == -1
+
+
+def test_continue_from_a_mini_batch_iteration_gives_the_uninterrupted_runs_result(vdam_run, tmp_path):
+    """From iteration 2 (its momenta and averaged parameters from mini-batches of 200): iteration 10 is the same,
+    bit for bit."""
+    folder, _, _ = vdam_run
+    assert run_cli("class2d", "--continue", folder / "out" / "run_it002_optimiser.star", "--o", tmp_path / "run",
+                   "--iter", 10) == 0
+    again = starfile.read(tmp_path / "run_it010_data.star")["particles"]
+    first = starfile.read(folder / "out" / "run_it010_data.star")["particles"]
+    for column in ("rlnClassNumber", "rlnAnglePsi", "rlnOriginXAngst", "rlnNormCorrection"):
+        assert np.array_equal(again[column], first[column]), column
+    for suffix in ("classes.mrcs", "1moment.mrcs", "2moment.mrcs"):
+        assert np.array_equal(read_stack(tmp_path / f"run_it010_{suffix}"),
+                              read_stack(folder / "out" / f"run_it010_{suffix}")), suffix
+
+
+def test_a_relion_continue_line_of_a_vdam_run_continues_it_as_class2d(vdam_run):
+    from cryorefine.cli import relion_refine_command
+
+    folder, _, _ = vdam_run
+    assert relion_refine_command(["--continue", str(folder / "out" / "run_it010_optimiser.star")]) == "class2d"
+
+
+def test_fast_subsets_are_refused_with_grad_in_one_line(vdam_run, tmp_path, capsys):
+    _, star, _ = vdam_run
+    assert run_cli("class2d", "--i", star, "--o", tmp_path / "run", "--iter", 2, "--fast_subsets", *VDAM) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--fast_subsets" in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.glob("run_it*"))
+
+
+def mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    if not beside.exists():
+        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    return str(beside)
+
+
+@pytest.mark.mpi
+def test_vdam_under_mpiexec_gives_the_classes_of_one_process(vdam_run, tmp_path):
+    """mpiexec -n 3 (a master, a worker per pseudo-half set, the classes' steps made by the first): 2 iterations of
+    mini-batches, the same classes and averages as one process (float32 rounding). (EM under mpiexec -n 3, measured
+    the same way: the same classes, averages within 5e-7 of one process's.)"""
+    _, star, _ = vdam_run
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    runs = {}
+    for ranks in (1, 3):
+        command = [sys.executable, "-m", "cryorefine", "class2d", "--i", str(star), "--o", str(tmp_path / f"n{ranks}"
+                   / "run"), "--iter", "2", "--grad_write_iter", "1", *map(str, VDAM)]
+        if ranks > 1:
+            command = [mpiexec(), "-n", str(ranks), *command]
+        runs[ranks] = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+        assert runs[ranks].returncode == 0, runs[ranks].stderr[-2000:]
+    assert runs[3].stderr.count("iteration 2:") == 1
+    for it in (1, 2):
+        a, b = (starfile.read(tmp_path / f"n{r}" / f"run_it{it:03d}_data.star")["particles"] for r in (3, 1))
+        assert np.array_equal(a["rlnClassNumber"], b["rlnClassNumber"]), it
+        got, want = (read_stack(tmp_path / f"n{r}" / f"run_it{it:03d}_classes.mrcs") for r in (3, 1))
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), it
