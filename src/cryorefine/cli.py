@@ -530,8 +530,8 @@ def classify(**params):
 @cli.command(cls=JobCommand)
 @job_options(CLASS2D)
 def class2d(**params):
-    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm, or with
-    --grad VDAM; on the CPU engine for now)."""
+    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm on the CPU
+    engine or with --gpu on one GPU, or with --grad VDAM on the CPU engine)."""
     _run(CLASS2D, params)
 
 
@@ -579,9 +579,6 @@ def _run(command: str, params: dict) -> None:
             job.check_config(config)
             if params["auto_sampling"]:
                 _command_line_log().warning("--auto_sampling: not followed yet; the sampling stays as given")
-        if command == CLASS2D and config.engine != job.ENGINE_2D:  # before any device is set up
-            raise InputError("class2d: the GPU engine has no 2D path yet; run 2D classification on the CPU engine "
-                             "(--cpu, or leave out --gpu)")
         reports = _run_job(job, min_mpi_ranks, config, params["continue_from"], control, params["overwrite"])
         report(reports, config.output_root, control)
 
@@ -899,7 +896,7 @@ def job_config(command: str, params: dict, given: set[str] = frozenset()) -> Ref
             values["max_iterations"] = CLASS2D_GRAD_ITERATIONS
     planned = command == PLAN
     values.setdefault("reference_map", "")  # class2d has none
-    # class2d runs on the CPU engine unless --gpu asks otherwise (the job then says the GPU has no 2D path yet)
+    # class2d (as relion_refine) and initial_model run on the CPU engine unless --gpu asks for the GPU engine
     cpu_only = command in (CLASS2D, INITIAL_MODEL) and params["gpu"] is None
     values.update(auto_refine=command == REFINE or (planned and params.get("n_classes") is None),
                   **engine_options(None if planned else params["gpu"], planned or params["force_cpu"] or cpu_only,

@@ -122,9 +122,9 @@ def test_halves_taking_turns_give_the_same_model(final, correct_fsc):
     np.testing.assert_array_equal(again.maps[0][0], want.maps[0][0])
 
 
-def _unit(box, current):
-    setup = SimpleNamespace(ori_size_px=box, padding_factor=2.0, current_size_px=current)
-    return SimpleNamespace(setup=setup, classes=np.zeros(1, dtype=int))
+def _unit(box, current, ref_dim=3, n_classes=1):
+    setup = SimpleNamespace(ori_size_px=box, padding_factor=2.0, current_size_px=current, ref_dim=ref_dim)
+    return SimpleNamespace(setup=setup, classes=np.zeros(n_classes, dtype=int))
 
 
 @pytest.mark.parametrize("box,gb,waits", [(360, 80, False), (360, 8, True), (512, 80, False), (512, 16, True),
@@ -136,6 +136,20 @@ def test_the_idle_half_waits_on_the_host_only_where_both_do_not_fit(box, gb, wai
     assert sums_wait_on_host(NumpyBackend(), units) is False  # the host holds everything already
     # an early iteration's small image size never needs it
     assert sums_wait_on_host(SmallDevice(gb * 1e9), [_unit(box, box // 4)] * 2) is False
+
+
+def test_a_2d_classification_is_sized_on_2d_grids():
+    """K = 100 classes of 360 px at padding 2 (R = 360): 2D grids of 723 × 362, 12 bytes an element of sums (314 MB a
+    unit) and 8 of references (209 MB) besides a few tens of MB of temporaries, a reconstruction below 100 MB: two
+    such units' sums stay on an 8 GB device, where 3D grids of that size (227 GB of sums a unit) would not."""
+    grid = PaddedGrid.create(360, 2.0, 180, ndim=2)
+    assert grid.shape == (723, 362)
+    assert memory.sums_bytes(grid.shape, 100) == 100 * 723 * 362 * 12
+    references = memory.references_bytes(grid.shape, 360, 100)
+    assert 100 * 723 * 362 * 8 < references < 1.3 * 100 * 723 * 362 * 8
+    assert memory.reconstruction_bytes(grid.shape, 360, grid.padded_size_px) < 1e8
+    assert sums_wait_on_host(SmallDevice(8e9), [_unit(360, 360, ref_dim=2, n_classes=100)] * 2) is False
+    assert sums_wait_on_host(SmallDevice(8e9), [_unit(360, 360, ref_dim=3, n_classes=100)] * 2) is True
 
 
 @pytest.mark.gpu

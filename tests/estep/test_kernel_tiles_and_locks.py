@@ -186,3 +186,29 @@ def test_the_engine_gets_the_wgmma_kernel_only_where_the_module_holds_it(monkeyp
     kernels.kernel_module(("fine_sums<8, 4, 8, 4>",), 0)  # another module of the device: no second try of sm_90a
     assert builds[-1] == kernels.compile_options(capability if kernel == "coarse_diff2_wgmma" else "80")
     assert len([r for r in caplog.records if "sm_90a" in r.getMessage()]) == len(warned)
+
+
+def test_2d_references_have_a_module_of_their_own(monkeypatch):
+    """The kernels of 2D references (REF_DIM 2: bilinear slices and 2D back-projection, project.cu) are a module of
+    their own, compiled once, beside the 3D module; the two sources differ in REF_DIM alone."""
+    sources = []
+    release = threading.Event()
+    release.set()
+    _fake_cupy(monkeypatch, (), release)
+    real_module = sys.modules["cupy"].RawModule
+
+    class Recording(real_module):
+        def __init__(self, code, options, name_expressions):
+            sources.append(code)
+            super().__init__(code, options, name_expressions)
+
+    monkeypatch.setattr(sys.modules["cupy"], "RawModule", Recording)
+    flat = kernels.kernel_module((), 0)
+    planar = kernels.kernel_module((), 0, ref_dim=2)
+    assert planar is not flat and kernels.kernel_module((), 0, 2) is planar and kernels.kernel_module((), 0) is flat
+    assert len(sources) == 2
+    assert "#define REF_DIM 3\n" in sources[0] and "#define REF_DIM 2\n" in sources[1]
+    assert sources[0].replace("#define REF_DIM 3\n", "", 1) == sources[1].replace("#define REF_DIM 2\n", "", 1)
+    assert "#if REF_DIM == 2" in kernels.kernel_source(2)  # the switch the source holds
+    with pytest.raises(ValueError, match="2D or 3D"):
+        kernels.kernel_source(4)

@@ -1,5 +1,5 @@
 """`cryorefine class2d` and RELION's Class2D lines through `cryorefine relion_refine`, on a simulated set of three
-2D views (tests/jobs/class2d_data.py), numpy engine."""
+2D views (tests/jobs/class2d_data.py), numpy engine; and the same run on the GPU engine (marker `gpu`)."""
 
 import itertools
 import shlex
@@ -16,6 +16,9 @@ from cryorefine.io.mrc import read_volume
 LINES_FILE = Path(__file__).resolve().parents[1] / "data" / "relion5_class2d_gui_lines.txt"
 #: the options of a small, fast run (the GUI's own lines add theirs)
 FAST = ("--psi_step", 15, "--offset_range", 2, "--offset_step", 1, "--particle_diameter", 320, "--cpu")
+#: the three views' run (`three_views`) but for --i, --o and the engine
+THREE_VIEWS_RUN = ("--K", 3, "--iter", 8, "--tau2_fudge", 2, "--ctf", "--flatten_solvent", "--zero_mask",
+                   "--center_classes", "--norm", "--scale", *FAST[:-1])
 
 
 def matched_agreement(truth, found, k_classes):
@@ -29,8 +32,7 @@ def three_views(tmp_path_factory):
     and the true views."""
     folder = tmp_path_factory.mktemp("class2d")
     star, truth = make_views_set(folder, 60, snr=1.0, seed=3)
-    code = run_cli("class2d", "--i", star, "--o", folder / "out" / "run", "--K", 3, "--iter", 8, "--tau2_fudge", 2,
-                   "--ctf", "--flatten_solvent", "--zero_mask", "--center_classes", "--norm", "--scale", *FAST)
+    code = run_cli("class2d", "--i", star, "--o", folder / "out" / "run", *THREE_VIEWS_RUN, "--cpu")
     assert code == 0
     return folder, star, truth
 
@@ -67,6 +69,34 @@ def test_the_outputs_are_relions_2d_files(three_views):
     assert classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
     general = starfile.read(out / "run_it008_sampling.star")
     assert int(general["rlnIs3DSampling"]) == 0 and float(general["rlnPsiStep"]) == pytest.approx(15.0)
+
+
+@pytest.mark.gpu
+def test_class2d_on_the_gpu_matches_the_cpu(three_views):
+    """The three views' run on one GPU (the GPU engine's 2D path, the M-step's reconstructions on the device) against
+    the same run on the CPU (`three_views`): after iterations 1 and 8 the same class for ≥ 99 % of the particles,
+    the same psi and origin for ≥ 90 %, and each class average correlating ≥ 0.999 with the CPU's."""
+    from conftest import cupy_or_skip
+
+    cupy_or_skip()
+    folder, star, _ = three_views
+    assert run_cli("class2d", "--i", star, "--o", folder / "gpu" / "run", *THREE_VIEWS_RUN, "--gpu", "0") == 0
+    for it in (1, 8):
+        cpu = starfile.read(folder / "out" / f"run_it{it:03d}_data.star")["particles"]
+        gpu = starfile.read(folder / "gpu" / f"run_it{it:03d}_data.star")["particles"]
+        same_class = np.mean(cpu["rlnClassNumber"].to_numpy() == gpu["rlnClassNumber"].to_numpy())
+        dpsi = (gpu["rlnAnglePsi"].to_numpy() - cpu["rlnAnglePsi"].to_numpy() + 180.0) % 360.0 - 180.0
+        same_pose = np.mean((np.abs(dpsi) < 1e-3)
+                            & np.isclose(gpu["rlnOriginXAngst"], cpu["rlnOriginXAngst"], atol=1e-3)
+                            & np.isclose(gpu["rlnOriginYAngst"], cpu["rlnOriginYAngst"], atol=1e-3))
+        a = read_volume(folder / "out" / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
+        b = read_volume(folder / "gpu" / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
+        correlations = [float(np.corrcoef(a[k].ravel(), b[k].ravel())[0, 1]) for k in range(3)]
+        print(f"iteration {it}: same class {100 * same_class:.1f} %, same pose {100 * same_pose:.1f} %, class "
+              f"averages' correlations {', '.join(f'{c:.5f}' for c in correlations)}")
+        assert same_class >= 0.99, it
+        assert same_pose >= 0.9, it
+        assert min(correlations) >= 0.999, (it, correlations)
 
 
 def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(three_views, tmp_path):
@@ -138,9 +168,13 @@ def test_relion5_class2d_gui_lines_run_through_relion_refine(gui_project, monkey
     assert int(general["rlnDoGradientRefine"]) == int(vdam)
 
 
-def test_class2d_refuses_the_gpu_engine_in_one_line(gui_project, tmp_path, capsys):
-    """The GPU engine has no 2D path yet: --gpu is refused in one line (where CuPy and a device are there; without
-    them --gpu is refused for that)."""
+def test_class2d_asks_for_cpu_where_gpu_has_no_device_in_one_line(gui_project, tmp_path, capsys):
+    """--gpu where CuPy sees no device is refused in one line naming --cpu (on a GPU machine the GPU tests run the
+    job: tests/estep/test_cuda_2d.py)."""
+    from cryorefine.estep.backend import cupy_available
+
+    if cupy_available():
+        pytest.skip("a CUDA device is there: --gpu runs")
     code = run_cli("class2d", "--i", gui_project / "Extract" / "job018" / "particles.star", "--o", tmp_path / "run",
                    "--K", 2, "--iter", 1, "--gpu", "0")
     assert code == 2
@@ -201,3 +235,16 @@ def test_a_relion_continue_line_of_a_2d_run_continues_it_as_class2d(three_views)
     assert relion_refine_command(["--continue", str(optimiser), "--o", "x/run"]) == "class2d"
     general = starfile.read(optimiser)
     assert int(general["rlnDoCenterClasses"]) == 1 and int(general["rlnDoAutoRefine"]) == 0
+
+
+@pytest.mark.gpu
+def test_class2d_on_the_gpu_refuses_vdam_in_one_line(three_views, capsys):
+    """--grad with --gpu: VDAM takes the CPU engine for now; one line naming --gpu, exit 2, no files."""
+    from conftest import cupy_or_skip
+
+    cupy_or_skip()
+    folder, star, _ = three_views
+    assert run_cli("class2d", "--i", star, "--o", folder / "gpu_grad" / "run", *THREE_VIEWS_RUN, "--grad",
+                   "--gpu", "0") == 2
+    assert "--gpu" in capsys.readouterr().err
+    assert not list((folder / "gpu_grad").glob("run_it*")) if (folder / "gpu_grad").exists() else True

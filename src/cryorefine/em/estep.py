@@ -255,7 +255,7 @@ def sums_wait_on_host(backend: Backend, units: Sequence[WorkUnit]) -> bool:
     sums, setup, reconstruction = [], 0.0, 0.0
     for unit in units:
         s = unit.setup
-        grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+        grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2, ndim=s.ref_dim)
         sums.append(memory.sums_bytes(grid.shape, len(unit.classes)))
         setup = max(setup, memory.references_bytes(grid.shape, s.ori_size_px, len(unit.classes)))
         reconstruction = max(reconstruction, memory.reconstruction_bytes(grid.shape, s.ori_size_px,

@@ -3,7 +3,8 @@ what decides whether a finished half set's sums wait on the host (`halves_wait_o
 `cryorefine plan` predicts.
 
 The arrays that grow with the box (N px, padded box Np = pf·N, compact grid of V elements at the
-iteration's r_max; `core.grid.PaddedGrid`):
+iteration's r_max; `core.grid.PaddedGrid`, 3D, or 2D for a 2D classification's references, whose grids and
+temporaries are a box's side smaller):
 - a work unit's back-projection sums: complex64 data and float32 weights per class, 12·V bytes each;
 - its references while the E-step is set up: complex64 transforms per class, and building one
   (`core.padded_transforms`, written in its place): the map, its planes' transforms (N·D·W complex64),
@@ -53,27 +54,36 @@ PREPARED_SHARE = 0.25
 UPLOAD_SLOTS_SHARE = 0.05
 
 
-def slab_bytes(grid_shape: tuple[int, int, int]) -> float:
+def slab_bytes(grid_shape: tuple[int, ...]) -> float:
     """One slab's temporaries in a loop over a padded grid."""
     return min(SLAB_ELEMENTS, float(np.prod(grid_shape))) * SLAB_BYTES_PER_ELEMENT
 
 
-def sums_bytes(grid_shape: tuple[int, int, int], n_classes: int) -> float:
-    """A work unit's back-projection sums: complex64 data and float32 weights per class."""
+def sums_bytes(grid_shape: tuple[int, ...], n_classes: int) -> float:
+    """A work unit's back-projection sums: complex64 data and float32 weights per class (3D or 2D grids alike)."""
     return n_classes * float(np.prod(grid_shape)) * (8 + 4)
 
 
-def references_bytes(grid_shape: tuple[int, int, int], box_px: int, n_classes: int) -> float:
+def references_bytes(grid_shape: tuple[int, ...], box_px: int, n_classes: int) -> float:
     """The E-step's references: complex64 transforms of every class (each built in its place), and the temporaries
-    of building one: the map and its planes' transforms, one slab."""
+    of building one: the map and its planes' transforms, one slab; of a 2D classification's references (a 2D
+    `grid_shape` (d, w)), the image with its gridding correction in float64, the padded box (about d² pixels) and
+    its transform, and the grid's temporaries."""
     volume = float(np.prod(grid_shape))
-    d, _, w = grid_shape
+    d, w = grid_shape[0], grid_shape[-1]
+    if len(grid_shape) == 2:
+        return n_classes * volume * 8 + float(box_px) ** 2 * 24 + float(d) ** 2 * 12 + slab_bytes(grid_shape)
     return n_classes * volume * 8 + float(box_px) ** 3 * 4 + float(box_px) * d * w * 8 + slab_bytes(grid_shape)
 
 
-def reconstruction_bytes(grid_shape: tuple[int, int, int], box_px: int, padded_size_px: int) -> float:
-    """One reconstruction's temporaries in the M-step."""
+def reconstruction_bytes(grid_shape: tuple[int, ...], box_px: int, padded_size_px: int) -> float:
+    """One reconstruction's temporaries in the M-step; of a 2D reference (a 2D `grid_shape`), the padded box's half
+    transform (complex128 at most), the box's inverse, the image's maps in float64 and the grid's temporaries
+    (`core.reconstruct.reconstruct_image` takes the small grid whole)."""
     npad = float(padded_size_px)
+    if len(grid_shape) == 2:
+        return npad * (padded_size_px // 2 + 1) * 16 + npad ** 2 * 8 \
+            + MAPS_PER_RECONSTRUCTION * float(box_px) ** 2 * 8 + slab_bytes(grid_shape)
     return npad ** 2 * (padded_size_px // 2 + 1) * 8 + MAPS_PER_RECONSTRUCTION * float(box_px) ** 3 * 4 \
         + slab_bytes(grid_shape)
 

@@ -26,6 +26,11 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
    GPU build keeps them.
 
+2D references (`IterationSetup.ref_dim` 2, a 2D classification): the same stages and launches on the module
+compiled for them (`estep.kernels.kernel_module`'s `ref_dim`), whose slices are the classes' padded 2D transforms
+read at in-plane rotations (bilinear) and whose back-projection adds into padded 2D sums: `project.cu` and
+`backproject.cu` switch on REF_DIM, and everything after the slices is the same code.
+
 Device memory comes from the stack arena (`gpu.allocator`) when one is given: the loop opens
 the ITERATION scope, every sub-batch of particles a PARTICLE scope and every orientation or
 block chunk an ORIENTATION scope. Sub-batch and chunk sizes follow from the arena's free
@@ -109,14 +114,16 @@ def _f32(v):
 
 
 def coarse_significant(cp: ArrayModule, d2: Array, prior_ko: Array, prior_t: Array, adaptive_fraction: float,
-                       max_significants: int, device_id: int) -> tuple[Array, Array, np.ndarray, Array]:
+                       max_significants: int, device_id: int,
+                       ref_dim: int = 3) -> tuple[Array, Array, np.ndarray, Array]:
     """The significant samples of coarse diff2 (B, K, R, T) under log priors broadcasting as (B or 1, K, R, 1) and
     (B, 1, 1, T), without a (B, K·R·T) float64 weights array: weights.cu recomputes a row's weights in each of its
     three passes (maximum; total and a bound on the candidates; the candidates packed), and the cut
     (`common.significance_cut`) sorts the candidates alone. Returns (particle, sample index in its row) of each
     significant sample, by particle then sample as `cp.nonzero` orders them, the count per particle (host) and the
     cut's count (device): what `common.significant_samples` gives for the weights exp(lw − max lw), lw = priors −
-    diff2."""
+    diff2. `ref_dim`: the module (`estep.kernels.kernel_module`) of the calling engine's references, whose weights
+    kernels are the same in either."""
     b_count, n_cls, n_sel, n_t = d2.shape
     n_samples = n_cls * n_sel * n_t
     if n_samples >= 1 << 31:
@@ -132,7 +139,7 @@ def coarse_significant(cp: ArrayModule, d2: Array, prior_ko: Array, prior_t: Arr
     total = cp.empty(b_count, dtype=cp.float64)
     bound = cp.empty(b_count, dtype=cp.int64)
     counts = cp.empty(b_count, dtype=cp.int64)
-    module = kernel_module(device_id=device_id)
+    module = kernel_module(device_id=device_id, ref_dim=ref_dim)  # the engine's module (the kernels are alike)
     # samples a load: as float4 where every row starts 16-byte aligned
     q = next((q for q in (8, 4) if n_samples % q == 0), 1) if d2.data.ptr % 16 == 0 else 1
     args = (d2, ko, np.int64(0 if rows_ko == 1 else n_cls * n_sel), pt, np.int64(n_samples), _i32(n_t),
@@ -194,8 +201,11 @@ class CupyEngine:
         self.cp = cupy
         self.array_module = cupy  # batches are prepared on the device (images.prepare_batch)
         self.device_id = int(device_id)
-        # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`device_coarse_kernel`)
-        self.coarse_kernel = coarse_kernel or device_coarse_kernel(self.device_id)
+        # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`device_coarse_kernel`,
+        # chosen at set-up, when the references' module is known)
+        self.coarse_kernel_asked = coarse_kernel
+        self.coarse_kernel = coarse_kernel
+        self.ref_dim = 3  # the references' dimensionality (IterationSetup.ref_dim): which module's kernels run
         self.arena = arena
         self.keep_blocks = keep_blocks  # copy FineBlocks and diff2 to the host (tests, diagnostics)
         self.last_blocks = []
@@ -232,6 +242,10 @@ class CupyEngine:
     def _free_bytes(self):
         return free_device_bytes(self.arena)
 
+    def _module(self, name_expressions=()):
+        """The kernels (with the template instances `name_expressions`) of this engine's device and references."""
+        return kernel_module(name_expressions, self.device_id, self.ref_dim)
+
     def _compile_ahead(self, setup):
         """Compile on background threads (once per engine and set of kernels) the fine kernels of this iteration,
         which its fine pass asks for only after the coarse pass and the weights, and with `setup.next_oversampling`
@@ -241,12 +255,12 @@ class CupyEngine:
         wanted = [(self.n_fo, self.n_ft)]
         k = setup.next_oversampling
         if k is not None and not setup.local_searches:
-            wanted.append((8 ** int(k), 4 ** int(k)))
+            wanted.append((setup.sampling.n_fine_orientations(int(k)), setup.sampling.n_fine_translations(int(k))))
         for nfo, nft in wanted:
             names = fine_kernel_names(nfo, nft)
             if names not in self.compiled_ahead:
                 self.compiled_ahead[names] = threading.Thread(
-                    target=kernel_module, args=(names, self.device_id), daemon=True,
+                    target=kernel_module, args=(names, self.device_id, self.ref_dim), daemon=True,
                     name=f"compile fine kernels of {nfo} orientations x {nft} translations")
                 self.compiled_ahead[names].start()
 
@@ -255,7 +269,9 @@ class CupyEngine:
         cp = self.cp
         s = self.setup_ = setup
         t = self.tables = IterationTables.create(s)
+        self.ref_dim = int(s.ref_dim)
         with cp.cuda.Device(self.device_id):
+            self.coarse_kernel = self.coarse_kernel_asked or device_coarse_kernel(self.device_id, self.ref_dim)
             # host tables (float64, as the numpy engine's), and their device copies the kernels read
             self.n_classes = t.n_classes
             self.fine, self.coarse = t.fine, t.coarse
@@ -293,7 +309,7 @@ class CupyEngine:
             self.scale_use = None if t.scale_use is None else cp.asarray(t.scale_use, dtype=cp.float32)
 
             # back-projection sums first (they outlive this half's E-step), then the references
-            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2, ndim=self.ref_dim)
             self.bp_grid = grid
             self.bp_data = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.complex64)
             self.bp_weight = cp.zeros((self.n_classes,) + grid.shape, dtype=cp.float32)
@@ -325,7 +341,7 @@ class CupyEngine:
 
         cp = self.cp
         if s.maps is not None:
-            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2)
+            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2, ndim=self.ref_dim)
             self.ref_volumes = cp.empty((len(s.maps),) + grid.shape, dtype=cp.complex64)
             for k, volume in enumerate(s.maps):
                 with self._scope(Scope.PARTICLE), self._pooled():
@@ -337,13 +353,14 @@ class CupyEngine:
             grid = s.projectors[0].grid
             self.ref_volumes = _one_stack(cp, [p.data for p in s.projectors])
         self.ref_grid = grid
-        d, _, w = grid.shape
+        # the kernels' geometry: the grid's first and last sizes (d, d, w) or, of 2D references, (d, w)
+        d, w = grid.shape[0], grid.shape[-1]
         pf = np.float32(grid.padding_factor)
         r_pad = grid.r_max_padded
         self.geometry = (_i32(d), _i32(w), _i32(grid.origin), _f32(pf), _f32(r_pad * r_pad * (1.0 + 1e-5)))
-        self.class_stride = np.int64(d * d * w)
+        self.class_stride = np.int64(np.prod(grid.shape))
         bp = self.bp_grid
-        bd, _, bw = bp.shape
+        bd, bw = bp.shape[0], bp.shape[-1]
         br = bp.r_max_padded
         self.bp_geometry = (_i32(bd), _i32(bw), _i32(bp.origin), _f32(bp.padding_factor),
                             _f32(br * br * (1.0 + 1e-5)))
@@ -358,7 +375,7 @@ class CupyEngine:
         b = cp.zeros((kd, ldb), dtype=cp.float32)
         p2 = cp.zeros((round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
         mats = cp.asarray(self.matrices_host[orientations], dtype=cp.float32)
-        fn = kernel_module(device_id=self.device_id).get_function("project_slices_planar")
+        fn = self._module().get_function("project_slices_planar")
         fn(((n + 31) // 32, min((kc + 7) // 8, MAX_GRID_Y)), (32, 8),
            (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb), b, p2))
         return b, p2, n
@@ -495,7 +512,7 @@ class CupyEngine:
             row_term = (0.5 * cp.sum(minv_c * (x_c.real ** 2 + x_c.imag ** 2), axis=1)).astype(cp.float32)
             mode = 0
         a_mat = cp.zeros((kd, lda), dtype=cp.float32)
-        module = kernel_module(device_id=self.device_id)
+        module = self._module()
         module.get_function("shift_images_planar")(
             ((m + 127) // 128, min(kc, MAX_GRID_Y)), (128,),
             (x_c, scale_a.astype(cp.float32), self.kx_c, self.ky_c, pre["residual_d"], self.trans_d,
@@ -563,7 +580,8 @@ class CupyEngine:
             n_sig = cp.ones(b_count, dtype=cp.int64)
         else:
             b_idx, flat_idx, per_particle, n_sig = coarse_significant(cp, d2, prior_ko, prior_t, s.adaptive_fraction,
-                                                                      significants_limit(s), self.device_id)
+                                                                      significants_limit(s), self.device_id,
+                                                                      self.ref_dim)
             del d2, prior_ko, prior_t
         t_idx = flat_idx % n_t
         rest = flat_idx // n_t
@@ -616,7 +634,7 @@ class CupyEngine:
         tile_r, tile_t, name = local_tile(n_t)
         ldt = round_up(n_t, tile_t)
         moved = cp.empty((b_count, kc, ldt), dtype=cp.complex64)
-        module = kernel_module(device_id=self.device_id)
+        module = self._module()
         for b0 in range(0, b_count, MAX_GRID_Y):  # a particle a grid row, in parts of the grid's y limit
             b1 = min(b0 + MAX_GRID_Y, b_count)
             module.get_function("local_shift_images")(
@@ -670,7 +688,7 @@ class CupyEngine:
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
         names = fine_kernel_names(nfo, nft)
-        fn = kernel_module(names, self.device_id).get_function(names[1] if s.do_cc else names[0])
+        fn = self._module(names).get_function(names[1] if s.do_cc else names[0])
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
@@ -800,7 +818,7 @@ class CupyEngine:
         out = cp.empty(n_seg, dtype=cp.float64)
         arg = cp.empty(n_seg, dtype=cp.int64)
         if n_seg:
-            kernel_module(device_id=self.device_id).get_function("segment_reduce")(
+            self._module().get_function("segment_reduce")(
                 (n_seg,), (SEG_THREADS,), (cp.ascontiguousarray(values, dtype=cp.float64), starts, _i32(op), out,
                                            arg))
         return out, arg
@@ -844,7 +862,7 @@ class CupyEngine:
         nfo, n_coef = self.n_fo, self.fine.positions.size
         k_of_pair = chunk_pairs // n_unique
         out = cp.empty((chunk_pairs.size * nfo, n_coef), dtype=cp.complex64)
-        fn = kernel_module(device_id=self.device_id).get_function("project_slices")
+        fn = self._module().get_function("project_slices")
         for k in np.unique(k_of_pair):
             lo, hi = (int(np.searchsorted(k_of_pair, k, side=side)) * nfo for side in ("left", "right"))
             fn(((n_coef + 127) // 128, min(hi - lo, MAX_GRID_Y)), (128,),
@@ -869,8 +887,8 @@ class CupyEngine:
         aa = cp.zeros(b_count, dtype=cp.float64)
         w_blocks = w_norm.reshape(-1, nf)
         names = fine_kernel_names(nfo, nft)
-        fn = kernel_module(names, self.device_id).get_function(names[2])
-        bp_fn = kernel_module(device_id=self.device_id).get_function("backproject_slices")
+        fn = self._module(names).get_function(names[2])
+        bp_fn = self._module().get_function("backproject_slices")
         # a chunk of (class, coarse orientation) pairs at a time: their slices, and the rows' data and weights
         per_chunk = self._pairs_per_chunk(SLICE_ROW_BYTES_PER_COEF if pairs.project_once
                                           else SLICE_ROW_BYTES_PER_COEF - SLICE_BYTES_PER_COEF)

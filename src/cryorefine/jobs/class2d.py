@@ -4,8 +4,9 @@ The same machinery as the 3D jobs with 2D references (RELION's ref_dim 2): a cla
 "projection" at an in-plane angle psi is its transform rotated (`core.projector` on a 2D grid); the sampling is
 psi alone (`core.sampling.Sampling.in_plane`: --psi_step, RELION's 10° without it; its 2^oversampling children)
 and the translations of --offset_range/--offset_step; each iteration's E-step is one work unit of the particles
-against every class, on the numpy engine; the M-step reconstructs each class from its 2D sums, regularised by τ²,
-the power of the class's previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
+against every class, on the numpy engine or, with --gpu, on one GPU (the GPU engine's 2D path, in one process); the
+M-step reconstructs each class from its 2D sums on the engine's device, regularised by τ², the power of the class's
+previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
 - no --ref: the initial class averages are averages of random subsets (particle i in class i mod K after a
   random permutation, each at a random psi, CTF-weighted, as RELION 5's calculateSumOfPowerSpectraAndAverageImage
   makes them), low-passed to --ini_high, or without it to RELION's shell 0.07·box;
@@ -34,8 +35,9 @@ The files are written every --grad_write_iter iterations, at the last, and where
 the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of the two pseudo-half sets, classes
 1…K then K+1…2K; run_itNNN_2moment.mrcs; model.star's rlnGradMoment1/2), from which --continue goes on exactly as
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
-Not yet: the GPU engine's 2D path (the job runs on the CPU's numpy engine), RELION's per-class offset priors, RELION
-4/5's blobs as the initial averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
+With --gpu the EM algorithm runs on one GPU in one process (the GPU engine's 2D path); VDAM and runs under mpirun
+take the CPU's numpy engine for now. Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
+averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
 a gallery with their shares of the particles).
@@ -71,6 +73,7 @@ from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
+from cryorefine.runners.mpi import launched_with_mpi
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -95,8 +98,6 @@ GRAD_CENTRE_MIN_SHIFT_PX = 2.0
 GRAD_CENTRE_MIN_SHIFT_OF_DIAMETER = 0.01
 #: RELION's width of the low-pass edge of the initial references (WIDTH_FMASK_EDGE), in shells
 INITIAL_LOWPASS_EDGE_SHELLS = 2.0
-#: the engine 2D classification runs on for now
-ENGINE_2D = "numpy"
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
@@ -214,15 +215,15 @@ class Class2DJob:
     # ------------------------------------------------------------------ set-up
     def load(self):
         config = self.config
-        if config.engine != ENGINE_2D:
-            raise InputError("class2d: the GPU engine has no 2D path yet; run 2D classification on the CPU engine "
-                             "(--cpu)")
         if config.sigma_ang_deg or config.sigma_psi_deg:
             raise InputError("class2d: local searches (--sigma_ang/--sigma_psi) are not available in 2D; drop them")
         if config.firstiter_cc:
             raise InputError("class2d: --firstiter_cc is not available in 2D; drop it")
         if config.symmetry.upper() != "C1":
             raise InputError(f"class2d: --sym {config.symmetry}: 2D classes have no point-group symmetry; drop --sym")
+        if config.engine == "cuda" and (config.grad or launched_with_mpi()):
+            raise InputError(f"class2d: {'--grad (VDAM)' if config.grad else 'a run under mpirun'} takes the CPU "
+                             f"engine for now (the GPU's 2D path runs the EM algorithm in one process); drop --gpu")
         if config.grad and config.fast_subsets:
             raise InputError("class2d: --fast_subsets cannot be used with --grad (as in RELION: VDAM takes its own "
                              "mini-batches); drop --fast_subsets")
@@ -366,12 +367,14 @@ class Class2DJob:
         return [[(0, i)] for i in range(len(plan.units[0].classes))]
 
     def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
-        """Per class: τ² from the previous average's power, the 2D reconstruction, its SSNR; --center_classes and
-        --flatten_solvent on the new average; then the class distribution and RELION's other parameters. Under
-        --grad, `_maximize_gradient`."""
+        """Per class: τ² from the previous average's power, the 2D reconstruction, its SSNR, on the backend's device
+        where the sums are (the GPU engine's stay there); --center_classes and --flatten_solvent on the new average
+        (on the host); then the class distribution and RELION's other parameters. Under --grad,
+        `_maximize_gradient`."""
         config = self.config
         if config.grad:
             return self._maximize_gradient(model, sums, plan, peers)
+        xp = backend.array_module
         model = dataclasses.replace(model)
         k_classes = model.n_classes
         unit = plan.units[0]
@@ -387,18 +390,19 @@ class Class2DJob:
         for i, k in enumerate(unit.classes):
             if not mstep.volumes_here(sums[0], i):
                 continue
-            data, weight = to_host(sums[0].data[i]), to_host(sums[0].weight[i])
+            data, weight = backend.to_device(sums[0].data[i]), backend.to_device(sums[0].weight[i])
             sums[0].data[i] = sums[0].weight[i] = None
-            previous = np.asarray(model.maps[0][k], dtype=np.float64)
-            t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max).power_spectrum),
+            previous = xp.asarray(np.asarray(model.maps[0][k], dtype=np.float64))
+            t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max, xp=xp).power_spectrum),
                             dtype=np.float64)[:n_shells]
             t2[r_max + 1:] = 0.0
-            bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max)
+            bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max, xp=xp)
             if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
                 continue  # an empty class: an image of zeros
             sigma2 = np.asarray(to_host(bp.noise_sigma2()), dtype=np.float64)[:n_shells]
-            image = np.asarray(bp.reconstruct(tau2=t2, tau2_fudge=config.tau2_fudge,
-                                              minres_map_px=schedule.MINRES_MAP_SHELL), dtype=np.float64)
+            image = np.asarray(to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge,
+                                                      minres_map_px=schedule.MINRES_MAP_SHELL)), dtype=np.float64)
+            del bp, data, weight
             if config.center_classes:  # RELION: centerClasses, then solventFlatten
                 image = centred_image(image, plan.sampling.offset_range_px)
             if mask is not None:

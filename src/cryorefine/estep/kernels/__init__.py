@@ -4,7 +4,10 @@ constants the kernels and the host code must agree on, and the loader.
 The tile and block sizes below are the one place these numbers live: they are passed to the compiler
 as `#define`s (the `#ifndef` defaults in the .cu files only serve a file compiled on its own), the
 engine launches with them, and the batch planner (`estep.cuda_plan`) pads its buffers to them.
-Importing this module does not import CuPy.
+The kernels are compiled once per dimensionality of the references, `ref_dim` (a `#define REF_DIM`): 3 for
+maps (central slices by trilinear interpolation, 3D back-projection), 2 for the 2D references of a 2D
+classification (rotated 2D transforms by bilinear interpolation, 2D back-projection; project.cu says how); the
+two modules' kernels take the same arguments. Importing this module does not import CuPy.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_ca
 LOCAL_CK, LOCAL_THREADS = 32, 256
 LOCAL_TRANSLATION_TILES = (16, 32, 64)  # the instances of local.cu's kernel, local_diff2_t16 ...
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; kernels loop over what lies beyond
+
+REF_DIMS = (2, 3)  # the dimensionalities of the references a module is compiled for (REF_DIM)
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
@@ -117,12 +122,12 @@ def compile_options(compute_capability: str | int) -> tuple[str, ...]:
     return COMPILE_OPTIONS
 
 
-def device_coarse_kernel(device_id: int) -> str:
-    """The coarse product's kernel for device `device_id`, as its compiled module holds it: `coarse_kernel_name`'s,
-    or the `mma.sync` kernel on a 9.0 device whose compiler did not take sm_90a."""
+def device_coarse_kernel(device_id: int, ref_dim: int = 3) -> str:
+    """The coarse product's kernel for device `device_id`, as its compiled module (of references of `ref_dim`)
+    holds it: `coarse_kernel_name`'s, or the `mma.sync` kernel on a 9.0 device whose compiler did not take sm_90a."""
     import cupy
 
-    kernel_module(device_id=device_id)  # compiled (or loaded) first: that tells whether sm_90a was taken
+    kernel_module(device_id=device_id, ref_dim=ref_dim)  # compiled (or loaded) first: whether sm_90a was taken
     name = coarse_kernel_name(cupy.cuda.Device(int(device_id)).compute_capability)
     if name == COARSE_KERNELS[0] and int(device_id) in _sm90a_refused:
         return COARSE_KERNELS[1]
@@ -151,10 +156,13 @@ def fine_kernel_names(nfo: int, nft: int) -> tuple[str, str, str]:
             f"fine_sums<{nfo}, {nft}, {to}, {tt}>")
 
 
-def kernel_source() -> str:
-    """The kernels of KERNEL_FILES as one compilation unit: the DEFINES first, then every file after a
-    `#line 1 "file.cu"` directive, so compiler messages name the .cu file and its line."""
-    parts = [f"#define {k} {v}" for k, v in DEFINES.items()]
+def kernel_source(ref_dim: int = 3) -> str:
+    """The kernels of KERNEL_FILES as one compilation unit for references of `ref_dim` (2 or 3): the DEFINES and
+    REF_DIM first, then every file after a `#line 1 "file.cu"` directive, so compiler messages name the .cu file
+    and its line."""
+    if int(ref_dim) not in REF_DIMS:
+        raise ValueError(f"the GPU kernels take 2D or 3D references, not {ref_dim}D")
+    parts = [f"#define {k} {v}" for k, v in DEFINES.items()] + [f"#define REF_DIM {int(ref_dim)}"]
     for name in KERNEL_FILES:
         path = KERNEL_DIR / name
         parts.append(f'#line 1 "{path}"')
@@ -162,9 +170,10 @@ def kernel_source() -> str:
     return "\n".join(parts)
 
 
-def kernel_module(name_expressions: Sequence[str] = (), device_id: int | None = None) -> Any:
-    """The kernels compiled for device `device_id` (default: CuPy's current device), once per device and set
-    of template instances (`name_expressions`, e.g. `fine_kernel_names(8, 4)`).
+def kernel_module(name_expressions: Sequence[str] = (), device_id: int | None = None, ref_dim: int = 3) -> Any:
+    """The kernels compiled for device `device_id` (default: CuPy's current device), once per device, set
+    of template instances (`name_expressions`, e.g. `fine_kernel_names(8, 4)`) and dimensionality of the
+    references (`ref_dim`: 3 for maps, 2 for a 2D classification's references; `kernel_source`).
 
     A loaded module belongs to the CUDA context of the device it was loaded on, so several GPUs in one
     process each get their own; launch its functions with that device current. Threads asking for one key wait
@@ -174,7 +183,7 @@ def kernel_module(name_expressions: Sequence[str] = (), device_id: int | None = 
 
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
-    key = (int(device_id), tuple(name_expressions))
+    key = (int(device_id), tuple(name_expressions), int(ref_dim))
     module = _modules.get(key)
     if module is None:
         with _lock:
@@ -182,22 +191,23 @@ def kernel_module(name_expressions: Sequence[str] = (), device_id: int | None = 
         with key_lock:  # one compilation per key; other keys compile (or load) meanwhile
             module = _modules.get(key)
             if module is None:
-                with cupy.cuda.Device(key[0]), compile_notice(f"the GPU kernels{' ' if key[1] else ''}"
-                                                              f"{', '.join(key[1])}"):
-                    module = _compile(cupy, key[0], key[1])
+                what = f"the GPU kernels{' of 2D references' if key[2] == 2 else ''}"
+                with cupy.cuda.Device(key[0]), compile_notice(f"{what}{' ' if key[1] else ''}{', '.join(key[1])}"):
+                    module = _compile(cupy, key[0], key[1], key[2])
                 _modules[key] = module
     return module
 
 
-def _compile(cupy, device_id, name_expressions):
-    """The module for the current device `device_id`, compiled (or read from CuPy's cache) here: with sm_90a on a
-    9.0 device unless its compiler did not take it, then without (coarse_diff2_wgmma's body empty, and
-    `device_coarse_kernel` names the `mma.sync` kernel)."""
+def _compile(cupy, device_id, name_expressions, ref_dim=3):
+    """The module for the current device `device_id` (references of `ref_dim`), compiled (or read from CuPy's
+    cache) here: with sm_90a on a 9.0 device unless its compiler did not take it, then without
+    (coarse_diff2_wgmma's body empty, and `device_coarse_kernel` names the `mma.sync` kernel)."""
     capability = cupy.cuda.Device(device_id).compute_capability
     options = COMPILE_OPTIONS if device_id in _sm90a_refused else compile_options(capability)
+    source = kernel_source(ref_dim)
 
     def build(options: tuple[str, ...]) -> Any:
-        module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
+        module = cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
         module.get_function("segment_reduce")  # compiles here (RawModule compiles on first use)
         return module
 

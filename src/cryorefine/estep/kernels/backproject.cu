@@ -10,24 +10,34 @@
 // coefficient falls in the same voxel cube as the one before it, its shares are added in registers, and the
 // cube's sums go to memory once, when the cube changes: one `atomic_add_x_pair` per x edge of the cube for
 // several rows. With group 1 every row's shares go to memory alone.
+//
+// REF_DIM 2 (2D references, project.cu): coefficient (kx, ky) goes to q = pf·A₂ᵀ(kx, ky) of the class's padded 2D
+// grid (d, w) with bilinear weights, the twin of BackProjector.backproject on a 2D grid: the "cube" is the square
+// (x0, y0), its two x edges (dy) the first two of the cube's four, z = 0 and fz = 0 throughout.
+
+#if REF_DIM == 2
+#define CR_CUBE_EDGES 2  // the square's x edges: dy = 0, 1
+#else
+#define CR_CUBE_EDGES 4  // the cube's x edges: (dz, dy)
+#endif
 
 // The shares of one voxel cube (base: the index of its corner (x0, y0, z0)) summed over consecutive rows.
 struct CrCubeSums {
     size_t base;
-    float4 d[4];   // per x edge (dz, dy): the data of voxels x0 and x0 + 1
-    float2 wt[4];  // and their weights
+    float4 d[CR_CUBE_EDGES];   // per x edge (dz, dy): the data of voxels x0 and x0 + 1
+    float2 wt[CR_CUBE_EDGES];  // and their weights
 
     __device__ __forceinline__ void flush(float* data, float* weight, size_t sy, size_t sz) const
     {
 #pragma unroll
-        for (int edge = 0; edge < 4; ++edge)
+        for (int edge = 0; edge < CR_CUBE_EDGES; ++edge)
             atomic_add_x_pair(data, weight, base + (edge >> 1) * sz + (edge & 1) * sy, d[edge], wt[edge]);
     }
 
     __device__ __forceinline__ void add(float fx, float fy, float fz, float2 v, float wv)
     {
 #pragma unroll
-        for (int edge = 0; edge < 4; ++edge) {
+        for (int edge = 0; edge < CR_CUBE_EDGES; ++edge) {
             const int dz = edge >> 1, dy = edge & 1;
             const float cyz = (dz ? fz : 1.f - fz) * (dy ? fy : 1.f - fy);
             const float c0 = cyz * (1.f - fx), c1 = cyz * fx;
@@ -44,7 +54,7 @@ struct CrCubeSums {
     {
         base = at;
 #pragma unroll
-        for (int edge = 0; edge < 4; ++edge) {
+        for (int edge = 0; edge < CR_CUBE_EDGES; ++edge) {
             d[edge] = make_float4(0.f, 0.f, 0.f, 0.f);
             wt[edge] = make_float2(0.f, 0.f);
         }
@@ -76,14 +86,22 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
             const float* a = mats + (size_t)r * 9;
             float qx = pf * (kxc * a[0] + kyc * a[3]);
             float qy = pf * (kxc * a[1] + kyc * a[4]);
+#if REF_DIM == 2
+            float qz = 0.f;
+#else
             float qz = pf * (kxc * a[2] + kyc * a[5]);
+#endif
             if (qx * qx + qy * qy + qz * qz > r_pad_sq) continue;
             float2 v = slice_data[at];
             if (qx < 0.f) { qx = -qx; qy = -qy; qz = -qz; v.y = -v.y; }
             const float x0 = floorf(qx), y0 = floorf(qy), z0 = floorf(qz);
             const int ix = min(max((int)x0, 0), w - 2);
             const int iy = min(max((int)y0 + origin, 0), d - 2);
+#if REF_DIM == 2
+            const int iz = 0;
+#else
             const int iz = min(max((int)z0 + origin, 0), d - 2);
+#endif
             const size_t base = (size_t)row_class[r] * class_stride + (size_t)iz * sz + (size_t)iy * sy + ix;
             if (!open || base != cube.base) {
                 if (open) cube.flush(data, weight, sy, sz);

@@ -3,6 +3,17 @@
 // (kx, ky) in a slice at rotation A is q = pf·Aᵀ(kx, ky, 0) in padded Fourier pixels; points
 // with x < 0 are mirrored and conjugated (Friedel); |q|² beyond r_pad_sq gives zero. The
 // volume is RELION's compact layout (d, d, w) with frequency 0 at index `origin` on z and y.
+//
+// REF_DIM 2 (the module of 2D references, RELION's ref_dim 2: `estep.kernels.kernel_module`): each reference
+// is a padded 2D transform (d, w) with frequency 0 at index `origin` on y, and the "slice" at rotation A is
+// that transform read at q = pf·A₂ᵀ(kx, ky) (A₂ the upper left 2 × 2 block of A; an in-plane rotation by psi)
+// by bilinear interpolation, the twin of Projector.project on a 2D grid. Every kernel reading slices
+// (project_slices*, local_diff2_t*, fine_diff2, fine_sums) does so through cr_slice_value, and takes the
+// same arguments in either module: d and w are the grid's first and last sizes, a class's stride its size.
+
+#ifndef REF_DIM
+#define REF_DIM 3
+#endif
 
 __device__ __forceinline__ float2 cr_lerp2(float2 lo, float2 hi, float f)
 {
@@ -10,6 +21,29 @@ __device__ __forceinline__ float2 cr_lerp2(float2 lo, float2 hi, float f)
 }
 
 // Value of the slice at rotation `a` (9 floats, row-major A) and frequency (kx, ky).
+#if REF_DIM == 2
+__device__ __forceinline__ float2 cr_slice_value(const float2* __restrict__ vol, int d, int w, int origin,
+                                                 float pf, float r_pad_sq, const float* a, float kx, float ky)
+{
+    float qx = pf * (kx * a[0] + ky * a[3]);
+    float qy = pf * (kx * a[1] + ky * a[4]);
+    if (qx * qx + qy * qy > r_pad_sq) return make_float2(0.f, 0.f);
+    bool neg = qx < 0.f;
+    if (neg) { qx = -qx; qy = -qy; }
+    float x0 = floorf(qx), y0 = floorf(qy);
+    float fx = qx - x0, fy = qy - y0;
+    int ix = min(max((int)x0, 0), w - 2);
+    int iy = min(max((int)y0 + origin, 0), d - 2);
+    size_t sy = (size_t)w;
+    size_t base = (size_t)iy * sy + ix;
+    // x first, then y (the numpy twin's order)
+    float2 c0 = cr_lerp2(__ldg(vol + base), __ldg(vol + base + 1), fx);
+    float2 c1 = cr_lerp2(__ldg(vol + base + sy), __ldg(vol + base + sy + 1), fx);
+    float2 v = cr_lerp2(c0, c1, fy);
+    if (neg) v.y = -v.y;
+    return v;
+}
+#else
 __device__ __forceinline__ float2 cr_slice_value(const float2* __restrict__ vol, int d, int w, int origin,
                                                  float pf, float r_pad_sq, const float* a, float kx, float ky)
 {
@@ -35,6 +69,7 @@ __device__ __forceinline__ float2 cr_slice_value(const float2* __restrict__ vol,
     if (neg) v.y = -v.y;
     return v;
 }
+#endif
 
 // out[r, c] (n_rot, n_coef) complex: the slices of rotations `mats` (n_rot, 9) at coefficients (kx, ky).
 extern "C" __global__ void project_slices(const float2* __restrict__ vol, int d, int w, int origin, float pf,
