@@ -93,8 +93,22 @@ def lowpass_to_ini_high(volume: Array, config: RefineConfig, box: int, pixel: fl
                                         start + INI_HIGH_EDGE_SHELLS, xp)
 
 
+def initial_tau2(maps: Sequence[np.ndarray], tau2_fudge: float) -> np.ndarray:
+    """RELION's starting τ² (K, N//2+1) of K maps (`initial_data_versus_prior`), the transform of each distinct map
+    taken once (a classification's K starting maps are often one reference: six transforms of 360³ took 15 s)."""
+    size = int(np.shape(maps[0])[0])
+    out: list[np.ndarray] = []
+    for k, m in enumerate(maps):
+        same = next((j for j in range(k) if maps[j] is m or np.array_equal(maps[j], m)), None)
+        out.append(out[same] if same is not None else
+                   tau2_fudge * fourier.power_spectrum_3d(fourier.rfft3_centered(np.asarray(m, dtype=np.float64)))
+                   * size * size / 2.0)
+    return np.stack(out)
+
+
 def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.ArrayLike, n_particles: int,
-                              pdf_class: npt.ArrayLike, tau2_fudge: float) -> tuple[np.ndarray, np.ndarray]:
+                              pdf_class: npt.ArrayLike, tau2_fudge: float,
+                              tau2: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(τ², data versus prior), each (K, N//2+1), of K starting maps (N px), as RELION's
     MlModel::initialiseDataVersusPrior makes them for the iteration-0 model.star (rlnReferenceTau2, rlnSsnrMap).
 
@@ -102,14 +116,15 @@ def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.Arra
     1/N³, over the coefficients of round(|k|) = i: RELION's getSpectrum); the data versus prior of class k is
     n_particles · pdf_class[k] / σ²(i) · τ²(i), divided by 2i for i > 0 (RELION's allowance for the ratio of a 3D
     shell's voxels to a 2D shell's pixels), σ² the noise spectra (n_groups, N//2+1) averaged over the groups with
-    any power. A shell without noise power gives inf, as RELION's division does."""
+    any power. A shell without noise power gives inf, as RELION's division does. `tau2`: `initial_tau2` of the maps
+    where it is known already."""
     noise = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
     used = noise[noise.sum(axis=1) > 0]
     average = used.mean(axis=0) if len(used) else np.zeros(noise.shape[1])
     size = int(np.shape(maps[0])[0])
     shells = np.arange(size // 2 + 1)
-    tau2 = np.stack([tau2_fudge * fourier.power_spectrum_3d(fourier.rfft3_centered(np.asarray(m, dtype=np.float64)))
-                     * size * size / 2.0 for m in maps])
+    if tau2 is None:
+        tau2 = initial_tau2(maps, tau2_fudge)
     per_shell = np.where(shells > 0, 2.0 * shells, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         evidence = n_particles * np.asarray(pdf_class, dtype=np.float64)[:, None] / average[None, :] / per_shell

@@ -522,19 +522,23 @@ class ClassifyJob:
         pixel = model.pixel_size_angstrom
         particles = self.particles
         names, counts = particles.optics_names_and_counts()
-        tau2, data_vs_prior = initial_data_versus_prior(model.maps[0], model.sigma2_noise, len(particles),
-                                                        model.pdf_class, config.tau2_fudge)
-        written = replace(model, tau2=tau2[None], ssnr=data_vs_prior[None])
+        frozen = replace(model)  # the loop goes on: its later models are new objects, their arrays new arrays
+
+        def model_star(path):  # on the writer's thread: the starting τ² transforms each distinct map
+            tau2, data_vs_prior = initial_data_versus_prior(frozen.maps[0], frozen.sigma2_noise, len(particles),
+                                                            frozen.pdf_class, config.tau2_fudge)
+            written = replace(frozen, tau2=tau2[None], ssnr=data_vs_prior[None])
+            write_star(model_star_blocks(written, optimiser, config, None, maps, names, counts,
+                                         pdf_direction=frozen.pdf_direction,
+                                         scale_groups=particles.scale_group_names_and_counts()), path)
+
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
         table = particle_table(particles.star.particles, run.particles.copy(), None, pixel,
                                group_number=particles.scale_group_index + 1)
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
                   *(partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)),
-                  partial(write_star, model_star_blocks(written, optimiser, config, None, maps, names, counts,
-                                                        pdf_direction=model.pdf_direction,
-                                                        scale_groups=particles.scale_group_names_and_counts()),
-                          f"{root}_model.star"),
+                  partial(model_star, f"{root}_model.star"),
                   *self._angdist_writes(root, model, sampling, 0)]
         if under_mpi:
             writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))

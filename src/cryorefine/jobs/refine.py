@@ -41,7 +41,7 @@ from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
-from cryorefine.em.references import initial_data_versus_prior, lowpass_to_ini_high, read_reference
+from cryorefine.em.references import initial_data_versus_prior, initial_tau2, lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
@@ -388,20 +388,26 @@ class RefineJob:
         names, counts = particles.optics_names_and_counts()
         groups = particles.scale_group_names_and_counts()
         sampling = schedule.sampling_from_optimiser(optimiser, config)
-        tau2, data_vs_prior = zip(*(initial_data_versus_prior(model.maps[h], model.sigma2_noise, self.members[h].size,
-                                                              np.ones(1), config.tau2_fudge) for h in (0, 1)))
-        written = replace(model, tau2=np.stack(tau2), ssnr=np.stack(data_vs_prior))
         uniform = np.full((1, sampling.n_directions), 1.0 / sampling.n_directions)
+        frozen, sizes = replace(model), [self.members[h].size for h in (0, 1)]  # the loop goes on meanwhile
+
+        def model_stars():  # on the writer's thread; both halves' starting map is transformed once where one
+            tau2 = initial_tau2([frozen.maps[0][0], frozen.maps[1][0]], config.tau2_fudge)
+            data_vs_prior = [initial_data_versus_prior(frozen.maps[h], frozen.sigma2_noise, sizes[h], np.ones(1),
+                                                       config.tau2_fudge, tau2=tau2[h:h + 1])[1][0] for h in (0, 1)]
+            written = replace(frozen, tau2=tau2[:, None], ssnr=np.stack(data_vs_prior)[:, None])
+            for h in (1, 2):
+                write_star(model_star_blocks(written, optimiser, config, h, [f"{root}_half{h}_class001.mrc"], names,
+                                             counts, pdf_direction=uniform, scale_groups=groups),
+                           f"{root}_half{h}_model.star")
+
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
                           self._particle_table(run.particles.copy(), pixel))]
         for h in (1, 2):
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
-                       partial(write_star, model_star_blocks(written, optimiser, config, h,
-                                                             [f"{root}_half{h}_class001.mrc"], names, counts,
-                                                             pdf_direction=uniform, scale_groups=groups),
-                               f"{root}_half{h}_model.star"),
                        self._angdist_write(f"{root}_half{h}_class001_angdist.bild", uniform, model, sampling, 0)]
-        writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
+        writes += [model_stars,
+                   partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel)]
         return [Together([write for write in writes if write is not None]),
                 partial(write_optimiser_star, f"{root}_optimiser.star",
                         optimiser_star_blocks(optimiser, model, config, str(out_root), 0), list(argv))]
