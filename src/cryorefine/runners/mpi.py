@@ -314,15 +314,13 @@ class MpiRunner:
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
         self.maps_outgoing = None  # a worker: the thread moving its share of the last maps to the master
-        self.noise_begun = False  # the master: the workers run the initial noise pass (`begin_initial_noise`)
-        self.noise_batches_left = 0  # its batches whose sums the master has not received
+        self.noise_batches_left = 0  # the master: batches of the workers' noise pass whose sums it has not received
 
     def begin_initial_noise(self, particles, settings, n_optics=None):
         """The workers start the initial noise pass (`_noise_batches`), each batch's sums sent here as it is ready,
         while this process goes on (job.start makes the starting maps); `initial_noise_spectra` collects them."""
         n_optics = len(particles.optics_groups) if n_optics is None else n_optics
         self.objects.bcast(("noise", (settings, n_optics)), root=0)
-        self.noise_begun = True
         self.noise_batches_left = -(-len(particles) // self.config.batch_size_for(settings.ori_size_px))
 
     def initial_noise_spectra(self, particles, settings, n_optics):
@@ -330,9 +328,8 @@ class MpiRunner:
         on its engine and sends each batch's sums here, where they are added in batch order (bit for bit as one
         process adds them). The workers' seconds waiting for their reads and preparing their images, added up,
         are logged in one line."""
-        if not self.noise_begun:  # job.start's call, with the loop's arguments of `begin_initial_noise`
+        if not self.noise_batches_left:  # not begun (`begin_initial_noise`, the loop's call before job.start)
             self.begin_initial_noise(particles, settings, n_optics)
-        self.noise_begun = False
         noise = NoiseEstimate.empty(n_optics, settings.ori_size_px)
         pending = {}
         worker_stages = {}  # rank -> that worker's seconds so far, by stage
