@@ -62,20 +62,55 @@ def test_maps_do_not_depend_on_the_number_of_ranks(data):
         # the noise pass's seconds, the workers' added up under MPI: one line, from the master alone
         told = re.findall(r"initial noise spectra(?:, the workers' seconds added)?: \d+\.\d s", result.stderr)
         assert len(told) == 1 and ("workers'" in told[0]) == (ranks > 1), (ranks, result.stderr[-2000:])
+    assert_same_refinement(data / "n1", [data / "n3", data / "n5"])
+
+
+def assert_same_refinement(single_folder, other_folders):
+    """Iteration 2's half maps agree with one process's (FSC ≥ 0.99 to the current resolution), and so do the poses
+    and the random halves."""
     import starfile
 
-    model = starfile.read(data / "n1" / "run_it002_half1_model.star")
+    model = starfile.read(single_folder / "run_it002_half1_model.star")
     shell_limit = int(round(32 * 12.0 / float(model["model_general"]["rlnCurrentResolution"])))
     for half in (1, 2):
-        single, _ = read_volume(data / "n1" / f"run_it002_half{half}_class001.mrc")
-        for ranks in (3, 5):
-            other, _ = read_volume(data / f"n{ranks}" / f"run_it002_half{half}_class001.mrc")
+        single, _ = read_volume(single_folder / f"run_it002_half{half}_class001.mrc")
+        for folder in other_folders:
+            other, _ = read_volume(folder / f"run_it002_half{half}_class001.mrc")
             fsc = np.asarray(fsc_volumes(single, other))
-            assert fsc[1:shell_limit + 1].min() >= 0.99, (ranks, half, fsc)
-    poses = [starfile.read(data / f"n{r}" / "run_it002_data.star")["particles"] for r in (1, 3, 5)]
-    for other in poses[1:]:
-        np.testing.assert_allclose(other["rlnAngleRot"], poses[0]["rlnAngleRot"], atol=1e-6)
-        np.testing.assert_array_equal(other["rlnRandomSubset"], poses[0]["rlnRandomSubset"])
+            assert fsc[1:shell_limit + 1].min() >= 0.99, (folder, half, fsc)
+    poses = starfile.read(single_folder / "run_it002_data.star")["particles"]
+    for folder in other_folders:
+        other = starfile.read(folder / "run_it002_data.star")["particles"]
+        np.testing.assert_allclose(other["rlnAngleRot"], poses["rlnAngleRot"], atol=1e-6)
+        np.testing.assert_array_equal(other["rlnRandomSubset"], poses["rlnRandomSubset"])
+
+
+def test_workers_on_two_hosts_copy_the_stacks_once_per_host_and_refine_as_one_process(data, tmp_path):
+    """--scratch_dir and --preread_images on a cluster: two workers told they are on one host, then on two (each
+    the first of its own). The stacks are copied once per host, under --scratch_dir, and each worker reads from
+    its host's copy; the copies are gone at the end; the maps and poses are one process's."""
+    single = run(1, data, "hosts_single", "--iter", "2")
+    assert single.returncode == 0, single.stderr[-2000:]
+    script = Path(__file__).with_name("hosts_script.py")
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    originals = {Path(line.split("@", 1)[1]).name for line in
+                 (data / "sim" / "particles.star").read_text().split() if "@" in line}
+    for hosts in (1, 2):
+        seen, scratch = tmp_path / f"seen{hosts}", tmp_path / f"scratch{hosts}"
+        seen.mkdir()
+        command = [mpiexec(), "-n", "3", sys.executable, str(script), str(hosts), str(seen),
+                   "--i", str(data / "sim" / "particles.star"), "--ref", str(data / "truth.mrc"),
+                   "--o", str(data / f"hosts{hosts}" / "run"), *REFINE_ARGS, "--iter", "2",
+                   "--scratch_dir", str(scratch), "--preread_images"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+        assert result.returncode == 0, (hosts, result.stderr[-2000:])
+        read_from = [Path(p) for rank in (1, 2) for p in (seen / f"rank{rank}.txt").read_text().split()]
+        folders = {p.parent for p in read_from}
+        assert len(folders) == hosts and all(f.parent == scratch for f in folders), (hosts, read_from)
+        assert {p.name.split("_", 1)[1] for p in read_from} == originals
+        assert list(scratch.iterdir()) == [], "the scratch copies were left behind"
+        assert_same_refinement(data / "hosts_single", [data / f"hosts{hosts}"])
 
 
 def test_the_final_iteration_joins_the_halves_as_one_process_does(data):

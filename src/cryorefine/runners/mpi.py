@@ -237,6 +237,14 @@ def _local_rank(rank):
     return rank
 
 
+def node_communicator(workers):
+    """The workers of this worker's host, as one communicator (MPI's shared-memory split): --scratch_dir copies the
+    stacks once per host, and --preread_images divides a host's memory among its workers."""
+    from mpi4py import MPI
+
+    return workers.Split_type(MPI.COMM_TYPE_SHARED)
+
+
 class WorkerFailed(Exception):
     """Raised on the master when a worker reports its failure; `line` is the worker's "rank R on HOST: cause"."""
 
@@ -539,10 +547,7 @@ class MpiRunner:
 
     def _iterations(self, job, backend, particles, settings):
         """The E- and M-steps of the run, from the stack copies under --scratch_dir if asked."""
-        from mpi4py import MPI
-
-        node = (self.workers.Split_type(MPI.COMM_TYPE_SHARED)
-                if self.config.scratch_dir or self.config.preread_images else None)
+        node = node_communicator(self.workers) if self.config.scratch_dir or self.config.preread_images else None
         node_workers = 1 if node is None else node.Get_size()  # --preread_images: they share the host's memory
         with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node) as particles:
             while True:
