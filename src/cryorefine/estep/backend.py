@@ -251,21 +251,12 @@ class CudaBackend:
         owners[k])`d class by class in order (in place, on the current stream, which this waits for)."""
         import cupy
 
-        from cryorefine.core.grid import PaddedGrid
         from cryorefine.core.projector import Projector
-        from cryorefine.gpu.allocator import Scope
+        from cryorefine.estep.cuda import padded_transforms
 
         with cupy.cuda.Device(self.device_id):
-            grid = PaddedGrid.create(np.shape(maps[0])[0], padding_factor, r_max_px, ndim=np.ndim(maps[0]))
-            stack = cupy.empty((len(maps),) + grid.shape, dtype=cupy.complex64)
-            for k, volume in enumerate(maps):
-                if owners[k] != me:
-                    continue
-                scope = contextlib.nullcontext() if self.arena is None else self.arena.scope(Scope.PARTICLE)
-                pooled = contextlib.nullcontext() if self.arena is None else self.arena.pooled()
-                with scope, pooled:
-                    Projector(cupy.asarray(volume), padding_factor, r_max_px, dtype=np.float32, xp=cupy,
-                              out=stack[k])
+            stack, grid = padded_transforms(cupy, maps, padding_factor, r_max_px, self.arena,
+                                            made_here=lambda k: owners[k] == me)
             for k in range(len(maps)):
                 share(stack[k], owners[k])
             cupy.cuda.get_current_stream().synchronize()

@@ -43,6 +43,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -103,6 +104,29 @@ def _one_stack(cp, arrays):
             and all(isinstance(a, cp.ndarray) and a.data.ptr == base[k].data.ptr for k, a in enumerate(arrays))):
         return base
     return cp.stack([cp.asarray(a, dtype=cp.complex64) for a in arrays])
+
+
+def padded_transforms(cp: ArrayModule, maps: Sequence[Array], padding_factor: float, r_max_px: int,
+                      arena: DeviceArena | None, made_here: Callable[[int], bool] | None = None
+                      ) -> tuple[Array, PaddedGrid]:
+    """The padded transforms of `maps` (K maps of one shape) in one (K, …) complex64 device array, and their grid:
+    the array is taken first and each class's transform (temporaries of the padded box, gigabytes at 360 px) is
+    computed in a deeper scope of `arena` that ends once it is copied in. On the arena's stack, temporaries freed
+    below a surviving array could not be reused until the iteration ends; inside the scope a caching pool serves
+    the transform's slabs (`core.padded_transforms`), whose temporaries are freed in any order. Only the classes
+    `made_here(k)` are transformed (all by default); the others are left for the caller to fill."""
+    from cryorefine.gpu.allocator import Scope
+
+    grid = PaddedGrid.create(np.shape(maps[0])[0], padding_factor, r_max_px, ndim=np.ndim(maps[0]))
+    stack = cp.empty((len(maps),) + grid.shape, dtype=cp.complex64)
+    for k, volume in enumerate(maps):
+        if made_here is not None and not made_here(k):
+            continue
+        scope = contextlib.nullcontext() if arena is None else arena.scope(Scope.PARTICLE)
+        pooled = contextlib.nullcontext() if arena is None else arena.pooled()
+        with scope, pooled:
+            Projector(cp.asarray(volume), padding_factor, r_max_px, dtype=np.float32, xp=cp, out=stack[k])
+    return stack, grid
 
 
 def _i32(v):
@@ -332,24 +356,15 @@ class CupyEngine:
         self._compile_ahead(s)
 
     def _upload_references(self, s):
-        """The classes' padded transforms in one (K, …) complex64 array. From maps, the array is taken first
-        and each class's transform (temporaries of the padded box, gigabytes at 360 px) is computed in a
-        deeper scope that ends once it is copied in: on the arena's stack, temporaries freed below a
-        surviving array could not be reused until the iteration ends; inside it a caching pool serves the
-        transform's slabs (`core.padded_transforms`), whose temporaries are freed in any order."""
-        from cryorefine.gpu.allocator import Scope
-
+        """The classes' padded transforms in one (K, …) complex64 array (`padded_transforms`), or a runner's
+        (`CudaBackend.shared_projectors`): the classes of one array, taken as they are."""
         cp = self.cp
         if s.maps is not None:
-            grid = PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2, ndim=self.ref_dim)
-            self.ref_volumes = cp.empty((len(s.maps),) + grid.shape, dtype=cp.complex64)
-            for k, volume in enumerate(s.maps):
-                with self._scope(Scope.PARTICLE), self._pooled():
-                    projector = Projector(cp.asarray(volume), s.padding_factor, s.current_size_px // 2,
-                                          dtype=np.float32, xp=cp, out=self.ref_volumes[k])
-                    assert projector.grid == grid
-                    del projector
-        else:  # a runner's (`CudaBackend.shared_projectors`): the classes of one array, taken as they are
+            self.ref_volumes, grid = padded_transforms(cp, s.maps, s.padding_factor, s.current_size_px // 2,
+                                                       self.arena)
+            assert grid == PaddedGrid.create(s.ori_size_px, s.padding_factor, s.current_size_px // 2,
+                                             ndim=self.ref_dim)
+        else:
             grid = s.projectors[0].grid
             self.ref_volumes = _one_stack(cp, [p.data for p in s.projectors])
         self.ref_grid = grid
