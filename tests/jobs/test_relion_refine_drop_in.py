@@ -8,6 +8,7 @@ is the drop-in's own, and the same files are checked.
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -172,8 +173,9 @@ def test_existing_files_of_another_program_are_not_overwritten(capsys, tmp_path)
 
 
 def mpiexec():
+    """pip's mpich beside the Python, else the machine's mpiexec (Open MPI on the GPU machine)."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else None
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
 
 
 @pytest.mark.mpi
@@ -234,23 +236,49 @@ def test_relion5_gui_default_lines_through_the_mpi_shim(gui_project, tmp_path, j
     `cryorefine install-relion-shims` (the line changed only as tests/jobs/test_relion5_gui_lines.py changes it: --gpu
     dropped, --cpu and one iteration added): RELION's exit file and RELION 5's files of the run under MPI, nothing
     else but cryorefine's report and --continue state, and the files its end line names are among them."""
-    import re
-
     from test_relion5_gui_lines import LINES, relion_refine_arguments
+
+    line = next(text for kind, setting, text in LINES if kind == job and setting == "every default")
+    run_through_the_mpi_shim(gui_project, tmp_path, job, relion_refine_arguments(line)[1:], keep_pythonpath=False)
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("job", ["Refine3D", "Class3D"])
+def test_relion5_gui_gpu_lines_through_the_mpi_shim_on_the_gpu(gui_project, tmp_path, job):  # noqa: F811
+    """The same on the GPU: RELION 5's GUI line with "Use GPU acceleration?" Yes (`--gpu ""`: RELION's automatic
+    assignment of the node's GPUs to the workers), one iteration, under mpiexec through the shim. The Python's own
+    PYTHONPATH is kept (where the GPU machine's packages are)."""
+    from conftest import cupy_or_skip
+    from test_relion5_gui_lines import LINES, relion_refine_arguments
+
+    cupy_or_skip()
+    line = next(text for kind, setting, text in LINES if kind == job and setting == "use_gpu Yes")
+    args = relion_refine_arguments(line)[1:]
+    args.remove("--cpu")
+    args[args.index("--pipeline_control"):args.index("--pipeline_control")] = ["--gpu", ""]
+    run_through_the_mpi_shim(gui_project, tmp_path, job, args, keep_pythonpath=True)
+
+
+def run_through_the_mpi_shim(project_folder, tmp_path, job, args, keep_pythonpath):
+    """`mpiexec -n 3 relion_refine_mpi ARGS` through the shim, in the project: RELION 5's files of the run under MPI
+    and nothing else but cryorefine's own, and the files its end line names among them."""
+    import re
 
     launcher = mpiexec()
     if launcher is None:
         pytest.skip("no mpiexec beside the Python (pip install mpich, part of the test extra)")
     assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
-    line = next(text for kind, setting, text in LINES if kind == job and setting == "every default")
-    args = relion_refine_arguments(line)[1:]
-    folder = gui_project / args[args.index("--pipeline_control") + 1]
+    folder = project_folder / args[args.index("--pipeline_control") + 1]
     folder.mkdir(parents=True, exist_ok=True)  # the GUI makes the job's folder
+    environment = shim_environment(tmp_path / "bin")
+    if keep_pythonpath and os.environ.get("PYTHONPATH"):
+        environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
     ran = subprocess.run([launcher, "-n", "3", "relion_refine_mpi", *args], capture_output=True, text=True,
-                         timeout=600, env=shim_environment(tmp_path / "bin"), cwd=gui_project)
+                         timeout=600, env=environment, cwd=project_folder)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "the workers' seconds added" in ran.stderr, ran.stderr[-3000:]  # the MPI runner's line, said once
     written = {p.name for p in folder.iterdir()}
     assert written == RELION5_MPI_FILES[job] | CRYOREFINE_OWN | {"RELION_JOB_EXIT_SUCCESS"}, written
     named = re.findall(r"(\S+?\.(?:mrc|star))\b", ran.stdout.strip().splitlines()[-1])  # files, or their pattern
-    assert named and all(list(gui_project.glob(name)) for name in named), (named, ran.stdout)
+    assert named and all(list(project_folder.glob(name)) for name in named), (named, ran.stdout)
