@@ -242,18 +242,25 @@ def test_relion5_gui_default_lines_through_the_mpi_shim(gui_project, tmp_path, j
     run_through_the_mpi_shim(gui_project, tmp_path, job, relion_refine_arguments(line)[1:], keep_pythonpath=False)
 
 
+def gpu_lines():
+    """(job, setting, line) of RELION 5's GUI lines that cryorefine runs (tests/jobs/test_relion5_gui_lines.py)."""
+    from test_relion5_gui_lines import LINES, REFUSED
+
+    return [(job, setting, line) for job, setting, line in LINES if setting not in REFUSED]
+
+
 @pytest.mark.mpi
 @pytest.mark.gpu
-@pytest.mark.parametrize("job", ["Refine3D", "Class3D"])
-def test_relion5_gui_gpu_lines_through_the_mpi_shim_on_the_gpu(gui_project, tmp_path, job):  # noqa: F811
-    """The same on the GPU: RELION 5's GUI line with "Use GPU acceleration?" Yes (`--gpu ""`: RELION's automatic
-    assignment of the node's GPUs to the workers), one iteration, under mpiexec through the shim. The Python's own
-    PYTHONPATH is kept (where the GPU machine's packages are)."""
+@pytest.mark.parametrize("job, setting, line", gpu_lines(),
+                         ids=[f"{job}-{setting.replace(' ', '_')}" for job, setting, _ in gpu_lines()])
+def test_relion5_gui_lines_through_the_mpi_shim_on_the_gpu(gui_project, tmp_path, job, setting, line):  # noqa: F811
+    """The same on the GPU, for every line that runs: RELION 5's GUI line with "Use GPU acceleration?" Yes (`--gpu
+    ""`: RELION's automatic assignment of the node's GPUs to the workers), one iteration, under mpiexec through the
+    shim. The Python's own PYTHONPATH is kept (where the GPU machine's packages are)."""
     from conftest import cupy_or_skip
-    from test_relion5_gui_lines import LINES, relion_refine_arguments
+    from test_relion5_gui_lines import relion_refine_arguments
 
     cupy_or_skip()
-    line = next(text for kind, setting, text in LINES if kind == job and setting == "use_gpu Yes")
     args = relion_refine_arguments(line)[1:]
     args.remove("--cpu")
     args[args.index("--pipeline_control"):args.index("--pipeline_control")] = ["--gpu", ""]
