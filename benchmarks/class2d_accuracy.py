@@ -139,6 +139,8 @@ def parse_args(argv):
     parser.add_argument("--relion_pool", type=int, default=30, help="--pool of the RELION runs [default: 30].")
     parser.add_argument("--relion_seconds", type=float, default=None,
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
+    parser.add_argument("--relion_only", action="store_true",
+                        help="Run RELION alone (the set made or found in --work), e.g. in a machine call of its own.")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
     options = parser.parse_args(argv)
     for name in ("n", "views_per_map", "box", "iter", "grad_iter", "grad_write_iter"):
@@ -507,7 +509,7 @@ def table(runs):
 
 def main(argv=None):
     options, extra = parse_args(sys.argv[1:] if argv is None else argv)
-    if options.relion and not options.relion.strip():
+    if (options.relion is not None and not options.relion.strip()) or (options.relion_only and not options.relion):
         sys.exit("--relion: give relion_refine's path or command")
     work = options.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -516,7 +518,7 @@ def main(argv=None):
     simulate_seconds = time.perf_counter() - tic
     k_classes = options.K or len(views)
     diameter = round(DIAMETER_FRACTION_OF_BOX * options.box * pixel)
-    programs = ["cryorefine"] + (["relion"] if options.relion else [])
+    programs = ([] if options.relion_only else ["cryorefine"]) + (["relion"] if options.relion else [])
     runs, turns = [], {}
     for algorithm in options.algorithms:
         for seed in options.seeds:
