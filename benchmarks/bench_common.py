@@ -1,11 +1,14 @@
-"""What the benchmark scripts share: `cryorefine` run as a subprocess and timed, the options after `--` split off
-to be passed on to the command, and the parser with --work and --gpu / --cpu of the accuracy scripts. A helper
-module imported by the other scripts; run alone it only answers --help."""
+"""What the benchmark scripts share: `cryorefine` run as a subprocess and timed, another program (RELION) run with
+a time limit, the seconds between a run's iteration files, the options after `--` split off to be passed on to the
+command, and the parser with --work and --gpu / --cpu of the accuracy scripts. A helper module imported by the
+other scripts; run alone it only answers --help."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +35,43 @@ def run_cli(*args, log_path=None):
     if code != 0:
         sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path or 'its output (not kept)'}")
     return time.perf_counter() - tic
+
+
+def run_logged(command, log_path, cwd, timeout_seconds=None):
+    """Run `command` (a list) in `cwd`, its output in `log_path`, the command shown on stderr; after
+    `timeout_seconds` its whole process group (an mpirun and its ranks) is stopped. (its exit code, or "stopped",
+    and its wall seconds)."""
+    print("$ " + shlex.join(command), file=sys.stderr, flush=True)
+    tic = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            code = "stopped"
+    return code, time.perf_counter() - tic
+
+
+def iteration_file_times(folder, root="run"):
+    """{iteration: modification time} of the `root`_itNNN_model.star files in `folder` (iteration 0's included where
+    the program writes one): when each iteration's files were written, alike for cryorefine and RELION."""
+    prefix = len(root) + 3
+    return {int(p.name[prefix:prefix + 3]): p.stat().st_mtime
+            for p in Path(folder).glob(f"{root}_it[0-9][0-9][0-9]_model.star")}
+
+
+def seconds_per_iteration(folder, root="run"):
+    """{iteration: seconds} from the previous iteration's model.star to this one's (`iteration_file_times`), divided
+    by the iterations between them (a --grad run writes its files every --grad_write_iter iterations)."""
+    times = iteration_file_times(folder, root)
+    order = sorted(times)
+    return {b: (times[b] - times[a]) / (b - a) for a, b in zip(order, order[1:])}
 
 
 def work_and_engine_parser(description, epilog, job):

@@ -1,8 +1,10 @@
 """The EMPIAR-10028 benchmark on a stand-in of the same geometry: its Class3D K=6 and auto-refine jobs, with
-RELION's standard settings, on particles simulated from the 7P6Z ribosome model at 360 px and 1.34 Å/px. Prints,
+RELION's standard settings, and a Class2D K=100 with RELION's GUI line, on particles simulated from the 7P6Z ribosome model at 360 px and 1.34 Å/px. Prints,
 and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
 stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
-particles × 25 iterations; --engine numpy runs a tiny version on the CPU.
+particles × 25 iterations; --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
+jobs on the same particles for their first --relion_iterations iterations, and the seconds per iteration of both
+programs are set side by side.
 
 EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
 300 kV) is the data set behind the timings of the RELION-2, GeRelion and Zhang 2018 papers. It
@@ -23,6 +25,10 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
               (b) auto-refine: refine --healpix_order 2 --auto_local_healpix_order 4 --offset_range 5
                   --offset_step 2 --low_resol_join_halves 40 --particle_diameter 360 --ini_high 60
                   --ctf --flatten_solvent --zero_mask --norm --scale
+              (c) Class2D (--jobs class2d, not by default), RELION 5's GUI line with 'Use EM algorithm? Yes'
+                  and a mask of 360 Å: class2d --iter 25 --ctf --tau2_fudge 2 --particle_diameter 360 --K 100
+                  --flatten_solvent --zero_mask --center_classes --oversampling 1 --psi_step 12
+                  --offset_range 5 --offset_step 2 --norm --scale (no reference)
               run in this process through the command line's own option parsing
               (`cli.config_from_arguments`); --iterations N stops each job after N iterations.
 4. report     per job: particle-iterations per second of each stage (image preparation, coarse
@@ -56,6 +62,21 @@ is reconstructed from 20 particles, and against such weak references the posteri
     python benchmarks/empiar10028.py --work /tmp/e10028 --jobs class3d --iterations 4     # a quick look
     python benchmarks/empiar10028.py --work /tmp/e10028 --jobs class3d -- --relion_oversampling  # options for every job
     python benchmarks/empiar10028.py --engine numpy --work /tmp/tiny                     # CPU, tiny
+    python benchmarks/empiar10028.py --n 105247 --float16 --jobs class2d --model .bench/7p6z.cif.gz --work /tmp/e105k
+    python benchmarks/empiar10028.py --n 105247 --float16 --jobs class2d --model .bench/7p6z.cif.gz --work /tmp/e105k \
+        --relion_only --relion /tmp/relion/build/bin/relion_refine_mpi --relion_iterations 4 --relion_seconds 420
+
+RELION beside it (--relion PATH, e.g. RELION 5's relion_refine_mpi built by ../shared/device/relion_build.sh):
+each job's line (the refine job's with --auto_refine --split_random_halves, which cryorefine's refine implies) on
+the same STAR file, launched by --relion_launcher (default `mpirun --allow-run-as-root -n 3`: a leader and two
+workers) with --relion_extra (default `--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc`: both
+workers on GPU 0, as RELION's GUI and tutorial run it on one GPU), --iter --relion_iterations, in WORK/relion_JOB;
+--relion_seconds stops it and measures the iterations it finished. Both programs' seconds per iteration are read
+alike, from when each iteration's run_itNNN_model.star was written (WORK/JOB for cryorefine, WORK/relion_JOB for
+RELION), and compared over the iterations after the first that both finished (iteration 1 holds each program's
+own start: RELION's from its launch or its iteration-0 files). --relion_only runs RELION alone, set against
+cryorefine's files of an earlier run of the same jobs in WORK (one machine call each), and writes
+WORK/results_relion.json instead of WORK/results.json.
 """
 
 from __future__ import annotations
@@ -66,12 +87,14 @@ import functools
 import json
 import logging
 import platform
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import split_at_double_dash
+from bench_common import iteration_file_times, run_logged, split_at_double_dash
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.gz"
@@ -105,7 +128,18 @@ JOB_ARGUMENTS = {
     "refine": ("refine", ["--healpix_order", "2", "--auto_local_healpix_order", "4", "--offset_range", "5",
                           "--offset_step", "2", "--low_resol_join_halves", "40", "--particle_diameter", "360",
                           "--ini_high", "60", "--ctf", "--flatten_solvent", "--zero_mask", "--norm", "--scale"]),
+    # RELION 5's Class2D GUI line with 'Use EM algorithm? Yes' (tests/data/relion5_class2d_gui_lines.txt), its mask
+    # diameter 360 Å as the other jobs'; no --ref: the initial class averages come from random subsets
+    "class2d": ("class2d", ["--iter", "25", "--ctf", "--tau2_fudge", "2", "--particle_diameter", "360", "--K", "{K}",
+                            "--flatten_solvent", "--zero_mask", "--center_classes", "--oversampling", "1",
+                            "--psi_step", "12", "--offset_range", "5", "--offset_step", "2", "--norm", "--scale"]),
 }
+#: the jobs' --K without --K
+DEFAULT_CLASSES = {"class3d": 6, "class2d": 100}
+#: RELION's flags for its GPU runs (--relion), as its GUI and tutorial write them for one GPU shared by two workers
+RELION_GPU_FLAGS = "--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc"
+#: what relion_refine needs besides a job's line for what cryorefine's command implies
+RELION_JOB_FLAGS = {"refine": ["--auto_refine", "--split_random_halves"]}
 
 log = logging.getLogger("empiar10028")
 
@@ -181,13 +215,19 @@ def warm_up(name, star, reference, work, args):
     return time.perf_counter() - tic
 
 
+def job_arguments(name, star, reference, out_root, classes=None):
+    """The command and the arguments of job `name` (JOB_ARGUMENTS) on `star` into `out_root`: --ref `reference`
+    where the job takes one (not class2d), --K `classes` (default DEFAULT_CLASSES) where it has classes."""
+    command, template = JOB_ARGUMENTS[name]
+    arguments = ["--i", star, *(["--ref", reference] if command != "class2d" else []), "--o", out_root]
+    return command, arguments + [a.format(K=classes or DEFAULT_CLASSES.get(name)) for a in template]
+
+
 def run_job(name, star, reference, work, args, iterations=None, extra=()):
     """Run one job in this process, `extra` options last; returns its measured figures."""
     from cryorefine.cli import config_from_arguments
 
-    command, template = JOB_ARGUMENTS[name]
-    arguments = ["--i", star, "--ref", reference, "--o", work / name / "run"]
-    arguments += [a.format(K=args.K) for a in template]
+    command, arguments = job_arguments(name, star, reference, work / name / "run", args.K)
     iterations = iterations or args.iterations
     if iterations:
         arguments += ["--iter", str(iterations)]
@@ -204,7 +244,7 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
         arguments += ["--free_gpu_memory", f"{max(0.0, free_bytes - args.arena_gb * 1e9) / 2 ** 20:.0f}"]
     config = config_from_arguments(command, arguments)
     from cryorefine.estep.backend import make_backend
-    from cryorefine.jobs import classify, refine
+    from cryorefine.jobs import class2d, classify, refine
     from cryorefine.runners.serial import SerialRunner
 
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
@@ -212,7 +252,7 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
     backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
     runner = SerialRunner(backend, config.batch_size_for, config.preread_images)
     engine_seconds = time.perf_counter() - tic
-    job = classify if command == "classify" else refine
+    job = {"classify": classify, "refine": refine, "class2d": class2d}[command]
     progress = None if args.keep_maps is None else functools.partial(prune_half_maps, work / name, args.keep_maps)
     # the benchmark's own folders: a run again with the same --work replaces the last one's files
     reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress, overwrite=True)
@@ -323,6 +363,88 @@ def relative_to_cheapest_local(its):
             "worst_iteration": worst["iteration"], "worst_ratio": worst["seconds"]["expectation"] / base}
 
 
+# ---------------------------------------------------------------------------------------------- RELION
+def with_iterations(arguments, iterations):
+    """The arguments with --iter set to `iterations` (its value replaced where the line has one: relion_refine
+    reads the first --iter of a line)."""
+    arguments = [str(a) for a in arguments]
+    if "--iter" in arguments:
+        at = arguments.index("--iter")
+        return arguments[:at + 1] + [str(iterations)] + arguments[at + 2:]
+    return arguments + ["--iter", str(iterations)]
+
+
+def run_relion(name, star, reference, work, args):
+    """RELION on job `name`'s line for --relion_iterations iterations in WORK/relion_NAME (run where the STAR file
+    is, whose image names are relative to it); its command, exit code ("stopped" after --relion_seconds), wall
+    seconds and the seconds from its launch to each iteration's files."""
+    folder = work / f"relion_{name}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    _, arguments = job_arguments(name, star.name, Path(reference).absolute(), folder.absolute() / "run", args.K)
+    program = shlex.split(args.relion)
+    if Path(program[0]).exists():
+        program[0] = str(Path(program[0]).absolute())
+    command = [*shlex.split(args.relion_launcher), *program,
+               *with_iterations(arguments + RELION_JOB_FLAGS.get(name, []), args.relion_iterations),
+               *shlex.split(args.relion_extra)]
+    log.info("%s: RELION for %d iterations: %s", name, args.relion_iterations, shlex.join(command))
+    launched = time.time()
+    code, wall = run_logged(command, folder / "relion.log", star.parent, args.relion_seconds)
+    times = iteration_file_times(folder)
+    return {"command": shlex.join(command), "returncode": code, "wall_seconds": wall,
+            "seconds_from_launch": {it: t - launched for it, t in sorted(times.items())}}
+
+
+def compare_with_relion(name, work, relion, job=None):
+    """cryorefine's and RELION's seconds per iteration from their iteration files, and over iterations 2…M (M the
+    last that both finished) the ratio RELION / cryorefine; with `job` (cryorefine's run in this process) its whole
+    iterations' seconds from its own reports beside them."""
+    ours = iteration_file_times(work / name)
+    theirs = {int(it): t for it, t in relion["seconds_from_launch"].items()}
+    rows = []
+    for it in sorted(set(ours) | set(theirs)):
+        if it < 1:
+            continue
+        row = {"iteration": it,
+               "cryorefine_seconds": ours[it] - ours[it - 1] if it in ours and it - 1 in ours else None,
+               "relion_seconds": theirs[it] - theirs.get(it - 1, 0.0) if it in theirs else None}
+        reports = [r for r in (job or {}).get("iterations", []) if r["iteration"] == it]
+        if reports:
+            row["cryorefine_reported_seconds"] = sum(reports[0]["seconds"].get(k, 0.0)
+                                                     for k in ("plan", "expectation", "maximization", "write"))
+        rows.append(row)
+    both = sorted(set(ours) & set(theirs))
+    last = max((it for it in both if all(i in ours and i in theirs for i in range(1, it + 1))), default=0)
+    result = {"iterations": rows, "relion_start_seconds": theirs.get(0)}
+    if last >= 2:
+        result.update(compared_iterations=[2, last], cryorefine_seconds=ours[last] - ours[1],
+                      relion_seconds=theirs[last] - theirs[1])
+        result["ratio"] = result["relion_seconds"] / max(result["cryorefine_seconds"], 1e-9)
+    return result
+
+
+def format_relion(results):
+    lines = []
+    for name, relion in results.get("relion", {}).items():
+        c = relion["comparison"]
+        lines += ["", f"### RELION, {name}: {relion['command']}", "",
+                  f"exit code {relion['returncode']}, wall {relion['wall_seconds']:.0f} s"
+                  + ("" if c["relion_start_seconds"] is None else
+                     f", its iteration-0 files {c['relion_start_seconds']:.0f} s after its launch"), "",
+                  "| iteration | cryorefine s (files) | cryorefine s (its report) | RELION s (files) |", "|---|---|---|---|"]
+        for row in c["iterations"]:
+            cells = [row.get(k) for k in ("cryorefine_seconds", "cryorefine_reported_seconds", "relion_seconds")]
+            lines.append(f"| {row['iteration']} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in cells) + " |")
+        if "ratio" in c:
+            first, last = c["compared_iterations"]
+            lines.append(f"\niterations {first}–{last}: cryorefine {c['cryorefine_seconds']:.1f} s, RELION "
+                         f"{c['relion_seconds']:.1f} s: RELION / cryorefine = {c['ratio']:.1f}×")
+        else:
+            lines.append("\nno iteration after the first finished by both programs: no ratio")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- report
 def device_info(args):
     import cryorefine
@@ -428,7 +550,9 @@ def main(argv=None):
                         help="gemmi samples the model's density on a grid this many times finer than the box (default "
                              "2; 1 takes an eighth of the time and memory, e.g. for an 800 px box, at the cost of more "
                              "aliasing near Nyquist)")
-    parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
+    parser.add_argument("--K", type=int, default=None,
+                        help=f"classes of the Class3D and Class2D jobs (default {DEFAULT_CLASSES['class3d']} and "
+                             f"{DEFAULT_CLASSES['class2d']})")
     parser.add_argument("--jobs", nargs="+", choices=sorted(JOB_ARGUMENTS), default=["class3d", "refine"])
     parser.add_argument("--iterations", type=int, default=None,
                         help="stop each job after this many iterations (default: 25 for Class3D, convergence for "
@@ -443,12 +567,27 @@ def main(argv=None):
     parser.add_argument("--keep_maps", type=int, default=None,
                         help="keep the maps of only this many of the newest iterations as the jobs run (the 800 px "
                              "auto-refine writes 4 GB of half maps an iteration; 2 keeps it on a 64 GB disk)")
+    parser.add_argument("--relion", default=None,
+                        help="also run RELION's relion_refine_mpi (this path or command) on each job for "
+                             "--relion_iterations iterations, and compare the seconds per iteration")
+    parser.add_argument("--relion_launcher", default="mpirun --allow-run-as-root -n 3",
+                        help="put before RELION's command (default: %(default)s; '' for none)")
+    parser.add_argument("--relion_extra", default=RELION_GPU_FLAGS,
+                        help="added to RELION's line (default: %(default)s)")
+    parser.add_argument("--relion_iterations", type=int, default=3, help="RELION's --iter (default 3)")
+    parser.add_argument("--relion_seconds", type=float, default=None,
+                        help="stop RELION after this many seconds; the iterations it finished are compared")
+    parser.add_argument("--relion_only", action="store_true",
+                        help="run RELION alone, against cryorefine's files of an earlier run of the same jobs in "
+                             "--work (results in WORK/results_relion.json)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help=f"measure without first running each job on {WARMUP_PARTICLES} particles for "
                              f"{WARMUP_ITERATIONS} iterations (which compiles the GPU kernels outside the measurement)")
     argv, job_options = split_at_double_dash(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.job_options = job_options  # after `--`: options added to every job's command line
+    if args.relion_only and not args.relion:
+        parser.error("--relion_only: give RELION's relion_refine_mpi with --relion")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
         from cryorefine.estep.backend import cupy_available
@@ -473,19 +612,27 @@ def main(argv=None):
     star, simulate_seconds = simulate_particles(args.work, reference, args, xp)
     if xp is not np:
         xp.get_default_memory_pool().free_all_blocks()  # the jobs' arena takes the card's free memory
-    peak = measured_fp32_peak(args)
+    peak = None if args.relion_only else measured_fp32_peak(args)
     results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                "info": device_info(args), "n_particles": args.n, "box_px": args.box, "pixel_size_angstrom": args.angpix,
                "fp32_peak_tflops": peak / 1e12 if peak else None, "reference_seconds": reference_seconds,
                "simulate_seconds": simulate_seconds, "jobs": {}}
+    saved = args.work / ("results_relion.json" if args.relion_only else "results.json")
     for name in args.jobs:
-        warmup = warm_up(name, star, reference, args.work, args) if args.engine == "cuda" and args.warmup else None
-        job = run_job(name, star, reference, args.work, args)
-        job["warmup_seconds"] = warmup
-        job["summary"] = summarise(job, args.n, peak)
-        results["jobs"][name] = job
-        (args.work / "results.json").write_text(json.dumps(results, indent=1))
-    text = format_report(results)
+        job = None
+        if not args.relion_only:
+            warmup = warm_up(name, star, reference, args.work, args) if args.engine == "cuda" and args.warmup else None
+            job = run_job(name, star, reference, args.work, args)
+            job["warmup_seconds"] = warmup
+            job["summary"] = summarise(job, args.n, peak)
+            results["jobs"][name] = job
+            saved.write_text(json.dumps(results, indent=1))
+        if args.relion:
+            relion = run_relion(name, star, reference, args.work, args)
+            relion["comparison"] = compare_with_relion(name, args.work, relion, job)
+            results.setdefault("relion", {})[name] = relion
+            saved.write_text(json.dumps(results, indent=1))
+    text = format_report(results) + format_relion(results)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -92,9 +92,8 @@ def parse_log(text):
 
 
 def command_of(job, star, reference, out, workers, args, iterations=None, mpi=False):
-    command_name, template = empiar10028.JOB_ARGUMENTS[job]
-    arguments = [command_name, "--i", str(star), "--ref", str(reference), "--o", str(out / "run")]
-    arguments += [a.format(K=args.K) for a in template]
+    command_name, arguments = empiar10028.job_arguments(job, star, reference, out / "run", args.K)
+    arguments = [command_name, *map(str, arguments)]
     if iterations or args.iterations:
         arguments += ["--iter", str(iterations or args.iterations)]
     cryorefine = [sys.executable, "-m", "cryorefine"]
@@ -226,8 +225,9 @@ def main(argv=None):
     parser.add_argument("--engine", choices=["cuda", "numpy"], default=None)
     parser.add_argument("--model", default=str(empiar10028.DEFAULT_MODEL), help="atomic model of the reference")
     parser.add_argument("--n", type=int, default=None, help="particles (default 20,000; 120 with numpy)")
-    parser.add_argument("--K", type=int, default=6, help="classes of the Class3D job")
-    parser.add_argument("--jobs", nargs="+", choices=sorted(empiar10028.JOB_ARGUMENTS), default=["class3d"])
+    parser.add_argument("--K", type=int, default=None, help="classes of the Class3D job (default 6)")
+    # class2d not yet: its parity (2D averages, psi alone) and its warm-up are not written
+    parser.add_argument("--jobs", nargs="+", choices=["class3d", "refine"], default=["class3d"])
     parser.add_argument("--workers", nargs="+", default=None,
                         help="GPU counts to run (default 1, 2, 4, 8 up to the GPUs present; 1 and 2 with numpy); 1mpi: "
                              "one worker under mpirun -n 2 (the MPI runner's own cost on one GPU)")
