@@ -539,7 +539,8 @@ def class2d(**params):
 @job_options(INITIAL_MODEL)
 def initial_model(**params):
     """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM;
-    --K classes, on the CPU engine for now; with --sym, run in C1 and aligned to the group's axes at the end)."""
+    --K classes, on the CPU engine or with --gpu the GPU engine's E-step; with --sym, run in C1 and aligned to the
+    group's axes at the end)."""
     _run(INITIAL_MODEL, params)
 
 

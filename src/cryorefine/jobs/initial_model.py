@@ -26,11 +26,13 @@ whose batch holds every particle): run_itNNN_classNNN.mrc, run_itNNN_data.star, 
 run_itNNN_sampling.star, run_itNNN_optimiser.star, and the momenta as RELION writes them (run_itNNN_1momentNNN.mrc
 of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's rlnGradMoment1/2):
 --continue reads them back and goes on exactly as the run would have. Under mpirun the E-steps and the classes' steps
-are shared out over the workers as in the other jobs.
+are shared out over the workers as in the other jobs. With --gpu the E-steps run on the GPU engine (one GPU, or under
+mpirun each worker's GPU), as refine's and classify's: the same work units, the same cap on the significant poses
+(`estep.common.significants_limit`, which both engines cut with); the VDAM step itself stays on the host.
 initial_model.mrc beside the run is the largest class of the last iteration (RELION's relion_align_symmetry
 --select_largest_class); with --sym, as RELION's InitialModel job, the run is in C1 and that map is turned to the
 group's axes and symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry).
-Not yet: the GPU engine, RELION's --auto_sampling steps (every 10 iterations).
+Not yet: RELION's --auto_sampling steps (every 10 iterations).
 """
 
 from __future__ import annotations
@@ -77,8 +79,6 @@ if TYPE_CHECKING:  # for annotations only
     from cryorefine.images import ImageSettings
 
 log = logging.getLogger("cryorefine.initial_model")
-#: the engine the initial model runs on for now
-ENGINE = "numpy"
 #: RELION's particles for the initial noise spectra and the de-novo averages (minimum_nr_particles_sigma2_noise in
 #: 2D data), at least DENOVO_PARTICLES_PER_CLASS per class
 DENOVO_PARTICLES = 1000
@@ -106,9 +106,6 @@ def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested
 
 def check_config(config: RefineConfig) -> None:
     """The options this job runs; an InputError in one line for the others."""
-    if config.engine != ENGINE:
-        raise InputError("initial_model: the GPU engine does not run the initial model yet; run it on the CPU engine "
-                         "(drop --gpu)")
     for option, value in (("--firstiter_cc", config.firstiter_cc), ("--fast_subsets", config.fast_subsets),
                           ("--skip_align", config.skip_align), ("--sigma_ang", config.sigma_ang_deg),
                           ("--sigma_psi", config.sigma_psi_deg)):
