@@ -208,6 +208,51 @@ def test_the_gpu_engine_gives_the_cpu_engines_maps_and_poses(blobs_set, tmp_path
         assert same >= (0.9 if it == 1 else 0.8), it
 
 
+def test_auto_sampling_changes_the_sampling_by_relions_rule_in_the_run(blobs_set, tmp_path, monkeypatch):
+    """--auto_sampling in a run: RELION looks at the sampling every 10 iterations (the counters start at 0 before
+    iteration 10); here every 3rd (both shortened, so that the run is 3 iterations of 24 particles). Iteration 2 keeps
+    the sampling given; iteration 3's follows RELION's updateAngularSampling under --grad, worked out here from
+    iteration 2's files (the iterations without resolution gain, the offsets' changes) and iteration 3's accuracy."""
+    from cryorefine.em import gradient
+
+    folder, star = blobs_set
+    table = starfile.read(star)
+    starfile.write({"optics": table["optics"], "particles": table["particles"].iloc[:24]}, star.parent / "few.star")
+    monkeypatch.setattr(gradient, "AUTO_SAMPLING_EVERY", 3)
+    monkeypatch.setattr(gradient, "COUNTERS_FROM_ITERATION", 3)
+    assert run_cli("initial_model", "--i", star.parent / "few.star", "--o", tmp_path / "run", "--iter", 3,
+                   "--grad_write_iter", 1, "--ctf", "--flatten_solvent", "--zero_mask", "--tau2_fudge", 4,
+                   "--random_seed", 1, "--auto_sampling", *FAST) == 0
+
+    def sampling(it):
+        general = starfile.read(tmp_path / f"run_it{it:03d}_sampling.star", always_dict=True)["sampling_general"]
+        return int(general["rlnHealpixOrder"]), float(general["rlnOffsetStep"]), float(general["rlnOffsetRange"])
+
+    def optimiser(it):
+        return starfile.read(tmp_path / f"run_it{it:03d}_optimiser.star", always_dict=True)["optimiser_general"]
+
+    assert sampling(1) == sampling(2) == (1, 1 * PIXEL, 2 * PIXEL)  # FAST: order 1, offsets 1 px within 2 px
+    order, step, extent = sampling(2)
+    before, now = optimiser(2), optimiser(3)
+    assert int(now["rlnDoAutoSampling"]) == 1
+    accuracy_deg, accuracy_angstrom = float(now["rlnOverallAccuracyRotations"]), float(
+        now["rlnOverallAccuracyTranslationsAngst"])
+    assert int(before["rlnNumberOfIterWithoutResolutionGain"]) >= 1  # 76.8 Å twice: the sampling may change
+    assert 360.0 / (6 * 2 ** order) >= 0.75 * accuracy_deg  # 30° (oversampling 0): not fine enough
+    new_step = min(1.5, 0.75 * accuracy_angstrom)
+    new_extent = max(min(1.3 * extent, 5.0 * float(before["rlnChangesOptimalOffsets"])), 1.5 * new_step)
+    if new_extent > 4 * new_step:
+        new_extent /= 2
+    if new_extent > 4 * new_step:
+        new_step = new_extent / 4
+    if new_step > step:
+        new_step, new_extent = step, extent
+    got = sampling(3)
+    print(f"iteration 3: order {got[0]}, offsets {got[1]:.3g} Å within {got[2]:.3g} Å (accuracy {accuracy_deg}°, "
+          f"{accuracy_angstrom} Å)")
+    assert got == pytest.approx((order + 1, new_step, new_extent))
+
+
 def test_the_mini_batches_are_relions_sizes_drawn_afresh_and_split_by_parity():
     from cryorefine.config import RefineConfig
     from cryorefine.jobs.initial_model import InitialModelJob
