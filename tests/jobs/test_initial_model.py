@@ -153,6 +153,30 @@ def test_the_files_are_relions(twelve_iterations):
     assert len(particles) == 300
 
 
+def test_the_report_shows_each_written_map_as_it_forms(twelve_iterations):
+    """run_itNNN_report.png beside each iteration's map (4-12, whose batches hold every particle; none for 1-3, which
+    write no map): its view of the
+    map's sum along z is the written map summed along z, and its central slice the map's plane z = 12, each from
+    black (its minimum) to white (its maximum), y up (to the colour map's 8 bits)."""
+    import matplotlib.image
+
+    from cryorefine.report import MAP_VIEWS, gallery_geometry
+
+    out = twelve_iterations / "out"
+    assert sorted(p.name for p in out.glob("run_it*_report.png")) == [f"run_it{it:03d}_report.png"
+                                                                      for it in range(4, 13)]
+    geometry = gallery_geometry(1, BOX)
+    for it in (4, 12):
+        image = matplotlib.image.imread(out / f"run_it{it:03d}_report.png")
+        volume = read_volume(out / f"run_it{it:03d}_class001.mrc")[0].astype(np.float64)
+        for name, view in (("projection z", volume.sum(axis=0)), ("slice z", volume[BOX // 2])):
+            x, y = geometry.view_origin(0, MAP_VIEWS.index(name))
+            drawn = image[y:y + geometry.view_px, x:x + geometry.view_px, 0]
+            m = geometry.magnification
+            grey = np.kron((view - view.min()) / (view.max() - view.min()), np.ones((m, m)))[::-1]
+            assert np.abs(drawn - grey).max() <= 2 / 255, (it, name)
+
+
 def test_relions_initial_model_line_runs_initial_model(blobs_set, tmp_path):
     """RELION 5's GUI line (its sampling made small for a test): routed to initial_model, which writes its files."""
     _, star = blobs_set

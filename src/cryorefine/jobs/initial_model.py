@@ -27,8 +27,10 @@ No reference is given. RELION's rules, as this job follows them:
   100 per class under --grad.
 Outputs, as RELION writes them under --grad (every --grad_write_iter iterations, RELION's 10, the last, and those
 whose batch holds every particle): run_itNNN_classNNN.mrc, run_itNNN_data.star, run_itNNN_model.star,
-run_itNNN_sampling.star, run_itNNN_optimiser.star, and the momenta as RELION writes them (run_itNNN_1momentNNN.mrc
-of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's rlnGradMoment1/2):
+run_itNNN_sampling.star, run_itNNN_optimiser.star, run_itNNN_report.png (each class map's central slices and
+projections, `report.write_map_gallery`: the maps as they form), and the momenta as RELION writes them
+(run_itNNN_1momentNNN.mrc of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's
+rlnGradMoment1/2):
 --continue reads them back and goes on exactly as the run would have. Under mpirun the E-steps and the classes' steps
 are shared out over the workers as in the other jobs. With --gpu the E-steps run on the GPU engine (one GPU, or under
 mpirun each worker's GPU), as refine's and classify's: the same work units, the same cap on the significant poses
@@ -65,7 +67,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
-from cryorefine.io.background import Together
+from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
@@ -75,6 +77,7 @@ from cryorefine.io.relion_outputs import (
 )
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
+from cryorefine.report import write_map_gallery
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -417,7 +420,11 @@ class InitialModelJob:
                   *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
                   partial(write_moments, root, list(model.moments), grid),
                   partial(write_star, blocks, f"{root}_model.star"),
-                  partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel)]
+                  partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
+                  # under MPI the maps' arrays are filled as they arrive: drawn when written
+                  InOwnProcess(partial(write_map_gallery, f"{root}_report.png", list(model.maps[0]),
+                                       np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
+                                       resolution_angstrom=model.current_resolution_angstrom))]
         if plan.iteration == int(config.max_iterations):
             largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
             # under MPI the map's array is filled as it arrives: read when written
