@@ -94,3 +94,45 @@ def test_classification_report_draws_each_class_resolution_over_the_iterations(t
     width = together.shape[1]
     second = slice(int(0.25 * width), int(0.45 * width))
     assert np.abs(together[:, second] - apart[:, second]).max() > 0.1  # the resolution panel differs
+
+
+def test_map_views_are_the_central_slices_and_sums_along_each_axis():
+    """A map of one voxel at (z, y, x) = (8, 3, 5) and one at (2, 11, 13), 16 px (centre 8): the slice normal to z is
+    the z = 8 plane (the first voxel at row y 3, column x 5), the sum along z has both, the slices normal to y and x
+    (y = 8, x = 8) have neither."""
+    from cryorefine.report import MAP_VIEWS, map_views
+
+    volume = np.zeros((16, 16, 16))
+    volume[8, 3, 5], volume[2, 11, 13] = 1.0, 2.0
+    views = map_views(volume)
+    assert list(views) == list(MAP_VIEWS)
+    expected = {name: np.zeros((16, 16)) for name in MAP_VIEWS}
+    expected["slice z"][3, 5] = 1.0
+    expected["projection z"][3, 5], expected["projection z"][11, 13] = 1.0, 2.0
+    expected["projection y"][8, 5], expected["projection y"][2, 13] = 1.0, 2.0  # (z, x)
+    expected["projection x"][8, 3], expected["projection x"][2, 11] = 1.0, 2.0  # (z, y)
+    for name in MAP_VIEWS:
+        np.testing.assert_array_equal(views[name], expected[name], err_msg=name)
+
+
+def test_the_map_gallery_draws_each_view_pixel_for_pixel(tmp_path):
+    """Two classes of 20 px (each view magnified 5 times to 100 px): every view's pixels in the PNG are its values
+    scaled from black (its minimum) to white (its maximum), y up, to the 8 bits of the colour map (≤ 2/255)."""
+    import matplotlib.image
+
+    from cryorefine.report import MAP_VIEWS, gallery_geometry, map_views, write_map_gallery
+
+    rng = np.random.default_rng(3)
+    z = np.arange(20)[:, None, None]
+    maps = [rng.normal(size=(20, 20, 20)) + 0.3 * z, rng.normal(size=(20, 20, 20)).cumsum(axis=2)]
+    write_map_gallery(tmp_path / "run_it010_report.png", maps, [0.75, 0.25], iteration=10, resolution_angstrom=30.0)
+    image = matplotlib.image.imread(tmp_path / "run_it010_report.png")
+    geometry = gallery_geometry(2, 20)
+    assert geometry.magnification == 5 and image.shape[:2] == (geometry.height_px, geometry.width_px)
+    for k, volume in enumerate(maps):
+        for column, name in enumerate(MAP_VIEWS):
+            x, y = geometry.view_origin(k, column)
+            drawn = image[y:y + geometry.view_px, x:x + geometry.view_px, :3]
+            view = map_views(volume)[name]
+            grey = np.kron((view - view.min()) / (view.max() - view.min()), np.ones((5, 5)))[::-1]  # y up
+            assert np.abs(drawn - grey[:, :, None]).max() <= 2 / 255, (k, name)

@@ -476,8 +476,9 @@ JOB_OPTIONS = (
     _option("--denovo_3dref", "denovo_3dref", (INITIAL_MODEL,), is_flag=True, section=RELION_SECTION,
             help="A 3D model from the particles alone: what initial_model always does."),
     _option("--auto_sampling", "auto_sampling", (INITIAL_MODEL,), is_flag=True,
-            help="Accepted from RELION's line, not followed yet: the sampling stays as given (RELION refines it "
-                 "every 10 iterations of a gradient run)."),
+            help="RELION's sampling updates of a gradient run (its GUI gives it): every 10 iterations, where the "
+                 "resolution did not improve and the estimated accuracy asks for it, one HEALPix order finer (at "
+                 "most 3: a gradient run makes no local searches) and offsets of the accuracy's step."),
     _option("--trust_ref_size", "trust_ref_size", is_flag=True,
             help="A reference of another box or pixel size (its header's) is re-scaled to the particles' pixel size "
                  "(its transform windowed to the nearest even box) and re-boxed to their box, as RELION does (RELION "
@@ -539,7 +540,8 @@ def class2d(**params):
 @job_options(INITIAL_MODEL)
 def initial_model(**params):
     """A 3D initial model from the particles alone (relion_refine --grad --denovo_3dref: RELION's InitialModel, VDAM;
-    --K classes, on the CPU engine for now; with --sym, run in C1 and aligned to the group's axes at the end)."""
+    --K classes, on the CPU engine or with --gpu the GPU engine's E-step; with --sym, run in C1 and aligned to the
+    group's axes at the end)."""
     _run(INITIAL_MODEL, params)
 
 
@@ -577,8 +579,6 @@ def _run(command: str, params: dict) -> None:
             config = job_config(command, params, given)
         if command == INITIAL_MODEL:  # before any device is set up
             job.check_config(config)
-            if params["auto_sampling"]:
-                _command_line_log().warning("--auto_sampling: not followed yet; the sampling stays as given")
         reports = _run_job(job, min_mpi_ranks, config, params["continue_from"], control, params["overwrite"])
         report(reports, config.output_root, control)
 

@@ -63,6 +63,7 @@ class RefineConfig:
     grad_write_iter: int = 10  # --grad_write_iter: a gradient run writes its files every this many iterations
     auto_ignore_angles: bool = False  # --auto_ignore_angles: angle changes do not hold the sampling back
     auto_resol_angles: bool = False  # --auto_resol_angles: finer angles as soon as the resolution asks for them
+    auto_sampling: bool = False  # --auto_sampling (initial_model): RELION's sampling updates every 10 iterations
     padding_factor: float = 2.0
     healpix_order: int = 2
     auto_local_healpix_order: int = 4

@@ -1,9 +1,12 @@
 """The per-iteration report: run_itNNN_report.png with the FSC curve, the angular distribution
-of the particles' best orientations and the time spent per stage."""
+of the particles' best orientations and the time spent per stage (a refinement); the class distribution and
+resolutions (a 3D classification); the class averages (a 2D classification); each class map's central slices and
+projections (an initial model, `write_map_gallery`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +165,85 @@ def write_class_gallery(path: Path | str, images: npt.ArrayLike, class_distribut
                  f"{resolution_angstrom:.1f} Å", fontsize="small")
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
+
+
+#: the views of a 3D map in the initial model's report (`map_views`), in its columns: central slices normal to z, y
+#: and x, then projections along z, y and x
+MAP_VIEWS = ("slice z", "slice y", "slice x", "projection z", "projection y", "projection x")
+#: the gallery's geometry in pixels of the PNG: a view is drawn at least this large (an integer magnification of the
+#: map's pixels), views and rows apart by GALLERY_GAP_PX, each row under a title band, all under a header
+GALLERY_MIN_VIEW_PX = 96
+GALLERY_GAP_PX = 6
+GALLERY_ROW_TITLE_PX = 18
+GALLERY_HEADER_PX = 40
+GALLERY_DPI = 100
+
+
+def map_views(volume: npt.ArrayLike) -> dict[str, np.ndarray]:
+    """The views of a map (N, N, N) indexed (z, y, x) that the initial model's report draws (MAP_VIEWS): its central
+    slices volume[N//2] (y, x), volume[:, N//2] (z, x) and volume[:, :, N//2] (z, y), and its sums along z, y and x
+    (same axes)."""
+    v = np.asarray(volume, dtype=np.float64)
+    c = v.shape[0] // 2
+    return {"slice z": v[c], "slice y": v[:, c], "slice x": v[:, :, c],
+            "projection z": v.sum(axis=0), "projection y": v.sum(axis=1), "projection x": v.sum(axis=2)}
+
+
+@dataclass(frozen=True)
+class GalleryGeometry:
+    """Where `write_map_gallery` draws: the PNG's size, the magnification of a map's pixels and each view's top-left
+    pixel (x from the left, y from the top) by (row, column)."""
+
+    width_px: int
+    height_px: int
+    magnification: int
+    view_px: int
+
+    def view_origin(self, row: int, column: int) -> tuple[int, int]:
+        x = GALLERY_GAP_PX + column * (self.view_px + GALLERY_GAP_PX)
+        y = GALLERY_HEADER_PX + row * (GALLERY_ROW_TITLE_PX + self.view_px + GALLERY_GAP_PX) + GALLERY_ROW_TITLE_PX
+        return x, y
+
+
+def gallery_geometry(n_classes: int, box_px: int) -> GalleryGeometry:
+    """The geometry of the report of `n_classes` maps of `box_px` (`GalleryGeometry`)."""
+    magnification = max(1, -(-GALLERY_MIN_VIEW_PX // int(box_px)))
+    view = int(box_px) * magnification
+    width = GALLERY_GAP_PX + len(MAP_VIEWS) * (view + GALLERY_GAP_PX)
+    height = GALLERY_HEADER_PX + n_classes * (GALLERY_ROW_TITLE_PX + view + GALLERY_GAP_PX)
+    return GalleryGeometry(width, height, magnification, view)
+
+
+def write_map_gallery(path: Path | str, maps: Sequence[npt.ArrayLike], class_distribution: npt.ArrayLike, *,
+                      iteration: int, resolution_angstrom: float) -> None:
+    """run_itNNN_report.png of an initial model: a row per class (titled with its share of the particles) of its
+    map's views (`map_views`: central slices and projections), each drawn pixel for pixel (magnified by a whole
+    number, `gallery_geometry`), in grey from its own minimum (black) to its maximum (white), y (or z) up."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    share = np.asarray(class_distribution, dtype=np.float64)
+    box = int(np.shape(maps[0])[0])
+    geometry = gallery_geometry(len(maps), box)
+    width, height = geometry.width_px, geometry.height_px
+    fig = Figure(figsize=(width / GALLERY_DPI, height / GALLERY_DPI), dpi=GALLERY_DPI)
+    FigureCanvasAgg(fig)
+    fig.text(0.5, 1.0 - 4.0 / height, f"iteration {iteration}: resolution {resolution_angstrom:.1f} Å", ha="center",
+             va="top", fontsize=10)
+    for column, name in enumerate(MAP_VIEWS):
+        x, _ = geometry.view_origin(0, column)
+        fig.text((x + geometry.view_px / 2.0) / width, 1.0 - (GALLERY_HEADER_PX - 4.0) / height, name, ha="center",
+                 va="bottom", fontsize=8)
+    for row, volume in enumerate(maps):
+        views = map_views(volume)
+        x, y = geometry.view_origin(row, 0)
+        fig.text(x / width, 1.0 - (y - 3.0) / height, f"class {row + 1}: {100 * share[row]:.1f} % of the particles",
+                 ha="left", va="bottom", fontsize=8)
+        for column, name in enumerate(MAP_VIEWS):
+            view = views[name]
+            magnified = np.kron(view, np.ones((geometry.magnification, geometry.magnification)))
+            x, y = geometry.view_origin(row, column)
+            fig.figimage(magnified, xo=x, yo=height - y - geometry.view_px, origin="lower", cmap="gray",
+                         vmin=float(view.min()), vmax=float(view.max()))
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=GALLERY_DPI)

@@ -163,3 +163,58 @@ def test_map_from_padded_ft_inverts_the_2d_projectors_transform():
     image = np.exp(-((x - 2) ** 2 + (y + 1) ** 2) / 4.0)
     projector = Projector(image, 2.0, None, do_gridding=False)
     assert np.allclose(gradient.map_from_padded_ft(projector.data, projector.grid), image, atol=1e-3)
+
+
+def test_the_accuracy_and_the_sampling_are_looked_at_on_relions_iterations():
+    """RELION's expectationSetup under --grad: the accuracy before iterations 0 and 1, every 10th and the last; the
+    sampling (--auto_sampling) from iteration 2 on, every 10th; the counters start at 0 before iteration 10."""
+    from cryorefine.em.state import OptimiserState
+
+    assert [i for i in range(0, 45) if gradient.estimates_accuracy(i, 43)] == [0, 1, 10, 20, 30, 40, 43]
+    assert [i for i in range(0, 201) if gradient.updates_sampling(i)] == list(range(10, 201, 10))
+    counted = OptimiserState(nr_iter_wo_resol_gain=2, nr_iter_wo_large_hidden_variable_changes=3)
+    for iteration, kept in ((9, False), (10, True), (11, True)):
+        at_start = gradient.counters_at_start(counted, iteration)
+        assert (at_start.nr_iter_wo_resol_gain, at_start.nr_iter_wo_large_hidden_variable_changes) == (
+            (2, 3) if kept else (0, 0)), iteration
+
+
+#: RELION's GUI sampling of the initial model (--healpix_order 1 --offset_range 6 --offset_step 2 --oversampling 1), at
+#: 2 Å a pixel: offsets in steps of 4 Å within 12 Å
+GUI_SAMPLING = dict(healpix_order=1, offset_range_px=6.0, offset_step_px=2.0)
+
+
+@pytest.mark.parametrize("given, expected", [
+    # the resolution did not improve, 15° (order 1, oversampled once) ≥ 0.75 · 5°: order 2; step min(1.5, 0.75 · 3) · 2
+    # = 3 Å, range 5 · 1.2 = 6 Å (below 1.3 · 12, above 1.5 · 3, not above 4 · 3)
+    (dict(), dict(healpix_order=2, offset_step_px=1.5, offset_range_px=3.0)),
+    # order 3 stays 3 (4 would be local searches, which a gradient run never makes); the offsets change alike
+    (dict(healpix_order=3), dict(healpix_order=3, offset_step_px=1.5, offset_range_px=3.0)),
+    # 15° against 0.75 · 19.9° = 14.925°: finer still
+    (dict(acc_rot_deg=19.9), dict(healpix_order=2, offset_step_px=1.5, offset_range_px=3.0)),
+    # 15° below 0.75 · 20.1° = 15.075°: fine enough, nothing changes
+    (dict(acc_rot_deg=20.1), dict(GUI_SAMPLING)),
+    # the resolution improved in the last iteration: nothing changes
+    (dict(nr_iter_wo_resol_gain=0), dict(GUI_SAMPLING)),
+    # offsets that changed by 10 Å: range min(1.3 · 12, 50) = 15.6 Å, above 4 steps: halved to 7.8 Å
+    (dict(changes_optimal_offsets_angstrom=10.0), dict(healpix_order=2, offset_step_px=1.5, offset_range_px=3.9)),
+    # a step of 2 Å already: the accuracy's 3 Å would be coarser, so step and range stay
+    (dict(offset_step_px=1.0), dict(healpix_order=2, offset_step_px=1.0, offset_range_px=6.0)),
+])
+def test_auto_sampling_follows_relions_rule_under_grad(given, expected):
+    from cryorefine.config import RefineConfig
+    from cryorefine.em.state import ModelState, OptimiserState
+
+    config = RefineConfig(input_star="p.star", output_root="out/run", reference_map="", auto_refine=False,
+                          oversampling=1, auto_sampling=True)
+    state = dict(GUI_SAMPLING, nr_iter_wo_resol_gain=1, nr_iter_wo_large_hidden_variable_changes=0, acc_rot_deg=5.0,
+                 acc_trans_angstrom=3.0, changes_optimal_offsets_angstrom=1.2)
+    state.update(given)
+    optimiser = gradient.auto_sampling(OptimiserState(**state), ModelState(ori_size_px=64, pixel_size_angstrom=2.0),
+                                       config)
+    got = dict(healpix_order=optimiser.healpix_order, offset_step_px=optimiser.offset_step_px,
+               offset_range_px=optimiser.offset_range_px)
+    assert got == pytest.approx(expected)
+    assert not optimiser.local_searches
+    changed = got != {name: state[name] for name in expected}
+    assert optimiser.nr_iter_wo_resol_gain == (0 if changed else state["nr_iter_wo_resol_gain"])

@@ -153,6 +153,30 @@ def test_the_files_are_relions(twelve_iterations):
     assert len(particles) == 300
 
 
+def test_the_report_shows_each_written_map_as_it_forms(twelve_iterations):
+    """run_itNNN_report.png beside each iteration's map (4-12, whose batches hold every particle; none for 1-3, which
+    write no map): its view of the
+    map's sum along z is the written map summed along z, and its central slice the map's plane z = 12, each from
+    black (its minimum) to white (its maximum), y up (to the colour map's 8 bits)."""
+    import matplotlib.image
+
+    from cryorefine.report import MAP_VIEWS, gallery_geometry
+
+    out = twelve_iterations / "out"
+    assert sorted(p.name for p in out.glob("run_it*_report.png")) == [f"run_it{it:03d}_report.png"
+                                                                      for it in range(4, 13)]
+    geometry = gallery_geometry(1, BOX)
+    for it in (4, 12):
+        image = matplotlib.image.imread(out / f"run_it{it:03d}_report.png")
+        volume = read_volume(out / f"run_it{it:03d}_class001.mrc")[0].astype(np.float64)
+        for name, view in (("projection z", volume.sum(axis=0)), ("slice z", volume[BOX // 2])):
+            x, y = geometry.view_origin(0, MAP_VIEWS.index(name))
+            drawn = image[y:y + geometry.view_px, x:x + geometry.view_px, 0]
+            m = geometry.magnification
+            grey = np.kron((view - view.min()) / (view.max() - view.min()), np.ones((m, m)))[::-1]
+            assert np.abs(drawn - grey).max() <= 2 / 255, (it, name)
+
+
 def test_relions_initial_model_line_runs_initial_model(blobs_set, tmp_path):
     """RELION 5's GUI line (its sampling made small for a test): routed to initial_model, which writes its files."""
     _, star = blobs_set
@@ -165,16 +189,92 @@ def test_relions_initial_model_line_runs_initial_model(blobs_set, tmp_path):
     assert (tmp_path / "RELION_JOB_EXIT_SUCCESS").is_file()
 
 
-def test_the_gpu_engine_is_refused_before_any_device_is_set_up():
-    """(Through the command line a machine without CuPy refuses --gpu before: the job's own refusal is tested here.)"""
-    from cryorefine.config import RefineConfig
-    from cryorefine.errors import InputError
-    from cryorefine.jobs.initial_model import check_config
+def same_poses(a, b):
+    """Per particle of the data.star tables `a` and `b`: the same orientation (within 0.01°) and offsets (0.01 Å)."""
+    from cryorefine.core.symmetry import symmetry_group
+    from cryorefine.em import schedule
 
-    config = RefineConfig(input_star="p.star", output_root="out/run", reference_map="", auto_refine=False,
-                          engine="cuda")
-    with pytest.raises(InputError, match="does not run the initial model yet; run it on the CPU engine"):
-        check_config(config)
+    angles = np.asarray(schedule.angular_distance_deg(
+        a["rlnAngleRot"].to_numpy(), a["rlnAngleTilt"].to_numpy(), a["rlnAnglePsi"].to_numpy(),
+        b["rlnAngleRot"].to_numpy(), b["rlnAngleTilt"].to_numpy(), b["rlnAnglePsi"].to_numpy(),
+        symmetry_group("C1").rotations))
+    return ((angles <= 0.01) & np.isclose(a["rlnOriginXAngst"], b["rlnOriginXAngst"], atol=0.01)
+            & np.isclose(a["rlnOriginYAngst"], b["rlnOriginYAngst"], atol=0.01))
+
+
+@pytest.mark.gpu
+def test_the_gpu_engine_gives_the_cpu_engines_maps_and_poses(blobs_set, tmp_path):
+    """4 iterations of the four blobs' 300 particles (a mini-batch of 200, then all), files every iteration, on the CPU
+    and on the GPU engine: in every iteration the GPU's map correlates ≥ 0.99 with the CPU's, and of the iteration's
+    mini-batch ≥ 90 % of the particles have the CPU's pose in iteration 1 (the same maps compared) and ≥ 80 % in
+    the others (maps apart by float32 rounding)."""
+    from conftest import cupy_or_skip
+
+    from cryorefine.em import gradient
+    from cryorefine.jobs.initial_model import SUBSET_STREAM
+
+    cupy_or_skip()
+    _, star = blobs_set
+    run = ("--iter", 4, "--grad_write_iter", 1, "--ctf", "--K", 1, "--flatten_solvent", "--zero_mask", "--tau2_fudge",
+           4, "--random_seed", 1, *(a for a in FAST if a != "--cpu"))
+    for name, engine in (("cpu", ["--cpu"]), ("gpu", ["--gpu", "0"])):
+        assert run_cli("initial_model", "--i", star, "--o", tmp_path / name / "run", *run, *engine) == 0
+    for it in (1, 2, 3, 4):
+        a, b = (read_volume(tmp_path / name / f"run_it{it:03d}_class001.mrc")[0].ravel() for name in ("cpu", "gpu"))
+        correlation = float(np.corrcoef(a, b)[0, 1])
+        batch = gradient.mini_batch(it, gradient.gradient_phases(4), gradient.initial_model_subset_sizes(300), 300, 1,
+                                    1, SUBSET_STREAM)
+        cpu, gpu = (starfile.read(tmp_path / name / f"run_it{it:03d}_data.star")["particles"].iloc[batch]
+                    for name in ("cpu", "gpu"))
+        same = float(np.mean(same_poses(cpu, gpu)))
+        print(f"iteration {it}: maps correlate {correlation:.5f}; {100 * same:.1f} % of {batch.size} poses the CPU's")
+        assert correlation >= 0.99, it
+        assert same >= (0.9 if it == 1 else 0.8), it
+
+
+def test_auto_sampling_changes_the_sampling_by_relions_rule_in_the_run(blobs_set, tmp_path, monkeypatch):
+    """--auto_sampling in a run: RELION looks at the sampling every 10 iterations (the counters start at 0 before
+    iteration 10); here every 3rd (both shortened, so that the run is 3 iterations of 24 particles). Iteration 2 keeps
+    the sampling given; iteration 3's follows RELION's updateAngularSampling under --grad, worked out here from
+    iteration 2's files (the iterations without resolution gain, the offsets' changes) and iteration 3's accuracy."""
+    from cryorefine.em import gradient
+
+    folder, star = blobs_set
+    table = starfile.read(star)
+    starfile.write({"optics": table["optics"], "particles": table["particles"].iloc[:24]}, star.parent / "few.star")
+    monkeypatch.setattr(gradient, "AUTO_SAMPLING_EVERY", 3)
+    monkeypatch.setattr(gradient, "COUNTERS_FROM_ITERATION", 3)
+    assert run_cli("initial_model", "--i", star.parent / "few.star", "--o", tmp_path / "run", "--iter", 3,
+                   "--grad_write_iter", 1, "--ctf", "--flatten_solvent", "--zero_mask", "--tau2_fudge", 4,
+                   "--random_seed", 1, "--auto_sampling", *FAST) == 0
+
+    def sampling(it):
+        general = starfile.read(tmp_path / f"run_it{it:03d}_sampling.star", always_dict=True)["sampling_general"]
+        return int(general["rlnHealpixOrder"]), float(general["rlnOffsetStep"]), float(general["rlnOffsetRange"])
+
+    def optimiser(it):
+        return starfile.read(tmp_path / f"run_it{it:03d}_optimiser.star", always_dict=True)["optimiser_general"]
+
+    assert sampling(1) == sampling(2) == (1, 1 * PIXEL, 2 * PIXEL)  # FAST: order 1, offsets 1 px within 2 px
+    order, step, extent = sampling(2)
+    before, now = optimiser(2), optimiser(3)
+    assert int(now["rlnDoAutoSampling"]) == 1
+    accuracy_deg, accuracy_angstrom = float(now["rlnOverallAccuracyRotations"]), float(
+        now["rlnOverallAccuracyTranslationsAngst"])
+    assert int(before["rlnNumberOfIterWithoutResolutionGain"]) >= 1  # 76.8 Å twice: the sampling may change
+    assert 360.0 / (6 * 2 ** order) >= 0.75 * accuracy_deg  # 30° (oversampling 0): not fine enough
+    new_step = min(1.5, 0.75 * accuracy_angstrom)
+    new_extent = max(min(1.3 * extent, 5.0 * float(before["rlnChangesOptimalOffsets"])), 1.5 * new_step)
+    if new_extent > 4 * new_step:
+        new_extent /= 2
+    if new_extent > 4 * new_step:
+        new_step = new_extent / 4
+    if new_step > step:
+        new_step, new_extent = step, extent
+    got = sampling(3)
+    print(f"iteration 3: order {got[0]}, offsets {got[1]:.3g} Å within {got[2]:.3g} Å (accuracy {accuracy_deg}°, "
+          f"{accuracy_angstrom} Å)")
+    assert got == pytest.approx((order + 1, new_step, new_extent))
 
 
 def test_the_mini_batches_are_relions_sizes_drawn_afresh_and_split_by_parity():
@@ -325,3 +425,40 @@ def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
         a, b = (starfile.read(two_maps / run / f"run_it{it:03d}_data.star")["particles"] for run in ("mpi", "serial"))
         assert np.array_equal(a["rlnClassNumber"], b["rlnClassNumber"])
         assert np.allclose(a["rlnAngleRot"], b["rlnAngleRot"])
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+def test_two_classes_under_mpiexec_on_the_gpu_give_the_maps_of_one_process(two_maps):
+    """mpiexec -n 3 --gpu 0 (two workers sharing the GPU, one per pseudo-half set) against one process on the GPU, 2
+    iterations of two classes: maps correlating ≥ 0.999, the same class for ≥ 98 % and the same pose for ≥ 95 % of
+    the particles (the GPU's float32 sums are added in another order)."""
+    from conftest import cupy_or_skip
+
+    cupy_or_skip()
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    run = [*(a for a in TWO_CLASSES if a != "--cpu"), "--gpu", "0"]
+    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "gpu_serial" / "run", "--iter", 2,
+                   *run) == 0
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    done = subprocess.run([str(mpiexec), "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
+                           str(two_maps / "mix.star"), "--o", str(two_maps / "gpu_mpi" / "run"), "--iter", "2",
+                           *map(str, run)],
+                          capture_output=True, text=True, timeout=300, env=environment)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for it in (1, 2):
+        for k in (1, 2):
+            got, want = (read_volume(two_maps / run / f"run_it{it:03d}_class{k:03d}.mrc")[0].ravel()
+                         for run in ("gpu_mpi", "gpu_serial"))
+            correlation = float(np.corrcoef(got, want)[0, 1])
+            print(f"iteration {it}, class {k}: maps correlate {correlation:.6f}")
+            assert correlation >= 0.999, (it, k)
+        a, b = (starfile.read(two_maps / run / f"run_it{it:03d}_data.star")["particles"]
+                for run in ("gpu_mpi", "gpu_serial"))
+        same_class = float(np.mean(a["rlnClassNumber"].to_numpy() == b["rlnClassNumber"].to_numpy()))
+        same_pose = float(np.mean(same_poses(a, b)))
+        print(f"iteration {it}: same class {100 * same_class:.1f} %, same pose {100 * same_pose:.1f} %")
+        assert same_class >= 0.98 and same_pose >= 0.95, it

@@ -47,7 +47,7 @@ from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.padded_transforms import compact_rows, padded_inverse_window, padded_inverse_window_2d
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.reconstruct import hermitian_plane
-from cryorefine.em import mstep
+from cryorefine.em import mstep, schedule
 from cryorefine.em.loop import IterationPlan
 from cryorefine.estep.engine import WeightedSums
 
@@ -74,6 +74,12 @@ CLASS2D_FIRST_STEP_SIZE = 0.9
 EPSILON = 1e-12
 #: RELION's XMIPP_EQUAL_ACCURACY: a class whose first pseudo-half set's weights sum to no more is not updated
 EQUAL_ACCURACY = 1e-6
+#: RELION's cadence under --grad (expectationSetup): the angular accuracy is estimated, and with --auto_sampling the
+#: sampling updated, once every this many iterations
+AUTO_SAMPLING_EVERY = 10
+#: RELION's iterate under --grad: before this iteration the counters of iterations without resolution gain and without
+#: large changes of the hidden variables start every iteration at 0
+COUNTERS_FROM_ITERATION = 10
 #: the precision the momenta are kept in (RELION's files of them are single precision)
 FIRST_MOMENT_DTYPE = np.complex64
 SECOND_MOMENT_DTYPE = np.float32
@@ -186,6 +192,40 @@ def writes_files(iteration: int, n_iterations: int, whole_batch: bool, every: in
     """Whether a gradient run writes the iteration's files (RELION's MlOptimiser::write under --grad): every `every`
     iterations (--grad_write_iter), at the last, and in every iteration whose batch holds every particle."""
     return whole_batch or iteration % max(1, int(every)) == 0 or iteration == n_iterations
+
+
+def estimates_accuracy(iteration: int, n_iterations: int) -> bool:
+    """Whether a gradient run estimates the angular and translational accuracy before the iteration's E-step (RELION's
+    expectationSetup under --grad: iterations 0 and 1, every AUTO_SAMPLING_EVERY, and the last)."""
+    return iteration <= 1 or iteration % AUTO_SAMPLING_EVERY == 0 or iteration == n_iterations
+
+
+def updates_sampling(iteration: int) -> bool:
+    """Whether a gradient run with --auto_sampling may change its sampling before the iteration's E-step (RELION's
+    expectationSetup under --grad: from iteration 2, once every AUTO_SAMPLING_EVERY iterations)."""
+    return iteration > 1 and iteration % AUTO_SAMPLING_EVERY == 0
+
+
+def counters_at_start(optimiser, iteration: int):
+    """The optimiser state at the start of `iteration` of a gradient run: before COUNTERS_FROM_ITERATION the counters
+    of iterations without resolution gain and without large hidden-variable changes are 0 (RELION's iterate)."""
+    if iteration >= COUNTERS_FROM_ITERATION:
+        return optimiser
+    return dataclasses.replace(optimiser, nr_iter_wo_resol_gain=0, nr_iter_wo_large_hidden_variable_changes=0)
+
+
+def auto_sampling(optimiser, model: ModelState, config: RefineConfig):
+    """The sampling of a gradient run with --auto_sampling (RELION's updateAngularSampling in relion_refine under
+    --grad, not an auto-refine; `em.schedule.update_sampling` with its rules): where the resolution did not improve
+    in the last iteration (changes of the hidden variables do not count under --grad) and the oversampled angular
+    step is not below 0.75 × the estimated accuracy (`optimiser.acc_rot_deg`), the HEALPix order goes up by one while
+    it stays below --auto_local_healpix_order (a gradient run never goes to local searches) and the offsets take
+    RELION's step min(1.5 Å, 0.75 × acc_trans)·2^oversampling within 5 × the last changes of the offsets (never
+    coarser than before). The new optimiser state. (relion_refine_mpi has a rule of its own, updateAngularSamplingGrad;
+    RELION's GUI runs the InitialModel job without MPI, so relion_refine's is the one its users meet.)"""
+    optimiser, _ = schedule.update_sampling(optimiser, model, config, schedule.ScheduleState(),
+                                            auto_ignore_angle_changes=True, local_searches_allowed=False)
+    return optimiser
 
 
 @dataclass

@@ -689,7 +689,7 @@ def update_change_counters(optimiser, changes_orientations_deg: float, changes_o
 
 def update_sampling(optimiser, model, config, state: ScheduleState, *, auto_ignore_angle_changes: bool = False,
                     auto_resolution_based_angles: bool = False, minimum_angular_sampling_deg: float = 0.0,
-                    maximum_angular_sampling_deg: float = 0.0):
+                    maximum_angular_sampling_deg: float = 0.0, local_searches_allowed: bool = True):
     """RELION's updateAngularSampling for a 3D gold-standard auto-refine (iterations > 1).
 
     Proceed only when the resolution has not improved for MAX_NR_ITER_WO_RESOL_GAIN iterations
@@ -706,7 +706,10 @@ def update_sampling(optimiser, model, config, state: ScheduleState, *, auto_igno
       above 4 steps, and if still above 4 steps the step becomes range/4; a step coarser than the
       current one keeps the old step and range. HEALPix order + 1. Both counters reset to 0 and
       the smallest changes to 9999999 / 999 / 999. At order ≥ --auto_local_healpix_order local
-      searches switch on with σ_rot = σ_tilt = σ_psi = 2 × the new oversampled step.
+      searches switch on with σ_rot = σ_tilt = σ_psi = 2 × the new oversampled step. Without
+      `local_searches_allowed` (RELION's rule for a gradient run that is not an auto-refine, --grad
+      --auto_sampling) the order is raised only while it stays below --auto_local_healpix_order, and
+      local searches never start; the offsets change all the same.
 
     Offsets in OptimiserState are in px: converted with model.pixel_size_angstrom.
     Returns (optimiser, state).
@@ -746,8 +749,10 @@ def update_sampling(optimiser, model, config, state: ScheduleState, *, auto_igno
     if new_step > old_offset_step:
         new_step, new_range = old_offset_step, old_offset_range
 
-    # B. twice as fine angular sampling
+    # B. twice as fine angular sampling (a gradient run: only up to the order before local searches)
     new_order = optimiser.healpix_order + 1
+    if not local_searches_allowed and new_order >= config.auto_local_healpix_order:
+        new_order = optimiser.healpix_order
     updates = dict(
         healpix_order=new_order,
         offset_step_px=new_step / pixel,
@@ -758,7 +763,7 @@ def update_sampling(optimiser, model, config, state: ScheduleState, *, auto_igno
         smallest_changes_offsets_angstrom=RESET_SMALLEST_CHANGES,
         smallest_changes_orientations_deg=RESET_SMALLEST_CHANGES,
     )
-    if new_order >= config.auto_local_healpix_order:
+    if local_searches_allowed and new_order >= config.auto_local_healpix_order:
         sigma = local_search_sigma_deg(new_order, os_)
         updates.update(local_searches=True, sigma_rot_deg=sigma, sigma_tilt_deg=sigma, sigma_psi_deg=sigma)
     return (dataclasses.replace(optimiser, **updates),

@@ -17,20 +17,27 @@ No reference is given. RELION's rules, as this job follows them:
   share; the class distribution and the other model parameters (noise spectra, σ of the offsets, norm and scale
   corrections, direction distributions) are averaged with momentum 0.9 as RELION's maximizationOtherParameters
   does under --grad;
-- the sampling stays as given (--healpix_order, --offset_range, --offset_step, --oversampling; RELION's GUI: 1, 6,
-  2, 1); the image size follows the resolution, where the best class's SSNR (--tau2_fudge·τ²/σ²) drops below 1;
+- the sampling starts as given (--healpix_order, --offset_range, --offset_step, --oversampling; RELION's GUI: 1, 6,
+  2, 1); with --auto_sampling (RELION's GUI gives it) it may get finer every 10 iterations as RELION's relion_refine
+  does under --grad (`em.gradient.auto_sampling`: the HEALPix order up to 3, one below RELION's order of local
+  searches, the offsets' step and range from the estimated accuracy and the last changes), the accuracy estimated
+  before iteration 1, every 10th and the last (`em.schedule.estimated_accuracy_from_model`); the image size follows
+  the resolution, where the best class's SSNR (--tau2_fudge·τ²/σ²) drops below 1;
   --flatten_solvent masks the maps to the particle's sphere after each update; --maxsig without a value is RELION's
   100 per class under --grad.
 Outputs, as RELION writes them under --grad (every --grad_write_iter iterations, RELION's 10, the last, and those
 whose batch holds every particle): run_itNNN_classNNN.mrc, run_itNNN_data.star, run_itNNN_model.star,
-run_itNNN_sampling.star, run_itNNN_optimiser.star, and the momenta as RELION writes them (run_itNNN_1momentNNN.mrc
-of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's rlnGradMoment1/2):
+run_itNNN_sampling.star, run_itNNN_optimiser.star, run_itNNN_report.png (each class map's central slices and
+projections, `report.write_map_gallery`: the maps as they form), and the momenta as RELION writes them
+(run_itNNN_1momentNNN.mrc of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's
+rlnGradMoment1/2):
 --continue reads them back and goes on exactly as the run would have. Under mpirun the E-steps and the classes' steps
-are shared out over the workers as in the other jobs.
+are shared out over the workers as in the other jobs. With --gpu the E-steps run on the GPU engine (one GPU, or under
+mpirun each worker's GPU), as refine's and classify's: the same work units, the same cap on the significant poses
+(`estep.common.significants_limit`, which both engines cut with); the VDAM step itself stays on the host.
 initial_model.mrc beside the run is the largest class of the last iteration (RELION's relion_align_symmetry
 --select_largest_class); with --sym, as RELION's InitialModel job, the run is in C1 and that map is turned to the
 group's axes and symmetrised (`em.align_symmetry`, RELION's relion_align_symmetry).
-Not yet: the GPU engine, RELION's --auto_sampling steps (every 10 iterations).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup
 from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
-from cryorefine.io.background import Together
+from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
     model_star_blocks,
     optimiser_star_blocks,
@@ -70,6 +77,7 @@ from cryorefine.io.relion_outputs import (
 )
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
+from cryorefine.report import write_map_gallery
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -77,8 +85,6 @@ if TYPE_CHECKING:  # for annotations only
     from cryorefine.images import ImageSettings
 
 log = logging.getLogger("cryorefine.initial_model")
-#: the engine the initial model runs on for now
-ENGINE = "numpy"
 #: RELION's particles for the initial noise spectra and the de-novo averages (minimum_nr_particles_sigma2_noise in
 #: 2D data), at least DENOVO_PARTICLES_PER_CLASS per class
 DENOVO_PARTICLES = 1000
@@ -106,9 +112,6 @@ def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested
 
 def check_config(config: RefineConfig) -> None:
     """The options this job runs; an InputError in one line for the others."""
-    if config.engine != ENGINE:
-        raise InputError("initial_model: the GPU engine does not run the initial model yet; run it on the CPU engine "
-                         "(drop --gpu)")
     for option, value in (("--firstiter_cc", config.firstiter_cc), ("--fast_subsets", config.fast_subsets),
                           ("--skip_align", config.skip_align), ("--sigma_ang", config.sigma_ang_deg),
                           ("--sigma_psi", config.sigma_psi_deg)):
@@ -280,7 +283,7 @@ class InitialModelJob:
     def plan(self, run, iteration):
         config, model = self.config, run.model
         k_classes = int(config.n_classes)
-        optimiser = replace(run.optimiser, iteration=iteration)
+        optimiser = gradient.counters_at_start(replace(run.optimiser, iteration=iteration), iteration)
         sizes = schedule.image_sizes(model.current_resolution_angstrom, optimiser.healpix_order,
                                      self.diameter_angstrom, model.ori_size_px, model.pixel_size_angstrom,
                                      config.incr_size_px, False, False, ave_pmax=model.ave_pmax,
@@ -288,6 +291,9 @@ class InitialModelJob:
                                      strict_highres_exp_angstrom=config.strict_highres_exp_angstrom,
                                      max_coarse_size_px=config.max_coarse_size_px)
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
+        likelihood_size_px = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
+                                                         model.pixel_size_angstrom, sizes.current_size_px)
+        optimiser = self._sampling(optimiser, model, likelihood_size_px or sizes.current_size_px)
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -304,8 +310,7 @@ class InitialModelJob:
             scale_correction=model.scale_correction if config.do_scale else None,
             data_vs_prior=None if model.ssnr is None else model.ssnr[0],
             padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
-            likelihood_size_px=schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
-                                                           model.pixel_size_angstrom, sizes.current_size_px))
+            likelihood_size_px=likelihood_size_px)
         n_particles = len(run.particles.rot_deg)
         halves = self.batch(iteration, n_particles)
         units = [WorkUnit(f"pseudo-half {h + 1}", members, np.arange(k_classes, dtype=np.int64), setup)
@@ -314,6 +319,30 @@ class InitialModelJob:
             iteration, sizes, sampling, False, units, step_size=gradient.step_size(iteration, self.phases),
             tau2_fudge=gradient.tau2_fudge_at(iteration, self.phases, config.tau2_fudge),
             whole_batch=sum(h.size for h in halves) == n_particles)
+
+    def _sampling(self, optimiser, model, compared_size_px):
+        """The iteration's accuracy estimate and, with --auto_sampling, its sampling (module docstring); a new HEALPix
+        order starts the direction distributions afresh, even (RELION's initialisePdfDirection)."""
+        config = self.config
+        if model.tau2 is not None and gradient.estimates_accuracy(optimiser.iteration, self.phases.n_iterations):
+            acc = schedule.estimated_accuracy_from_model(model, compared_size_px, self.diameter_angstrom,
+                                                         do_ctf=config.do_ctf)
+            optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
+            model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
+        if not (config.auto_sampling and gradient.updates_sampling(optimiser.iteration)):
+            return optimiser
+        before = optimiser
+        optimiser = gradient.auto_sampling(optimiser, model, config)
+        if optimiser.healpix_order != before.healpix_order:
+            n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
+            model.pdf_direction = np.full((model.n_classes, n_dir), 1.0 / (model.n_classes * n_dir))
+        if (optimiser.healpix_order, optimiser.offset_step_px, optimiser.offset_range_px) != (
+                before.healpix_order, before.offset_step_px, before.offset_range_px):
+            log.info("--auto_sampling: iteration %d samples HEALPix order %d (%.3g°) and offsets in steps of %.3g px "
+                     "within %.3g px (accuracy %.3g°, %.3g Å)", optimiser.iteration, optimiser.healpix_order,
+                     schedule.angular_step_deg(optimiser.healpix_order, config.oversampling), optimiser.offset_step_px,
+                     optimiser.offset_range_px, optimiser.acc_rot_deg, optimiser.acc_trans_angstrom)
+        return optimiser
 
     def maximization_groups(self, plan):
         """Each class's map is made from both pseudo-half sets' sums."""
@@ -330,12 +359,18 @@ class InitialModelJob:
 
     def update(self, run, plan, changes):
         config, model = self.config, run.model
+        previous_resolution_angstrom = model.current_resolution_angstrom
         model.current_resolution_angstrom = schedule.current_resolution(
             model.ori_size_px, model.pixel_size_angstrom, data_vs_prior=model.ssnr[0], iteration=plan.iteration,
             ini_high_angstrom=config.ini_high_angstrom, check_high_res_side=False).resolution_angstrom
-        run.optimiser = replace(run.optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
-                                changes_optimal_offsets_angstrom=changes.offsets_angstrom,
-                                changes_optimal_classes=changes.classes)
+        optimiser = replace(run.optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
+                            changes_optimal_offsets_angstrom=changes.offsets_angstrom,
+                            changes_optimal_classes=changes.classes)
+        # RELION's updateOverallChangesInHiddenVariables and updateCurrentResolution: the counters --auto_sampling reads
+        run.optimiser = schedule.update_change_counters(
+            optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes,
+            model.current_resolution_angstrom, previous_resolution_angstrom=previous_resolution_angstrom,
+            pixel_size_angstrom=model.pixel_size_angstrom, oversampling=config.oversampling)
         n_batch = sum(unit.members.size for unit in plan.units)
         run.extras["step_sizes"] = np.append(run.extras["step_sizes"], plan.step_size)
         run.extras["subset_sizes"] = np.append(run.extras["subset_sizes"], n_batch)
@@ -385,7 +420,11 @@ class InitialModelJob:
                   *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
                   partial(write_moments, root, list(model.moments), grid),
                   partial(write_star, blocks, f"{root}_model.star"),
-                  partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel)]
+                  partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
+                  # under MPI the maps' arrays are filled as they arrive: drawn when written
+                  InOwnProcess(partial(write_map_gallery, f"{root}_report.png", list(model.maps[0]),
+                                       np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
+                                       resolution_angstrom=model.current_resolution_angstrom))]
         if plan.iteration == int(config.max_iterations):
             largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
             # under MPI the map's array is filled as it arrives: read when written
