@@ -84,6 +84,8 @@ __all__ = [
     "fast_subset_size",
     "coarser_sampling",
     "check_convergence",
+    "rotation_trials_deg",
+    "translation_trials_px",
     "rotation_error_deg_from_snr",
     "shift_error_px_from_snr",
     "estimated_accuracy",
@@ -795,7 +797,7 @@ def check_convergence(optimiser, state: ScheduleState, *, auto_ignore_angle_chan
 
 
 @functools.cache
-def _rotation_trials_deg() -> tuple:
+def rotation_trials_deg() -> tuple:
     """RELION's trial angular errors: steps 0.05/0.1/0.2/0.5/1/2/5° below 0.2/1/2/5/10/20/∞°,
     accumulated in double precision, up to the first value beyond 30°."""
     out, e = [], 0.0
@@ -809,7 +811,7 @@ def _rotation_trials_deg() -> tuple:
 
 
 @functools.cache
-def _translation_trials_px() -> tuple:
+def translation_trials_px() -> tuple:
     """RELION's trial shifts: steps 0.1/0.2/0.5/1/2 px below 1/2/5/10/∞ px, up to the first beyond 10 px."""
     out, e = [], 0.0
     while True:
@@ -957,7 +959,7 @@ def rotation_error_deg_from_snr(snr_of_error_deg) -> float:
     none up to 30° does. RELION averages this over up to 100 particles: a projection-based
     estimate, as RELION computes it, is this function with the projector in `snr_of_error_deg`.
     """
-    return float(_first_resolved(_rotation_trials_deg(), snr_of_error_deg))
+    return float(_first_resolved(rotation_trials_deg(), snr_of_error_deg))
 
 
 def shift_error_px_from_snr(snr_of_shift_px) -> float:
@@ -965,7 +967,7 @@ def shift_error_px_from_snr(snr_of_shift_px) -> float:
     shift of x or y by s px; trial shifts 0.1 px steps, then 0.2, 0.5, 1, 2 px above 1, 2, 5,
     10 px, up to the first beyond 10 px. RELION reports pixel_size × the mean over particles (Å).
     """
-    return float(_first_resolved(_translation_trials_px(), snr_of_shift_px))
+    return float(_first_resolved(translation_trials_px(), snr_of_shift_px))
 
 
 def _class_spectra(a, half):

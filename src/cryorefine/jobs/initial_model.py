@@ -21,7 +21,8 @@ No reference is given. RELION's rules, as this job follows them:
   2, 1); with --auto_sampling (RELION's GUI gives it) it may get finer every 10 iterations as RELION's relion_refine
   does under --grad (`em.gradient.auto_sampling`: the HEALPix order up to 3, one below RELION's order of local
   searches, the offsets' step and range from the estimated accuracy and the last changes), the accuracy estimated
-  before iteration 1, every 10th and the last (`em.schedule.estimated_accuracy_from_model`); the image size follows
+  before iteration 1, every 10th and the last from projections at 100 particles' poses, as RELION estimates it
+  (`em.accuracy.projected_accuracy`); the image size follows
   the resolution, where the best class's SSNR (--tau2_fudge·τ²/σ²) drops below 1;
   --flatten_solvent masks the maps to the particle's sphere after each update; --maxsig without a value is RELION's
   100 per class under --grad.
@@ -57,7 +58,7 @@ from cryorefine.core.projector import BackProjector
 from cryorefine.core.reconstruct import soft_mask_outside_map
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.core.symmetry import symmetry_group
-from cryorefine.em import gradient, loop, mstep, schedule
+from cryorefine.em import accuracy, gradient, loop, mstep, schedule
 from cryorefine.em.align_symmetry import align_to_symmetry
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import lowpass_to_ini_high
@@ -293,7 +294,7 @@ class InitialModelJob:
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         likelihood_size_px = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
                                                          model.pixel_size_angstrom, sizes.current_size_px)
-        optimiser = self._sampling(optimiser, model, likelihood_size_px or sizes.current_size_px)
+        optimiser = self._sampling(optimiser, run, likelihood_size_px or sizes.current_size_px)
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -320,13 +321,22 @@ class InitialModelJob:
             tau2_fudge=gradient.tau2_fudge_at(iteration, self.phases, config.tau2_fudge),
             whole_batch=sum(h.size for h in halves) == n_particles)
 
-    def _sampling(self, optimiser, model, compared_size_px):
+    def _sampling(self, optimiser, run, compared_size_px):
         """The iteration's accuracy estimate and, with --auto_sampling, its sampling (module docstring); a new HEALPix
         order starts the direction distributions afresh, even (RELION's initialisePdfDirection)."""
-        config = self.config
-        if model.tau2 is not None and gradient.estimates_accuracy(optimiser.iteration, self.phases.n_iterations):
-            acc = schedule.estimated_accuracy_from_model(model, compared_size_px, self.diameter_angstrom,
-                                                         do_ctf=config.do_ctf)
+        config, model = self.config, run.model
+        if (model.sigma2_noise is not None and self.particles is not None
+                and gradient.estimates_accuracy(optimiser.iteration, self.phases.n_iterations)):
+            # RELION's estimate from projections at the poses of 100 particles taken at random
+            n = len(self.particles)
+            chosen = np.sort(np.random.default_rng((config.random_seed, optimiser.iteration)).choice(
+                n, min(n, accuracy.N_TRIAL_PARTICLES), replace=False))
+            poses = run.particles
+            acc = accuracy.projected_accuracy(
+                model.maps[0], model.pdf_class, model.sigma2_noise, self.particles, chosen, poses.rot_deg[chosen],
+                poses.tilt_deg[chosen], poses.psi_deg[chosen], current_size_px=compared_size_px,
+                padding_factor=config.padding_factor, do_ctf=config.do_ctf,
+                ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed + optimiser.iteration)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if not (config.auto_sampling and gradient.updates_sampling(optimiser.iteration)):

@@ -1,0 +1,101 @@
+"""RELION's own estimate of the angular and translational accuracy (MlOptimiser::calculateExpectedAngularErrors in
+src/ml_optimiser.cpp), from projections of the references at particles' poses.
+
+For each class with at least 1 % of the particles, and each of up to 100 particles (RELION takes the first 100 of
+its randomly ordered particles): project the reference at the particle's pose, then at the pose with rot, tilt or
+psi (one of them, at random, the same for every trial of that particle) moved by a growing error δ
+(`em.schedule.rotation_trials_deg`), and find the first δ at which
+
+    Σ_k CTF(k)²·|F₁(k) − F₂(k)|² / (2·sigma2_fudge·σ²(shell k))
+
+over the image at the current size (every coefficient of its half transform with shell 1 … current/2) exceeds
+ln 100 (the two poses' likelihoods differ 100-fold); 30.1° where none up to 30° does. The same for a shift of x or
+y (at random) by a growing s px (`em.schedule.translation_trials_px`), F₂ = F₁ shifted: 10.1 px at most. The
+class's accuracy is the mean over the particles (the shift times the pixel size, in Å), and the run's the best
+class's.
+
+`em.schedule.estimated_accuracy` is a spectral model of the same sum that needs no projections; at low resolution,
+where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from cryorefine.core import euler, fourier
+from cryorefine.core.ctf import ctf_2d
+from cryorefine.core.projector import Projector
+from cryorefine.data import ParticleSet
+from cryorefine.em import schedule
+
+#: RELION's number of particles for the estimate of a 3D refinement (10 for 2D ones)
+N_TRIAL_PARTICLES = 100
+
+
+def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,
+                       particles: ParticleSet, indices: npt.ArrayLike, rot_deg: npt.ArrayLike,
+                       tilt_deg: npt.ArrayLike, psi_deg: npt.ArrayLike, *, current_size_px: int,
+                       padding_factor: float, do_ctf: bool, ctf_intact_first_peak: bool = False,
+                       sigma2_fudge: float = 1.0, seed: int = 0) -> schedule.Accuracy:
+    """The accuracy (module docstring) of the references `maps` (K host volumes) with class shares `pdf_class`,
+    noise `sigma2_noise` ((optics groups, shells) or (shells,)), from the particles `indices` of `particles` at
+    their poses (`rot_deg`, `tilt_deg`, `psi_deg`, one per index). `seed` draws which angle and which shift axis
+    each particle's trials move. (999, 999) where no class has 1 % of the particles."""
+    indices = np.asarray(indices, dtype=np.int64)
+    sigma2 = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
+    pdf = np.asarray(pdf_class, dtype=np.float64).reshape(-1)
+    n = int(current_size_px)
+    ori = int(np.shape(maps[0])[0])
+    shell = fourier.shell_index_2d(n)
+    ky, kx = fourier.frequencies_2d(n)
+    ky, kx = np.broadcast_to(ky, shell.shape), np.broadcast_to(kx, shell.shape)
+    inside = (shell >= 1) & (shell <= n // 2) & (shell < sigma2.shape[1])
+    shell, ky, kx = shell[inside], ky[inside], kx[inside]
+    pixels = np.asarray(particles.pixel_size_per_particle_angstrom, dtype=np.float64)[indices]
+    if do_ctf and len(indices):  # the CTF at the current size: the same integer frequencies of the original box
+        ctf = ctf_2d(n, particles.ctf_parameters(indices, pixels * ori / n),
+                     intact_until_first_peak=ctf_intact_first_peak, dtype=np.float64)
+        ctf2 = (np.asarray(ctf) ** 2).reshape(len(indices), -1)[:, inside.reshape(-1)]
+    else:
+        ctf2 = np.ones((len(indices), shell.size))
+    optics = np.asarray(particles.optics_index)[indices]
+    with np.errstate(divide="ignore"):
+        inv = np.where(sigma2 > 0, 1.0 / (2.0 * sigma2_fudge * np.where(sigma2 > 0, sigma2, 1.0)), 0.0)
+    rng = np.random.default_rng(seed)
+    moved_angle = rng.integers(0, 3, size=len(indices))  # rot, tilt or psi
+    moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
+    rotations = np.asarray(schedule.rotation_trials_deg())
+    shifts = np.asarray(schedule.translation_trials_px())
+    best_rot, best_trans = schedule.UNKNOWN_ACCURACY, schedule.UNKNOWN_ACCURACY
+    for k, volume in enumerate(maps):
+        if k < pdf.size and pdf[k] < schedule.MIN_CLASS_FRACTION_FOR_ACCURACY:
+            continue
+        projector = Projector(np.asarray(volume), padding_factor, n // 2)
+        acc_rot, acc_trans = [], []
+        for i in range(len(indices)):
+            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell]
+            angles = np.array([rot_deg[i], tilt_deg[i], psi_deg[i]], dtype=np.float64)
+            f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
+            moved = np.repeat(angles[None], rotations.size, axis=0)
+            moved[:, moved_angle[i]] += rotations
+            f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
+                                   image_size_px=n)[:, inside]
+            acc_rot.append(_first_beyond(rotations, (np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1)))
+            k_axis = kx if moved_axis[i] == 0 else ky
+            # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box
+            phase = np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2
+            snr = (4.0 * phase * (np.abs(f1) ** 2 * weight)[None]).sum(axis=1)
+            acc_trans.append(_first_beyond(shifts, snr) * pixels[i])
+        if acc_rot:
+            best_rot = min(best_rot, float(np.mean(acc_rot)))
+            best_trans = min(best_trans, float(np.mean(acc_trans)))
+    return schedule.Accuracy(best_rot, best_trans)
+
+
+def _first_beyond(trials: np.ndarray, snr: np.ndarray) -> float:
+    """The first trial whose SNR exceeds ln 100, else the last (RELION's cap)."""
+    above = np.flatnonzero(snr > schedule.ACCURACY_NEG_LOG_P)
+    return float(trials[above[0]] if above.size else trials[-1])
