@@ -1,5 +1,6 @@
 """What the benchmark scripts share: `cryorefine` run as a subprocess and timed, the options after `--` split off
-to be passed on to the command, and the parser with --work and --gpu / --cpu of the accuracy scripts. A helper
+to be passed on to the command, the parser with --work and --gpu / --cpu of the accuracy scripts, and an atomic
+model cut down to some of its chains (`model_chains`, for --chains). A helper
 module imported by the other scripts; run alone it only answers --help."""
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ def run_cli(*args, log_path=None):
     if code != 0:
         sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path or 'its output (not kept)'}")
     return time.perf_counter() - tic
+
+
+def model_chains(model, chains, out):
+    """The atomic model `model` with only the chains named in `chains` (comma-separated), written to `out` (mmCIF)."""
+    import gemmi
+
+    keep = set(chains.split(","))
+    structure = gemmi.read_structure(str(model))
+    for chain_model in structure:
+        for name in sorted({chain.name for chain in chain_model} - keep):
+            chain_model.remove_chain(name)
+    if not any(len(chain_model) for chain_model in structure):
+        sys.exit(f"--chains {chains}: none of these chains is in {model}")
+    structure.setup_entities()
+    structure.make_mmcif_document().write_file(str(out))
+    return out
 
 
 def work_and_engine_parser(description, epilog, job):
