@@ -1,7 +1,8 @@
 """What the benchmark scripts share: `cryorefine` run as a subprocess and timed, another program (RELION) run with
 a time limit, the seconds between a run's iteration files, the options after `--` split off to be passed on to the
-command, and the parser with --work and --gpu / --cpu of the accuracy scripts. A helper module imported by the
-other scripts; run alone it only answers --help."""
+command, the parser with --work and --gpu / --cpu of the accuracy scripts, and an atomic model cut down to some of
+its chains (`model_chains`, for --chains). A helper module imported by the other scripts; run alone it only answers
+--help."""
 
 from __future__ import annotations
 
@@ -72,6 +73,22 @@ def seconds_per_iteration(folder, root="run"):
     times = iteration_file_times(folder, root)
     order = sorted(times)
     return {b: (times[b] - times[a]) / (b - a) for a, b in zip(order, order[1:])}
+
+
+def model_chains(model, chains, out):
+    """The atomic model `model` with only the chains named in `chains` (comma-separated), written to `out` (mmCIF)."""
+    import gemmi
+
+    keep = set(chains.split(","))
+    structure = gemmi.read_structure(str(model))
+    for chain_model in structure:
+        for name in sorted({chain.name for chain in chain_model} - keep):
+            chain_model.remove_chain(name)
+    if not any(len(chain_model) for chain_model in structure):
+        sys.exit(f"--chains {chains}: none of these chains is in {model}")
+    structure.setup_entities()
+    structure.make_mmcif_document().write_file(str(out))
+    return out
 
 
 def work_and_engine_parser(description, epilog, job):

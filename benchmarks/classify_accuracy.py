@@ -6,13 +6,17 @@ beside RELION's relion_refine on the same files when --relion names it (table on
     python benchmarks/classify_accuracy.py --work /tmp/cls --gpu --seeds 1 2 3       # the full set, 15 iterations
     python benchmarks/classify_accuracy.py --work /tmp/cls --cpu --seeds 1 --n 400 --iter 8
     python benchmarks/classify_accuracy.py --work /tmp/cls --gpu --snr 0.05 --seeds 1 2 3     # the hard set
+    python3 benchmarks/classify_accuracy.py --work /tmp/c30s --gpu --seeds 1 2 3 --model .bench/7p6z.cif.gz \\
+        --chains B,D,F,A,H,J,C,S,O,K,M,I,L,N,R,T,G,Q,E,P,5 --angpix 5.0 --ball_angstrom 45 \\
+        --relion "mpirun --allow-run-as-root -n 3 /tmp/relion/build/bin/relion_refine_mpi --gpu 0:0" --relion_j 4
+                                      # the 30S subunit of 7P6Z, beside RELION 5's GPU build (a worker per class)
 
 Steps, in one work folder:
 
 1. maps      state A: examples/ribosome_64px.mrc (or --map) relabelled --angpix Å/px (the 70S ribosome in a
              64 px box), or with --model the density of an atomic model (e.g. PDB 7P6Z, the 70S ribosome)
-             at --model_resolution Å in a 64 px box of --angpix Å/px (--box: Fourier-cropped to that box,
-             the pixel size scaled to match); state B: A with a ball of density erased, its radius
+             at --model_resolution Å in a 64 px box of --angpix Å/px (--chains: only those chains, e.g. one
+             subunit; --box: Fourier-cropped to that box, the pixel size scaled to match); state B: A with a ball of density erased, its radius
              (--ball_angstrom, 55 Å) and centre chosen so that it removes --erase_fraction (13.5 %) of A's
              positive mass; the reference: A low-passed to 40 Å.
 2. particles --n particles, each state drawn with probability 1/2 (seeded), made by `cryorefine simulate`
@@ -45,7 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import run_cli, split_at_double_dash, work_and_engine_parser
+from bench_common import model_chains, run_cli, split_at_double_dash, work_and_engine_parser
 
 from cryorefine.core import fourier
 from cryorefine.io.mrc import open_mrc, read_volume, write_volume
@@ -62,6 +66,8 @@ def parse_args(argv):
     parser = work_and_engine_parser(__doc__.split("\n\n")[0], "Options after -- are passed on to every `cryorefine classify` run.", "Classify")
     parser.add_argument("--map", type=Path, default=DEFAULT_MAP, help="State A (cubic MRC).")
     parser.add_argument("--model", type=Path, default=None, help="Atomic model whose density is state A.")
+    parser.add_argument("--chains", default=None,
+                        help="Keep only these chains of --model (author names, comma-separated), e.g. one subunit.")
     parser.add_argument("--model_resolution", type=float, default=10.0, help="Resolution of that density (Å).")
     parser.add_argument("--angpix", type=float, default=4.57, help="Pixel size given to the map (Å).")
     parser.add_argument("--box", type=int, default=None,
@@ -112,7 +118,9 @@ def make_set(work, options, engine):
     if options.model is not None:
         from cryorefine.density import density_from_model
 
-        volume = np.asarray(density_from_model(options.model, 64, options.angpix, options.model_resolution), np.float64)
+        model = options.model if options.chains is None else model_chains(options.model, options.chains,
+                                                                            work / "model.cif")
+        volume = np.asarray(density_from_model(model, 64, options.angpix, options.model_resolution), np.float64)
     else:
         volume = read_volume(options.map)[0].astype(np.float64)
     pixel = options.angpix

@@ -1,12 +1,17 @@
-"""How well does `cryorefine refine` recover a known structure from simulated particles? Simulates particles from
-a map, refines them without their poses from the map low-passed, and reports the resolution refine claims, the
-FSC against the truth beside a reconstruction at the true poses, the pose errors and the time per iteration
-(Markdown on stdout, everything in WORK/results.json). Options after `--` go to `cryorefine refine`.
+"""How well does `cryorefine refine` recover a known structure from simulated particles, beside RELION 5? Simulates
+particles from a map, refines them without their poses from the map low-passed (for each --seeds, with RELION's
+relion_refine_mpi too when --relion names it, with the same options), and reports for each run the resolution it
+claims, the FSC against the truth beside a reconstruction at the true poses, the pose errors, and per iteration
+the median angular and offset errors, the FSC of half 1 against the truth, the HEALPix order, σ_offset and the
+resolution (Markdown on stdout, everything in WORK/results.json). Options after `--` go to every run of both
+programs.
 
-The benchmark runs the real command line, step by step, in one work folder:
+The benchmark runs the real command lines, step by step, in one work folder:
 
-1. truth     the map (--map, by default examples/ribosome_64px.mrc), Fourier-cropped to --box
-             pixels if asked (`core.fourier.downsample_volume`): WORK/truth.mrc.
+1. truth     the map (--map, by default examples/ribosome_64px.mrc, its header's pixel size or --angpix),
+             Fourier-cropped to --box pixels if asked (`core.fourier.downsample_volume`), or with --model the
+             density of an atomic model (`density.density_from_model`, e.g. PDB 7P6Z: .bench/7p6z.cif.gz) in a
+             --box px box of --angpix Å/px at --model_resolution Å: WORK/truth.mrc.
 2. simulate  `cryorefine simulate`: --n particles at --snr (measured inside the particle circle)
              with the command's default CTFs (defocus 0.8–2.5 µm, 300 kV) and origin offsets:
              WORK/sim/particles.star, whose poses are the ground truth. A copy without the pose
@@ -15,27 +20,40 @@ The benchmark runs the real command line, step by step, in one work folder:
              --keep_true_poses gives it the simulated file as it is.
 3. reference the truth low-passed to --ini_lowpass Å: WORK/reference.mrc.
 4. baseline  `cryorefine reconstruct --ctf --half_maps` at the true poses: WORK/truepose/recon*.mrc.
-             What refinement would reach if it found every pose exactly.
-5. refine    `cryorefine refine --ctf --particle_diameter D --ini_high <ini_lowpass>` from the
-             reference into WORK/refine/run, with every option given after `--` appended (a later
-             option overrides an earlier one, e.g. `-- --iter 10 --ini_high 30`). D is
-             --particle_diameter, by default worked out from the truth's extent; simulate
-             measures the SNR in the same circle. refine's log goes to WORK/refine.log; its wall
-             time is measured around the subprocess.
-6. measure   - the resolution that refine reports (rlnCurrentResolution, RELION's SSNR > 1 rule)
-               and where its half-map FSC (rlnGoldStandardFsc) falls below 0.5 and 0.143, from
-               run_model.star when the run converged, else from the last run_itNNN_half1_model.star,
-               next to the same for the true-pose half maps;
-             - the FSC against the truth of the refined map (run_class001.mrc, else the last
-               iteration's half-1 map) next to that of the true-pose reconstruction from the same
-               particles (the full map, or half 1 for a half map) and of the starting reference:
-               the resolutions where each falls below 0.5 and 0.143, and a few shells;
-             - the median and 90th percentile of the angle between refined and true rotation
-               matrices (degrees) and the median distance between refined and true origins (Å);
-             - the time per iteration: expectation and maximisation seconds (and the E-step's
-               stages, in results.json) from refine's log lines, and wall seconds between the
-               iterations' last written files.
-7. report    Markdown tables on stdout and everything in WORK/results.json.
+             What refinement would reach if it found every pose exactly (--no_truepose: skipped).
+5. refine    for each --seeds S (none given: one run without --random_seed), `cryorefine refine --i STAR
+             --ref WORK/reference.mrc --o FOLDER/run --ctf --particle_diameter D --ini_high <ini_lowpass>` and
+             RELION 5 GUI's Refine3D options (AUTO_REFINE: --auto_refine --split_random_halves --pad 2
+             --flatten_solvent --zero_mask --oversampling 1 --healpix_order 2 --auto_local_healpix_order 4
+             --offset_range 5 --offset_step 2 --sym C1 --low_resol_join_halves 40 --norm --scale), then
+             --random_seed S and every option given after `--` (a later option overrides an earlier one, e.g.
+             `-- --gpu 0 --iter 10`) into WORK/cryorefine_seedS (WORK/refine without seeds); its log beside
+             the folder (FOLDER.log); its wall time is measured around the subprocess. D is
+             --particle_diameter, by default worked out from the truth's extent; simulate measures the SNR in
+             the same circle.
+6. relion    with --relion PATH (relion_refine_mpi), the same command line run by RELION under
+             --relion_mpirun (a master and a worker per half: RELION splits random halves only under MPI)
+             with --relion_extra appended (its threads, --pool, --preread_images …), in WORK/sim (RELION reads
+             image names relative to where it runs), into WORK/relion_seedS; --relion_seconds stops a run and
+             measures the iterations it finished. `-- --gpu 0` means GPU 0 to both programs.
+7. measure   per run:
+             - the resolution it reports (rlnCurrentResolution, RELION's SSNR > 1 rule) and where its
+               half-map FSC (rlnGoldStandardFsc) falls below 0.5 and 0.143, from run_model.star when the
+               run converged, else from the last run_itNNN_half1_model.star, next to the same for the
+               true-pose half maps;
+             - the FSC against the truth of the refined map (run_class001.mrc, else the last iteration's
+               half-1 map) next to that of the true-pose reconstruction from the same particles (the full
+               map, or half 1 for a half map) and of the starting reference: the resolutions where each
+               falls below 0.5 and 0.143, and a few shells;
+             - the median and 90th percentile of the angle between refined and true rotation matrices
+               (degrees) and of the distance between refined and true origins (Å);
+             - per iteration (run_itNNN_*): the median angular and offset errors (data.star), the FSC of
+               half 1 against the truth at 0.5 and 0.143, the HEALPix order (sampling.star), σ_offset,
+               the angular accuracy and the resolution (half1_model.star), and for cryorefine the
+               expectation and maximisation seconds (and the E-step's stages) from its log; the wall
+               seconds between the iterations' half-1 model files.
+8. report    Markdown tables on stdout and everything in WORK/results.json (or --json), written again after
+             every run; then every iteration's maps but the last are deleted (--keep_maps keeps them).
 
 No hand or frame alignment is made: the reference comes from the truth, so a refined map in
 another hand or frame means the refinement failed (and the FSC against the truth shows it).
@@ -47,9 +65,11 @@ Run it with the Python that has cryorefine installed, e.g.
     .venv/bin/python benchmarks/refine_accuracy.py --work /tmp/bench --skip_simulate -- --iter 10
     .venv/bin/python benchmarks/refine_accuracy.py --work /tmp/tiny --n 200 --box 32 --snr 0.5 \\
         --ini_lowpass 48 -- --iter 2                                                 # a quick check
+    python3 benchmarks/refine_accuracy.py --work /tmp/r128 --model .bench/7p6z.cif.gz --box 128 --angpix 2.8 \\
+        --model_resolution 6 --n 5000 --seeds 1 2 3 --relion /tmp/relion/build/bin/relion_refine_mpi -- --gpu 0
 
 --skip_simulate keeps the truth, particles, reference and true-pose reconstruction of an earlier
-run in WORK (made with the same options) and only refines again; the old WORK/refine is removed.
+run in WORK (made with the same options) and only refines again; the old run folders are removed.
 """
 
 from __future__ import annotations
@@ -59,6 +79,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,7 +87,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import split_at_double_dash
+from bench_common import model_chains, split_at_double_dash
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
@@ -76,6 +97,13 @@ from cryorefine.io.star import read_particle_star, read_star, write_particle_sta
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MAP = REPO / "examples" / "ribosome_64px.mrc"
 POSE_COLUMNS = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst")
+# RELION 5 GUI's Refine3D line (tests/data/relion5_gui_lines.txt) less the files, --ini_high, --particle_diameter,
+# --ctf and the threads: what both programs are given
+AUTO_REFINE = ("--auto_refine", "--split_random_halves", "--pad", "2", "--flatten_solvent", "--zero_mask",
+               "--oversampling", "1", "--healpix_order", "2", "--auto_local_healpix_order", "4", "--offset_range", "5",
+               "--offset_step", "2", "--sym", "C1", "--low_resol_join_halves", "40", "--norm", "--scale")
+RELION_MPIRUN = "mpirun --allow-run-as-root --oversubscribe -n 3"
+RELION_EXTRA = "--j 4 --pool 30 --dont_combine_weights_via_disc --preread_images"
 ITERATION_LINE = re.compile(r"iteration (\d+): resolution ([\d.]+|inf) Å.*E ([\d.]+) s, M ([\d.]+) s")
 STAGES_LINE = re.compile(r"E-step stages \(s\): (.+)$")  # follows its iteration's line
 SETUP_FILE = "setup.json"
@@ -84,13 +112,24 @@ SETUP_FILE = "setup.json"
 # ------------------------------------------------------------------------------ command line
 
 def parse_args(argv):
-    """(options, extra refine options): everything after the first `--` goes to refine as it is."""
+    """(options, extra refine options): everything after the first `--` goes to every run as it is."""
     argv, extra = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Options after -- are passed on to `cryorefine refine`.")
+                                     epilog="Options after -- are passed on to every run of `cryorefine refine` "
+                                            "(and of relion_refine_mpi with --relion).")
     parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
     parser.add_argument("--map", type=Path, default=DEFAULT_MAP, help="Ground-truth map (cubic MRC).")
-    parser.add_argument("--box", type=int, default=None, help="Fourier-crop the map to this box [default: keep].")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="Atomic model (PDB/mmCIF) whose density is the truth, in a --box px box of --angpix Å/px.")
+    parser.add_argument("--chains", default=None,
+                        help="Keep only these chains of --model (author names, comma-separated), e.g. one subunit.")
+    parser.add_argument("--model_resolution", type=float, default=None,
+                        help="Resolution (Å) of the model's density [default: band-limited at Nyquist].")
+    parser.add_argument("--angpix", type=float, default=None,
+                        help="Pixel size (Å) of the truth before any crop: the model's density, or the map's in place "
+                             "of its header's.")
+    parser.add_argument("--box", type=int, default=None,
+                        help="Fourier-crop the map to this box [default: keep]; the model's box (required with it).")
     parser.add_argument("--n", type=int, default=2000, help="Number of particles.")
     parser.add_argument("--snr", type=float, default=0.05, help="Signal-to-noise ratio of the images.")
     parser.add_argument("--ini_lowpass", type=float, default=40.0,
@@ -98,11 +137,32 @@ def parse_args(argv):
     parser.add_argument("--particle_diameter", type=float, default=None,
                         help="Mask diameter in Å [default: from the truth map's extent].")
     parser.add_argument("--seed", type=int, default=1, help="Random seed of the simulation.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="--random_seed of each refinement (each program) [default: one run without it].")
     parser.add_argument("--keep_true_poses", action="store_true",
                         help="Give refine the simulated STAR file with its true poses and origins.")
     parser.add_argument("--skip_simulate", action="store_true",
                         help="Reuse truth, particles, reference and true-pose reconstruction in WORK.")
-    return parser.parse_args(argv), extra
+    parser.add_argument("--keep_maps", action="store_true",
+                        help="Keep every iteration's maps (by default only the last iteration's and the final ones stay "
+                             "once a run is measured).")
+    parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
+    parser.add_argument("--no_truepose", action="store_true",
+                        help="Skip the reconstruction at the true poses (its columns are left empty).")
+    parser.add_argument("--relion", type=Path, default=None,
+                        help="relion_refine_mpi: run RELION with the same options on the same files, for each seed.")
+    parser.add_argument("--relion_mpirun", default=RELION_MPIRUN,
+                        help="Launcher of the RELION runs [default: %(default)s].")
+    parser.add_argument("--relion_extra", default=RELION_EXTRA,
+                        help="Options of the RELION runs alone [default: %(default)s].")
+    parser.add_argument("--relion_seconds", type=float, default=None,
+                        help="Stop each RELION run after this many seconds (its finished iterations are measured).")
+    args = parser.parse_args(argv)
+    if args.model is not None and (args.box is None or args.angpix is None):
+        parser.error("--model needs --box and --angpix")
+    if args.relion is not None and not args.relion.is_file():
+        parser.error(f"--relion {args.relion}: no such file; give the path of relion_refine_mpi")
+    return args, extra
 
 
 def run_cli(*args, log_path=None):
@@ -138,17 +198,32 @@ def estimate_particle_diameter(volume, pixel):
     return float(min(n * pixel, 10 * math.ceil((2 * extent + 20) / 10)))
 
 
-def prepare(args, work):
-    """Steps 1–4: truth, particles, reference, true-pose reconstruction. Returns the setup dict."""
+def truth_volume(args, work):
+    """(the truth (N, N, N), its pixel size in Å, its source) of --model (its --chains) or --map."""
+    if args.model is not None:
+        from cryorefine.density import density_from_model
+
+        model = args.model if args.chains is None else model_chains(args.model, args.chains, work / "model.cif")
+        volume = density_from_model(model, args.box, args.angpix, args.model_resolution)
+        source = str(args.model) + ("" if args.chains is None else f" chains {args.chains}")
+        return np.asarray(volume, np.float64), float(args.angpix), source
     volume, pixel = read_volume(args.map)
+    pixel = args.angpix or pixel
     if pixel is None:
-        sys.exit(f"{args.map}: the header has no pixel size")
+        sys.exit(f"{args.map}: the header has no pixel size; give --angpix")
     box = args.box or volume.shape[0]
     if box != volume.shape[0]:
         pixel = pixel * volume.shape[0] / box
         volume = fourier.downsample_volume(volume, box)
+    return np.asarray(volume, np.float64), float(pixel), str(args.map)
+
+
+def prepare(args, work):
+    """Steps 1–4: truth, particles, reference, true-pose reconstruction. Returns the setup dict."""
+    volume, pixel, source = truth_volume(args, work)
+    box = volume.shape[0]
     diameter = args.particle_diameter or estimate_particle_diameter(volume, pixel)
-    write_volume(work / "truth.mrc", volume, pixel)
+    write_volume(work / "truth.mrc", volume.astype(np.float32), pixel)
 
     run_or_exit("simulate", "--ref", work / "truth.mrc", "--n", args.n, "--snr", args.snr, "--seed", args.seed,
                 "--particle_diameter", diameter, "--o", work / "sim")
@@ -156,35 +231,68 @@ def prepare(args, work):
     write_particle_star(star, work / "sim" / "particles_unaligned.star",
                         star.particles.drop(columns=[c for c in POSE_COLUMNS if c in star.particles.columns]))
 
-    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume.astype(np.float64)), box, args.ini_lowpass, pixel)
-    write_volume(work / "reference.mrc", fourier.irfft3_centered(ft, box), pixel)
+    ft = fourier.lowpass_filter_3d(fourier.rfft3_centered(volume), box, args.ini_lowpass, pixel)
+    write_volume(work / "reference.mrc", fourier.irfft3_centered(ft, box).astype(np.float32), pixel)
 
-    (work / "truepose").mkdir(exist_ok=True)
-    run_or_exit("reconstruct", "--i", work / "sim" / "particles.star", "--o", work / "truepose" / "recon.mrc",
-                "--ctf", "--half_maps")
-
-    setup = {"map": str(args.map), "box_px": box, "pixel_size_angstrom": pixel, "n_particles": args.n,
+    if not args.no_truepose:
+        (work / "truepose").mkdir(exist_ok=True)
+        run_or_exit("reconstruct", "--i", work / "sim" / "particles.star", "--o", work / "truepose" / "recon.mrc",
+                    "--ctf", "--half_maps")
+    setup = {"map": source, "box_px": box, "pixel_size_angstrom": pixel, "n_particles": args.n,
              "snr": args.snr, "seed": args.seed, "ini_lowpass_angstrom": args.ini_lowpass,
-             "particle_diameter_angstrom": diameter}
+             "particle_diameter_angstrom": diameter, "model_resolution_angstrom": args.model_resolution}
     (work / SETUP_FILE).write_text(json.dumps(setup, indent=1))
     return setup
 
 
 # ---------------------------------------------------------------------------------- refine
 
-def run_refine(args, extra, work, setup):
-    """Step 5. Returns (exit code, wall seconds, start time as a Unix time)."""
-    out = work / "refine"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
+def run_folder(work, program, seed):
+    """WORK/<program>_seed<S>; without seeds WORK/refine (cryorefine) or WORK/relion."""
+    if seed is None:
+        return work / ("refine" if program == "cryorefine" else "relion")
+    return work / f"{program}_seed{seed}"
+
+
+def refine_options(args, extra, work, setup, folder, seed):
+    """The options both programs are given, --i, --ref and --o first."""
     star = work / "sim" / ("particles.star" if args.keep_true_poses else "particles_unaligned.star")
+    return ["--i", star, "--ref", work / "reference.mrc", "--o", folder / "run", "--ctf",
+            "--particle_diameter", setup["particle_diameter_angstrom"], "--ini_high", setup["ini_lowpass_angstrom"],
+            *AUTO_REFINE, *(["--random_seed", seed] if seed is not None else []), *extra]
+
+
+def relion_command(args, options):
+    """relion_refine_mpi's command line: the launcher, the program, the options, --relion_extra."""
+    return [*shlex.split(args.relion_mpirun), str(args.relion.resolve()), *(str(o) for o in options),
+            *shlex.split(args.relion_extra)]
+
+
+def run_refine(args, extra, work, setup, program, seed):
+    """Step 5 or 6 for one seed. Returns (folder, log, exit code, wall seconds, start time as a Unix time)."""
+    folder = run_folder(work, program, seed)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir()
+    log = folder.with_suffix(".log")
+    options = refine_options(args, extra, work, setup, folder, seed)
     started = time.time()
     tic = time.perf_counter()
-    code, _ = run_cli("refine", "--i", star, "--ref", work / "reference.mrc", "--o", out / "run", "--ctf",
-                      "--particle_diameter", setup["particle_diameter_angstrom"],
-                      "--ini_high", setup["ini_lowpass_angstrom"], *extra, log_path=work / "refine.log")
-    return code, time.perf_counter() - tic, started
+    if program == "cryorefine":
+        code, _ = run_cli("refine", *options, log_path=log)
+    else:
+        command = relion_command(args, options)
+        print("$ " + " ".join(command), file=sys.stderr, flush=True)
+        with open(log, "w") as out:  # in WORK/sim: RELION reads image names relative to where it runs
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=work / "sim",
+                                       start_new_session=True)
+            try:
+                code = process.wait(timeout=args.relion_seconds)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 15)
+                process.wait()
+                code = "stopped"
+    return folder, log, code, time.perf_counter() - tic, started
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -217,75 +325,121 @@ def pose_errors(truth_star, refined_star):
     return angle, shift
 
 
-def iteration_timings(work, refine_started):
-    """Per iteration: resolution, E and M seconds (refine's log) and wall seconds (file times)."""
+def log_timings(log):
+    """Per iteration of cryorefine's log: resolution, E and M seconds and the E-step's stages ({} for RELION's)."""
     rows = {}
-    log = work / "refine.log"
     current = None
-    for line in (log.read_text() if log.exists() else "").splitlines():
+    for line in (log.read_text(errors="replace") if log.exists() else "").splitlines():
         if match := ITERATION_LINE.search(line):
             current = rows[int(match[1])] = {
-                "iteration": int(match[1]), "resolution_angstrom": float(match[2]),
                 "expectation_s": float(match[3]), "maximisation_s": float(match[4])}
         elif (match := STAGES_LINE.search(line)) and current is not None:
             current["expectation_stages_s"] = {name: float(seconds) for name, seconds in
                                                (item.rsplit(" ", 1) for item in match[1].split(", "))}
-    previous = refine_started
-    for it in sorted(rows):
-        done = work / "refine" / f"run_it{it:03d}_report.png"  # the last file written in an iteration
-        if done.exists():
-            rows[it]["wall_s"] = done.stat().st_mtime - previous
-            previous = done.stat().st_mtime
-    return [rows[it] for it in sorted(rows)]
+    return rows
+
+
+def iterations_written(out):
+    return sorted(int(path.name[6:9]) for path in out.glob("run_it[0-9][0-9][0-9]_half1_model.star")
+                  if int(path.name[6:9]) > 0)
 
 
 def last_iteration(out):
-    found = sorted(out.glob("run_it[0-9][0-9][0-9]_half1_model.star"))
-    return int(found[-1].name[6:9]) if found else None
+    found = iterations_written(out)
+    return found[-1] if found else None
 
 
-def measure(work, setup, refine_code, refine_seconds, refine_started, extra, keep_true_poses):
+def _general(path, block):
+    """The single-value block `block` of a STAR file (a dict), {} when the file or block is missing."""
+    if not Path(path).exists():
+        return {}
+    table = read_star(path).get(block)
+    if table is None:
+        return {}
+    return table if isinstance(table, dict) else table.iloc[0].to_dict()
+
+
+def _number(mapping, key):
+    try:
+        return float(mapping[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def per_iteration(out, log, truth, truth_star, box, pixel, started):
+    """Step 7's rows per iteration (run_itNNN_* of both programs)."""
+    timings = log_timings(log)
+    rows, previous = [], started
+    for it in iterations_written(out):
+        root = out / f"run_it{it:03d}"
+        model_star = Path(f"{root}_half1_model.star")
+        model = _general(model_star, "model_general")
+        classes = read_star(model_star).get("model_classes")
+        sampling = _general(f"{root}_sampling.star", "sampling_general")
+        row = {"iteration": it, "resolution_angstrom": _number(model, "rlnCurrentResolution"),
+               "healpix_order": _number(sampling, "rlnHealpixOrder"),
+               "sigma_offset_angstrom": _number(model, "rlnSigmaOffsetsAngst"),
+               "accuracy_rotations_deg": (None if classes is None or "rlnAccuracyRotations" not in classes
+                                          else float(classes["rlnAccuracyRotations"].iloc[0])),
+               "wall_s": model_star.stat().st_mtime - previous, **timings.get(it, {})}
+        previous = model_star.stat().st_mtime
+        data = Path(f"{root}_data.star")
+        if data.exists():
+            angle, shift = pose_errors(truth_star, data)
+            row.update(median_angle_error_deg=float(np.median(angle)), median_offset_error_angstrom=float(np.median(shift)))
+        half1 = Path(f"{root}_half1_class001.mrc")
+        if half1.exists():
+            fsc = np.asarray(fsc_volumes(read_volume(half1)[0].astype(np.float64), truth))
+            row.update({f"half1_vs_truth_{key}": value for key, value in resolutions(fsc, box, pixel).items()})
+        rows.append(row)
+    return rows
+
+
+def measure(work, setup, program, seed, folder, log, code, seconds, started, extra, keep_true_poses):
     box, pixel = setup["box_px"], setup["pixel_size_angstrom"]
-    out = work / "refine"
+    out = folder
     truth, _ = read_volume(work / "truth.mrc")
     truth = truth.astype(np.float64)
     last = last_iteration(out)
     if last is None:
-        sys.exit(f"refine wrote no iteration (exit code {refine_code}); see {work / 'refine.log'}")
+        print(f"{program} wrote no iteration (exit code {code}); see {log}", file=sys.stderr)
+        return {"program": program, "seed": seed, "exit_code": code, "wall_s": seconds, "log": str(log),
+                "iterations": 0}
     converged = (out / "run_class001.mrc").exists() and (out / "run_model.star").exists()
+    truepose = work / "truepose"
     if converged:
         model_star, refined_map, data_star = out / "run_model.star", out / "run_class001.mrc", out / "run_data.star"
-        baseline_map = work / "truepose" / "recon.mrc"
+        baseline_map = truepose / "recon.mrc"
     else:
         root = out / f"run_it{last:03d}"
         model_star, refined_map = Path(f"{root}_half1_model.star"), Path(f"{root}_half1_class001.mrc")
         data_star = Path(f"{root}_data.star")
-        baseline_map = work / "truepose" / "recon_half1.mrc"
+        baseline_map = truepose / "recon_half1.mrc"
 
     model = read_star(model_star)
     gold_fsc = model["model_class_1"]["rlnGoldStandardFsc"].to_numpy(np.float64)
+    maps = [("refined", refined_map), ("true_poses", baseline_map), ("reference", work / "reference.mrc")]
     curves = {name: np.asarray(fsc_volumes(read_volume(path)[0].astype(np.float64), truth))
-              for name, path in (("refined", refined_map), ("true_poses", baseline_map),
-                                 ("reference", work / "reference.mrc"))}
-    true_pose_halves = read_star(work / "truepose" / "recon_fsc.star")["fsc"]["rlnFourierShellCorrelation"].to_numpy()
+              for name, path in maps if path.exists()}
+    fsc_star = truepose / "recon_fsc.star"
+    half_curves = {"refined": gold_fsc}
+    if fsc_star.exists():
+        half_curves["true_poses"] = read_star(fsc_star)["fsc"]["rlnFourierShellCorrelation"].to_numpy()
     angle, shift = pose_errors(work / "sim" / "particles.star", data_star)
-    iterations = iteration_timings(work, refine_started)
-    walls = [row["wall_s"] for row in iterations if "wall_s" in row]
-
+    iterations = per_iteration(out, log, truth, work / "sim" / "particles.star", box, pixel, started)
+    walls = [row["wall_s"] for row in iterations]
     return {
-        "setup": setup,
-        "refine": {"command_extra": extra, "input": "true poses" if keep_true_poses else "no poses",
-                   "exit_code": refine_code, "wall_s": refine_seconds, "iterations": len(iterations) or last,
-                   "converged": converged, "model_star": str(model_star), "map": str(refined_map),
-                   "data_star": str(data_star), "baseline_map": str(baseline_map),
-                   "seconds_per_iteration": float(np.mean(walls)) if walls else None},
+        "program": program, "seed": seed, "command_extra": extra,
+        "input": "true poses" if keep_true_poses else "no poses",
+        "exit_code": code, "wall_s": seconds, "iterations": len(iterations), "converged": converged,
+        "log": str(log), "model_star": str(model_star), "map": str(refined_map), "data_star": str(data_star),
+        "baseline_map": str(baseline_map), "seconds_per_iteration": float(np.mean(walls)) if walls else None,
         "reported_resolution_angstrom": float(model["model_general"]["rlnCurrentResolution"]),
         "half_map_fsc": {f"{name}_{t}": resolution_at_threshold(curve, box, pixel, t)
-                         for name, curve in (("refined", gold_fsc), ("true_poses", true_pose_halves))
-                         for t in (0.5, 0.143)},
+                         for name, curve in half_curves.items() for t in (0.5, 0.143)},
         "fsc_vs_truth": {name: {**resolutions(curve, box, pixel), "curve": curve.tolist()}
                          for name, curve in curves.items()},
-        "half_map_fsc_curves": {"refined": gold_fsc.tolist(), "true_poses": true_pose_halves.tolist()},
+        "half_map_fsc_curves": {name: curve.tolist() for name, curve in half_curves.items()},
         "angle_error_deg": {"median": float(np.median(angle)), "p90": float(np.percentile(angle, 90))},
         "offset_error_angstrom": {"median": float(np.median(shift)), "p90": float(np.percentile(shift, 90))},
         "per_iteration": iterations,
@@ -298,45 +452,58 @@ def angstrom(value):
     return "–" if value is None or not math.isfinite(value) else f"{value:.1f}"
 
 
+def figure(value, digits=2):
+    return "–" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
 def row(*cells):
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def markdown(results):
-    s, r = results["setup"], results["refine"]
-    fsc, half = results["fsc_vs_truth"], results["half_map_fsc"]
-    angle, offset = results["angle_error_deg"], results["offset_error_angstrom"]
+    s, runs = results["setup"], results["runs"]
     box, pixel = s["box_px"], s["pixel_size_angstrom"]
-    maps = ("refined", "true_poses", "reference")
     title = (f"### refine accuracy: {Path(s['map']).name}, {box} px at {pixel:.2f} Å/px (Nyquist {2 * pixel:.1f} Å), "
              f"{s['n_particles']} particles, SNR {s['snr']:g}, start {s['ini_lowpass_angstrom']:g} Å, "
              f"mask {s['particle_diameter_angstrom']:g} Å")
-    run = (f"refine {' '.join(r['command_extra']) or '(default options)'} from {r['input']}: "
-           f"exit code {r['exit_code']}, {r['iterations']} iterations, "
-           f"{'converged' if r['converged'] else 'not converged'}, {r['wall_s']:.1f} s wall; compared maps: "
-           f"{'final full maps' if r['converged'] else 'half 1 of the last iteration'}")
-    lines = [title, "", run, "",
-             row("measure", "refined", "true poses", "start reference"), row("---", "---", "---", "---"),
-             row("resolution refine reports, rlnCurrentResolution (Å)",
-                 angstrom(results["reported_resolution_angstrom"]), "", "")]
-    for t in ("0.5", "0.143"):
-        lines.append(row(f"half-map FSC {t} (Å)", angstrom(half[f"refined_{t}"]), angstrom(half[f"true_poses_{t}"]),
-                         ""))
-    for t in ("0.5", "0.143"):
-        lines.append(row(f"FSC vs truth {t} (Å)", *(angstrom(fsc[name][f"fsc_{t}"]) for name in maps)))
-    lines += [row("median / 90 % angular error (°)", f"{angle['median']:.2f} / {angle['p90']:.2f}", "0", ""),
-              row("median / 90 % offset error (Å)", f"{offset['median']:.2f} / {offset['p90']:.2f}", "0", ""),
-              row("wall time per iteration, mean (s)", angstrom(r["seconds_per_iteration"]), "", ""),
-              "",
-              row("shell", "resolution (Å)", "FSC vs truth, refined", "true poses", "start reference"),
-              row("---", "---", "---", "---", "---")]
-    for shell in sorted(set(np.linspace(2, box // 2, 8).round().astype(int))):
-        lines.append(row(shell, f"{box * pixel / shell:.1f}", *(f"{fsc[name]['curve'][shell]:.3f}" for name in maps)))
-    lines += ["", row("iteration", "resolution (Å)", "E (s)", "M (s)", "wall (s)"),
-              row("---", "---", "---", "---", "---")]
-    for it in results["per_iteration"]:
-        lines.append(row(it["iteration"], angstrom(it["resolution_angstrom"]), f"{it['expectation_s']:.1f}",
-                         f"{it['maximisation_s']:.1f}", angstrom(it.get("wall_s"))))
+    extra = " ".join(results["command_extra"]) or "(nothing)"
+    lines = [title, "", f"Both programs: {' '.join(AUTO_REFINE)}, then {extra}; from {results['input']}.", "",
+             row("program", "seed", "exit", "iterations", "wall (s)", "reported (Å)", "half-map FSC 0.143 (Å)",
+                 "FSC vs truth 0.5 / 0.143 (Å)", "median / 90 % angle (°)", "median / 90 % offset (Å)"),
+             row(*["---"] * 10)]
+    for r in runs:
+        if not r.get("iterations"):
+            lines.append(row(r["program"], r["seed"], r["exit_code"], 0, f"{r['wall_s']:.1f}", *["–"] * 5))
+            continue
+        fsc, angle, offset = r["fsc_vs_truth"]["refined"], r["angle_error_deg"], r["offset_error_angstrom"]
+        lines.append(row(r["program"], r["seed"], r["exit_code"],
+                         f"{r['iterations']}{'' if r['converged'] else ' (not converged)'}", f"{r['wall_s']:.1f}",
+                         angstrom(r["reported_resolution_angstrom"]), angstrom(r["half_map_fsc"]["refined_0.143"]),
+                         f"{angstrom(fsc['fsc_0.5'])} / {angstrom(fsc['fsc_0.143'])}",
+                         f"{angle['median']:.2f} / {angle['p90']:.2f}", f"{offset['median']:.2f} / {offset['p90']:.2f}"))
+    done = [r for r in runs if r.get("iterations")]
+    if done:
+        first = done[0]
+        base = first["fsc_vs_truth"].get("true_poses")
+        start = first["fsc_vs_truth"].get("reference")
+        lines += ["", f"True poses ({'full map' if first['converged'] else 'half 1'}): FSC vs truth 0.5 / 0.143 "
+                      f"{angstrom(base and base['fsc_0.5'])} / {angstrom(base and base['fsc_0.143'])} Å; half maps 0.143 "
+                      f"{angstrom(first['half_map_fsc'].get('true_poses_0.143'))} Å; start reference "
+                      f"{angstrom(start and start['fsc_0.5'])} / {angstrom(start and start['fsc_0.143'])} Å."]
+    for r in done:
+        lines += ["", f"{r['program']}, seed {r['seed']}, per iteration (half 1 against the truth):", "",
+                  row("iteration", "order", "resolution (Å)", "σ_offset (Å)", "acc rot (°)", "median angle (°)",
+                      "median offset (Å)", "FSC 0.5 (Å)", "FSC 0.143 (Å)", "E / M (s)", "wall (s)"),
+                  row(*["---"] * 11)]
+        for it in r["per_iteration"]:
+            timing = (f"{it['expectation_s']:.1f} / {it['maximisation_s']:.1f}" if "expectation_s" in it else "–")
+            order = it.get("healpix_order")
+            lines.append(row(it["iteration"], "–" if order is None else int(order),
+                             angstrom(it["resolution_angstrom"]), figure(it["sigma_offset_angstrom"]),
+                             figure(it["accuracy_rotations_deg"]), figure(it.get("median_angle_error_deg")),
+                             figure(it.get("median_offset_error_angstrom")),
+                             angstrom(it.get("half1_vs_truth_fsc_0.5")), angstrom(it.get("half1_vs_truth_fsc_0.143")),
+                             timing, angstrom(it["wall_s"])))
     return "\n".join(lines)
 
 
@@ -361,12 +528,28 @@ def main(argv=None):
         setup = json.loads((work / SETUP_FILE).read_text())
     else:
         setup = prepare(args, work)
-    code, seconds, started = run_refine(args, extra, work, setup)
-    results = measure(work, setup, code, seconds, started, extra, args.keep_true_poses)
-    (work / "results.json").write_text(json.dumps(finite_or_none(results), indent=1))
+    programs = ["cryorefine"] + (["relion"] if args.relion is not None else [])
+    runs, codes = [], []
+    for seed in args.seeds or [None]:
+        for program in programs:
+            folder, log, code, seconds, started = run_refine(args, extra, work, setup, program, seed)
+            codes.append(code)
+            runs.append(measure(work, setup, program, seed, folder, log, code, seconds, started, extra,
+                                args.keep_true_poses))
+            if not args.keep_maps:  # a 256 px run writes 0.2 GB of maps an iteration: keep the disk for the next
+                last = last_iteration(folder)
+                for path in folder.glob("run_it[0-9][0-9][0-9]_*.mrc"):
+                    if int(path.name[6:9]) != last:
+                        path.unlink()
+            results = {"setup": setup, "command_extra": extra, "auto_refine_options": list(AUTO_REFINE),
+                       "relion_command": None if args.relion is None else [args.relion_mpirun, str(args.relion),
+                                                                            args.relion_extra],
+                       "input": "true poses" if args.keep_true_poses else "no poses", "runs": runs}
+            out = args.json or work / "results.json"
+            out.write_text(json.dumps(finite_or_none(results), indent=1))  # after every run
     print(markdown(results))
-    print(f"\nresults: {work / 'results.json'}", file=sys.stderr)
-    return 0 if code == 0 else 1
+    print(f"\nresults: {out}", file=sys.stderr)
+    return 0 if all(code == 0 for code in codes) else 1
 
 
 if __name__ == "__main__":

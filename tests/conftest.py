@@ -30,8 +30,11 @@ def write_mrc(path, data, pixel_size=1.5, stack=True):
         m.voxel_size = pixel_size
 
 
-def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=False, stack_name="stack.mrcs"):
-    """A small RELION particle file with its stack in `folder`; returns (star path, images)."""
+def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=False, stack_name="stack.mrcs",
+                      origin_priors=False):
+    """A small RELION particle file with its stack in `folder`; returns (star path, images). With `origin_priors`, the
+    offsets' prior centres too (rlnOriginX/YPrior in px in a 3.0 file, rlnOriginX/YPriorAngst in Å), drawn after
+    everything else."""
     rng = np.random.default_rng(seed)
     images = rng.normal(size=(n, box, box)).astype(np.float32)
     folder = Path(folder)
@@ -65,6 +68,10 @@ def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=Fals
                                "rlnVoltage": [300.0], "rlnImagePixelSize": [pixel_size],
                                "rlnImageSize": [box], "rlnImageDimensionality": [2]})
         blocks = {"optics": optics, "particles": particles}
+    if origin_priors:
+        suffix = "" if relion30 else "Angst"
+        particles[f"rlnOriginXPrior{suffix}"] = rng.uniform(-3, 3, n)
+        particles[f"rlnOriginYPrior{suffix}"] = rng.uniform(-3, 3, n)
     star_path = folder / "particles.star"
     starfile.write(blocks, star_path)
     return star_path, images

@@ -149,3 +149,29 @@ def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_wi
     np_angle = [float(a) for a in angle]
     assert np_angle[0] == pytest.approx(0.0, abs=1e-6) and np_angle[1] > 1.0  # particle 2 exact, particle 1 off
     assert list(shift) == pytest.approx([0.0, 3.0])
+
+
+def test_refine_accuracy_gives_relion_the_command_line_cryorefine_gets(tmp_path, monkeypatch):
+    """Both programs: the files, --ctf, the mask, --ini_high, RELION 5 GUI's Refine3D options, the seed and the options
+    after `--`, in that order; RELION's run under its launcher with its own options last."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import refine_accuracy
+
+    relion = tmp_path / "relion_refine_mpi"
+    relion.write_text("")
+    args, extra = refine_accuracy.parse_args(["--work", str(tmp_path), "--seeds", "2", "3", "--relion", str(relion),
+                                              "--relion_extra", "--j 6 --pool 10", "--", "--gpu", "0"])
+    setup = {"particle_diameter_angstrom": 280.0, "ini_lowpass_angstrom": 40.0}
+    folder = refine_accuracy.run_folder(tmp_path, "relion", 2)
+    assert folder == tmp_path / "relion_seed2"
+    assert refine_accuracy.run_folder(tmp_path, "cryorefine", None) == tmp_path / "refine"
+    options = [str(o) for o in refine_accuracy.refine_options(args, extra, tmp_path, setup, folder, 2)]
+    assert options[:13] == ["--i", str(tmp_path / "sim" / "particles_unaligned.star"), "--ref",
+                            str(tmp_path / "reference.mrc"), "--o", str(folder / "run"), "--ctf",
+                            "--particle_diameter", "280.0", "--ini_high", "40.0", "--auto_refine",
+                            "--split_random_halves"]
+    assert options[-4:] == ["--random_seed", "2", "--gpu", "0"]
+    assert " --healpix_order 2 --auto_local_healpix_order 4 --offset_range 5 --offset_step 2 " in " ".join(options)
+    command = refine_accuracy.relion_command(args, options)
+    assert command == ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "3", str(relion.resolve()), *options,
+                       "--j", "6", "--pool", "10"]

@@ -146,3 +146,28 @@ def test_noise_sums_hold_every_coefficient_of_each_shell_once(particles, current
                                 pixel_size_angstrom=2.0, log_pdf_class=np.zeros(1), sigma_offset_px=3.0))
     engine.run(batch)
     np.testing.assert_allclose(engine.sums().sigma2_noise[0], expected, rtol=1e-9)
+
+
+def test_a_batch_carries_each_particle_s_origin_prior_in_pixels(tmp_path):
+    """The centre of the offsets' prior of a 3D job's batch is the particle's rlnOriginX/YPriorAngst over the pixel
+    size (RELION's exp_prior), (0, 0) where the file has none; a 2D classification's settings leave it at (0, 0)
+    (RELION centres 2D priors on the class's mean offset)."""
+    from dataclasses import replace
+
+    import starfile
+
+    with_priors, _ = make_particle_set(tmp_path / "priors", n=5, box=32, pixel_size=2.0, seed=4, origin_priors=True)
+    without, _ = make_particle_set(tmp_path / "none", n=5, box=32, pixel_size=2.0, seed=4)
+    table = starfile.read(with_priors)["particles"]
+    settings = ImageSettings(32, 2.0, 40.0)
+    indices = np.array([4, 0, 2])
+    with mrc.StackReader() as reader:
+        batch = prepare_batch(load_particles(with_priors), indices, reader, settings, 20, 1.0, 1)
+        flat = prepare_batch(load_particles(with_priors), indices, reader,
+                             replace(settings, per_particle_offset_priors=False), 20, 1.0, 1)
+        none = prepare_batch(load_particles(without), indices, reader, settings, 20, 1.0, 1)
+    want = table[["rlnOriginXPriorAngst", "rlnOriginYPriorAngst"]].to_numpy()[indices] / 2.0
+    assert np.abs(want).max() > 0.5
+    np.testing.assert_allclose(batch.origin_prior_px, want, rtol=1e-12)
+    np.testing.assert_array_equal(flat.origin_prior_px, np.zeros((3, 2)))
+    np.testing.assert_array_equal(none.origin_prior_px, np.zeros((3, 2)))

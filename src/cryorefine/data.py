@@ -66,6 +66,10 @@ class ParticleSet:
     psi_deg: np.ndarray
     origin_x_angstrom: np.ndarray
     origin_y_angstrom: np.ndarray
+    # the centre of the offsets' prior (rlnOriginX/YPriorAngst, RELION's sign and meaning of the origins); (0, 0)
+    # where the file has none, as RELION takes it
+    origin_prior_x_angstrom: np.ndarray
+    origin_prior_y_angstrom: np.ndarray
     norm_correction: np.ndarray
     random_subset: np.ndarray  # 0 where the file has none
     class_number: np.ndarray
@@ -406,6 +410,8 @@ def load_particles(star_path: Path | str, check_stacks: bool = True) -> Particle
         ctf_bfactor=col("rlnCtfBfactor", 0.0), ctf_scale=col("rlnCtfScalefactor", 1.0),
         rot_deg=col("rlnAngleRot", 0.0), tilt_deg=col("rlnAngleTilt", 0.0), psi_deg=col("rlnAnglePsi", 0.0),
         origin_x_angstrom=col("rlnOriginXAngst", 0.0), origin_y_angstrom=col("rlnOriginYAngst", 0.0),
+        origin_prior_x_angstrom=col("rlnOriginXPriorAngst", 0.0),
+        origin_prior_y_angstrom=col("rlnOriginYPriorAngst", 0.0),
         norm_correction=col("rlnNormCorrection", 1.0),
         random_subset=col("rlnRandomSubset", 0).astype(np.int64),
         class_number=col("rlnClassNumber", 1).astype(np.int64),

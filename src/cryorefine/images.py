@@ -1,7 +1,8 @@
 """Stage 1 of an iteration: particle images into masked Fourier transforms, CTFs and noise
 statistics (RELION's getFourierTransformsAndCtfs and calculateSumOfPowerSpectraAndAverageImage).
 
-Per particle: norm correction (×avg_norm/norm), an integer shift by the rounded old origin
+Per particle: the centre of the offsets' prior (its rlnOriginX/YPriorAngst in pixels, `Batch.origin_prior_px`),
+norm correction (×avg_norm/norm), an integer shift by the rounded old origin
 (so the mask sits on the particle), a soft circular mask of `particle_diameter` with a cosine
 edge (outside: zeros with --zero_mask, else Gaussian noise of the background's standard
 deviation), the transform, windowed to the current size; the unmasked transform is kept for
@@ -40,6 +41,10 @@ class ImageSettings:
     do_ctf: bool = False
     random_seed: int = 0
     ctf_intact_first_peak: bool = False  # --ctf_intact_first_peak: the CTF is 1 up to its first peak
+    # the offsets' prior of a batch is centred on each particle's rlnOriginX/YPriorAngst ((0, 0) where the file has
+    # none), as RELION's 3D jobs centre it; False: on (0, 0) (a 2D classification: RELION centres it on the class's
+    # mean offset there, whatever the particles' priors)
+    per_particle_offset_priors: bool = True
 
     @property
     def mask_radius_px(self) -> float:
@@ -284,6 +289,11 @@ def prepare_batch(particles: ParticleSet, indices: npt.ArrayLike, reader: mrc.St
     psi = particles.psi_deg[indices] if previous.psi_deg is None else previous.psi_deg[indices]
     klass = ((particles.class_number[indices] - 1) if previous.class_index is None
              else np.asarray(previous.class_index)[indices])
+    if settings.per_particle_offset_priors:
+        origin_prior = np.stack([particles.origin_prior_x_angstrom[indices],
+                                 particles.origin_prior_y_angstrom[indices]], axis=1) / settings.pixel_size_angstrom
+    else:
+        origin_prior = np.zeros((indices.size, 2))
     return Batch(
         indices=indices,
         images_ft=ft_mask,
@@ -294,7 +304,7 @@ def prepare_batch(particles: ParticleSet, indices: npt.ArrayLike, reader: mrc.St
         old_origin_px=np.stack([ox, oy], axis=1),
         residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
         prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
-        old_class=klass, norm_correction=norm, power_beyond_current=to_host(power))
+        old_class=klass, norm_correction=norm, power_beyond_current=to_host(power), origin_prior_px=origin_prior)
 
 
 def prepare_in_parts(prepare_part: Callable[[slice], Batch], parts: Sequence[slice]) -> Batch:

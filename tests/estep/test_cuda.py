@@ -36,7 +36,8 @@ def blob_volume(rng, n, blobs=8):
 def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset_step=2, noise=0.3, ctf=True,
                    sigma_scale=1.0, sampling_kw=None, origin_prior=False, **setup_kw):
     """A reference, a sampling, and noisy CTF-modulated projections at random poses and shifts; with
-    `origin_prior`, each particle's offsets' prior centred up to 1 px from the box centre (else (0, 0))."""
+    `origin_prior`, each particle's offsets' prior centred up to 1 px from the box centre (a number: up to that many
+    px) (else (0, 0))."""
     rng = np.random.default_rng(seed)
     volume = blob_volume(rng, n)
     sampling = Sampling(healpix_order=healpix_order, offset_range_px=offset_range, offset_step_px=offset_step,
@@ -65,7 +66,8 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
                   prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
                   old_class=np.zeros(n_particles, np.int64), norm_correction=rng.uniform(0.9, 1.1, n_particles),
                   power_beyond_current=np.zeros((n_particles, n // 2 + 1)),
-                  origin_prior_px=rng.uniform(-1.0, 1.0, (n_particles, 2)) if origin_prior else None)
+                  origin_prior_px=rng.uniform(-1.0, 1.0, (n_particles, 2)) * float(origin_prior) if origin_prior
+                  else None)
     kw = dict(current_size_px=n, coarse_size_px=n, pixel_size_angstrom=2.0, log_pdf_class=np.zeros(1),
               sigma_offset_px=3.0)
     kw.update(setup_kw)
@@ -362,9 +364,15 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
                                 dict(sigma_offset_px=1.0, origin_prior=True),
                                 dict(local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0, sigma_offset_px=1.0,
                                      origin_prior=True),
-                                dict(sampling_kw=dict(oversampling=2), sigma_offset_px=1.0, origin_prior=True)],
+                                dict(sampling_kw=dict(oversampling=2), sigma_offset_px=1.0, origin_prior=True),
+                                # priors up to 4 px off centre (a STAR file's rlnOriginX/YPriorAngst), on a ±4 px grid:
+                                # the prior pulls each particle towards its own corner of the translations
+                                dict(offset_range=4, sigma_offset_px=1.5, origin_prior=4.0),
+                                dict(offset_range=4, local_searches=True, sigma_rot_deg=12.0, sigma_psi_deg=12.0,
+                                     sigma_offset_px=1.5, origin_prior=4.0)],
                          ids=["global", "cc", "local", "strict_highres_exp", "oversampling_2", "global_offset_prior",
-                              "local_offset_prior", "oversampling_2_offset_prior"])
+                              "local_offset_prior", "oversampling_2_offset_prior", "global_far_origin_priors",
+                              "local_far_origin_priors"])
 def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     _, setup, batch = random_problem(7, 32, 12, sigma_scale=5.0, **kw)
     ref, want, gpu, got = run_both(cp, setup, batch)
@@ -615,7 +623,7 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
     from cryorefine.images import ImageSettings, PreviousValues, prepare_batch
     from cryorefine.io import mrc
 
-    star, _ = make_particle_set(tmp_path, n=9, box=box, pixel_size=1.7, seed=11)
+    star, _ = make_particle_set(tmp_path, n=9, box=box, pixel_size=1.7, seed=11, origin_priors=True)
     particles = load_particles(star)
     settings = ImageSettings(box, 1.7, 60.0, zero_mask=zero_mask, do_ctf=True, random_seed=3)
     indices = np.array([0, 2, 3, 5, 8])
@@ -632,6 +640,11 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
         assert err < bound, name
     assert device.images_ft.dtype == np.complex64 and device.images_ft_unmasked.dtype == np.complex64
     np.testing.assert_allclose(device.power_beyond_current, host.power_beyond_current, rtol=1e-5)
+    # the offsets' prior centres: the file's rlnOriginX/YPriorAngst in px, on the host for both engines
+    priors = np.stack([particles.origin_prior_x_angstrom, particles.origin_prior_y_angstrom], axis=1)[indices] / 1.7
+    assert np.abs(priors).max() > 0.5
+    np.testing.assert_allclose(device.origin_prior_px, priors, rtol=1e-12)
+    np.testing.assert_allclose(host.origin_prior_px, priors, rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------- classification

@@ -656,3 +656,38 @@ def test_sigma_offset_after_a_local_search_is_the_weighted_spread_of_the_offsets
     mstep.maximize_other_parameters(model, RefineConfig(input_star="p.star", output_root="o/run", reference_map=""),
                                     [sums], do_cc=False)
     assert model.sigma_offset_angstrom == pytest.approx(np.sqrt(sigma2_offset), rel=1e-10)
+
+
+def test_the_origin_priors_of_a_star_file_centre_the_offsets_prior(tmp_path):
+    """A particle file's rlnOriginX/YPriorAngst, through `images.prepare_batch`, centre the offsets' prior: against a
+    reference of zeros each kept sample's weight is its offset prior exp(−|old + t − prior|²/2σ²) alone (t its coarse
+    translation, global search), with old and prior the file's origins and priors over the pixel size. Before the
+    batches carried the priors the centre was (0, 0)."""
+    import starfile
+    from conftest import make_particle_set
+
+    from cryorefine.data import load_particles
+    from cryorefine.images import ImageSettings, prepare_batch
+    from cryorefine.io import mrc
+
+    n, pixel, sigma_px = 4, 2.0, 1.5
+    star, _ = make_particle_set(tmp_path, n=n, box=N, pixel_size=pixel, seed=3, origin_priors=True)
+    table = starfile.read(star)["particles"]
+    old = table[["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy() / pixel
+    prior = table[["rlnOriginXPriorAngst", "rlnOriginYPriorAngst"]].to_numpy() / pixel
+    sampling = Sampling(healpix_order=1, offset_range_px=2, offset_step_px=2)
+    setup = replace(setup_for(Projector(np.zeros((N, N, N))), sampling, np.full((1, N // 2 + 1), 1e-4),
+                              adaptive_fraction=0.999), sigma_offset_px=sigma_px)
+    with mrc.StackReader() as reader:
+        batch = prepare_batch(load_particles(star), np.arange(n), reader, ImageSettings(N, pixel, None), N, 1.0, 1)
+    engine = NumpyEngine(keep_blocks=True)
+    engine.setup(setup)
+    engine.run(batch)
+    translations, n_trans = sampling.translations_px(), sampling.n_translations
+    for b, blocks in enumerate(engine.last_blocks):
+        t = blocks.coarse_index % n_trans
+        assert np.unique(t).size >= 3  # the prior is felt over several translations, not cut down to one
+        offset_prior = -np.sum((old[b] + translations[t] - prior[b]) ** 2, axis=1) / (2 * sigma_px ** 2)
+        kept = blocks.weights > 0
+        residual = np.log(blocks.weights[kept]) - np.broadcast_to(offset_prior[:, None], blocks.weights.shape)[kept]
+        assert np.ptp(residual) < 1e-9, (b, np.ptp(residual))  # log w − log prior: the normalisation alone

@@ -63,6 +63,25 @@ def test_relion30_pixel_size_and_origins_converted(real_data):
     np.testing.assert_array_equal(voltage, raw["rlnVoltage"].to_numpy())
 
 
+def test_relion30_origin_priors_converted_to_angstrom_and_checked(tmp_path):
+    """RELION's conversion of a 3.0 file (star_converter): rlnOriginX/YPrior in pixels become rlnOriginX/YPriorAngst,
+    times the pixel size; a prior that is not a number is named."""
+    import starfile
+    from conftest import make_particle_set
+
+    path, _ = make_particle_set(tmp_path, pixel_size=1.5, relion30=True, origin_priors=True)
+    raw = starfile.read(path)
+    star = read_particle_star(path)
+    for axis in "XY":
+        np.testing.assert_allclose(star.particles[f"rlnOrigin{axis}PriorAngst"], raw[f"rlnOrigin{axis}Prior"] * 1.5)
+        assert f"rlnOrigin{axis}Prior" not in star.particles.columns
+    raw["rlnOriginYPrior"] = raw["rlnOriginYPrior"].astype(object)
+    raw.loc[2, "rlnOriginYPrior"] = "none"
+    starfile.write(raw, path)
+    with pytest.raises(InputError, match="row 3, column rlnOriginYPrior"):
+        read_particle_star(path)
+
+
 def test_empiar10076_pixel_size_from_detector(real_data):
     star = read_particle_star(real_data / "relion30_empiar10076/empiar_10076_7.star")
     assert star.optics["rlnImagePixelSize"].iloc[0] == pytest.approx(1.31, abs=1e-3)

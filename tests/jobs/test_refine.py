@@ -641,3 +641,42 @@ def test_sigma_offset_of_local_searches_stays_the_spread_of_the_offsets(tmp_path
         assert int(model["rlnOrientationalPriorMode"]) == 1  # local searches
         sigma = float(model["rlnSigmaOffsetsAngst"])
         assert 0.85 * spread < sigma < 1.15 * spread, (iteration, sigma, spread)
+
+
+def test_origin_priors_centre_the_offsets_prior_and_are_written_back(tmp_path):
+    """Particles whose rlnOriginX/YPriorAngst lie near their true offsets (as a re-extraction from an earlier
+    refinement leaves them), refined with local searches from the first iteration: RELION centres the offsets' prior
+    on each particle's origin prior, so σ_offset (its σ² the weighted mean of |offset − prior|² per axis) is the
+    spread of the offsets about their priors, a few Å here, not their spread about the box centre (≈ 18 Å); the
+    offsets found are the true ones; and data.star carries the priors as they were given (RELION writes them back)."""
+    truth = downsample_volume(read_volume(EXAMPLE_MAP)[0], BOX)
+    write_volume(tmp_path / "truth.mrc", truth, PIXEL)
+    assert run_cli("simulate", "--ref", tmp_path / "truth.mrc", "--n", 100, "--snr", 0.5, "--seed", 4,
+                   "--o", tmp_path / "sim") == 0
+    blocks = starfile.read(tmp_path / "sim" / "particles.star")
+    table = blocks["particles"]
+    true_offsets = table[["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy()
+    priors = true_offsets + np.random.default_rng(8).normal(0.0, 3.0, true_offsets.shape)
+    table["rlnOriginXPriorAngst"], table["rlnOriginYPriorAngst"] = priors[:, 0], priors[:, 1]
+    table["rlnOriginXAngst"], table["rlnOriginYAngst"] = priors[:, 0], priors[:, 1]  # starting from the priors
+    starfile.write(blocks, tmp_path / "sim" / "with_priors.star")
+    assert run_cli("refine", "--i", tmp_path / "sim" / "with_priors.star", "--ref", tmp_path / "truth.mrc",
+                   "--o", tmp_path / "out" / "run", "--ini_high", 50, "--ctf", "--particle_diameter", 320,
+                   "--flatten_solvent", "--zero_mask", "--healpix_order", 1, "--auto_local_healpix_order", 1,
+                   "--offset_range", 3, "--offset_step", 1, "--iter", 2, "--auto_refine", "--split_random_halves") == 0
+    spread_about_centre = np.sqrt(np.mean(true_offsets ** 2))
+    assert spread_about_centre > 15
+    for iteration in (1, 2):
+        model = starfile.read(tmp_path / "out" / f"run_it{iteration:03d}_half1_model.star")["model_general"]
+        sigma = float(model["rlnSigmaOffsetsAngst"])
+        data = starfile.read(tmp_path / "out" / f"run_it{iteration:03d}_data.star")["particles"]
+        found = data[["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy()
+        np.testing.assert_allclose(data[["rlnOriginXPriorAngst", "rlnOriginYPriorAngst"]].to_numpy(), priors,
+                                   atol=1e-6)
+        about_priors = np.sqrt(np.mean((found - priors) ** 2))
+        error = np.median(np.hypot(*(found - true_offsets).T))
+        print(f"iteration {iteration}: sigma_offset {sigma:.2f} A, RMS of offset - prior {about_priors:.2f} A, "
+              f"median offset error {error:.2f} A")
+        assert sigma < 0.5 * spread_about_centre, (iteration, sigma)
+        assert 0.7 * about_priors < sigma < 1.5 * about_priors, (iteration, sigma, about_priors)
+        assert error < 0.5 * PIXEL, (iteration, error)

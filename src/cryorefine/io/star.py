@@ -40,7 +40,9 @@ NUMERIC_COLUMNS = {
     "rlnAngleRot": (None, None, True, False), "rlnAngleTilt": (None, None, True, False),
     "rlnAnglePsi": (None, None, True, False), "rlnOriginXAngst": (None, None, True, False),
     "rlnOriginYAngst": (None, None, True, False), "rlnOriginX": (None, None, True, False),
-    "rlnOriginY": (None, None, True, False), "rlnNormCorrection": (0.0, None, False, False),
+    "rlnOriginY": (None, None, True, False), "rlnOriginXPriorAngst": (None, None, True, False),
+    "rlnOriginYPriorAngst": (None, None, True, False), "rlnOriginXPrior": (None, None, True, False),
+    "rlnOriginYPrior": (None, None, True, False), "rlnNormCorrection": (0.0, None, False, False),
     "rlnRandomSubset": (0, None, True, True), "rlnClassNumber": (0, None, True, True),
     "rlnOpticsGroup": (1, None, True, True), "rlnImagePixelSize": (0.0, None, False, False),
     "rlnImageSize": (1, None, True, True), "rlnVoltage": (0.0, None, False, False),
@@ -307,10 +309,10 @@ def _from_relion30(table, path, block):
         optics["rlnImageDimensionality"] = 2
     particles = table.drop(columns=present)
     particles["rlnOpticsGroup"] = group
-    for axis in ("X", "Y"):
-        col = f"rlnOrigin{axis}"
-        if col in particles.columns:
-            particles[f"rlnOrigin{axis}Angst"] = particles.pop(col).to_numpy(np.float64) * pixel_size
+    for axis in ("X", "Y"):  # origins and their priors from pixels to Å (RELION's conversion of 3.0 files)
+        for col in (f"rlnOrigin{axis}", f"rlnOrigin{axis}Prior"):
+            if col in particles.columns:
+                particles[f"{col}Angst"] = particles.pop(col).to_numpy(np.float64) * pixel_size
     return ParticleStar(path, particles, optics, "3.0")
 
 

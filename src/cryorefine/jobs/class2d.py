@@ -36,7 +36,9 @@ the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of 
 1…K then K+1…2K; run_itNNN_2moment.mrcs; model.star's rlnGradMoment1/2), from which --continue goes on exactly as
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
 With --gpu the EM algorithm runs on one GPU in one process (the GPU engine's 2D path); VDAM and runs under mpirun
-take the CPU's numpy engine for now. Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
+take the CPU's numpy engine for now. The offsets' prior is centred on (0, 0): the particles' rlnOriginX/YPriorAngst
+are not used (RELION's 2D classification does not use them either: it centres the prior on each class's mean
+offset, which is not kept yet). Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
 averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
@@ -228,6 +230,7 @@ class Class2DJob:
             raise InputError("class2d: --fast_subsets cannot be used with --grad (as in RELION: VDAM takes its own "
                              "mini-batches); drop --fast_subsets")
         particles, settings = loop.particles_and_settings(config)
+        settings = replace(settings, per_particle_offset_priors=False)  # RELION's ref_dim 2
         if config.skip_align and "rlnAnglePsi" not in particles.pose_columns:
             raise InputError(f"{config.input_star}: no rlnAnglePsi column; --skip_align keeps each particle's psi and "
                              f"origin, as an earlier 2D classification's run_data.star has them")
