@@ -4,7 +4,7 @@ The same machinery as the 3D jobs with 2D references (RELION's ref_dim 2): a cla
 "projection" at an in-plane angle psi is its transform rotated (`core.projector` on a 2D grid); the sampling is
 psi alone (`core.sampling.Sampling.in_plane`: --psi_step, RELION's 10° without it; its 2^oversampling children)
 and the translations of --offset_range/--offset_step; each iteration's E-step is one work unit of the particles
-against every class, on the numpy engine or, with --gpu, on one GPU (the GPU engine's 2D path, in one process); the
+against every class, on the numpy engine or, with --gpu, on the GPU engine's 2D path (a GPU per process); the
 M-step reconstructs each class from its 2D sums on the engine's device, regularised by τ², the power of the class's
 previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
 - no --ref: the initial class averages are averages of random subsets (particle i in class i mod K after a
@@ -24,7 +24,8 @@ VDAM (--grad, RELION 4/5's GUI default: `--grad --class_inactivity_threshold 0.1
 each iteration is a gradient step (`em.gradient`) on a random mini-batch of RELION's 2D sizes
 (`em.gradient.class2d_subset_sizes`: from max(min(0.5 %, 10,000), 200) to max(min(5 %, 100,000), 1,000) particles,
 every particle in the last iteration), split into two pseudo-half sets by the parity of the particle's index, each an
-E-step work unit against every class (at most 5 significant poses per class without --maxsig, RELION's 2D rule);
+E-step work unit against every class (without --maxsig a particle keeps at most 5·K significant coarse samples over
+all K classes, RELION's maximum_significants under --grad in 2D; both engines cut with it, `estep.common`);
 each class's average moves along its gradient with momentum (`em.gradient.vdam_maximization`), the step size from 0.9
 to 0.3 and the τ² fudge from 1 to --tau2_fudge over RELION's phases of --iter; the class distribution and the other
 parameters take momentum 0.9; between the initial and the final phase the least active class, where its share is
@@ -35,9 +36,11 @@ The files are written every --grad_write_iter iterations, at the last, and where
 the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of the two pseudo-half sets, classes
 1…K then K+1…2K; run_itNNN_2moment.mrcs; model.star's rlnGradMoment1/2), from which --continue goes on exactly as
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
-With --gpu the EM algorithm runs on one GPU in one process (the GPU engine's 2D path); VDAM and runs under mpirun
-take the CPU's numpy engine for now. Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
-averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
+With --gpu the E-steps run on the GPU engine's 2D path (one GPU per process, EM and VDAM, in one process or under
+mpirun: the workers' sums added on their GPUs and the references made once among them where each has a GPU of its
+own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). Not yet: RELION's
+per-class offset priors, RELION 4/5's blobs as the initial averages.
+Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
 a gallery with their shares of the particles).
@@ -73,7 +76,6 @@ from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
-from cryorefine.runners.mpi import launched_with_mpi
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -90,7 +92,8 @@ INITIAL_LOWPASS_FRACTION_OF_BOX = 0.07
 INITIAL_SUBSETS_STREAM = 2
 FAST_SUBSETS_STREAM = 1
 GRAD_SUBSET_STREAM = 4
-#: RELION's most significant poses per class under --grad in 2D without --maxsig
+#: under --grad in 2D without --maxsig a particle keeps at most this many significant coarse samples per class, over
+#: all classes together (RELION's maximum_significants = 5·K)
 GRAD_MAX_SIGNIFICANTS_PER_CLASS = 5
 #: under --grad an average is centred only where it moves at least this many pixels, or this share of the particle's
 #: diameter (RELION's centerClasses: small moves upset the momenta)
@@ -221,9 +224,6 @@ class Class2DJob:
             raise InputError("class2d: --firstiter_cc is not available in 2D; drop it")
         if config.symmetry.upper() != "C1":
             raise InputError(f"class2d: --sym {config.symmetry}: 2D classes have no point-group symmetry; drop --sym")
-        if config.engine == "cuda" and (config.grad or launched_with_mpi()):
-            raise InputError(f"class2d: {'--grad (VDAM)' if config.grad else 'a run under mpirun'} takes the CPU "
-                             f"engine for now (the GPU's 2D path runs the EM algorithm in one process); drop --gpu")
         if config.grad and config.fast_subsets:
             raise InputError("class2d: --fast_subsets cannot be used with --grad (as in RELION: VDAM takes its own "
                              "mini-batches); drop --fast_subsets")
