@@ -7,9 +7,10 @@ and the translations of --offset_range/--offset_step; each iteration's E-step is
 against every class, on the numpy engine or, with --gpu, on the GPU engine's 2D path (a GPU per process); the
 M-step reconstructs each class from its 2D sums on the engine's device, regularised by τ², the power of the class's
 previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
-- no --ref: the initial class averages are averages of random subsets (particle i in class i mod K after a
-  random permutation, each at a random psi, CTF-weighted, as RELION 5's calculateSumOfPowerSpectraAndAverageImage
-  makes them), low-passed to --ini_high, or without it to RELION's shell 0.07·box;
+- no --ref (EM and VDAM alike, RELION 4/5's initialiseReferences): each class starts from RELION's random Gaussian
+  blobs (`em.references.blobs`) as high as its share of the first 1,000 particles of each optics group (particle i
+  in class i mod K, each at a random psi, CTF-weighted and averaged), low-passed to --ini_high, or without it to
+  RELION's shell 0.07·box, and faded to the mean outside the particle's circle (`initial_references`);
 - --center_classes: after each M-step every class average is moved to its centre of mass (of its positive
   values; at most --offset_range pixels), as RELION's centerClasses;
 - --flatten_solvent: the averages outside the circle of --particle_diameter set to zero with a soft edge;
@@ -39,7 +40,7 @@ the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-st
 With --gpu the E-steps run on the GPU engine's 2D path (one GPU per process, EM and VDAM, in one process or under
 mpirun: the workers' sums added on their GPUs and the references made once among them where each has a GPU of its
 own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). Not yet: RELION's
-per-class offset priors, RELION 4/5's blobs as the initial averages.
+per-class offset priors (rlnClassPriorOffsetX/Y; the offsets' prior here is centred on (0, 0) for every class).
 Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
@@ -61,10 +62,12 @@ from cryorefine.core import euler, fourier
 from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import relion_round
 from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.reconstruct import soft_mask_outside_map
 from cryorefine.core.sampling import Sampling, next_perturbation
 from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
+from cryorefine.em.references import blobs
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
@@ -101,6 +104,10 @@ GRAD_CENTRE_MIN_SHIFT_PX = 2.0
 GRAD_CENTRE_MIN_SHIFT_OF_DIAMETER = 0.01
 #: RELION's width of the low-pass edge of the initial references (WIDTH_FMASK_EDGE), in shells
 INITIAL_LOWPASS_EDGE_SHELLS = 2.0
+#: RELION's particles per optics group averaged into the initial classes (--nr_parts_sigma2noise's 1000 in 2D)
+INITIAL_PARTICLES_PER_OPTICS_GROUP = 1000
+#: the spread of the places of RELION's blobs in 2D (SomGraph::make_blobs_2d), a share of the particle's diameter
+BLOB_PLACE_SIGMA_OF_DIAMETER = 1.0 / 7.0
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
@@ -132,30 +139,57 @@ def lowpass_image(image: np.ndarray, resolution_angstrom: float, pixel_size_angs
     return fourier.irfft2_centered(fourier.rfft2_centered(image) * gain, n)
 
 
+def initial_subset(optics_index: np.ndarray, per_optics_group: int) -> np.ndarray:
+    """The particles (indices, in the STAR file's order) RELION 5 averages into the initial classes without --ref: the
+    first `per_optics_group` of each optics group in the file's order (calculateSumOfPowerSpectraAndAverageImage with
+    --nr_parts_sigma2noise; INITIAL_PARTICLES_PER_OPTICS_GROUP)."""
+    optics_index = np.asarray(optics_index)
+    taken = np.zeros(optics_index.size, dtype=bool)
+    for group in np.unique(optics_index):
+        taken[np.flatnonzero(optics_index == group)[:per_optics_group]] = True
+    return np.flatnonzero(taken)
+
+
 def initial_references(particles: ParticleSet, settings: ImageSettings, config: RefineConfig,
                        batch_size: int) -> list[np.ndarray]:
-    """K class averages (float64 (N, N)) of random subsets of the particles, as RELION makes them without --ref:
-    after a random permutation particle i goes to class i mod K at a random psi; each class is the CTF-weighted
-    average of its masked images (data Σ CTF·X at its psi, weights Σ CTF², no τ²), low-passed
-    (`initial_resolution_angstrom`)."""
-    n_particles, k_classes = len(particles), int(config.n_classes)
+    """K starting class images (float64 (N, N)) as RELION 4/5 makes them without --ref, for EM and VDAM alike:
+    - the average of a subset (`initial_subset`), particle i of the file in class i mod K, each at a random psi:
+      the CTF-weighted average of the masked images (data Σ CTF·X at its psi, weights Σ CTF², no τ²) up to half the
+      low-pass shell (RELION back-projects them at a current size of the shell's number) — low-passed
+      (`initial_resolution_angstrom`);
+    - in its place RELION's blobs (`em.references.blobs`, places about the centre with σ diameter/7), low-passed
+      again and faded to the mean outside the particle's circle (softMaskOutsideMap, --particle_diameter, the mask's
+      edge width). A class without particles starts from zeros."""
+    k_classes = int(config.n_classes)
     box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
     draw = np.random.default_rng([config.random_seed, INITIAL_SUBSETS_STREAM])
-    class_of = np.empty(n_particles, dtype=np.int64)
-    class_of[draw.permutation(n_particles)] = np.arange(n_particles) % k_classes
-    psi = draw.uniform(0.0, 360.0, n_particles)
-    sums = [BackProjector(box, config.padding_factor, box // 2, ndim=2) for _ in range(k_classes)]
+    chosen = initial_subset(particles.optics_index, INITIAL_PARTICLES_PER_OPTICS_GROUP)
+    class_of = np.arange(len(particles)) % k_classes
+    psi = np.zeros(len(particles))
+    psi[chosen] = draw.uniform(0.0, 360.0, chosen.size)
+    resolution = initial_resolution_angstrom(config, box, pixel)
+    r_max = max(1, min(box // 2, relion_round(box * pixel / resolution) // 2))
+    sums = [BackProjector(box, config.padding_factor, r_max, ndim=2) for _ in range(k_classes)]
     with particles.image_reader() as reader:
-        for indices in particles.batches(batch_size):
+        for indices in particles.batches(batch_size, chosen):
             batch = prepare_batch(particles, indices, reader, settings, box, 1.0, 0)
             mats = euler.euler_to_matrix(np.zeros(indices.size), np.zeros(indices.size), psi[indices])
             for k in range(k_classes):
-                chosen = class_of[indices] == k
-                if chosen.any():
-                    ctf = batch.ctf[chosen]
-                    sums[k].backproject(batch.images_ft[chosen] * ctf, ctf * ctf, mats[chosen])
-    resolution = initial_resolution_angstrom(config, box, pixel)
-    return [lowpass_image(bp.reconstruct(), resolution, pixel) for bp in sums]
+                mine = class_of[indices] == k
+                if mine.any():
+                    ctf = batch.ctf[mine]
+                    sums[k].backproject(batch.images_ft[mine] * ctf, ctf * ctf, mats[mine])
+    diameter_px = settings.particle_diameter_angstrom / pixel
+    out = []
+    for bp in sums:
+        if float(np.sum(bp.weight)) <= 0:
+            out.append(np.zeros((box, box)))
+            continue
+        average = lowpass_image(np.asarray(bp.reconstruct(), dtype=np.float64), resolution, pixel)
+        image = lowpass_image(blobs(average, diameter_px, BLOB_PLACE_SIGMA_OF_DIAMETER, draw), resolution, pixel)
+        out.append(np.asarray(soft_mask_outside_map(image, diameter_px / 2.0, config.width_mask_edge_px),
+                              dtype=np.float64))
+    return out
 
 
 def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
