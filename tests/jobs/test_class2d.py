@@ -98,6 +98,24 @@ def assert_gpu_run_matches_the_cpu(cpu_folder, gpu_folder, iterations, k_classes
         assert min(correlations) >= correlation, (it, correlations)
 
 
+def test_the_report_is_a_gallery_of_the_k_averages_largest_class_first_with_the_models_sizes(three_views):
+    """Iterations 1 and 8: the report's K panels in RELION's order (rlnClassDistribution of model.star, largest
+    first), each with model.star's share and the number of particles data.star puts in its class."""
+    from test_report import gallery_record
+
+    folder, _, _ = three_views
+    for it in (1, 8):
+        root = folder / "out" / f"run_it{it:03d}"
+        shares = starfile.read(f"{root}_model.star")["model_classes"]["rlnClassDistribution"].to_numpy()
+        classes = starfile.read(f"{root}_data.star")["particles"]["rlnClassNumber"].to_numpy()
+        record = gallery_record(f"{root}_report.png")
+        assert sorted(k for k, _, _ in record) == [1, 2, 3], it
+        assert [s for _, s, _ in record] == sorted((s for _, s, _ in record), reverse=True), it
+        for k, share, count in record:
+            assert share == pytest.approx(shares[k - 1], abs=1e-6), (it, k)
+            assert count == np.sum(classes == k), (it, k)
+
+
 @pytest.mark.gpu
 def test_class2d_on_the_gpu_matches_the_cpu(three_views):
     """The three views' run on one GPU (the GPU engine's 2D path, the M-step's reconstructions on the device) against

@@ -44,7 +44,8 @@ per-class offset priors (rlnClassPriorOffsetX/Y; the offsets' prior here is cent
 Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
-a gallery with their shares of the particles).
+a gallery in RELION's order, largest class first, with their shares of the particles and the particles whose best
+class each is).
 """
 
 from __future__ import annotations
@@ -556,7 +557,9 @@ class Class2DJob:
                   partial(write_star, sampling_star_blocks(plan.sampling, config, pixel), f"{root}_sampling.star"),
                   InOwnProcess(partial(write_gallery, f"{root}_report.png", classes,
                                        np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
-                                       resolution_angstrom=model.current_resolution_angstrom))]
+                                       resolution_angstrom=model.current_resolution_angstrom,
+                                       particle_counts=np.bincount(snapshot.class_index,
+                                                                   minlength=model.n_classes)))]
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
                                           list(argv))]
 
