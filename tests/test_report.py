@@ -136,3 +136,31 @@ def test_the_map_gallery_draws_each_view_pixel_for_pixel(tmp_path):
             view = map_views(volume)[name]
             grey = np.kron((view - view.min()) / (view.max() - view.min()), np.ones((5, 5)))[::-1]  # y up
             assert np.abs(drawn - grey[:, :, None]).max() <= 2 / 255, (k, name)
+
+
+def gallery_record(path):
+    """The panels a class gallery records in its PNG (report.GALLERY_PANELS_KEY): [(class, share, particles)]."""
+    import json
+
+    from PIL import Image
+
+    from cryorefine.report import GALLERY_PANELS_KEY
+
+    with Image.open(path) as image:
+        return [(p["class_number"], p["share"], p["n_particles"]) for p in json.loads(image.text[GALLERY_PANELS_KEY])]
+
+
+def test_the_gallery_orders_the_classes_as_relion_largest_share_first(tmp_path):
+    """RELION's display of 2D classes sorted on rlnClassDistribution, largest first; equal shares keep their
+    class order. Five classes of shares 0.1, 0.3, 0.1, 0.45, 0.05: classes 4, 2, 1, 3, 5."""
+    from cryorefine.report import gallery_panels, write_class_gallery
+
+    shares = [0.1, 0.3, 0.1, 0.45, 0.05]
+    panels = gallery_panels(shares, [9, 31, 11, 44, 5])
+    assert [p.class_number for p in panels] == [4, 2, 1, 3, 5]
+    assert [p.title for p in panels][:2] == ["4: 45.0% · 44", "2: 30.0% · 31"]
+    images = np.stack([np.outer(np.arange(8.0), np.ones(8)) * k for k in range(1, 6)])
+    write_class_gallery(tmp_path / "g.png", images, shares, iteration=2, resolution_angstrom=20.0,
+                        particle_counts=[9, 31, 11, 44, 5])
+    assert gallery_record(tmp_path / "g.png") == [(4, 0.45, 44), (2, 0.3, 31), (1, 0.1, 9), (3, 0.1, 11),
+                                                  (5, 0.05, 5)]

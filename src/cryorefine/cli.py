@@ -531,8 +531,8 @@ def classify(**params):
 @cli.command(cls=JobCommand)
 @job_options(CLASS2D)
 def class2d(**params):
-    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm on the CPU
-    engine or with --gpu on one GPU, or with --grad VDAM on the CPU engine)."""
+    """2D classification into K classes (relion_refine without --ref: RELION's Class2D, the EM algorithm or with
+    --grad VDAM; on the CPU engine, or with --gpu on the GPU engine, a GPU per process, under mpirun too)."""
     _run(CLASS2D, params)
 
 

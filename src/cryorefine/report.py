@@ -1,10 +1,12 @@
 """The per-iteration report: run_itNNN_report.png with the FSC curve, the angular distribution
-of the particles' best orientations and the time spent per stage (a refinement); the class distribution and
-resolutions (a 3D classification); the class averages (a 2D classification); each class map's central slices and
-projections (an initial model, `write_map_gallery`)."""
+of the particles' best orientations and the time spent per stage; a classification's with its classes' distribution,
+resolutions and SSNR; a 2D classification's a gallery of its class averages (`write_class_gallery`); an initial
+model's each class map's central slices and projections (`write_map_gallery`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,17 +142,47 @@ def write_classification_report(path: Path | str, *, iteration: int, class_distr
         fig.savefig(tmp, format="png")
 
 
+#: the PNG text key under which a class gallery records its panels (`gallery_panels`, as JSON), for programs and tests
+GALLERY_PANELS_KEY = "cryorefine class gallery"
+
+
+@dataclass(frozen=True)
+class GalleryPanel:
+    """One class average in a 2D classification's gallery: its class number (1-based), its share of the particles
+    (model.star's rlnClassDistribution) and the particles whose best class it is (data.star's rlnClassNumber)."""
+
+    class_number: int
+    share: float
+    n_particles: int | None = None
+
+    @property
+    def title(self) -> str:
+        count = "" if self.n_particles is None else f" · {self.n_particles}"
+        return f"{self.class_number}: {100 * self.share:.1f}%{count}"
+
+
+def gallery_panels(class_distribution: npt.ArrayLike,
+                   particle_counts: npt.ArrayLike | None = None) -> list[GalleryPanel]:
+    """The gallery's panels in RELION's order of 2D class averages (its display sorted on rlnClassDistribution,
+    largest first; equal shares by class number)."""
+    share = np.asarray(class_distribution, dtype=np.float64)
+    counts = None if particle_counts is None else np.asarray(particle_counts, dtype=np.int64)
+    order = np.argsort(-share, kind="stable")
+    return [GalleryPanel(int(k) + 1, float(share[k]), None if counts is None else int(counts[k])) for k in order]
+
+
 def write_class_gallery(path: Path | str, images: npt.ArrayLike, class_distribution: npt.ArrayLike, *,
-                        iteration: int, resolution_angstrom: float) -> None:
-    """run_itNNN_report.png of a 2D classification: the K class averages (`images` (K, N, N)) as a gallery, largest
-    class first, each titled with its number and its share of the particles (`class_distribution` (K,)), every
-    image scaled to its own range, y up as RELION's display shows them."""
+                        iteration: int, resolution_angstrom: float,
+                        particle_counts: npt.ArrayLike | None = None) -> None:
+    """run_itNNN_report.png of a 2D classification: the K class averages (`images` (K, N, N)) as a gallery in
+    `gallery_panels`' order, each titled with its number, its share of the particles (`class_distribution` (K,)) and
+    the particles whose best class it is (`particle_counts` (K,), if given), every image scaled to its own range, y
+    up as RELION's display shows them. The panels are recorded in the PNG's text under GALLERY_PANELS_KEY."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     images = np.asarray(images, dtype=np.float64)
-    share = np.asarray(class_distribution, dtype=np.float64)
-    order = np.argsort(-share, kind="stable")
+    panels = gallery_panels(class_distribution, particle_counts)
     columns = int(min(10, max(1, images.shape[0])))
     rows = -(-images.shape[0] // columns)
     fig = Figure(figsize=(1.6 * columns, 1.75 * rows + 0.5), dpi=80)
@@ -158,13 +190,15 @@ def write_class_gallery(path: Path | str, images: npt.ArrayLike, class_distribut
     axes = np.atleast_1d(fig.subplots(rows, columns, squeeze=False)).reshape(-1)
     for ax in axes:
         ax.set_axis_off()
-    for ax, k in zip(axes, order):
-        ax.imshow(images[k], cmap="gray", origin="lower")
-        ax.set_title(f"{k + 1}: {100 * share[k]:.1f}%", fontsize="small")
-    fig.suptitle(f"iteration {iteration}: class averages (class: share of particles), resolution "
+    for ax, panel in zip(axes, panels):
+        ax.imshow(images[panel.class_number - 1], cmap="gray", origin="lower")
+        ax.set_title(panel.title, fontsize="small")
+    counted = "" if particle_counts is None else " · particles whose best class it is"
+    fig.suptitle(f"iteration {iteration}: class averages (class: share of particles{counted}), resolution "
                  f"{resolution_angstrom:.1f} Å", fontsize="small")
+    record = json.dumps([dataclasses.asdict(panel) for panel in panels])
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", metadata={GALLERY_PANELS_KEY: record})
 
 
 #: the views of a 3D map in the initial model's report (`map_views`), in its columns: central slices normal to z, y

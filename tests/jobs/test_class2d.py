@@ -2,7 +2,11 @@
 2D views (tests/jobs/class2d_data.py), numpy engine; and the same run on the GPU engine (marker `gpu`)."""
 
 import itertools
+import os
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +75,47 @@ def test_the_outputs_are_relions_2d_files(three_views):
     assert int(general["rlnIs3DSampling"]) == 0 and float(general["rlnPsiStep"]) == pytest.approx(15.0)
 
 
+def assert_gpu_run_matches_the_cpu(cpu_folder, gpu_folder, iterations, k_classes, same_class=0.99, same_pose=0.9,
+                                   correlation=0.999):
+    """The GPU run in `gpu_folder` against the CPU run in `cpu_folder` after each of `iterations`: the same class for
+    at least `same_class` of the particles, the same psi and origin for at least `same_pose`, and each class average
+    correlating at least `correlation` with the CPU's."""
+    for it in iterations:
+        cpu = starfile.read(cpu_folder / f"run_it{it:03d}_data.star")["particles"]
+        gpu = starfile.read(gpu_folder / f"run_it{it:03d}_data.star")["particles"]
+        classes = np.mean(cpu["rlnClassNumber"].to_numpy() == gpu["rlnClassNumber"].to_numpy())
+        dpsi = (gpu["rlnAnglePsi"].to_numpy() - cpu["rlnAnglePsi"].to_numpy() + 180.0) % 360.0 - 180.0
+        poses = np.mean((np.abs(dpsi) < 1e-3)
+                        & np.isclose(gpu["rlnOriginXAngst"], cpu["rlnOriginXAngst"], atol=1e-3)
+                        & np.isclose(gpu["rlnOriginYAngst"], cpu["rlnOriginYAngst"], atol=1e-3))
+        a = read_volume(cpu_folder / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
+        b = read_volume(gpu_folder / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
+        correlations = [float(np.corrcoef(a[k].ravel(), b[k].ravel())[0, 1]) for k in range(k_classes)]
+        print(f"iteration {it}: same class {100 * classes:.1f} %, same pose {100 * poses:.1f} %, class "
+              f"averages' correlations {', '.join(f'{c:.5f}' for c in correlations)}")
+        assert classes >= same_class, it
+        assert poses >= same_pose, it
+        assert min(correlations) >= correlation, (it, correlations)
+
+
+def test_the_report_is_a_gallery_of_the_k_averages_largest_class_first_with_the_models_sizes(three_views):
+    """Iterations 1 and 8: the report's K panels in RELION's order (rlnClassDistribution of model.star, largest
+    first), each with model.star's share and the number of particles data.star puts in its class."""
+    from test_report import gallery_record
+
+    folder, _, _ = three_views
+    for it in (1, 8):
+        root = folder / "out" / f"run_it{it:03d}"
+        shares = starfile.read(f"{root}_model.star")["model_classes"]["rlnClassDistribution"].to_numpy()
+        classes = starfile.read(f"{root}_data.star")["particles"]["rlnClassNumber"].to_numpy()
+        record = gallery_record(f"{root}_report.png")
+        assert sorted(k for k, _, _ in record) == [1, 2, 3], it
+        assert [s for _, s, _ in record] == sorted((s for _, s, _ in record), reverse=True), it
+        for k, share, count in record:
+            assert share == pytest.approx(shares[k - 1], abs=1e-6), (it, k)
+            assert count == np.sum(classes == k), (it, k)
+
+
 @pytest.mark.gpu
 def test_class2d_on_the_gpu_matches_the_cpu(three_views):
     """The three views' run on one GPU (the GPU engine's 2D path, the M-step's reconstructions on the device) against
@@ -81,22 +126,46 @@ def test_class2d_on_the_gpu_matches_the_cpu(three_views):
     cupy_or_skip()
     folder, star, _ = three_views
     assert run_cli("class2d", "--i", star, "--o", folder / "gpu" / "run", *THREE_VIEWS_RUN, "--gpu", "0") == 0
-    for it in (1, 8):
-        cpu = starfile.read(folder / "out" / f"run_it{it:03d}_data.star")["particles"]
-        gpu = starfile.read(folder / "gpu" / f"run_it{it:03d}_data.star")["particles"]
-        same_class = np.mean(cpu["rlnClassNumber"].to_numpy() == gpu["rlnClassNumber"].to_numpy())
-        dpsi = (gpu["rlnAnglePsi"].to_numpy() - cpu["rlnAnglePsi"].to_numpy() + 180.0) % 360.0 - 180.0
-        same_pose = np.mean((np.abs(dpsi) < 1e-3)
-                            & np.isclose(gpu["rlnOriginXAngst"], cpu["rlnOriginXAngst"], atol=1e-3)
-                            & np.isclose(gpu["rlnOriginYAngst"], cpu["rlnOriginYAngst"], atol=1e-3))
-        a = read_volume(folder / "out" / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
-        b = read_volume(folder / "gpu" / f"run_it{it:03d}_classes.mrcs", require_cubic=False)[0]
-        correlations = [float(np.corrcoef(a[k].ravel(), b[k].ravel())[0, 1]) for k in range(3)]
-        print(f"iteration {it}: same class {100 * same_class:.1f} %, same pose {100 * same_pose:.1f} %, class "
-              f"averages' correlations {', '.join(f'{c:.5f}' for c in correlations)}")
-        assert same_class >= 0.99, it
-        assert same_pose >= 0.9, it
-        assert min(correlations) >= 0.999, (it, correlations)
+    assert_gpu_run_matches_the_cpu(folder / "out", folder / "gpu", (1, 8), 3)
+
+
+def mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    return found
+
+
+def run_under_mpiexec(ranks, job_args, timeout=600):
+    """`mpiexec -n RANKS python -m cryorefine JOB_ARGS`: the finished process."""
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "cryorefine", *map(str, job_args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("gpus", ["0", "0:1"], ids=["two_workers_on_one_gpu", "a_gpu_each"])
+def test_class2d_on_gpus_under_mpiexec_matches_the_cpu(three_views, gpus):
+    """The three views' EM run under mpiexec -n 3 (a master and two workers) with --gpu against the CPU run in one
+    process (`three_views`), as one GPU matches it (`test_class2d_on_the_gpu_matches_the_cpu`): the two workers on
+    one GPU (each its own references, sums added on the host), or on a GPU each (two GPUs: the references made once
+    between them and the sums added on the GPUs with NCCL, `runners.mpi`)."""
+    from conftest import cupy_or_skip
+
+    from cryorefine.gpu.collectives import nccl_usable
+
+    cp = cupy_or_skip()
+    if gpus == "0:1" and (cp.cuda.runtime.getDeviceCount() < 2 or not nccl_usable()):
+        pytest.skip("needs two GPUs and CuPy with NCCL")
+    folder, star, _ = three_views
+    out = folder / f"mpi_gpu_{gpus.replace(':', '_')}"
+    result = run_under_mpiexec(3, ("class2d", "--i", star, "--o", out / "run", *THREE_VIEWS_RUN, "--gpu", gpus))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("iteration 8:") == 1
+    assert_gpu_run_matches_the_cpu(folder / "out", out, (1, 8), 3)
 
 
 def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(three_views, tmp_path):
@@ -235,16 +304,3 @@ def test_a_relion_continue_line_of_a_2d_run_continues_it_as_class2d(three_views)
     assert relion_refine_command(["--continue", str(optimiser), "--o", "x/run"]) == "class2d"
     general = starfile.read(optimiser)
     assert int(general["rlnDoCenterClasses"]) == 1 and int(general["rlnDoAutoRefine"]) == 0
-
-
-@pytest.mark.gpu
-def test_class2d_on_the_gpu_refuses_vdam_in_one_line(three_views, capsys):
-    """--grad with --gpu: VDAM takes the CPU engine for now; one line naming --gpu, exit 2, no files."""
-    from conftest import cupy_or_skip
-
-    cupy_or_skip()
-    folder, star, _ = three_views
-    assert run_cli("class2d", "--i", star, "--o", folder / "gpu_grad" / "run", *THREE_VIEWS_RUN, "--grad",
-                   "--gpu", "0") == 2
-    assert "--gpu" in capsys.readouterr().err
-    assert not list((folder / "gpu_grad").glob("run_it*")) if (folder / "gpu_grad").exists() else True

@@ -1,7 +1,8 @@
 """The starting references of a run: a map read and checked against the particles (with --trust_ref_size
 re-scaled and re-boxed to theirs, as a mask always is: `fit_to_particles`), the --ini_high low-pass that
-refine and classify apply to it (classify also to its class-1 map after a cross-correlation iteration), and the
-spectra the iteration-0 model.star holds (`initial_data_versus_prior`)."""
+refine and classify apply to it (classify also to its class-1 map after a cross-correlation iteration), the
+spectra the iteration-0 model.star holds (`initial_data_versus_prior`), and RELION 4/5's random Gaussian blobs that
+replace the averages a run without --ref starts from (`blobs`: class2d, initial_model)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
 
 log = logging.getLogger("cryorefine")
+
+#: RELION 4/5's blobs (MlOptimiser::initialiseReferences, SomGraph::make_blobs_2d/3d): their number in each of the
+#: two draws and their width (the Gaussian's exp(−r²/width²)) as a share of the particle's diameter
+N_BLOBS = 40
+BLOB_WIDTH_OF_DIAMETER = 1.0 / 10.0
 
 #: what a size refusal says to do: RELION's own remedy
 ADD_TRUST_REF_SIZE = ("add --trust_ref_size to re-scale and re-box it to the particles' (RELION's GUI: 'Resize "
@@ -130,3 +136,32 @@ def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.Arra
         evidence = n_particles * np.asarray(pdf_class, dtype=np.float64)[:, None] / average[None, :] / per_shell
         data_vs_prior = evidence / (1.0 / tau2)
     return tau2, data_vs_prior
+
+
+def blobs(average: np.ndarray, diameter_px: float, place_sigma_of_diameter: float,
+          rng: np.random.Generator) -> np.ndarray:
+    """RELION 4/5's blobs in place of a starting average without --ref (2D image or 3D map, float64): N_BLOBS
+    Gaussians exp(−|x − c|²/w²), w = diameter·BLOB_WIDTH_OF_DIAMETER, at places c drawn about the centre N/2 (normal,
+    σ `place_sigma_of_diameter`·diameter; RELION's 1/7 in 2D, 1/6 in 3D), each as high as |average| at the place's
+    pixel (its coordinates truncated; nothing for a place outside the box), minus half of another N_BLOBS so drawn;
+    scaled to the standard deviation of `average` (a flat average gives zeros)."""
+    average = np.asarray(average, dtype=np.float64)
+    n, ndim = average.shape[0], average.ndim
+    grid = np.indices(average.shape, dtype=np.float64)
+    width = diameter_px * BLOB_WIDTH_OF_DIAMETER
+
+    def draw() -> np.ndarray:
+        out = np.zeros(average.shape)
+        places = rng.normal(0.0, diameter_px * place_sigma_of_diameter, (N_BLOBS, ndim)) + n / 2.0
+        for place in places:
+            idx = tuple(int(v) for v in place)
+            if not all(0 <= i < n for i in idx):
+                continue
+            amplitude = abs(float(average[idx]))
+            r2 = sum((grid[a] - place[a]) ** 2 for a in range(ndim))
+            out += amplitude * np.exp(-r2 / (width * width))
+        return out
+
+    image = draw() - draw() / 2.0
+    spread = float(image.std())
+    return image * (float(average.std()) / spread) if spread > 0 else image

@@ -4,12 +4,13 @@ The same machinery as the 3D jobs with 2D references (RELION's ref_dim 2): a cla
 "projection" at an in-plane angle psi is its transform rotated (`core.projector` on a 2D grid); the sampling is
 psi alone (`core.sampling.Sampling.in_plane`: --psi_step, RELION's 10° without it; its 2^oversampling children)
 and the translations of --offset_range/--offset_step; each iteration's E-step is one work unit of the particles
-against every class, on the numpy engine or, with --gpu, on one GPU (the GPU engine's 2D path, in one process); the
+against every class, on the numpy engine or, with --gpu, on the GPU engine's 2D path (a GPU per process); the
 M-step reconstructs each class from its 2D sums on the engine's device, regularised by τ², the power of the class's
 previous image, times --tau2_fudge (RELION's GUI writes 2 for Class2D). RELION's rules:
-- no --ref: the initial class averages are averages of random subsets (particle i in class i mod K after a
-  random permutation, each at a random psi, CTF-weighted, as RELION 5's calculateSumOfPowerSpectraAndAverageImage
-  makes them), low-passed to --ini_high, or without it to RELION's shell 0.07·box;
+- no --ref (EM and VDAM alike, RELION 4/5's initialiseReferences): each class starts from RELION's random Gaussian
+  blobs (`em.references.blobs`) as high as its share of the first 1,000 particles of each optics group (particle i
+  in class i mod K, each at a random psi, CTF-weighted and averaged), low-passed to --ini_high, or without it to
+  RELION's shell 0.07·box, and faded to the mean outside the particle's circle (`initial_references`);
 - --center_classes: after each M-step every class average is moved to its centre of mass (of its positive
   values; at most --offset_range pixels), as RELION's centerClasses;
 - --flatten_solvent: the averages outside the circle of --particle_diameter set to zero with a soft edge;
@@ -24,7 +25,8 @@ VDAM (--grad, RELION 4/5's GUI default: `--grad --class_inactivity_threshold 0.1
 each iteration is a gradient step (`em.gradient`) on a random mini-batch of RELION's 2D sizes
 (`em.gradient.class2d_subset_sizes`: from max(min(0.5 %, 10,000), 200) to max(min(5 %, 100,000), 1,000) particles,
 every particle in the last iteration), split into two pseudo-half sets by the parity of the particle's index, each an
-E-step work unit against every class (at most 5 significant poses per class without --maxsig, RELION's 2D rule);
+E-step work unit against every class (without --maxsig a particle keeps at most 5·K significant coarse samples over
+all K classes, RELION's maximum_significants under --grad in 2D; both engines cut with it, `estep.common`);
 each class's average moves along its gradient with momentum (`em.gradient.vdam_maximization`), the step size from 0.9
 to 0.3 and the τ² fudge from 1 to --tau2_fudge over RELION's phases of --iter; the class distribution and the other
 parameters take momentum 0.9; between the initial and the final phase the least active class, where its share is
@@ -35,14 +37,16 @@ The files are written every --grad_write_iter iterations, at the last, and where
 the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of the two pseudo-half sets, classes
 1…K then K+1…2K; run_itNNN_2moment.mrcs; model.star's rlnGradMoment1/2), from which --continue goes on exactly as
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
-With --gpu the EM algorithm runs on one GPU in one process (the GPU engine's 2D path); VDAM and runs under mpirun
-take the CPU's numpy engine for now. The offsets' prior is centred on (0, 0): the particles' rlnOriginX/YPriorAngst
-are not used (RELION's 2D classification does not use them either: it centres the prior on each class's mean
-offset, which is not kept yet). Not yet: RELION's per-class offset priors, RELION 4/5's blobs as the initial
-averages. Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
+With --gpu the E-steps run on the GPU engine's 2D path (one GPU per process, EM and VDAM, in one process or under
+mpirun: the workers' sums added on their GPUs and the references made once among them where each has a GPU of its
+own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). Not yet: RELION's
+per-class offset priors (rlnClassPriorOffsetX/Y; the offsets' prior here is centred on (0, 0) for every class; the
+particles' rlnOriginX/YPriorAngst are not used, as in RELION's 2D classification).
+Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
-a gallery with their shares of the particles).
+a gallery in RELION's order, largest class first, with their shares of the particles and the particles whose best
+class each is).
 """
 
 from __future__ import annotations
@@ -60,10 +64,12 @@ from cryorefine.core import euler, fourier
 from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import relion_round
 from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.reconstruct import soft_mask_outside_map
 from cryorefine.core.sampling import Sampling, next_perturbation
 from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
+from cryorefine.em.references import blobs
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
@@ -75,7 +81,6 @@ from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
-from cryorefine.runners.mpi import launched_with_mpi
 
 if TYPE_CHECKING:  # for annotations only
     from cryorefine.config import RefineConfig
@@ -92,7 +97,8 @@ INITIAL_LOWPASS_FRACTION_OF_BOX = 0.07
 INITIAL_SUBSETS_STREAM = 2
 FAST_SUBSETS_STREAM = 1
 GRAD_SUBSET_STREAM = 4
-#: RELION's most significant poses per class under --grad in 2D without --maxsig
+#: under --grad in 2D without --maxsig a particle keeps at most this many significant coarse samples per class, over
+#: all classes together (RELION's maximum_significants = 5·K)
 GRAD_MAX_SIGNIFICANTS_PER_CLASS = 5
 #: under --grad an average is centred only where it moves at least this many pixels, or this share of the particle's
 #: diameter (RELION's centerClasses: small moves upset the momenta)
@@ -100,6 +106,10 @@ GRAD_CENTRE_MIN_SHIFT_PX = 2.0
 GRAD_CENTRE_MIN_SHIFT_OF_DIAMETER = 0.01
 #: RELION's width of the low-pass edge of the initial references (WIDTH_FMASK_EDGE), in shells
 INITIAL_LOWPASS_EDGE_SHELLS = 2.0
+#: RELION's particles per optics group averaged into the initial classes (--nr_parts_sigma2noise's 1000 in 2D)
+INITIAL_PARTICLES_PER_OPTICS_GROUP = 1000
+#: the spread of the places of RELION's blobs in 2D (SomGraph::make_blobs_2d), a share of the particle's diameter
+BLOB_PLACE_SIGMA_OF_DIAMETER = 1.0 / 7.0
 
 
 def run(config, runner, argv=(), progress=None, resume_from=None, stop_requested=None, overwrite=False):
@@ -131,30 +141,57 @@ def lowpass_image(image: np.ndarray, resolution_angstrom: float, pixel_size_angs
     return fourier.irfft2_centered(fourier.rfft2_centered(image) * gain, n)
 
 
+def initial_subset(optics_index: np.ndarray, per_optics_group: int) -> np.ndarray:
+    """The particles (indices, in the STAR file's order) RELION 5 averages into the initial classes without --ref: the
+    first `per_optics_group` of each optics group in the file's order (calculateSumOfPowerSpectraAndAverageImage with
+    --nr_parts_sigma2noise; INITIAL_PARTICLES_PER_OPTICS_GROUP)."""
+    optics_index = np.asarray(optics_index)
+    taken = np.zeros(optics_index.size, dtype=bool)
+    for group in np.unique(optics_index):
+        taken[np.flatnonzero(optics_index == group)[:per_optics_group]] = True
+    return np.flatnonzero(taken)
+
+
 def initial_references(particles: ParticleSet, settings: ImageSettings, config: RefineConfig,
                        batch_size: int) -> list[np.ndarray]:
-    """K class averages (float64 (N, N)) of random subsets of the particles, as RELION makes them without --ref:
-    after a random permutation particle i goes to class i mod K at a random psi; each class is the CTF-weighted
-    average of its masked images (data Σ CTF·X at its psi, weights Σ CTF², no τ²), low-passed
-    (`initial_resolution_angstrom`)."""
-    n_particles, k_classes = len(particles), int(config.n_classes)
+    """K starting class images (float64 (N, N)) as RELION 4/5 makes them without --ref, for EM and VDAM alike:
+    - the average of a subset (`initial_subset`), particle i of the file in class i mod K, each at a random psi:
+      the CTF-weighted average of the masked images (data Σ CTF·X at its psi, weights Σ CTF², no τ²) up to half the
+      low-pass shell (RELION back-projects them at a current size of the shell's number) — low-passed
+      (`initial_resolution_angstrom`);
+    - in its place RELION's blobs (`em.references.blobs`, places about the centre with σ diameter/7), low-passed
+      again and faded to the mean outside the particle's circle (softMaskOutsideMap, --particle_diameter, the mask's
+      edge width). A class without particles starts from zeros."""
+    k_classes = int(config.n_classes)
     box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
     draw = np.random.default_rng([config.random_seed, INITIAL_SUBSETS_STREAM])
-    class_of = np.empty(n_particles, dtype=np.int64)
-    class_of[draw.permutation(n_particles)] = np.arange(n_particles) % k_classes
-    psi = draw.uniform(0.0, 360.0, n_particles)
-    sums = [BackProjector(box, config.padding_factor, box // 2, ndim=2) for _ in range(k_classes)]
+    chosen = initial_subset(particles.optics_index, INITIAL_PARTICLES_PER_OPTICS_GROUP)
+    class_of = np.arange(len(particles)) % k_classes
+    psi = np.zeros(len(particles))
+    psi[chosen] = draw.uniform(0.0, 360.0, chosen.size)
+    resolution = initial_resolution_angstrom(config, box, pixel)
+    r_max = max(1, min(box // 2, relion_round(box * pixel / resolution) // 2))
+    sums = [BackProjector(box, config.padding_factor, r_max, ndim=2) for _ in range(k_classes)]
     with particles.image_reader() as reader:
-        for indices in particles.batches(batch_size):
+        for indices in particles.batches(batch_size, chosen):
             batch = prepare_batch(particles, indices, reader, settings, box, 1.0, 0)
             mats = euler.euler_to_matrix(np.zeros(indices.size), np.zeros(indices.size), psi[indices])
             for k in range(k_classes):
-                chosen = class_of[indices] == k
-                if chosen.any():
-                    ctf = batch.ctf[chosen]
-                    sums[k].backproject(batch.images_ft[chosen] * ctf, ctf * ctf, mats[chosen])
-    resolution = initial_resolution_angstrom(config, box, pixel)
-    return [lowpass_image(bp.reconstruct(), resolution, pixel) for bp in sums]
+                mine = class_of[indices] == k
+                if mine.any():
+                    ctf = batch.ctf[mine]
+                    sums[k].backproject(batch.images_ft[mine] * ctf, ctf * ctf, mats[mine])
+    diameter_px = settings.particle_diameter_angstrom / pixel
+    out = []
+    for bp in sums:
+        if float(np.sum(bp.weight)) <= 0:
+            out.append(np.zeros((box, box)))
+            continue
+        average = lowpass_image(np.asarray(bp.reconstruct(), dtype=np.float64), resolution, pixel)
+        image = lowpass_image(blobs(average, diameter_px, BLOB_PLACE_SIGMA_OF_DIAMETER, draw), resolution, pixel)
+        out.append(np.asarray(soft_mask_outside_map(image, diameter_px / 2.0, config.width_mask_edge_px),
+                              dtype=np.float64))
+    return out
 
 
 def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
@@ -223,9 +260,6 @@ class Class2DJob:
             raise InputError("class2d: --firstiter_cc is not available in 2D; drop it")
         if config.symmetry.upper() != "C1":
             raise InputError(f"class2d: --sym {config.symmetry}: 2D classes have no point-group symmetry; drop --sym")
-        if config.engine == "cuda" and (config.grad or launched_with_mpi()):
-            raise InputError(f"class2d: {'--grad (VDAM)' if config.grad else 'a run under mpirun'} takes the CPU "
-                             f"engine for now (the GPU's 2D path runs the EM algorithm in one process); drop --gpu")
         if config.grad and config.fast_subsets:
             raise InputError("class2d: --fast_subsets cannot be used with --grad (as in RELION: VDAM takes its own "
                              "mini-batches); drop --fast_subsets")
@@ -525,7 +559,9 @@ class Class2DJob:
                   partial(write_star, sampling_star_blocks(plan.sampling, config, pixel), f"{root}_sampling.star"),
                   InOwnProcess(partial(write_gallery, f"{root}_report.png", classes,
                                        np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
-                                       resolution_angstrom=model.current_resolution_angstrom))]
+                                       resolution_angstrom=model.current_resolution_angstrom,
+                                       particle_counts=np.bincount(snapshot.class_index,
+                                                                   minlength=model.n_classes)))]
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
                                           list(argv))]
 

@@ -61,7 +61,7 @@ from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import accuracy, gradient, loop, mstep, schedule
 from cryorefine.em.align_symmetry import align_to_symmetry
 from cryorefine.em.estep import WorkUnit
-from cryorefine.em.references import lowpass_to_ini_high
+from cryorefine.em.references import blobs, lowpass_to_ini_high
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
@@ -90,10 +90,8 @@ log = logging.getLogger("cryorefine.initial_model")
 #: 2D data), at least DENOVO_PARTICLES_PER_CLASS per class
 DENOVO_PARTICLES = 1000
 DENOVO_PARTICLES_PER_CLASS = 5
-#: RELION's blobs of the initial map (initialiseReferences, SomGraph::make_blobs_3d)
-N_BLOBS = 40
+#: the spread of the places of RELION's blobs of the initial map (SomGraph::make_blobs_3d), a share of the diameter
 BLOB_PLACE_SIGMA_OF_DIAMETER = 1.0 / 6.0
-BLOB_WIDTH_OF_DIAMETER = 1.0 / 10.0
 #: RELION's most significant poses per class under --grad without --maxsig
 MAX_SIGNIFICANTS_PER_CLASS = 100
 #: the random streams of the de-novo map, the mini-batches and their halves
@@ -121,28 +119,9 @@ def check_config(config: RefineConfig) -> None:
 
 
 def blobs_map(average: np.ndarray, diameter_px: float, rng: np.random.Generator) -> np.ndarray:
-    """RELION 4/5's blobs of the initial map (make_blobs_3d twice): N_BLOBS Gaussians exp(−|x − c|²/(diameter/10)²)
-    at places c drawn about the centre (σ diameter/6), each of the magnitude of `average` at its place, minus half of
-    another N_BLOBS; scaled to the standard deviation of `average`."""
-    n = average.shape[0]
-    grid = np.indices(average.shape, dtype=np.float64)
-
-    def blobs() -> np.ndarray:
-        out = np.zeros(average.shape)
-        places = rng.normal(0.0, diameter_px * BLOB_PLACE_SIGMA_OF_DIAMETER, (N_BLOBS, 3)) + n / 2.0
-        width = diameter_px * BLOB_WIDTH_OF_DIAMETER
-        for place in places:
-            idx = tuple(int(v) for v in place)
-            if not all(0 <= i < n for i in idx):
-                continue
-            amplitude = abs(float(average[idx]))
-            r2 = sum((grid[a] - place[a]) ** 2 for a in range(3))
-            out += amplitude * np.exp(-r2 / (width * width))
-        return out
-
-    volume = blobs() - blobs() / 2.0
-    spread = float(volume.std())
-    return volume * (float(average.std()) / spread) if spread > 0 else volume
+    """RELION 4/5's blobs of the initial map (make_blobs_3d twice, `em.references.blobs`): places about the centre
+    with σ diameter/6."""
+    return blobs(average, diameter_px, BLOB_PLACE_SIGMA_OF_DIAMETER, rng)
 
 
 def denovo_maps(particles: ParticleSet, settings: ImageSettings, config: RefineConfig,
