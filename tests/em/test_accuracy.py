@@ -40,9 +40,10 @@ def round_blob(sigma_px=2.0):
 
 def estimate(maps, sigma2, particles, indices=(0, 1, 2), pdf=None, do_ctf=True, current=BOX):
     indices = np.asarray(indices)
+    angles = np.stack([particles.rot_deg, particles.tilt_deg, particles.psi_deg], axis=1)[indices]
     return projected_accuracy(maps, np.full(len(maps), 1.0 / len(maps)) if pdf is None else pdf, sigma2, particles,
-                              indices, particles.rot_deg[indices], particles.tilt_deg[indices],
-                              particles.psi_deg[indices], current_size_px=current, padding_factor=2.0, do_ctf=do_ctf)
+                              indices, angles,
+                              current_size_px=current, padding_factor=2.0, do_ctf=do_ctf)
 
 
 def snr_written_out(f1, f2, ctf, sigma2):

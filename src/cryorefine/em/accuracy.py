@@ -36,15 +36,16 @@ N_TRIAL_PARTICLES = 100
 
 
 def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,
-                       particles: ParticleSet, indices: npt.ArrayLike, rot_deg: npt.ArrayLike,
-                       tilt_deg: npt.ArrayLike, psi_deg: npt.ArrayLike, *, current_size_px: int,
+                       particles: ParticleSet, indices: npt.ArrayLike, angles_deg: npt.ArrayLike, *,
+                       current_size_px: int,
                        padding_factor: float, do_ctf: bool, ctf_intact_first_peak: bool = False,
                        sigma2_fudge: float = 1.0, seed: int = 0) -> schedule.Accuracy:
     """The accuracy (module docstring) of the references `maps` (K host volumes) with class shares `pdf_class`,
     noise `sigma2_noise` ((optics groups, shells) or (shells,)), from the particles `indices` of `particles` at
-    their poses (`rot_deg`, `tilt_deg`, `psi_deg`, one per index). `seed` draws which angle and which shift axis
-    each particle's trials move. (999, 999) where no class has 1 % of the particles."""
+    their poses (`angles_deg`: rot, tilt and psi of each, (len(indices), 3)). `seed` draws which angle and which
+    shift axis each particle's trials move. (999, 999) where no class has 1 % of the particles."""
     indices = np.asarray(indices, dtype=np.int64)
+    poses = np.asarray(angles_deg, dtype=np.float64).reshape(len(indices), 3)
     sigma2 = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
     pdf = np.asarray(pdf_class, dtype=np.float64).reshape(-1)
     n = int(current_size_px)
@@ -77,7 +78,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         acc_rot, acc_trans = [], []
         for i in range(len(indices)):
             weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell]
-            angles = np.array([rot_deg[i], tilt_deg[i], psi_deg[i]], dtype=np.float64)
+            angles = poses[i]
             f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
             moved = np.repeat(angles[None], rotations.size, axis=0)
             moved[:, moved_angle[i]] += rotations

@@ -312,8 +312,9 @@ class InitialModelJob:
                 n, min(n, accuracy.N_TRIAL_PARTICLES), replace=False))
             poses = run.particles
             acc = accuracy.projected_accuracy(
-                model.maps[0], model.pdf_class, model.sigma2_noise, self.particles, chosen, poses.rot_deg[chosen],
-                poses.tilt_deg[chosen], poses.psi_deg[chosen], current_size_px=compared_size_px,
+                model.maps[0], model.pdf_class, model.sigma2_noise, self.particles, chosen,
+                np.stack([poses.rot_deg[chosen], poses.tilt_deg[chosen], poses.psi_deg[chosen]], axis=1),
+                current_size_px=compared_size_px,
                 padding_factor=config.padding_factor, do_ctf=config.do_ctf,
                 ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed + optimiser.iteration)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
