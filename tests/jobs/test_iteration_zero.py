@@ -270,3 +270,63 @@ def test_initial_model_writes_relions_iteration_0_files(small, tmp_path):
     # one bild line pair (colour, cylinder) per direction of the uniform distribution
     assert len((tmp_path / "run_it000_class001_angdist.bild").read_text().splitlines()) == 2 * pdf.size
 
+
+def test_continue_under_a_new_root_writes_the_starting_iterations_files_there(small, tmp_path):
+    """RELION's --continue with another --o (MlOptimiser::parseContinue takes the new root; MlOptimiser::initialise
+    then writes the read state at its iteration, MlOptimiser::write): a Class3D of one process continued from
+    iteration 1 under a new root writes run_it001_data.star, run_it001_model.star, the class maps, their bild files and
+    run_it001_optimiser.star there (no sampling.star, relion_refine_mpi's; no report) naming the new root's files, then
+    iteration 2 as the uninterrupted run; that copy of iteration 1 can itself be continued from."""
+    first, second, third = (tmp_path / name for name in ("first", "second", "third"))
+    classify = ("--i", small / "sim" / "particles.star", "--ref", small / "truth.mrc", *ARGS, "--K", 2, "--iter", 2)
+    assert run_cli("classify", *classify, "--o", first / "run") == 0
+    assert run_cli("classify", "--continue", first / "run_it001_optimiser.star", "--o", second / "run") == 0
+    assert {p.name for p in second.glob("run_it001_*")} == {
+        "run_it001_data.star", "run_it001_model.star", "run_it001_class001.mrc", "run_it001_class002.mrc",
+        "run_it001_class001_angdist.bild", "run_it001_class002_angdist.bild", "run_it001_optimiser.star",
+        "run_it001_resume.npz"}
+    assert not list(second.glob("run_it000_*"))
+    assert (second / "run_it001_data.star").read_bytes() == (first / "run_it001_data.star").read_bytes()
+    assert (second / "run_it001_class002.mrc").read_bytes() == (first / "run_it001_class002.mrc").read_bytes()
+    model = starfile.read(second / "run_it001_model.star", always_dict=True)
+    assert list(model["model_classes"]["rlnReferenceImage"]) == [f"{second}/run_it001_class00{k}.mrc" for k in (1, 2)]
+    old = starfile.read(first / "run_it001_model.star", always_dict=True)
+    for block in ("model_general", "model_class_2", "model_groups", "model_pdf_orient_class_1"):
+        assert str(model[block]) == str(old[block]), block
+    text = (second / "run_it001_optimiser.star").read_text()
+    # the command line the continued run writes in its own files (here the test's: it runs in this process)
+    assert text.splitlines()[1] == (second / "run_it002_optimiser.star").read_text().splitlines()[1]
+    general = starfile.read(second / "run_it001_optimiser.star", always_dict=True)["optimiser_general"]
+    assert general["rlnOutputRootName"] == str(second / "run")
+    assert general["rlnModelStarFile"] == f"{second}/run_it001_model.star"
+    assert general["rlnExperimentalDataStarFile"] == f"{second}/run_it001_data.star"
+    assert int(general["rlnCurrentIteration"]) == 1
+    assert str(first) not in text
+
+    assert run_cli("classify", "--continue", second / "run_it001_optimiser.star", "--o", third / "run") == 0
+    for folder in (second, third):
+        for name in ("run_it002_class001.mrc", "run_it002_class002.mrc"):
+            np.testing.assert_array_equal(read_volume(folder / name)[0], read_volume(first / name)[0])
+        continued = starfile.read(folder / "run_it002_data.star")["particles"]
+        np.testing.assert_array_equal(continued["rlnClassNumber"],
+                                      starfile.read(first / "run_it002_data.star")["particles"]["rlnClassNumber"])
+
+
+def test_renamed_star_text_moves_only_the_runs_own_names():
+    """By hand: names under the old iteration's root (whole values, quoted, after a stack's `NNNNNN@`) move to the new
+    root; a name that merely contains the root, another run's name and the particles' stacks stay; the root's own
+    name moves only as rlnOutputRootName; the optimiser.star's command line becomes the new one."""
+    from cryorefine.io.run_files import renamed_star_text
+
+    text = ("# RELION optimiser; version 5.0.1\n# --o a/run --K 2\n\ndata_optimiser_general\n\n"
+            "_rlnOutputRootName\t\t\ta/run\n_rlnModelStarFile\t\t\ta/run_it005_model.star\n"
+            "_rlnSolventMaskName\t\t\tb/a/run_it005_mask.mrc\n_rlnTauSpectrumName\t\t\ta/run_it004_model.star\n\n"
+            "loop_\n_rlnReferenceImage #1\n000001@a/run_it005_classes.mrcs\n\"a/run_it005_x y.mrc\"\n"
+            "000001@Extract/a/run_it005_p.mrcs\n")
+    renamed = renamed_star_text(text, "a/run_it005", "c/new_it005", ("a/run", "c/new"),
+                                ["--continue", "a/run_it005_optimiser.star", "--o", "c/new"])
+    assert renamed == ("# RELION optimiser; version 5.0.1\n# --continue a/run_it005_optimiser.star --o c/new\n\n"
+                       "data_optimiser_general\n\n_rlnOutputRootName\t\t\tc/new\n"
+                       "_rlnModelStarFile\t\t\tc/new_it005_model.star\n_rlnSolventMaskName\t\t\tb/a/run_it005_mask.mrc\n"
+                       "_rlnTauSpectrumName\t\t\ta/run_it004_model.star\n\nloop_\n_rlnReferenceImage #1\n"
+                       "000001@c/new_it005_classes.mrcs\n\"c/new_it005_x y.mrc\"\n000001@Extract/a/run_it005_p.mrcs\n")

@@ -90,6 +90,7 @@ class RefineJob:
 
     kind = "refine"
     min_mpi_ranks = 3  # a master and one worker per half set
+    relion_runs_only_under_mpi = True  # RELION's auto-refine: its files are relion_refine_mpi's, in one process too
 
     def __init__(self, config):
         self.config = config
