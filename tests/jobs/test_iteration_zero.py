@@ -138,6 +138,15 @@ def test_refine_writes_relions_iteration_0_files_and_continues_from_them(small, 
         pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
         np.testing.assert_allclose(pdf, np.full(n_directions, 1.0 / n_directions), rtol=1e-15)
         assert model["model_classes"]["rlnReferenceImage"].iloc[0] == f"{out}_it000_half{h}_class001.mrc"
+    # each half's model_groups counts that half's particles of each group (RELION's getNumberOfParticlesPerGroup of
+    # the half set), in iteration 0 and after
+    for it in (0, 1):
+        particles = starfile.read(tmp_path / f"run_it{it:03d}_data.star")["particles"]
+        for h in (1, 2):
+            groups = starfile.read(tmp_path / f"run_it{it:03d}_half{h}_model.star", always_dict=True)["model_groups"]
+            mine = particles["rlnGroupNumber"].to_numpy()[particles["rlnRandomSubset"].to_numpy() == h]
+            want = [int(np.sum(mine == g)) for g in groups["rlnGroupNumber"]]
+            assert list(groups["rlnGroupNrParticles"]) == want and sum(want) == np.sum(subsets == h) < N_PARTICLES
     general = starfile.read(tmp_path / "run_it000_optimiser.star", always_dict=True)["optimiser_general"]
     assert general["rlnCurrentIteration"] == 0
     for label in ("rlnModelStarFile", "rlnModelStarFile2", "rlnExperimentalDataStarFile", "rlnOrientSamplingStarFile"):

@@ -371,9 +371,10 @@ class RefineJob:
         return np.tensordot(sizes / sizes.sum(), halves, axes=1)
 
     def _half_model_blocks(self, model, optimiser, root, half, pdf_direction):
-        """The blocks of `root`_half`half`_model.star (`job_model_star_blocks`)."""
+        """The blocks of `root`_half`half`_model.star (`job_model_star_blocks`): model_groups counts the half set's
+        particles, as RELION's (the half's workers count theirs, MlOptimiserMpi::initialiseWorkLoad)."""
         return job_model_star_blocks(self.particles, model, optimiser, self.config, [f"{root}_half{half}_class001.mrc"],
-                                     half=half, pdf_direction=pdf_direction)
+                                     half=half, members=self.members[half - 1], pdf_direction=pdf_direction)
 
     def _particle_table(self, snapshot, pixel):
         particles = self.particles
