@@ -396,14 +396,14 @@ class InitialModelJob:
             largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
             # under MPI the map's array is filled as it arrives: read when written
             writes.append(partial(self.write_initial_model, model.maps[0][largest], model.pixel_size_angstrom))
-        return self._files(model, run.optimiser, snapshot, plan.sampling, plan.tau2_fudge, plan, argv,
-                           lambda blocks_of, path: write_star(blocks_of(model), path), writes)
+        return self._files(model, run.optimiser, snapshot, plan.sampling, plan.tau2_fudge, plan, argv, None, writes)
 
     def _files(self, model, optimiser, poses, sampling, tau2_fudge, plan, argv, model_star, extra):
         """The writes of the files of `optimiser`'s iteration: data.star (the particles' `poses`), the class maps, the
-        momenta, model.star (`model_star(blocks_of, path)` writes it, `blocks_of(model)` its blocks, with
-        rlnTau2FudgeFactor `tau2_fudge`, RELION's of the iteration), sampling.star where `sampling` is given, the
-        `extra` writes, then optimiser.star (with the gradient labels of `plan`, None before iteration 1)."""
+        momenta, model.star (its blocks, `blocks_of(model)`, made now, with rlnTau2FudgeFactor `tau2_fudge`, RELION's
+        of the iteration; or, where given, `model_star(blocks_of, path)` writes it on the writer's thread),
+        sampling.star where `sampling` is given, the `extra` writes, then optimiser.star (with the gradient labels of
+        `plan`, None before iteration 1)."""
         config, particles = self.config, self.particles
         k_classes = model.n_classes
         root = iteration_root(config.output_root, optimiser.iteration)
@@ -424,7 +424,8 @@ class InitialModelJob:
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
                   *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
                   partial(write_moments, root, list(model.moments), grid),
-                  partial(model_star, blocks_of, f"{root}_model.star"), *extra]
+                  (partial(write_star, blocks_of(model), f"{root}_model.star") if model_star is None
+                   else partial(model_star, blocks_of, f"{root}_model.star")), *extra]
         if sampling is not None:
             writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
         optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(config.output_root),
