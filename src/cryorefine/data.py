@@ -138,9 +138,11 @@ class ParticleSet:
     def n_scale_groups(self) -> int:
         return len(self.scale_group_names)
 
-    def scale_group_names_and_counts(self) -> tuple[list[str], list[int]]:
-        """The intensity groups' names and their numbers of particles, in group order (model.star's model_groups)."""
-        counts = np.bincount(self.scale_group_index, minlength=self.n_scale_groups)
+    def scale_group_names_and_counts(self, members: np.ndarray | None = None) -> tuple[list[str], list[int]]:
+        """The intensity groups' names and their numbers of particles, in group order (model.star's model_groups);
+        with `members` (particle indices, e.g. a half set's) the numbers of those particles alone."""
+        index = self.scale_group_index if members is None else self.scale_group_index[np.asarray(members)]
+        counts = np.bincount(index, minlength=self.n_scale_groups)
         return list(self.scale_group_names), [int(c) for c in counts]
 
     def ctf_parameters(self, indices: np.ndarray, pixel_size_angstrom: npt.ArrayLike | None = None) -> CtfParameters:

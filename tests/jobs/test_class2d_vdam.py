@@ -109,8 +109,9 @@ def mpiexec():
 @pytest.mark.mpi
 def test_vdam_under_mpiexec_gives_the_classes_of_one_process(vdam_run, tmp_path):
     """mpiexec -n 3 (a master, a worker per pseudo-half set, the classes' steps made by the first): 2 iterations of
-    mini-batches, the same classes and averages as one process (float32 rounding). (EM under mpiexec -n 3, measured
-    the same way: the same classes, averages within 5e-7 of one process's.)"""
+    mini-batches, the same classes and averages as one process (float32 rounding), and iteration 0's files with
+    run_it000_sampling.star. (EM under mpiexec -n 3, measured the same way: the same classes, averages within 5e-7 of
+    one process's.)"""
     _, star, _ = vdam_run
     environment = dict(os.environ)
     environment.pop("PMI_SIZE", None)
@@ -123,6 +124,9 @@ def test_vdam_under_mpiexec_gives_the_classes_of_one_process(vdam_run, tmp_path)
         runs[ranks] = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
         assert runs[ranks].returncode == 0, runs[ranks].stderr[-2000:]
     assert runs[3].stderr.count("iteration 2:") == 1
+    # iteration 0's files: relion_refine_mpi's have the sampling.star that relion_refine's lack
+    it000 = {r: {p.name for p in (tmp_path / f"n{r}").glob("run_it000_*")} for r in (1, 3)}
+    assert "run_it000_1moment.mrcs" in it000[1] and it000[3] == it000[1] | {"run_it000_sampling.star"}
     for it in (1, 2):
         a, b = (starfile.read(tmp_path / f"n{r}" / f"run_it{it:03d}_data.star")["particles"] for r in (3, 1))
         assert np.array_equal(a["rlnClassNumber"], b["rlnClassNumber"]), it

@@ -91,7 +91,9 @@ def test_continue_gives_the_same_iteration_as_an_uninterrupted_run(classified, t
     want = starfile.read(out / "run_it002_model.star")["model_classes"]
     np.testing.assert_array_equal(model["rlnClassDistribution"], want["rlnClassDistribution"])
     assert (tmp_path / "run_it002_report.png").is_file()
-    assert not (tmp_path / "run_it001_data.star").exists()  # it went on from iteration 2
+    # it went on from iteration 1, whose files it wrote again under its root as RELION does (but the report)
+    assert (tmp_path / "run_it001_data.star").is_file() and not (tmp_path / "run_it001_report.png").exists()
+    assert not list(tmp_path.glob("run_it000_*"))
 
 
 def test_continue_refuses_a_run_of_the_other_kind(classified, capsys):

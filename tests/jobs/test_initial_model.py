@@ -404,7 +404,7 @@ def test_two_classes_write_relions_files_of_each_class(two_classes):
 @pytest.mark.mpi
 def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
     """mpiexec -n 3: a master and a worker per pseudo-half set, each class's step made by the first worker; the
-    maps and poses of one process (float32 rounding)."""
+    maps and poses of one process (float32 rounding), and iteration 0's files with run_it000_sampling.star."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
@@ -417,6 +417,10 @@ def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
                            *map(str, TWO_CLASSES)],
                           capture_output=True, text=True, timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-2000:]
+    # iteration 0's files: relion_refine_mpi's have the sampling.star that relion_refine's lack
+    it000 = {run: {p.name for p in (two_maps / run).glob("run_it000_*")} for run in ("mpi", "serial")}
+    assert "run_it000_class002_angdist.bild" in it000["serial"]
+    assert it000["mpi"] == it000["serial"] | {"run_it000_sampling.star"}
     for it in (1, 2):
         for k in (1, 2):
             got, want = (read_volume(two_maps / run / f"run_it{it:03d}_class{k:03d}.mrc")[0]

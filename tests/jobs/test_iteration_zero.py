@@ -1,4 +1,5 @@
-"""The files RELION writes before iteration 1 (run_it000_*), for refine and classify, and --continue from them.
+"""The files RELION writes before iteration 1 (run_it000_*), for refine, classify, class2d (EM and VDAM) and
+initial_model, and --continue from them.
 
 RELION 5's set (src/ml_optimiser_mpi.cpp MlOptimiserMpi::initialise, src/ml_optimiser.cpp MlOptimiser::initialise and
 MlOptimiser::write, src/ml_model.cpp MlModel::write, read for their behaviour):
@@ -9,6 +10,9 @@ MlOptimiser::write, src/ml_model.cpp MlModel::write, read for their behaviour):
 - relion_refine (a Class3D of one MPI process): run_it000_data.star, run_it000_optimiser.star,
   run_it000_model.star, run_it000_classKKK.mrc and run_it000_classKKK_angdist.bild; no sampling.star (the Class3D
   line under mpirun, with it: tests/jobs/test_relion_refine_drop_in.py);
+- Class2D and InitialModel: the same write at iteration 0, with MlModel::write's 2D stack (run_it000_classes.mrcs)
+  and, under --grad, the momenta; bild files only of 3D classes, and at iteration 0 also under --grad (MlOptimiser's
+  do_grad, which suppresses them, is set only once the iterations begin);
 - the model.star's spectra: RELION's MlModel::initialiseDataVersusPrior (τ² from the starting map's power spectrum,
   the data versus prior from the particles' number and the initial noise spectra).
 Beside them, run_it000_resume.npz: what --continue reads here.
@@ -22,7 +26,7 @@ import starfile
 from conftest import run_cli
 
 from cryorefine.core.fourier import downsample_volume
-from cryorefine.io.mrc import read_volume, write_volume
+from cryorefine.io.mrc import read_stack, read_volume, write_volume
 
 EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 BOX, PIXEL, N_PARTICLES = 16, 24.0, 40
@@ -38,18 +42,24 @@ CLASSIFY_IT000 = {"run_it000_data.star", "run_it000_class001.mrc", "run_it000_cl
 
 
 def relion_initial_spectra(volume, sigma2_noise, n_particles, pdf_class, tau2_fudge):
-    """RELION's initialiseDataVersusPrior for one map, written out here with numpy alone: (τ², data versus prior)."""
+    """RELION's initialiseDataVersusPrior for one map or one 2D class average, written out here with numpy alone:
+    (τ², data versus prior). A map's power is scaled by N² (its normfft) and its evidence divided by 2i; a 2D
+    average's neither."""
     n = volume.shape[0]
     ft = np.fft.rfftn(np.asarray(volume, dtype=np.float64), norm="forward")  # |F|² does not see the centre's shift
     k = np.fft.fftfreq(n, 1.0 / n)
-    radius = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + np.arange(n // 2 + 1)[None, None, :] ** 2)
+    if volume.ndim == 3:
+        radius = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + np.arange(n // 2 + 1)[None, None, :] ** 2)
+    else:
+        radius = np.sqrt(k[:, None] ** 2 + np.arange(n // 2 + 1)[None, :] ** 2)
     shell = np.rint(radius).astype(int).ravel()
     power = (np.bincount(shell, (np.abs(ft) ** 2).ravel()) / np.bincount(shell))[: n // 2 + 1]
-    tau2 = tau2_fudge * power * n * n / 2.0
+    tau2 = tau2_fudge * power * (n * n if volume.ndim == 3 else 1) / 2.0
     noise = np.asarray(sigma2_noise, dtype=np.float64)
     average = noise[noise.sum(axis=1) > 0].mean(axis=0)
     evidence = n_particles * pdf_class / average
-    evidence[1:] /= 2.0 * np.arange(1, n // 2 + 1)
+    if volume.ndim == 3:
+        evidence[1:] /= 2.0 * np.arange(1, n // 2 + 1)
     return tau2, evidence * tau2
 
 
@@ -85,15 +95,16 @@ def small(tmp_path_factory):
 
 
 def check_model_spectra(model_star, class_map, data_star, n_particles, pdf_class, tau2_fudge, row="model_class_1"):
-    """The model.star's τ² and data versus prior are RELION's of the map written beside it and the model's own noise
-    spectra; its direction distribution is uniform over the sampling's directions."""
+    """The model.star's τ² and data versus prior are RELION's of the map (or the 2D average, a 2D array) written beside
+    it and the model's own noise spectra; its direction distribution is uniform over the sampling's directions."""
     model = starfile.read(model_star, always_dict=True)
     shells = BOX // 2 + 1
     noise = np.zeros((1, shells))
     group = model["model_optics_group_1"]
     noise[0, group["rlnSpectralIndex"].to_numpy(dtype=int)] = group["rlnSigma2Noise"].to_numpy(dtype=float)
     assert (noise[0, 1:] > 0).all()
-    tau2, data_vs_prior = relion_initial_spectra(read_volume(class_map)[0], noise, n_particles, pdf_class, tau2_fudge)
+    reference = read_volume(class_map)[0] if isinstance(class_map, (str, Path)) else class_map
+    tau2, data_vs_prior = relion_initial_spectra(reference, noise, n_particles, pdf_class, tau2_fudge)
     spectra = model[row]
     assert spectra["rlnReferenceTau2"].to_numpy(dtype=float)[1:].min() > 0
     # the written map is float32: its rounding leaves ~1e-16 of the power above --ini_high's low-pass
@@ -127,6 +138,15 @@ def test_refine_writes_relions_iteration_0_files_and_continues_from_them(small, 
         pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
         np.testing.assert_allclose(pdf, np.full(n_directions, 1.0 / n_directions), rtol=1e-15)
         assert model["model_classes"]["rlnReferenceImage"].iloc[0] == f"{out}_it000_half{h}_class001.mrc"
+    # each half's model_groups counts that half's particles of each group (RELION's getNumberOfParticlesPerGroup of
+    # the half set), in iteration 0 and after
+    for it in (0, 1):
+        particles = starfile.read(tmp_path / f"run_it{it:03d}_data.star")["particles"]
+        for h in (1, 2):
+            groups = starfile.read(tmp_path / f"run_it{it:03d}_half{h}_model.star", always_dict=True)["model_groups"]
+            mine = particles["rlnGroupNumber"].to_numpy()[particles["rlnRandomSubset"].to_numpy() == h]
+            want = [int(np.sum(mine == g)) for g in groups["rlnGroupNumber"]]
+            assert list(groups["rlnGroupNrParticles"]) == want and sum(want) == np.sum(subsets == h) < N_PARTICLES
     general = starfile.read(tmp_path / "run_it000_optimiser.star", always_dict=True)["optimiser_general"]
     assert general["rlnCurrentIteration"] == 0
     for label in ("rlnModelStarFile", "rlnModelStarFile2", "rlnExperimentalDataStarFile", "rlnOrientSamplingStarFile"):
@@ -182,3 +202,140 @@ def test_an_earlier_runs_iteration_0_files_are_found_and_removed_with_overwrite(
     code, _, _ = run(capsys, "refine", *inputs, "--overwrite")
     assert code == 0
     assert (tmp_path / "run_it000_data.star").read_text() != "earlier run"
+
+
+CLASS2D_IT000 = {"run_it000_data.star", "run_it000_classes.mrcs", "run_it000_model.star", "run_it000_optimiser.star",
+                 "run_it000_resume.npz"}
+CLASS2D_VDAM_IT000 = CLASS2D_IT000 | {"run_it000_1moment.mrcs", "run_it000_2moment.mrcs"}
+INITIAL_MODEL_IT000 = {"run_it000_data.star", "run_it000_class001.mrc", "run_it000_1moment001.mrc",
+                       "run_it000_1moment002.mrc", "run_it000_2moment001.mrc", "run_it000_model.star",
+                       "run_it000_class001_angdist.bild", "run_it000_optimiser.star", "run_it000_resume.npz"}
+#: the gradient runs' τ² fudge of iteration 0 (RELION's updateTau2Fudge, "<T>-step"): 1·s + T·(1 − s) with
+#: s = 1/(10^((0 − b − a/2)/(a/4)) + 1) ≥ 1/(10^−2 + 1) for any b ≥ 0, a > 0, so between 1 and 1 + (T − 1)/101
+def grad_fudge_bounds(tau2_fudge):
+    return 1.0, 1.0 + (tau2_fudge - 1.0) / 101.0
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["EM", "VDAM"])
+def test_class2d_writes_relions_iteration_0_files(small, tmp_path, grad):
+    """RELION 5's Class2D of one process writes before iteration 1 (MlOptimiser::initialise → write at iteration 0):
+    data.star, optimiser.star, model.star with the classes' stack, and under --grad the momenta (MlModel::write with
+    its do_grad); no sampling.star (relion_refine_mpi's), no bild files (3D only). The model.star's spectra are
+    RELION's of 2D references: τ² = fudge·P/2, no division by 2i; the τ² fudge under --grad is iteration 0's."""
+    out = tmp_path / "run"
+    vdam = ("--grad", "--grad_write_iter", 1) if grad else ()
+    assert run_cli("class2d", "--i", small / "sim" / "particles.star", "--o", out, "--K", 2, "--iter", 1,
+                   "--tau2_fudge", 2, "--ctf", "--particle_diameter", 240, "--psi_step", 30, "--offset_range", 2,
+                   "--offset_step", 1, "--cpu", "--random_seed", 5, *vdam) == 0
+    assert {p.name for p in tmp_path.glob("run_it000_*")} == (CLASS2D_VDAM_IT000 if grad else CLASS2D_IT000)
+    model = starfile.read(tmp_path / "run_it000_model.star", always_dict=True)
+    general = model["model_general"]
+    assert int(general["rlnReferenceDimensionality"]) == 2
+    fudge = float(general["rlnTau2FudgeFactor"])
+    low, high = grad_fudge_bounds(2.0) if grad else (2.0, 2.0)
+    assert low <= fudge <= high
+    averages = read_stack(tmp_path / "run_it000_classes.mrcs")
+    assert averages.shape == (2, BOX, BOX)
+    for k in (1, 2):
+        check_model_spectra(tmp_path / "run_it000_model.star", averages[k - 1].astype(np.float64),
+                            tmp_path / "run_it000_data.star", N_PARTICLES, 0.5, fudge, row=f"model_class_{k}")
+    classes = model["model_classes"]
+    assert list(classes["rlnReferenceImage"]) == [f"{k:06d}@{out}_it000_classes.mrcs" for k in (1, 2)]
+    optimiser = starfile.read(tmp_path / "run_it000_optimiser.star", always_dict=True)["optimiser_general"]
+    assert int(optimiser["rlnCurrentIteration"]) == 0
+    if grad:
+        assert list(classes["rlnGradMoment2"]) == [f"{k:06d}@{out}_it000_2moment.mrcs" for k in (1, 2)]
+        # two pseudo-half sets' first moments, one second moment, of each class; complex values as pairs of reals
+        assert read_stack(tmp_path / "run_it000_1moment.mrcs").shape[0] == 4
+        assert read_stack(tmp_path / "run_it000_2moment.mrcs").shape[0] == 2
+        # RELION's optimiser has taken no gradient step yet: do_grad false, no mini-batch
+        assert int(optimiser["rlnDoGradientRefine"]) == 1 and int(optimiser["rlnDoStochasticGradientDescent"]) == 0
+        assert int(optimiser["rlnSgdSubsetSize"]) == 0
+    else:
+        assert "rlnGradMoment1" not in classes
+
+
+def test_initial_model_writes_relions_iteration_0_files(small, tmp_path):
+    """RELION 5's InitialModel (--grad --denovo_3dref) of one process writes before iteration 1: data.star, the
+    de-novo map, the momenta (two pseudo-half sets' first moments, the second), model.star, optimiser.star and the
+    bild file of the uniform direction distribution (MlOptimiser::write draws it while its do_grad is still false,
+    before the first gradient step); no sampling.star. τ² is RELION's of the map with iteration 0's τ² fudge."""
+    out = tmp_path / "run"
+    assert run_cli("initial_model", "--i", small / "sim" / "particles.star", "--o", out, "--iter", 1, "--K", 1,
+                   "--tau2_fudge", 4, *ARGS[:6], "--healpix_order", 1, "--offset_range", 2, "--offset_step", 1,
+                   "--pad", 1, "--cpu", "--random_seed", 5) == 0
+    assert {p.name for p in tmp_path.glob("run_it000_*")} == INITIAL_MODEL_IT000
+    model_star = tmp_path / "run_it000_model.star"
+    fudge = float(starfile.read(model_star, always_dict=True)["model_general"]["rlnTau2FudgeFactor"])
+    low, high = grad_fudge_bounds(4.0)
+    assert low <= fudge <= high
+    model = check_model_spectra(model_star, tmp_path / "run_it000_class001.mrc", tmp_path / "run_it000_data.star",
+                                N_PARTICLES, 1.0, fudge)
+    classes = model["model_classes"]
+    assert classes["rlnGradMoment1"].iloc[0] == f"{out}_it000_1moment001.mrc"
+    assert classes["rlnGradMoment2"].iloc[0] == f"{out}_it000_2moment001.mrc"
+    pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
+    assert np.ptp(pdf) == 0 and pdf.sum() == pytest.approx(1.0)
+    # one bild line pair (colour, cylinder) per direction of the uniform distribution
+    assert len((tmp_path / "run_it000_class001_angdist.bild").read_text().splitlines()) == 2 * pdf.size
+
+
+def test_continue_under_a_new_root_writes_the_starting_iterations_files_there(small, tmp_path):
+    """RELION's --continue with another --o (MlOptimiser::parseContinue takes the new root; MlOptimiser::initialise
+    then writes the read state at its iteration, MlOptimiser::write): a Class3D of one process continued from
+    iteration 1 under a new root writes run_it001_data.star, run_it001_model.star, the class maps, their bild files and
+    run_it001_optimiser.star there (no sampling.star, relion_refine_mpi's; no report) naming the new root's files, then
+    iteration 2 as the uninterrupted run; that copy of iteration 1 can itself be continued from."""
+    first, second, third = (tmp_path / name for name in ("first", "second", "third"))
+    classify = ("--i", small / "sim" / "particles.star", "--ref", small / "truth.mrc", *ARGS, "--K", 2, "--iter", 2)
+    assert run_cli("classify", *classify, "--o", first / "run") == 0
+    assert run_cli("classify", "--continue", first / "run_it001_optimiser.star", "--o", second / "run") == 0
+    assert {p.name for p in second.glob("run_it001_*")} == {
+        "run_it001_data.star", "run_it001_model.star", "run_it001_class001.mrc", "run_it001_class002.mrc",
+        "run_it001_class001_angdist.bild", "run_it001_class002_angdist.bild", "run_it001_optimiser.star",
+        "run_it001_resume.npz"}
+    assert not list(second.glob("run_it000_*"))
+    assert (second / "run_it001_data.star").read_bytes() == (first / "run_it001_data.star").read_bytes()
+    assert (second / "run_it001_class002.mrc").read_bytes() == (first / "run_it001_class002.mrc").read_bytes()
+    model = starfile.read(second / "run_it001_model.star", always_dict=True)
+    assert list(model["model_classes"]["rlnReferenceImage"]) == [f"{second}/run_it001_class00{k}.mrc" for k in (1, 2)]
+    old = starfile.read(first / "run_it001_model.star", always_dict=True)
+    for block in ("model_general", "model_class_2", "model_groups", "model_pdf_orient_class_1"):
+        assert str(model[block]) == str(old[block]), block
+    text = (second / "run_it001_optimiser.star").read_text()
+    # the command line the continued run writes in its own files (here the test's: it runs in this process)
+    assert text.splitlines()[1] == (second / "run_it002_optimiser.star").read_text().splitlines()[1]
+    general = starfile.read(second / "run_it001_optimiser.star", always_dict=True)["optimiser_general"]
+    assert general["rlnOutputRootName"] == str(second / "run")
+    assert general["rlnModelStarFile"] == f"{second}/run_it001_model.star"
+    assert general["rlnExperimentalDataStarFile"] == f"{second}/run_it001_data.star"
+    assert int(general["rlnCurrentIteration"]) == 1
+    assert str(first) not in text
+
+    assert run_cli("classify", "--continue", second / "run_it001_optimiser.star", "--o", third / "run") == 0
+    for folder in (second, third):
+        for name in ("run_it002_class001.mrc", "run_it002_class002.mrc"):
+            np.testing.assert_array_equal(read_volume(folder / name)[0], read_volume(first / name)[0])
+        continued = starfile.read(folder / "run_it002_data.star")["particles"]
+        np.testing.assert_array_equal(continued["rlnClassNumber"],
+                                      starfile.read(first / "run_it002_data.star")["particles"]["rlnClassNumber"])
+
+
+def test_renamed_star_text_moves_only_the_runs_own_names():
+    """By hand: names under the old iteration's root (whole values, quoted, after a stack's `NNNNNN@`) move to the new
+    root; a name that merely contains the root, another run's name and the particles' stacks stay; the root's own
+    name moves only as rlnOutputRootName; the optimiser.star's command line becomes the new one."""
+    from cryorefine.io.run_files import renamed_star_text
+
+    text = ("# RELION optimiser; version 5.0.1\n# --o a/run --K 2\n\ndata_optimiser_general\n\n"
+            "_rlnOutputRootName\t\t\ta/run\n_rlnModelStarFile\t\t\ta/run_it005_model.star\n"
+            "_rlnSolventMaskName\t\t\tb/a/run_it005_mask.mrc\n_rlnTauSpectrumName\t\t\ta/run_it004_model.star\n\n"
+            "loop_\n_rlnReferenceImage #1\n000001@a/run_it005_classes.mrcs\n\"a/run_it005_x y.mrc\"\n"
+            "000001@Extract/a/run_it005_p.mrcs\n")
+    renamed = renamed_star_text(text, "a/run_it005", "c/new_it005", ("a/run", "c/new"),
+                                ["--continue", "a/run_it005_optimiser.star", "--o", "c/new"])
+    assert renamed == ("# RELION optimiser; version 5.0.1\n# --continue a/run_it005_optimiser.star --o c/new\n\n"
+                       "data_optimiser_general\n\n_rlnOutputRootName\t\t\tc/new\n"
+                       "_rlnModelStarFile\t\t\tc/new_it005_model.star\n_rlnSolventMaskName\t\t\tb/a/run_it005_mask.mrc\n"
+                       "_rlnTauSpectrumName\t\t\ta/run_it004_model.star\n\nloop_\n_rlnReferenceImage #1\n"
+                       "000001@c/new_it005_classes.mrcs\n\"c/new_it005_x y.mrc\"\n000001@Extract/a/run_it005_p.mrcs\n")

@@ -333,7 +333,8 @@ def test_a_worker_failing_mid_classification_ends_the_job_with_one_line(mixture)
 def test_a_killed_worker_ends_the_job_and_continue_on_fewer_ranks_finishes_it(mixture):
     """A worker killed outright (SIGKILL) in iteration 3 of 4: the launcher ends the whole job within seconds; the
     last completed iteration's files stay, and --continue from them on one worker (mpiexec -n 2) ends with the
-    classes and class maps of the run that was never interrupted (on two workers: to float32 rounding)."""
+    classes and class maps of the run that was never interrupted (on two workers: to float32 rounding), having first
+    written the files of the iteration it went on from under its root, the sampling.star with them."""
 
     tic = time.monotonic()
     killed = run_classify(3, mixture, "killed", "--iter", "4", "--batch", "4", env={"CRYOREFINE_FAULT": "2:3:kill"},
@@ -354,6 +355,10 @@ def test_a_killed_worker_ends_the_job_and_continue_on_fewer_ranks_finishes_it(mi
                                env=environment)
     assert continued.returncode == 0, continued.stderr[-2000:]
     assert_same_classification(mixture, "continued", "whole", 4, tolerance=1e-4)
+    # the iteration it went on from, written again under its root with relion_refine_mpi's sampling.star
+    start = last.name[: -len("_optimiser.star")]
+    assert (mixture / "continued" / f"{start}_sampling.star").is_file()
+    assert (mixture / "continued" / f"{start}_optimiser.star").is_file()
 
 
 def test_workers_take_the_gpus_of_gpu_or_of_their_node_in_turn(monkeypatch):

@@ -578,23 +578,27 @@ def other_parameters_with_momentum(model: ModelState, previous: ModelState, dire
     model.pdf_direction = directions
 
 
-def optimiser_labels(plan: GradientPlan, config: RefineConfig, phases: GradientPhases, subset_sizes: tuple[int, int],
-                     n_particles: int, step_sizes: tuple[float, float], inactivity_threshold: float = 0.0) -> dict:
-    """RELION's gradient labels of optimiser_general (MlOptimiser::write) for a gradient run's iteration;
-    `step_sizes`: (the final step size, the first)."""
-    n_batch = sum(unit.members.size for unit in plan.units)
+def optimiser_labels(plan: GradientPlan | None, config: RefineConfig, phases: GradientPhases,
+                     subset_sizes: tuple[int, int], n_particles: int, step_sizes: tuple[float, float],
+                     inactivity_threshold: float = 0.0) -> dict:
+    """RELION's gradient labels of optimiser_general (MlOptimiser::write) for a gradient run's iteration (`plan`;
+    None: iteration 0, before the first step, where RELION's optimiser has taken no gradient step yet and no
+    mini-batch: rlnDoStochasticGradientDescent and rlnSgdSubsetSize 0); `step_sizes`: (the final step size, the
+    first)."""
+    iteration = 0 if plan is None else plan.iteration
+    n_batch = 0 if plan is None else sum(unit.members.size for unit in plan.units)
     final_step, first_step = step_sizes
     return {
-        "rlnDoGradientRefine": 1, "rlnDoStochasticGradientDescent": 1,
+        "rlnDoGradientRefine": 1, "rlnDoStochasticGradientDescent": int(plan is not None),
         "rlnTau2FudgeScheme": f"{config.tau2_fudge:.6f}-step",
         "rlnGradEmIters": 0, "rlnGradHasConverged": 0,
-        "rlnGradCurrentStepsize": f"{step_size(plan.iteration, phases, final_step, first_step):.6f}",
+        "rlnGradCurrentStepsize": f"{step_size(iteration, phases, final_step, first_step):.6f}",
         "rlnSgdInitialIterationsFraction": f"{INITIAL_FRACTION:.6f}",
         "rlnSgdFinalIterationsFraction": f"{FINAL_FRACTION:.6f}",
         "rlnSgdInitialSubsetSize": subset_sizes[0], "rlnSgdFinalSubsetSize": subset_sizes[1],
         "rlnSgdMuFactor": f"{MOMENTUM:.6f}",
         "rlnSgdClassInactivityThreshold": f"{inactivity_threshold:.6f}",
-        "rlnSgdSubsetSize": n_batch if n_batch < n_particles else -1,
+        "rlnSgdSubsetSize": n_batch if plan is None or n_batch < n_particles else -1,
         "rlnSgdWriteEverySubset": int(config.grad_write_iter),
         "rlnSgdStepsize": f"{final_step:.6f}",
         "rlnSgdStepsizeScheme": f"{first_step / final_step:.6f}-step",

@@ -2,7 +2,8 @@
 
     session (the backend's run scope; under MPI the workers are told the run is set up)
     job.load → job.start (or the saved state of --continue)
-    iteration 0's files (a new run: RELION's run_it000_*, the state before iteration 1), on the writer's thread
+    iteration 0's files (a new run: RELION's run_it000_*, the state before iteration 1), on the writer's thread;
+        or, a run continued under a new root, the files of the iteration it goes on from, written again there
     for each iteration:
         job.plan          schedule: image sizes, sampling, the E-step's work units
         runner            E-step of every unit (batches, per-particle results), sums reduced,
@@ -39,7 +40,7 @@ from cryorefine.em.state import IterationReport, ModelState, OptimiserState, Par
 from cryorefine.errors import InputError, RunInterrupted, Terminated
 from cryorefine.images import ImageSettings
 from cryorefine.io import resume, run_files
-from cryorefine.io.background import BackgroundWriter
+from cryorefine.io.background import BackgroundWriter, Together
 
 log = logging.getLogger("cryorefine")
 
@@ -114,6 +115,8 @@ class Job(Protocol):
     # def initial_outputs(self, run: RunState, argv, under_mpi: bool) -> list:
     #     """The files RELION writes before iteration 1 (run_it000_*: the starting maps, model, particles and
     #     optimiser.star) as callables, as relion_refine (`under_mpi` False) or relion_refine_mpi writes them."""
+    # and `relion_runs_only_under_mpi = True` where RELION runs the job only as relion_refine_mpi (its files, such as
+    # the sampling.star a --continue under a new root writes again, are then that program's in one process too).
 
     def summary(self, run: RunState, plan: IterationPlan, changes) -> str:
         """The iteration's log line, after "iteration N: "."""
@@ -210,6 +213,8 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
             if resume_from is None:
                 initial_files_submitted(job, state, runner, writer, argv)
                 clock.mark("iteration 0's files handed to the writer")
+            else:
+                continued_files_submitted(job, state, runner, writer, argv, resume_from)
             log_stages("run start", reports.start_seconds)
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
@@ -290,6 +295,24 @@ def initial_files_submitted(job, state: RunState, runner, writer, argv) -> None:
     root = run_files.iteration_root(job.config.output_root, 0)
     resume.save(f"{root}{resume.SUFFIX}", *saved_state(job.kind, job.config, state, state.particles.copy()))
     writer.submit(initial_outputs(state, list(argv), runner.n_workers > 0))
+
+
+def continued_files_submitted(job, state: RunState, runner, writer, argv, resume_from: str) -> None:
+    """A run continued under a new output root (--continue with another --o): the files of the iteration it goes on
+    from written again under that root before the next iteration, as RELION's MlOptimiser::initialise writes them
+    (`io.run_files.continued_iteration_writes`: the sampling.star as relion_refine_mpi writes it, under mpirun or for
+    an auto-refine, which RELION runs only under MPI), after the state --continue reads beside their optimiser.star,
+    so that the new root's copy of that iteration can itself be continued from. Nothing under the run's own root."""
+    with_sampling = runner.n_workers > 0 or bool(getattr(job, "relion_runs_only_under_mpi", False))
+    writes = run_files.continued_iteration_writes(resume_from, job.config.output_root, list(argv), with_sampling)
+    if not writes:
+        return
+    iteration = state.optimiser.iteration
+    resume.save(f"{run_files.iteration_root(job.config.output_root, iteration)}{resume.SUFFIX}",
+                *saved_state(job.kind, job.config, state, state.particles.copy()))
+    writer.submit([Together(writes[:-1]), writes[-1]])
+    log.info("iteration %d's files written again under %s (the continued run's root)", iteration,
+             job.config.output_root)
 
 
 @contextlib.contextmanager

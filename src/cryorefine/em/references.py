@@ -100,16 +100,26 @@ def lowpass_to_ini_high(volume: Array, config: RefineConfig, box: int, pixel: fl
 
 
 def initial_tau2(maps: Sequence[np.ndarray], tau2_fudge: float) -> np.ndarray:
-    """RELION's starting τ² (K, N//2+1) of K maps (`initial_data_versus_prior`), the transform of each distinct map
-    taken once (a classification's K starting maps are often one reference: six transforms of 360³ took 15 s)."""
+    """RELION's starting τ² (K, N//2+1) of K maps or K 2D class averages (`initial_data_versus_prior`), the
+    transform of each distinct map taken once (a classification's K starting maps are often one reference: six
+    transforms of 360³ took 15 s)."""
     size = int(np.shape(maps[0])[0])
     out: list[np.ndarray] = []
     for k, m in enumerate(maps):
         same = next((j for j in range(k) if maps[j] is m or np.array_equal(maps[j], m)), None)
-        out.append(out[same] if same is not None else
-                   tau2_fudge * fourier.power_spectrum_3d(fourier.rfft3_centered(np.asarray(m, dtype=np.float64)))
-                   * size * size / 2.0)
+        out.append(out[same] if same is not None else tau2_fudge * _starting_power(np.asarray(m, dtype=np.float64),
+                                                                                   size))
     return np.stack(out)
+
+
+def _starting_power(reference: np.ndarray, size: int) -> np.ndarray:
+    """RELION's power spectrum of a starting reference, halved (the complex plane's two dimensions), a map's scaled
+    by N² to the 2D images' transforms (MlModel::initialiseDataVersusPrior's normfft; 1 for 2D references)."""
+    if reference.ndim == 2:  # the mean over the half transform's coefficients, as RELION's getSpectrum takes it
+        ft, shells = fourier.rfft2_centered(reference), fourier.shell_index_2d(size)
+        power = fourier.shell_sum(ft.real ** 2 + ft.imag ** 2, shells, size // 2 + 1)
+        return power / np.maximum(fourier.shell_sum(np.ones(shells.shape), shells, size // 2 + 1), 1.0) / 2.0
+    return fourier.power_spectrum_3d(fourier.rfft3_centered(reference)) * size * size / 2.0
 
 
 def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.ArrayLike, n_particles: int,
@@ -123,7 +133,8 @@ def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.Arra
     n_particles · pdf_class[k] / σ²(i) · τ²(i), divided by 2i for i > 0 (RELION's allowance for the ratio of a 3D
     shell's voxels to a 2D shell's pixels), σ² the noise spectra (n_groups, N//2+1) averaged over the groups with
     any power. A shell without noise power gives inf, as RELION's division does. `tau2`: `initial_tau2` of the maps
-    where it is known already."""
+    where it is known already. Of 2D class averages (N, N) (RELION's ref_dim 2): τ²(i) = tau2_fudge · P(i)/2, P of
+    the transform normalised by 1/N², and no division by 2i."""
     noise = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
     used = noise[noise.sum(axis=1) > 0]
     average = used.mean(axis=0) if len(used) else np.zeros(noise.shape[1])
@@ -131,7 +142,7 @@ def initial_data_versus_prior(maps: Sequence[np.ndarray], sigma2_noise: npt.Arra
     shells = np.arange(size // 2 + 1)
     if tau2 is None:
         tau2 = initial_tau2(maps, tau2_fudge)
-    per_shell = np.where(shells > 0, 2.0 * shells, 1.0)
+    per_shell = np.where(shells > 0, 2.0 * shells, 1.0) if np.ndim(maps[0]) == 3 else np.ones(shells.size)
     with np.errstate(divide="ignore", invalid="ignore"):
         evidence = n_particles * np.asarray(pdf_class, dtype=np.float64)[:, None] / average[None, :] / per_shell
         data_vs_prior = evidence / (1.0 / tau2)

@@ -6,7 +6,8 @@ MlOptimiser::write, src/healpix_sampling.cpp HealpixSampling::write):
 
 - `model_star_blocks`: run_itNNN_half{1,2}_model.star (or run_itNNN_model.star): model_general,
   model_classes, model_class_N (spectra), model_groups, model_optics_group_N (noise spectra) and,
-  when given, model_pdf_orient_class_N.
+  when given, model_pdf_orient_class_N; `job_model_star_blocks`, the same for a job's particles (its
+  optics and intensity groups, a half set's particles counted in that half's file).
 - `optimiser_star_blocks` + `write_optimiser_star`: run_itNNN_optimiser.star, with the command
   line as a comment at the top as RELION writes it.
 - `write_sampling_star`: run_itNNN_sampling.star (sampling_general, sampling_directions), the direction table's
@@ -38,6 +39,8 @@ Deliberate differences from RELION's own files:
   rlnGradSuspendFinerSamplingIter, rlnGradSuspendLocalSamplingIter, rlnSgd…): it is not run here
   (rlnDoGradientRefine and rlnDoStochasticGradientDescent say so), and RELION's reader defaults them.
 - Non-finite floats are written as inf/nan, as RELION writes them (RELION reads them back as 0).
+- A converged refinement's run_model.star counts all particles in model_groups' rlnGroupNrParticles (RELION's first
+  worker writes it with the counts of its half set, half 1; each half's model.star counts that half's, here too).
 - With --solvent_correct_fsc (a model whose `fsc_unmasked` is set), model.star says which FSC
   rlnGoldStandardFsc is: model_general gets rlnDoSolventFscCorrection, rlnSolventMaskName and
   rlnRandomiseFrom (Å), and each model_class_N the postprocessing curves
@@ -52,7 +55,9 @@ from __future__ import annotations
 import functools
 import math
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
@@ -75,7 +80,9 @@ NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not lim
 def model_star_blocks(model, optimiser, config, half: int | None,
                       reference_image_names: list[str], optics_group_names: list[str],
                       optics_group_counts: list[int], *, fourier_completeness=None,
-                      orientability_contribution=None, pdf_direction=None, scale_groups=None) -> dict:
+                      orientability_contribution=None, pdf_direction=None, scale_groups=None,
+                      reference_dimensionality: int = 3,
+                      gradient_moment_images: tuple[Sequence[str], Sequence[str]] | None = None) -> dict:
     """Blocks of RELION's model.star for one half (1 or 2) or for the joined/classification model (None).
 
     Spectra of half h come from row h−1 of `model.tau2`, `model.ssnr`, `model.reference_sigma2`
@@ -87,7 +94,9 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     written: `fourier_completeness` (rlnFourierCompleteness, 0 if None),
     `orientability_contribution` (rlnSpectralOrientabilityContribution, 0 if None);
     `pdf_direction` (K, n_directions) writes model_pdf_orient_class_N. A spectrum array that is
-    None is written as zeros.
+    None is written as zeros. `reference_dimensionality`: rlnReferenceDimensionality (2 for 2D class averages);
+    `gradient_moment_images`: each class's first- and second-moment file names of a gradient run (model_classes'
+    rlnGradMoment1 and rlnGradMoment2, after rlnReferenceImage as RELION writes them).
     """
     if half not in (None, 1, 2):
         raise ValueError(f"half must be 1, 2 or None, got {half!r}")
@@ -117,8 +126,10 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     pdf_class = model.pdf_class if model.pdf_class is not None else model.class_distribution
     pdf_class = _array_or_value(pdf_class, (n_classes,), 1.0 / n_classes, "pdf_class")
 
+    if reference_dimensionality not in (2, 3):
+        raise ValueError(f"reference_dimensionality must be 2 or 3, got {reference_dimensionality!r}")
     blocks = {"model_general": {
-        "rlnReferenceDimensionality": 3,
+        "rlnReferenceDimensionality": int(reference_dimensionality),
         "rlnDataDimensionality": 2,
         "rlnOriginalImageSize": ori_size,
         "rlnCurrentResolution": _f(model.current_resolution_angstrom),
@@ -154,8 +165,15 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     estimated, total_completeness = zip(*(
         _estimated_resolution_and_completeness(ssnr[k], completeness[k], ori_size, pixel)
         for k in range(n_classes)))
+    moments = {}
+    if gradient_moment_images is not None:
+        first, second = ([str(n) for n in names_k] for names_k in gradient_moment_images)
+        if not len(first) == len(second) == n_classes:
+            raise ValueError(f"{len(first)} and {len(second)} gradient moment images for {n_classes} classes")
+        moments = {"rlnGradMoment1": first, "rlnGradMoment2": second}
     blocks["model_classes"] = pd.DataFrame({
         "rlnReferenceImage": names,
+        **moments,
         "rlnClassDistribution": _fcol(pdf_class),
         "rlnAccuracyRotations": _fcol(np.full(n_classes, float(model.accuracy_rotations_deg))),
         "rlnAccuracyTranslationsAngst": _fcol(np.full(n_classes, float(model.accuracy_translations_angstrom))),
@@ -207,6 +225,30 @@ def model_star_blocks(model, optimiser, config, half: int | None,
         for k in range(n_classes):
             blocks[f"model_pdf_orient_class_{k + 1}"] = pd.DataFrame({"rlnOrientationDistribution": _fcol(pdf[k])})
     return blocks
+
+
+class RunParticles(Protocol):
+    """What a job's model.star needs of its particles (`data.ParticleSet` has it)."""
+
+    def optics_names_and_counts(self) -> tuple[list[str], list[int]]: ...
+
+    def scale_group_names_and_counts(self, members: np.ndarray | None = None) -> tuple[list[str], list[int]]: ...
+
+
+def job_model_star_blocks(particles: RunParticles, model, optimiser, config, reference_image_names: Sequence[str], *,
+                          half: int | None = None, members: np.ndarray | None = None, pdf_direction=None,
+                          reference_dimensionality: int = 3,
+                          gradient_moment_images: tuple[Sequence[str], Sequence[str]] | None = None) -> dict:
+    """`model_star_blocks` of a job's iteration for its particles: their optics groups (the noise spectra's blocks)
+    and intensity groups (model_groups), each group's number of particles counted over `members` (particle indices;
+    None: all), as RELION counts a half set's particles in that half's model.star (Experiment::
+    getNumberOfParticlesPerGroup of the half set, MlOptimiserMpi::initialiseWorkLoad)."""
+    names, counts = particles.optics_names_and_counts()
+    return model_star_blocks(model, optimiser, config, half, list(reference_image_names), names, counts,
+                             pdf_direction=pdf_direction,
+                             scale_groups=particles.scale_group_names_and_counts(members),
+                             reference_dimensionality=reference_dimensionality,
+                             gradient_moment_images=gradient_moment_images)
 
 
 def _estimated_resolution_and_completeness(ssnr, completeness, ori_size, pixel):

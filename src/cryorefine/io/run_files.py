@@ -8,14 +8,19 @@ does, without an iteration number in its final iteration (out/run_data.star, out
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import re
+import shlex
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryorefine.errors import InputError
+from cryorefine.io.atomic import atomic_path
+from cryorefine.io.relion_outputs import read_optimiser_star
 from cryorefine.io.resume import SUFFIX as RESUME_SUFFIX
 
 #: a converged refinement's files without an iteration number (`jobs.refine`), after the root
@@ -120,3 +125,80 @@ def iteration_of(optimiser_star_path: Path | str) -> int:
     if match is None:
         raise InputError(f"{optimiser_star_path}: --continue takes a run_itNNN_optimiser.star file")
     return int(match.group(1))
+
+
+#: what a continued run does not write again of its starting iteration's files under a new root: RELION writes no
+#: report, and --continue's own state is saved afresh for the new root
+NOT_WRITTEN_AGAIN = ("_report.png", RESUME_SUFFIX)
+#: the STAR files whose text names the run's files (model.star's maps and momenta, optimiser.star's files and root)
+RENAMED_SUFFIXES = ("_model.star", "_optimiser.star")
+
+
+def continued_iteration_writes(optimiser_star_path: Path | str, output_root: str, argv: list[str],
+                               with_sampling: bool) -> list:
+    """RELION's files of the iteration a run continues from, written again under a new output root (--continue with
+    another --o: relion_refine's MlOptimiser::initialise writes the read state at its iteration under the new root,
+    MlOptimiser::write; MlOptimiserMpi::initialise as well, with the sampling.star). The writes, each a callable, the
+    optimiser.star last: each file of that iteration beside `optimiser_star_path` (`<old>_itNNN_*`) copied to
+    `<output_root>_itNNN_*`, but the report and the saved state (NOT_WRITTEN_AGAIN) and, where `with_sampling` is
+    false (relion_refine of one process), the sampling.star; in its model.star and optimiser.star the run's file
+    names (those under the root the optimiser.star names, rlnOutputRootName) are the new root's, and the
+    optimiser.star's command line is `argv`. None where `output_root` is the iteration's own root."""
+    source = Path(optimiser_star_path)
+    iteration = iteration_of(source)
+    old_prefix = str(source)[: -len("_optimiser.star")]
+    new_prefix = iteration_root(output_root, iteration)
+    if Path(old_prefix).resolve() == Path(new_prefix).resolve():
+        return []
+    named_root = str(read_optimiser_star(source)[1].get("rlnOutputRootName", old_prefix[: -len("_itNNN")]))
+    named_prefix = iteration_root(named_root, iteration)
+    skipped = NOT_WRITTEN_AGAIN + (() if with_sampling else ("_sampling.star",))
+    files = sorted(p for p in Path(old_prefix).parent.glob(glob.escape(Path(old_prefix).name) + "_*") if p.is_file())
+    writes = []
+    for path in files:
+        suffix = path.name[len(Path(old_prefix).name):]
+        if suffix in skipped or suffix == "_optimiser.star":
+            continue
+        target = f"{new_prefix}{suffix}"
+        if suffix in RENAMED_SUFFIXES:
+            writes.append(functools.partial(_write_renamed, path, target, named_prefix, new_prefix))
+        else:
+            writes.append(functools.partial(_copy_file, path, target))
+    writes.append(functools.partial(_write_renamed, source, f"{new_prefix}_optimiser.star", named_prefix, new_prefix,
+                                    (named_root, str(output_root)), argv))
+    return writes
+
+
+def renamed_star_text(text: str, old_prefix: str, new_prefix: str, root_names: tuple[str, str] | None = None,
+                      argv: list[str] | None = None) -> str:
+    """A run's STAR text with its file names under another root: every name that begins `old_prefix`_ (a whole
+    value, or the stack after `NNNNNN@`) begins `new_prefix`_; with `root_names` (old, new) the value of
+    rlnOutputRootName that is the old root becomes the new; with `argv` the command line comment (the second line
+    of an optimiser.star, as RELION writes it) is that command's."""
+    boundary = r"(^|[\s@\"'])"
+    text = re.sub(boundary + re.escape(old_prefix + "_"), lambda m: m.group(1) + new_prefix + "_", text,
+                  flags=re.MULTILINE)
+    if root_names is not None:
+        old_root, new_root = root_names
+        text = re.sub(r"^(_rlnOutputRootName\s+)(\S+|\"[^\"]*\")[ \t]*$",
+                      lambda m: m.group(1) + (new_root if m.group(2).strip("\"'") == old_root else m.group(2)),
+                      text, flags=re.MULTILINE)
+    if argv is not None:
+        lines = text.split("\n")
+        if len(lines) > 1 and lines[0].startswith("# RELION optimiser") and lines[1].startswith("#"):
+            command = shlex.join(str(a) for a in argv).replace("\r", " ").replace("\n", " ")
+            lines[1] = f"# {command}"
+            text = "\n".join(lines)
+    return text
+
+
+def _write_renamed(source: Path, target: str, old_prefix: str, new_prefix: str,
+                   root_names: tuple[str, str] | None = None, argv: list[str] | None = None) -> None:
+    text = renamed_star_text(source.read_text(), old_prefix, new_prefix, root_names, argv)
+    with atomic_path(target) as tmp:
+        Path(tmp).write_text(text)
+
+
+def _copy_file(source: Path, target: str) -> None:
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)

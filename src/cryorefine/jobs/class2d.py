@@ -46,7 +46,10 @@ Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
 a gallery in RELION's order, largest class first, with their shares of the particles and the particles whose best
-class each is).
+class each is). Before iteration 1, as RELION writes them, the files of iteration 0
+(run_it000_*: the particles, the initial averages, the model.star with RELION's starting τ² and data-versus-prior
+spectra of 2D references, with --grad the momenta, the optimiser.star, and under mpirun the sampling.star);
+--continue can start from its optimiser.star.
 """
 
 from __future__ import annotations
@@ -69,14 +72,20 @@ from cryorefine.core.sampling import Sampling, next_perturbation
 from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
-from cryorefine.em.references import blobs
+from cryorefine.em.references import blobs, initial_data_versus_prior
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
 from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
-from cryorefine.io.relion_outputs import model_star_blocks, optimiser_star_blocks, particle_table, write_optimiser_star
+from cryorefine.io.relion_outputs import (
+    job_model_star_blocks,
+    optimiser_star_blocks,
+    particle_table,
+    write_optimiser_star,
+)
+from cryorefine.io.run_files import iteration_root
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
@@ -344,9 +353,7 @@ class Class2DJob:
         if not config.skip_align:  # RELION does not perturb the poses it keeps
             optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         run.optimiser = optimiser
-        sampling = Sampling(optimiser.healpix_order, optimiser.offset_range_px, optimiser.offset_step_px,
-                            psi_step_deg=psi_step_deg(config), oversampling=config.oversampling,
-                            perturbation=optimiser.perturbation, in_plane=True)
+        sampling = self._sampling(optimiser)
         poses = run.particles
         with np.errstate(divide="ignore"):
             log_class = np.log(np.asarray(model.pdf_class, dtype=np.float64))
@@ -383,6 +390,12 @@ class Class2DJob:
             tau2_fudge=gradient.tau2_fudge_at(iteration, phases, config.tau2_fudge),
             whole_batch=batch.size == n_particles,
             may_replace_class=phases.initial < iteration < phases.initial + phases.between)
+
+    def _sampling(self, optimiser):
+        """The in-plane sampling of `optimiser`'s iteration."""
+        return Sampling(optimiser.healpix_order, optimiser.offset_range_px, optimiser.offset_step_px,
+                        psi_step_deg=psi_step_deg(self.config), oversampling=self.config.oversampling,
+                        perturbation=optimiser.perturbation, in_plane=True)
 
     def _subset(self, iteration, n_particles):
         """All particles, or with --fast_subsets RELION's random subset of 2D (`schedule.fast_subset_size` from 100
@@ -520,50 +533,76 @@ class Class2DJob:
                 f"τ² fudge {plan.tau2_fudge:.2f}")
 
     # ------------------------------------------------------------------ outputs
-    def outputs(self, run, plan, snapshot, timings, stages, argv):
-        """The iteration's files (RELION's 2D names) as callables; the optimiser STAR file comes last. Under --grad
-        only where RELION writes them (`em.gradient.writes_files`), with the momenta."""
+    def initial_outputs(self, run, argv, under_mpi):
+        """RELION's files of iteration 0, before iteration 1 (MlOptimiser::initialise; MlOptimiserMpi::initialise
+        under mpirun): run_it000_data.star, run_it000_classes.mrcs (the initial class averages), run_it000_model.star
+        (uniform class distribution, the initial noise spectra, RELION's starting τ² and data versus prior of 2D
+        references: `em.references.initial_data_versus_prior`), with --grad run_it000_1moment.mrcs and
+        run_it000_2moment.mrcs (the momenta before the first step), then run_it000_optimiser.star; under mpirun also
+        run_it000_sampling.star, as relion_refine_mpi writes it and relion_refine does not. No report."""
         config, model, optimiser = self.config, run.model, run.optimiser
+        fudge = gradient.tau2_fudge_at(0, self.phases, config.tau2_fudge) if config.grad else config.tau2_fudge
+        tau2, data_vs_prior = initial_data_versus_prior(model.maps[0], model.sigma2_noise, len(self.particles),
+                                                        model.pdf_class, fudge)
+        written = replace(model, tau2=tau2[None], ssnr=data_vs_prior[None])
+        sampling = self._sampling(optimiser) if under_mpi else None
+        return self._files(written, optimiser, run.particles.copy(), sampling, fudge, None, argv)
+
+    def outputs(self, run, plan, snapshot, timings, stages, argv):
+        """The iteration's files (RELION's names) as callables; the optimiser STAR file comes last. Under --grad
+        only where RELION writes them (`em.gradient.writes_files`), with the momenta."""
+        config, model = self.config, run.model
         if config.grad and not gradient.writes_files(plan.iteration, int(config.max_iterations), plan.whole_batch,
                                                      config.grad_write_iter):
             return []
-        out_root = config.output_root
-        root = f"{out_root}_it{plan.iteration:03d}"
+        fudge = plan.tau2_fudge if config.grad else config.tau2_fudge
+        return self._files(model, run.optimiser, snapshot, plan.sampling, fudge, plan, argv)
+
+    def _files(self, model, optimiser, poses, sampling, tau2_fudge, plan, argv):
+        """The writes of the files of `optimiser`'s iteration: data.star (the particles' `poses`), classes.mrcs,
+        model.star (its rlnTau2FudgeFactor `tau2_fudge`, RELION's of the iteration), the momenta under --grad,
+        sampling.star and the report where `sampling` and `plan` are given (None before iteration 1), then
+        optimiser.star."""
+        config, particles = self.config, self.particles
+        root = iteration_root(config.output_root, optimiser.iteration)
         pixel = model.pixel_size_angstrom
-        particles = self.particles
-        table = particle_table(particles.star.particles, snapshot, None, pixel,
+        table = particle_table(particles.star.particles, poses, None, pixel,
                                group_number=particles.scale_group_index + 1)
         table = table.drop(columns=[c for c in ("rlnAngleRot", "rlnAngleTilt") if c in table.columns])
-        names, counts = particles.optics_names_and_counts()
         stack = f"{root}_classes.mrcs"
-        images = [f"{k + 1:06d}@{stack}" for k in range(model.n_classes)]
-        blocks = model_star_blocks(model, optimiser, config, None, images, names, counts,
-                                   pdf_direction=model.pdf_direction,
-                                   scale_groups=particles.scale_group_names_and_counts())
-        blocks["model_general"]["rlnReferenceDimensionality"] = 2
+        first, second = moment_stack_names(root)
+        blocks = job_model_star_blocks(
+            particles, model, optimiser, replace(config, tau2_fudge=tau2_fudge), stack_entries(stack, model.n_classes),
+            pdf_direction=model.pdf_direction, reference_dimensionality=2,
+            gradient_moment_images=((stack_entries(first, model.n_classes), stack_entries(second, model.n_classes))
+                                    if config.grad else None))
         classes = list(model.maps[0])  # under MPI their arrays are filled as the maps arrive: stacked when written
-        extra = []
-        optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration)
+        optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(config.output_root),
+                                                 optimiser.iteration)
+        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+                  partial(write_class_stack, stack, classes, pixel),
+                  partial(write_star, blocks, f"{root}_model.star")]
         if config.grad:
-            first, second = moment_stack_names(root)
-            blocks["model_classes"]["rlnGradMoment1"] = [f"{k + 1:06d}@{first}" for k in range(model.n_classes)]
-            blocks["model_classes"]["rlnGradMoment2"] = [f"{k + 1:06d}@{second}" for k in range(model.n_classes)]
-            extra.append(partial(write_moment_stacks, root, list(model.moments),
-                                 gradient.full_grid(model.ori_size_px, config.padding_factor, 2), pixel))
+            writes.insert(0, partial(write_moment_stacks, root, list(model.moments),
+                                     gradient.full_grid(model.ori_size_px, config.padding_factor, 2), pixel))
             optimiser_blocks["optimiser_general"].update(gradient.optimiser_labels(
                 plan, config, self.phases, self.subset_sizes, len(particles),
                 (gradient.CLASS2D_STEP_SIZE, gradient.CLASS2D_FIRST_STEP_SIZE), config.class_inactivity_threshold))
-        writes = [*extra, partial(write_particle_star, particles.star, f"{root}_data.star", table),
-                  partial(write_class_stack, stack, classes, pixel),
-                  partial(write_star, blocks, f"{root}_model.star"),
-                  partial(write_star, sampling_star_blocks(plan.sampling, config, pixel), f"{root}_sampling.star"),
-                  InOwnProcess(partial(write_gallery, f"{root}_report.png", classes,
-                                       np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
-                                       resolution_angstrom=model.current_resolution_angstrom,
-                                       particle_counts=np.bincount(snapshot.class_index,
-                                                                   minlength=model.n_classes)))]
+        if sampling is not None:
+            writes.append(partial(write_star, sampling_star_blocks(sampling, config, pixel), f"{root}_sampling.star"))
+        if plan is not None:
+            writes.append(InOwnProcess(partial(write_gallery, f"{root}_report.png", classes,
+                                               np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
+                                               resolution_angstrom=model.current_resolution_angstrom,
+                                               particle_counts=np.bincount(poses.class_index,
+                                                                           minlength=model.n_classes))))
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_blocks,
                                           list(argv))]
+
+
+def stack_entries(stack: str, count: int) -> list[str]:
+    """RELION's names of the first `count` images of a stack: 000001@stack, 000002@stack, …"""
+    return [f"{k + 1:06d}@{stack}" for k in range(count)]
 
 
 def write_class_stack(path: str, images: list, pixel_size_angstrom: float) -> None:

@@ -66,13 +66,14 @@ from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
-    model_star_blocks,
+    job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
     write_angdist_bild,
     write_optimiser_star,
     write_sampling_star,
 )
+from cryorefine.io.run_files import iteration_root
 from cryorefine.io.star import read_star, write_particle_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
@@ -121,6 +122,23 @@ def initial_references(config, box, pixel):
                                  box, pixel)
     single.setflags(write=False)
     return [single] * config.n_classes, config.n_classes > 1
+
+
+def class_angdist_writes(root: str, model: ModelState, sampling, iteration: int) -> list:
+    """The writes of RELION's `root`_classKKK_angdist.bild of each class of a 3D model (its direction distribution
+    over the directions of `sampling`, the iteration's); none where the model has no distribution, or one of other
+    directions (a warning)."""
+    if model.pdf_direction is None:
+        return []
+    directions = np.asarray(sampling.directions_deg())
+    pdf = np.asarray(model.pdf_direction).reshape(model.n_classes, -1)
+    if pdf.shape[1] != len(directions):
+        log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no "
+                    "*_angdist.bild written", iteration, pdf.shape[1], len(directions))
+        return []
+    return [partial(write_angdist_bild, f"{root}_class{k + 1:03d}_angdist.bild", pdf[k], directions[:, 0],
+                    directions[:, 1], model.ori_size_px, model.pixel_size_angstrom, sampling.healpix_order)
+            for k in range(model.n_classes)]
 
 
 class ClassifyJob:
@@ -495,19 +513,8 @@ class ClassifyJob:
 
     # ------------------------------------------------------------------ outputs
     def _angdist_writes(self, root, model, sampling, iteration):
-        """RELION's run_itNNN_classKKK_angdist.bild of each class (its direction distribution over the directions of
-        `sampling`, the iteration's); none with --skip_align, as RELION writes none."""
-        if self.config.skip_align or model.pdf_direction is None:
-            return []
-        directions = np.asarray(sampling.directions_deg())
-        pdf = np.asarray(model.pdf_direction).reshape(model.n_classes, -1)
-        if pdf.shape[1] != len(directions):
-            log.warning("iteration %d: the direction distribution has %d directions, the sampling %d; no "
-                        "*_angdist.bild written", iteration, pdf.shape[1], len(directions))
-            return []
-        return [partial(write_angdist_bild, f"{root}_class{k + 1:03d}_angdist.bild", pdf[k], directions[:, 0],
-                        directions[:, 1], model.ori_size_px, model.pixel_size_angstrom, sampling.healpix_order)
-                for k in range(model.n_classes)]
+        """`class_angdist_writes`; none with --skip_align, as RELION writes none."""
+        return [] if self.config.skip_align else class_angdist_writes(root, model, sampling, iteration)
 
     def initial_outputs(self, run, argv, under_mpi):
         """RELION's files of iteration 0, before iteration 1: run_it000_data.star, run_it000_classKKK.mrc (the
@@ -517,20 +524,17 @@ class ClassifyJob:
         run_it000_sampling.star, as relion_refine_mpi writes it and relion_refine does not
         (MlOptimiserMpi::initialise, MlOptimiser::initialise)."""
         config, model, optimiser = self.config, run.model, run.optimiser
-        out_root = config.output_root
-        root = f"{out_root}_it000"
+        root = iteration_root(config.output_root, 0)
         pixel = model.pixel_size_angstrom
         particles = self.particles
-        names, counts = particles.optics_names_and_counts()
         frozen = replace(model)  # the loop goes on: its later models are new objects, their arrays new arrays
 
         def model_star(path):  # on the writer's thread: the starting τ² transforms each distinct map
             tau2, data_vs_prior = initial_data_versus_prior(frozen.maps[0], frozen.sigma2_noise, len(particles),
                                                             frozen.pdf_class, config.tau2_fudge)
             written = replace(frozen, tau2=tau2[None], ssnr=data_vs_prior[None])
-            write_star(model_star_blocks(written, optimiser, config, None, maps, names, counts,
-                                         pdf_direction=frozen.pdf_direction,
-                                         scale_groups=particles.scale_group_names_and_counts()), path)
+            write_star(job_model_star_blocks(particles, written, optimiser, config, maps,
+                                             pdf_direction=frozen.pdf_direction), path)
 
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
@@ -543,28 +547,24 @@ class ClassifyJob:
         if under_mpi:
             writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
-            optimiser, model, config, str(out_root), 0), list(argv))]
+            optimiser, model, config, str(config.output_root), 0), list(argv))]
 
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The writes of one iteration's files as callables over what they need now (tables and STAR blocks are
         built here; the maps are the model's, which the next M-step replaces rather than changes); the
         optimiser STAR file comes last."""
         config, model, optimiser = self.config, run.model, run.optimiser
-        out_root = config.output_root
-        root = f"{out_root}_it{plan.iteration:03d}"
+        root = iteration_root(config.output_root, plan.iteration)
         pixel = model.pixel_size_angstrom
         particles = self.particles
         table = particle_table(particles.star.particles, snapshot, None, pixel,  # no half sets
                                group_number=particles.scale_group_index + 1)
-        names, counts = particles.optics_names_and_counts()
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
         writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
         writes += [  # side by side (each its own file), then the optimiser STAR file, which --continue reads
-            partial(write_star, model_star_blocks(model, optimiser, config, None, maps, names, counts,
-                                                  pdf_direction=model.pdf_direction,
-                                                  scale_groups=particles.scale_group_names_and_counts()),
-                    f"{root}_model.star"),
+            partial(write_star, job_model_star_blocks(particles, model, optimiser, config, maps,
+                                                      pdf_direction=model.pdf_direction), f"{root}_model.star"),
             partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
             *self._angdist_writes(root, model, plan.sampling, plan.iteration),
             InOwnProcess(partial(write_classification_report, f"{root}_report.png", iteration=plan.iteration,
@@ -578,4 +578,4 @@ class ClassifyJob:
         # the oversampling this iteration used (one more once `_fine_sampling` raised it)
         used = replace(config, oversampling=plan.sampling.oversampling)
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
-            optimiser, model, used, str(out_root), plan.iteration), list(argv))]
+            optimiser, model, used, str(config.output_root), plan.iteration), list(argv))]

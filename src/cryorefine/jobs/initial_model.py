@@ -32,7 +32,10 @@ run_itNNN_sampling.star, run_itNNN_optimiser.star, run_itNNN_report.png (each cl
 projections, `report.write_map_gallery`: the maps as they form), and the momenta as RELION writes them
 (run_itNNN_1momentNNN.mrc of the two pseudo-half sets, classes 1…K and K+1…2K, run_itNNN_2momentNNN.mrc; model.star's
 rlnGradMoment1/2):
---continue reads them back and goes on exactly as the run would have. Under mpirun the E-steps and the classes' steps
+--continue reads them back and goes on exactly as the run would have. Before iteration 1, as RELION writes them, the
+files of iteration 0 (run_it000_*: the particles, the de-novo maps, the momenta, the model.star with RELION's starting
+τ² and data-versus-prior spectra, the uniform direction distributions' bild files, the optimiser.star, and under
+mpirun the sampling.star); --continue can start from its optimiser.star. Under mpirun the E-steps and the classes' steps
 are shared out over the workers as in the other jobs. With --gpu the E-steps run on the GPU engine (one GPU, or under
 mpirun each worker's GPU), as refine's and classify's: the same work units, the same cap on the significant poses
 (`estep.common.significants_limit`, which both engines cut with); the VDAM step itself stays on the host.
@@ -61,7 +64,7 @@ from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import accuracy, gradient, loop, mstep, schedule
 from cryorefine.em.align_symmetry import align_to_symmetry
 from cryorefine.em.estep import WorkUnit
-from cryorefine.em.references import blobs, lowpass_to_ini_high
+from cryorefine.em.references import blobs, initial_data_versus_prior, lowpass_to_ini_high
 from cryorefine.em.solvent import SolventMasks
 from cryorefine.em.state import ModelState, ParticleState, RunState
 from cryorefine.errors import InputError
@@ -70,13 +73,15 @@ from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
-    model_star_blocks,
+    job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
     write_optimiser_star,
     write_sampling_star,
 )
+from cryorefine.io.run_files import iteration_root
 from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.jobs.classify import class_angdist_writes
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_map_gallery
 
@@ -384,42 +389,76 @@ class InitialModelJob:
         return gradient.writes_files(plan.iteration, int(self.config.max_iterations), plan.whole_batch,
                                      self.config.grad_write_iter)
 
+    def initial_outputs(self, run, argv, under_mpi):
+        """RELION's files of iteration 0, before iteration 1 (MlOptimiser::initialise; MlOptimiserMpi::initialise
+        under mpirun): run_it000_data.star, run_it000_classNNN.mrc (the de-novo maps), the momenta before the first
+        step (run_it000_1momentNNN.mrc, run_it000_2momentNNN.mrc), run_it000_model.star (uniform class and direction
+        distributions, the initial noise spectra, RELION's starting τ² and data versus prior with iteration 0's τ²
+        fudge: `em.references.initial_data_versus_prior`), run_it000_classNNN_angdist.bild (RELION draws the uniform
+        distributions before the first gradient step, and none after), then run_it000_optimiser.star; under mpirun
+        also run_it000_sampling.star, as relion_refine_mpi writes it and relion_refine does not."""
+        config, model, optimiser = self.config, run.model, run.optimiser
+        fudge = gradient.tau2_fudge_at(0, self.phases, config.tau2_fudge)
+        frozen, n_particles = replace(model), len(self.particles)  # the loop goes on meanwhile
+
+        def model_star(blocks_of, path):  # on the writer's thread: the starting τ² transforms each map
+            tau2, data_vs_prior = initial_data_versus_prior(frozen.maps[0], frozen.sigma2_noise, n_particles,
+                                                            frozen.pdf_class, fudge)
+            write_star(blocks_of(replace(frozen, tau2=tau2[None], ssnr=data_vs_prior[None])), path)
+
+        sampling = schedule.sampling_from_optimiser(optimiser, config)
+        return self._files(model, optimiser, run.particles.copy(), sampling if under_mpi else None, fudge, None, argv,
+                           model_star, class_angdist_writes(iteration_root(config.output_root, 0), model, sampling, 0))
+
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The iteration's files (RELION's names) where RELION writes them (`writes_files`); the optimiser STAR file
         last."""
         if not self.writes_files(plan):
             return []
-        config, model, optimiser = self.config, run.model, run.optimiser
+        config, model = self.config, run.model
+        writes = []
+        if plan.iteration == int(config.max_iterations):
+            largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
+            # under MPI the map's array is filled as it arrives: read when written
+            writes.append(partial(self.write_initial_model, model.maps[0][largest], model.pixel_size_angstrom))
+        return self._files(model, run.optimiser, snapshot, plan.sampling, plan.tau2_fudge, plan, argv, None, writes)
+
+    def _files(self, model, optimiser, poses, sampling, tau2_fudge, plan, argv, model_star, extra):
+        """The writes of the files of `optimiser`'s iteration: data.star (the particles' `poses`), the class maps, the
+        momenta, model.star (its blocks, `blocks_of(model)`, made now, with rlnTau2FudgeFactor `tau2_fudge`, RELION's
+        of the iteration; or, where given, `model_star(blocks_of, path)` writes it on the writer's thread),
+        sampling.star where `sampling` is given, the `extra` writes, then optimiser.star (with the gradient labels of
+        `plan`, None before iteration 1)."""
+        config, particles = self.config, self.particles
         k_classes = model.n_classes
-        out_root = config.output_root
-        root = f"{out_root}_it{plan.iteration:03d}"
+        root = iteration_root(config.output_root, optimiser.iteration)
         pixel = model.pixel_size_angstrom
-        particles = self.particles
-        table = particle_table(particles.star.particles, snapshot, None, pixel,
+        table = particle_table(particles.star.particles, poses, None, pixel,
                                group_number=particles.scale_group_index + 1)
-        names, counts = particles.optics_names_and_counts()
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(k_classes)]
-        blocks = model_star_blocks(model, optimiser, config, None, maps, names, counts,
-                                   pdf_direction=model.pdf_direction,
-                                   scale_groups=particles.scale_group_names_and_counts())
         moment_files = moment_file_names(root, k_classes)
-        blocks["model_classes"]["rlnGradMoment1"] = [first for first, _, _ in moment_files]
-        blocks["model_classes"]["rlnGradMoment2"] = [second for _, _, second in moment_files]
+        model_config = replace(config, tau2_fudge=tau2_fudge)
+
+        def blocks_of(written):
+            return job_model_star_blocks(particles, written, optimiser, model_config, maps,
+                                         pdf_direction=written.pdf_direction,
+                                         gradient_moment_images=([first for first, _, _ in moment_files],
+                                                                 [second for _, _, second in moment_files]))
+
         grid = gradient.full_grid(model.ori_size_px, config.padding_factor, 3)
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
                   *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
                   partial(write_moments, root, list(model.moments), grid),
-                  partial(write_star, blocks, f"{root}_model.star"),
-                  partial(write_sampling_star, f"{root}_sampling.star", plan.sampling, optimiser, config, pixel),
-                  # under MPI the maps' arrays are filled as they arrive: drawn when written
-                  InOwnProcess(partial(write_map_gallery, f"{root}_report.png", list(model.maps[0]),
-                                       np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
-                                       resolution_angstrom=model.current_resolution_angstrom))]
-        if plan.iteration == int(config.max_iterations):
-            largest = int(np.argmax(model.pdf_class))  # RELION's relion_align_symmetry --select_largest_class
-            # under MPI the map's array is filled as it arrives: read when written
-            writes.append(partial(self.write_initial_model, model.maps[0][largest], pixel))
-        optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(out_root), plan.iteration)
+                  (partial(write_star, blocks_of(model), f"{root}_model.star") if model_star is None
+                   else partial(model_star, blocks_of, f"{root}_model.star")), *extra]
+        if sampling is not None:
+            writes.append(partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel))
+        optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(config.output_root),
+                                                 optimiser.iteration)
+        if plan is not None:  # under MPI the maps' arrays are filled as they arrive: drawn when written
+            writes.append(InOwnProcess(partial(write_map_gallery, f"{root}_report.png", list(model.maps[0]),
+                                               np.asarray(model.pdf_class, dtype=np.float64), iteration=plan.iteration,
+                                               resolution_angstrom=model.current_resolution_angstrom)))
         optimiser_blocks["optimiser_general"].update(gradient.optimiser_labels(
             plan, config, self.phases, self.subset_sizes, len(particles),
             (gradient.INITIAL_MODEL_STEP_SIZE, gradient.INITIAL_MODEL_FIRST_STEP_SIZE)))

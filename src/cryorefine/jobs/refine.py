@@ -49,13 +49,14 @@ from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
-    model_star_blocks,
+    job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
     write_angdist_bild,
     write_optimiser_star,
     write_sampling_star,
 )
+from cryorefine.io.run_files import iteration_root
 from cryorefine.io.star import write_particle_star, write_star
 from cryorefine.report import write_iteration_report
 
@@ -89,6 +90,7 @@ class RefineJob:
 
     kind = "refine"
     min_mpi_ranks = 3  # a master and one worker per half set
+    relion_runs_only_under_mpi = True  # RELION's auto-refine: its files are relion_refine_mpi's, in one process too
 
     def __init__(self, config):
         self.config = config
@@ -368,6 +370,12 @@ class RefineJob:
         halves = np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1)
         return np.tensordot(sizes / sizes.sum(), halves, axes=1)
 
+    def _half_model_blocks(self, model, optimiser, root, half, pdf_direction):
+        """The blocks of `root`_half`half`_model.star (`job_model_star_blocks`): model_groups counts the half set's
+        particles, as RELION's (the half's workers count theirs, MlOptimiserMpi::initialiseWorkLoad)."""
+        return job_model_star_blocks(self.particles, model, optimiser, self.config, [f"{root}_half{half}_class001.mrc"],
+                                     half=half, members=self.members[half - 1], pdf_direction=pdf_direction)
+
     def _particle_table(self, snapshot, pixel):
         particles = self.particles
         return particle_table(particles.star.particles, snapshot, self.halves, pixel,
@@ -381,12 +389,9 @@ class RefineJob:
         run_it000_optimiser.star. Each half's model.star has the initial noise spectra and RELION's starting τ² and
         data versus prior of that half's particles (`em.references.initial_data_versus_prior`)."""
         config, model, optimiser = self.config, run.model, run.optimiser
-        out_root = config.output_root
-        root = f"{out_root}_it000"
+        root = iteration_root(config.output_root, 0)
         pixel = model.pixel_size_angstrom
         particles = self.particles
-        names, counts = particles.optics_names_and_counts()
-        groups = particles.scale_group_names_and_counts()
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         uniform = np.full((1, sampling.n_directions), 1.0 / sampling.n_directions)
         frozen, sizes = replace(model), [self.members[h].size for h in (0, 1)]  # the loop goes on meanwhile
@@ -397,9 +402,7 @@ class RefineJob:
                                                        config.tau2_fudge, tau2=tau2[h:h + 1])[1][0] for h in (0, 1)]
             written = replace(frozen, tau2=tau2[:, None], ssnr=np.stack(data_vs_prior)[:, None])
             for h in (1, 2):
-                write_star(model_star_blocks(written, optimiser, config, h, [f"{root}_half{h}_class001.mrc"], names,
-                                             counts, pdf_direction=uniform, scale_groups=groups),
-                           f"{root}_half{h}_model.star")
+                write_star(self._half_model_blocks(written, optimiser, root, h, uniform), f"{root}_half{h}_model.star")
 
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
                           self._particle_table(run.particles.copy(), pixel))]
@@ -410,7 +413,7 @@ class RefineJob:
                    partial(write_sampling_star, f"{root}_sampling.star", sampling, optimiser, config, pixel)]
         return [Together([write for write in writes if write is not None]),
                 partial(write_optimiser_star, f"{root}_optimiser.star",
-                        optimiser_star_blocks(optimiser, model, config, str(out_root), 0), list(argv))]
+                        optimiser_star_blocks(optimiser, model, config, str(config.output_root), 0), list(argv))]
 
     def outputs(self, run, plan, snapshot, timings, stages, argv):
         """The iteration's files as callables over what they need now (the particle table and the STAR blocks are
@@ -419,12 +422,9 @@ class RefineJob:
         if plan.final:
             return self._final_outputs(run, plan, snapshot, timings, stages, argv)
         config, model, optimiser = self.config, run.model, run.optimiser
-        out_root = config.output_root
-        root = f"{out_root}_it{plan.iteration:03d}"
+        root = iteration_root(config.output_root, plan.iteration)
         pixel = model.pixel_size_angstrom
         particles = self.particles
-        names, counts = particles.optics_names_and_counts()
-        groups = particles.scale_group_names_and_counts()
         halves_pdf = (None if model.pdf_direction is None
                       else np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1))
         writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
@@ -432,9 +432,7 @@ class RefineJob:
         for h in (1, 2):
             pdf = None if halves_pdf is None else halves_pdf[h - 1]
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
-                       partial(write_star, model_star_blocks(model, optimiser, config, h,
-                                                             [f"{root}_half{h}_class001.mrc"], names, counts,
-                                                             pdf_direction=pdf, scale_groups=groups),
+                       partial(write_star, self._half_model_blocks(model, optimiser, root, h, pdf),
                                f"{root}_half{h}_model.star")]
             writes.append(self._angdist_write(f"{root}_half{h}_class001_angdist.bild", pdf, model, plan.sampling,
                                               plan.iteration))
@@ -443,7 +441,7 @@ class RefineJob:
         writes = [write for write in writes if write is not None]
         # side by side (each its own file), then the optimiser STAR file, which --continue reads
         return [Together(writes), partial(write_optimiser_star, f"{root}_optimiser.star", optimiser_star_blocks(
-            optimiser, model, config, str(out_root), plan.iteration), list(argv))]
+            optimiser, model, config, str(config.output_root), plan.iteration), list(argv))]
 
     def _final_outputs(self, run, plan, snapshot, timings, stages, argv):
         """The final iteration's files, as RELION's MlOptimiserMpi::iterate writes them once the halves are joined
@@ -453,10 +451,9 @@ class RefineJob:
         out_root = config.output_root
         pixel = model.pixel_size_angstrom
         particles = self.particles
-        names, counts = particles.optics_names_and_counts()
         joined_pdf = self._joined_direction_distribution(model)
-        joined = model_star_blocks(model, optimiser, config, None, [f"{out_root}_class001.mrc"], names, counts,
-                                   pdf_direction=joined_pdf, scale_groups=particles.scale_group_names_and_counts())
+        joined = job_model_star_blocks(particles, model, optimiser, config, [f"{out_root}_class001.mrc"],
+                                       pdf_direction=joined_pdf)
         writes = [partial(write_particle_star, particles.star, f"{out_root}_data.star",
                           self._particle_table(snapshot, pixel)),
                   partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel),
