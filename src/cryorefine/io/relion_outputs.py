@@ -80,7 +80,7 @@ NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not lim
 def model_star_blocks(model, optimiser, config, half: int | None,
                       reference_image_names: list[str], optics_group_names: list[str],
                       optics_group_counts: list[int], *, fourier_completeness=None,
-                      orientability_contribution=None, pdf_direction=None, scale_groups=None,
+                      pdf_direction=None, scale_groups=None,
                       reference_dimensionality: int = 3,
                       gradient_moment_images: tuple[Sequence[str], Sequence[str]] | None = None) -> dict:
     """Blocks of RELION's model.star for one half (1 or 2) or for the joined/classification model (None).
@@ -91,8 +91,8 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     RELION's (`scale_groups`: their names and particle counts, as `data.ParticleSet
     .scale_group_names_and_counts`; default one per optics group): model_groups has a row per group
     with its particle count and `model.scale_correction`. Optional arrays, each (K, N//2+1) for the half
-    written: `fourier_completeness` (rlnFourierCompleteness, 0 if None),
-    `orientability_contribution` (rlnSpectralOrientabilityContribution, 0 if None);
+    written: `fourier_completeness` (rlnFourierCompleteness, 0 if None); rlnSpectralOrientabilityContribution is
+    written as 0 (RELION's is for the user's information only);
     `pdf_direction` (K, n_directions) writes model_pdf_orient_class_N. A spectrum array that is
     None is written as zeros. `reference_dimensionality`: rlnReferenceDimensionality (2 for 2D class averages);
     `gradient_moment_images`: each class's first- and second-moment file names of a gradient run (model_classes'
@@ -122,7 +122,7 @@ def model_star_blocks(model, optimiser, config, half: int | None,
     sigma2_ref = _half_spectra(model.reference_sigma2, row, n_classes, n_shells, "reference_sigma2")
     fsc = _array_or_zeros(model.fsc_halves, (n_classes, n_shells), "fsc_halves")
     completeness = _array_or_zeros(fourier_completeness, (n_classes, n_shells), "fourier_completeness")
-    orientability = _array_or_zeros(orientability_contribution, (n_classes, n_shells), "orientability_contribution")
+    orientability = np.zeros((n_classes, n_shells))
     pdf_class = model.pdf_class if model.pdf_class is not None else model.class_distribution
     pdf_class = _array_or_value(pdf_class, (n_classes,), 1.0 / n_classes, "pdf_class")
 
