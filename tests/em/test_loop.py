@@ -69,6 +69,13 @@ class _SlowRunner:
         return StepOutcome(model, {"coarse": self.naps["step"]}, {}, self.naps["step"], 0.0)
 
 
+class _ThreeParticles(list):
+    """Three particles in one intensity group (what the loop reads of a ParticleSet besides its length)."""
+
+    scale_group_index = np.zeros(3, np.int64)
+    n_scale_groups = 1
+
+
 class _SlowJob:
     """A job of two iterations over three particles whose load, start, plans and files take known times."""
 
@@ -81,7 +88,7 @@ class _SlowJob:
 
     def load(self):
         time.sleep(self.naps["load"])
-        return list(range(3)), None
+        return _ThreeParticles(range(3)), None
 
     def start(self, particles, settings, noise_spectra):
         time.sleep(self.naps["start"])

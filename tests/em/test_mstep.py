@@ -134,3 +134,23 @@ def test_float32_device_mstep_matches_the_float64_host():
     got = mstep.reconstruct_map(mstep.joined_backprojector(device[0], [(device[1].data, device[1].weight)]), tau2 * 2,
                                 model, _config("C1"), cp, _masks())
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_intensity_scales_are_clipped_about_relions_median_and_averaged_over_the_particles():
+    """RELION's maximizationOtherParameters with --scale, worked by hand: four groups whose sums give the scales
+    1, 2, 3 and 20; the median is the upper middle value, 3 (not 2.5), so 20 is clipped to 15; the groups hold 1, 1, 1
+    and 5 particles, so the scales are divided by (1 + 2 + 3 + 5·15)/8 = 81/8, not by the groups' mean 21/4."""
+    from cryorefine.estep.engine import WeightedSums
+
+    box = 8
+    sums = WeightedSums.zeros((box, box, box // 2 + 1), 1, 1, box // 2 + 1, 1, n_scale_groups=4)
+    sums.scale_aa = np.array([2.0, 1.0, 1.0, 0.5])
+    sums.scale_xa = np.array([1.0, 2.0, 3.0, 20.0]) * sums.scale_aa
+    sums.sigma2_noise[:] = 1.0
+    sums.sumw_group[:] = 8.0
+    sums.n_particles = 8
+    model = ModelState(box, 2.0, sigma2_noise=np.ones((1, box // 2 + 1)), scale_correction=np.ones(4),
+                       particles_per_scale_group=np.array([1, 1, 1, 5]))
+    config = RefineConfig(input_star="p.star", output_root="r", reference_map="m.mrc", do_scale=True)
+    mstep.maximize_other_parameters(model, config, [sums], do_cc=False)
+    np.testing.assert_allclose(model.scale_correction, np.array([1.0, 2.0, 3.0, 15.0]) * 8.0 / 81.0)

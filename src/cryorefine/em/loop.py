@@ -205,6 +205,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
         else:
             state = job.start(particles, settings, noise_spectra)
             clock.mark(INITIAL_MODEL)
+        # the weights of the intensity scales' mean (RELION's nr_particles_per_group): of the particles, not saved
+        state.model.particles_per_scale_group = np.bincount(particles.scale_group_index,
+                                                            minlength=particles.n_scale_groups)
         session.announce(particles, settings)
         clock.mark("workers told the run is set up")
         out_root = config.output_root
@@ -391,7 +394,7 @@ def saved_state(kind, config, state, particles):
     import json
 
     scalars = {f.name: getattr(state.model, f.name) for f in dataclasses.fields(state.model)
-               if f.name not in MODEL_ARRAYS + ("maps", "joined_map", "moments")}
+               if f.name not in MODEL_ARRAYS + ("maps", "joined_map", "moments", "particles_per_scale_group")}
     document = {"config": json.loads(config.to_json()), "job": kind, "model": scalars,
                 "optimiser": dataclasses.asdict(state.optimiser),
                 "schedule": None if state.schedule is None else dataclasses.asdict(state.schedule),

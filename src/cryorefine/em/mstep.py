@@ -287,8 +287,12 @@ def maximize_other_parameters(model: ModelState, config: RefineConfig, sums: Seq
             xa = sum(s.scale_xa for s in sums)
             aa = sum(s.scale_aa for s in sums)
             scale = np.where(aa > 0, xa / np.maximum(aa, 1e-300), 1.0)
-            median = np.median(scale)
+            median = np.sort(scale)[scale.size // 2]  # RELION's: the upper of the two middle values
             scale = np.clip(scale, median / 5, median * 5)
-            model.scale_correction = scale / np.mean(scale)
+            counts = model.particles_per_scale_group
+            counts = (np.ones(scale.size) if counts is None or np.size(counts) != scale.size
+                      else np.asarray(counts, dtype=np.float64))
+            # the scales' mean over the particles, as RELION normalises them, not over the groups
+            model.scale_correction = scale / (np.sum(counts * scale) / max(float(np.sum(counts)), 1.0))
     model.log_likelihood = sum(s.log_likelihood for s in sums)
     model.ave_pmax = sum(s.sum_pmax for s in sums) / total

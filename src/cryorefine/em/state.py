@@ -41,6 +41,9 @@ class ModelState:
     sigma_offset_angstrom: float = 10.0
     avg_norm_correction: float = 1.0
     scale_correction: np.ndarray | None = None  # (n_optics_groups,)
+    # (n_scale_groups,) the particles of each intensity group (RELION's nr_particles_per_group): the weights of the
+    # scales' mean; set by the loop from the particles (None: every group weighs the same)
+    particles_per_scale_group: np.ndarray | None = None
     current_resolution_angstrom: float = np.inf
     current_size_px: int = 0
     coarse_size_px: int = 0
