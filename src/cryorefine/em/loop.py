@@ -67,6 +67,8 @@ class StepOutcome:
     expectation_seconds: float
     maximization_seconds: float
     maximization_stages: dict = dataclasses.field(default_factory=dict)  # MPI: seconds of the M-step's parts
+    # seconds of the job's own M-step parts (`em.mstep.timed_part`; under MPI as rank 1 ran them), where it times them
+    maximization_parts: dict = dataclasses.field(default_factory=dict)
     # MPI: an io.background.WaitFor of the model's maps, which reach the master while the next E-step runs (the
     # loop touches no map until its files are written)
     maps_arrival: Any = None
@@ -98,12 +100,13 @@ class Job(Protocol):
         """The maps of the M-step in groups, each a list of (unit, class index in the unit) whose sums must be in
         one process to be made (an MPI runner shares the groups out over the workers; one process makes all)."""
 
-    def maximize(self, model, sums: list, plan: IterationPlan, backend, peers):
+    def maximize(self, model, sums: list, plan: IterationPlan, backend, peers, parts=None):
         """The M-step on `backend` (estep.backend): a new ModelState from `model` and the reduced WeightedSums of
         each unit (their volumes on the host or the device; the job moves them as it needs and may let them go).
         Under MPI every worker runs it on the volumes of the groups it makes (None for the others; every unit's
         other sums are whole everywhere) and shares what the others need through `peers.gather_all` (one
-        process: `em.mstep.ALONE`); every worker's model then has every map."""
+        process: `em.mstep.ALONE`); every worker's model then has every map. A job may add the seconds of its
+        parts to the dict `parts` (`em.mstep.timed_part`)."""
 
     def update(self, run: RunState, plan: IterationPlan, changes) -> None:
         """After the M-step (run.model is the new model): resolution, convergence, the job's extras."""
@@ -273,6 +276,9 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                 if outcome.maximization_stages:
                     log.info("  M-step stages (s): %s", ", ".join(f"{name} {seconds:.1f}" for name, seconds
                                                                    in outcome.maximization_stages.items()))
+                if outcome.maximization_parts:
+                    log.info("  M-step parts (s): %s", ", ".join(f"{name} {seconds:.2f}" for name, seconds
+                                                                  in outcome.maximization_parts.items()))
                 if job.finished(state, plan):
                     reports.finished = True
                     break

@@ -11,8 +11,10 @@ page-locked memory (their next uploads run at the bus's speed).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -35,6 +37,21 @@ if TYPE_CHECKING:  # for annotations only
     from cryorefine.estep.engine import WeightedSums
 
 MIN_SIGMA2_OFFSET_ANGSTROM2 = 2.0  # RELION's --min_sigma2_offset
+
+
+@contextlib.contextmanager
+def timed_part(parts: dict[str, float] | None, name: str, xp: ArrayModule) -> Iterator[None]:
+    """Adds the seconds of the block to `parts[name]` (a job's M-step parts, `em.loop.StepOutcome
+    .maximization_parts`; nothing when `parts` is None). With CuPy the device is waited for at the block's end, so
+    that the kernels it queued count in it."""
+    if parts is None:
+        yield
+        return
+    tic = time.perf_counter()
+    yield
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    parts[name] = parts.get(name, 0.0) + time.perf_counter() - tic
 
 
 def backprojector(data: Array, weight: Array, model: ModelState, config: RefineConfig, current_size_px: int,

@@ -416,7 +416,7 @@ class Class2DJob:
             return [[(0, i), (1, i)] for i in range(len(plan.units[0].classes))]
         return [[(0, i)] for i in range(len(plan.units[0].classes))]
 
-    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE, parts=None):
         """Per class: τ² from the previous average's power, the 2D reconstruction, its SSNR, on the backend's device
         where the sums are (the GPU engine's stay there); --center_classes and --flatten_solvent on the new average
         (on the host); then the class distribution and RELION's other parameters. Under --grad,

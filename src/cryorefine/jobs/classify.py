@@ -407,7 +407,7 @@ class ClassifyJob:
         """Every class's map is made apart (under MPI by one of its unit's workers, the classes shared out)."""
         return [[(u, i)] for u, unit in enumerate(plan.units) for i in range(len(unit.classes))]
 
-    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE, parts=None):
         """Per class: τ² of the previous reference, reconstruction, SSNR; then the class and direction
         distributions and the rest. On `backend`'s device (each class's sums are moved there in turn).
 
@@ -430,27 +430,32 @@ class ClassifyJob:
                 if mstep.volumes_here(s, i)}
         made = {}
         for k, (s, i) in sorted(here.items()):
-            data, weight = backend.to_device(s.data[i]), backend.to_device(s.weight[i])
-            s.data[i] = s.weight[i] = None  # let go as each class is made
+            with mstep.timed_part(parts, "sums to the device", xp):
+                data, weight = backend.to_device(s.data[i]), backend.to_device(s.weight[i])
+                s.data[i] = s.weight[i] = None  # let go as each class is made
             previous = model.maps[0][k]
-            # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
-            t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=weight.dtype,
-                                   xp=xp).power_spectrum)
-            t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
-            t2[r_max + 1:] = 0.0
-            bp = mstep.backprojector(data, weight, model, config, plan.sizes.current_size_px, xp)
-            del data, weight
-            if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
-                continue  # an empty class: a map of zeros
-            sigma2 = to_host(bp.noise_sigma2())[:n_shells]
-            made[k] = (mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)), t2, sigma2)
-            del bp
-        made = mstep.gathered(peers, made)  # every worker holds every map
+            with mstep.timed_part(parts, "τ² of the references", xp):
+                # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
+                t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=weight.dtype,
+                                       xp=xp).power_spectrum)
+                t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
+                t2[r_max + 1:] = 0.0
+            with mstep.timed_part(parts, "reconstructions", xp):
+                bp = mstep.backprojector(data, weight, model, config, plan.sizes.current_size_px, xp)
+                del data, weight
+                if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
+                    continue  # an empty class: a map of zeros
+                sigma2 = to_host(bp.noise_sigma2())[:n_shells]
+                made[k] = (mstep.reconstruct_map(bp, t2, model, config, xp, self._masks(model)), t2, sigma2)
+                del bp
+        with mstep.timed_part(parts, "maps shared among the workers", xp):
+            made = mstep.gathered(peers, made)  # every worker holds every map
         new_maps = mstep.class_maps_and_spectra(made, model.maps[0][:k_classes], (tau2, ref_sigma2, ssnr),
                                                 config.tau2_fudge, r_max)
         if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
-            first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
-                                                model.pixel_size_angstrom))
+            with mstep.timed_part(parts, "class 1 low-passed", xp):
+                first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
+                                                    model.pixel_size_angstrom))
             new_maps = [first.astype(np.float32) for _ in range(k_classes)]
             tau2[0, :], ssnr[0, :], ref_sigma2[0, :] = tau2[0, 0], ssnr[0, 0], ref_sigma2[0, 0]
             pdf_class = np.full(k_classes, 1.0 / k_classes)
@@ -463,7 +468,8 @@ class ClassifyJob:
             pdf = np.repeat(pdf[:1], k_classes, axis=0)
         total = pdf.sum()
         model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
-        mstep.maximize_other_parameters(model, config, [small], plan.do_cc)
+        with mstep.timed_part(parts, "other parameters", xp):
+            mstep.maximize_other_parameters(model, config, [small], plan.do_cc)
         return model
 
     def _masks(self, model):

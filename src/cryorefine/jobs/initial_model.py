@@ -343,7 +343,7 @@ class InitialModelJob:
         """Each class's map is made from both pseudo-half sets' sums."""
         return [[(0, k), (1, k)] for k in range(len(plan.units[0].classes))]
 
-    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE, parts=None):
         """The VDAM step of every class (`em.gradient.vdam_maximization`), each map then masked (--flatten_solvent)."""
         if self.masks is None:  # an MPI worker, which does not load the run
             self.masks = SolventMasks.for_model(self.config, model)

@@ -193,7 +193,7 @@ class RefineJob:
         """Each half's map is made where its sums are; the final iteration's joined map needs both halves'."""
         return [[(0, 0), (1, 0)]] if plan.final else [[(0, 0)], [(1, 0)]]
 
-    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE):
+    def maximize(self, model, sums, plan, backend, peers=mstep.ALONE, parts=None):
         """RELION's maximization for two half sets: FSC, τ², maps and the other parameters.
 
         Runs on `backend` (estep.backend): on the GPU (CuPy FFTs, FSC and noise spectra on the device) for the GPU

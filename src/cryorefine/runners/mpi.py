@@ -102,7 +102,7 @@ TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, o
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
-TAG_MODEL = 17  # rank 1 -> master: the new model, its maps as their (shape, dtype), and the M-step's stage seconds
+TAG_MODEL = 17  # rank 1 -> master: the new model (its maps as (shape, dtype)), the M-step's stages and parts
 TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps_of_worker`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 MAPS_POLL_SECONDS = 0.001  # how often the threads that move the maps to the master ask MPI to go on
@@ -453,12 +453,12 @@ class MpiRunner:
         tic = time.perf_counter()
         # the workers' M-step: the model from rank 1, its maps from every worker (`maps_of_worker`), received while
         # the next E-step runs (the writer waits for them before it writes the iteration's files)
-        new_model, maximization_stages = self.objects.recv(source=1, tag=TAG_MODEL)
+        new_model, maximization_stages, parts = self.objects.recv(source=1, tag=TAG_MODEL)
         new_model, arrival = self._maps_received(new_model)
         maximization = time.perf_counter() - tic
         maximization_stages["model to the master"] = max(0.0, maximization - sum(maximization_stages.values()))
         self.held_maps = new_model.maps  # every worker holds them too
-        return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages, arrival)
+        return StepOutcome(new_model, stages, flops, expectation, maximization, maximization_stages, parts, arrival)
 
     def _maps_received(self, model):
         """(`model` with its maps, which rank 1 sent as (shape, dtype), as arrays that the workers' shares of them
@@ -611,14 +611,15 @@ class MpiRunner:
         all_sums = self._sums_of_makers(held, plan, makers, backend.sums_dtype)
         del held
         received = time.perf_counter() - tic
+        parts = {}
         with backend.maximization_scope():  # the job moves the sums to the device as they fit
-            new_model = job.maximize(model, all_sums, plan, backend, self.peers)
+            new_model = job.maximize(model, all_sums, plan, backend, self.peers, parts=parts)
             del all_sums
         if worker == 0:  # the model with its maps as (shape, dtype): every worker sends the master a share of them
             shapes = [None if row is None else [(m.shape, m.dtype) for m in row] for row in new_model.maps]
             self.objects.send((replace(new_model, maps=shapes), {
-                "sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received}),
-                dest=0, tag=TAG_MODEL)
+                "sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received},
+                parts), dest=0, tag=TAG_MODEL)
         share = [np.ascontiguousarray(m) for _, _, m in maps_of_worker(new_model.maps, worker, self.n_workers)]
         self._send_maps(share)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out

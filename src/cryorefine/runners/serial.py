@@ -86,7 +86,8 @@ class SerialRunner:
                     for u, unit in enumerate(plan.units)]
             expectation = time.perf_counter() - tic
             tic = time.perf_counter()
+            parts = {}
             with self.backend.maximization_scope():
-                new_model = job.maximize(model, sums, plan, self.backend, mstep.ALONE)
+                new_model = job.maximize(model, sums, plan, self.backend, mstep.ALONE, parts=parts)
             del sums
-        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic)
+        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic, maximization_parts=parts)
