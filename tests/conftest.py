@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import mrcfile
@@ -75,6 +77,16 @@ def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=Fals
     star_path = folder / "particles.star"
     starfile.write(blocks, star_path)
     return star_path, images
+
+
+def mpiexec_or_skip() -> str:
+    """The MPI launcher of the `mpi` tests: pip's mpich beside this Python, else the machine's mpiexec (Open MPI on the
+    GPU machine); a skip of the calling test where there is none."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    return found
 
 
 def run_cli(*args):

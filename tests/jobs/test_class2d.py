@@ -4,7 +4,6 @@
 import itertools
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import starfile
 from class2d_data import best_rotated_correlation, make_views_set, true_views
+from conftest import mpiexec_or_skip as mpiexec
 from conftest import run_cli
 
 from cryorefine.io.mrc import read_volume
@@ -127,14 +127,6 @@ def test_class2d_on_the_gpu_matches_the_cpu(three_views):
     folder, star, _ = three_views
     assert run_cli("class2d", "--i", star, "--o", folder / "gpu" / "run", *THREE_VIEWS_RUN, "--gpu", "0") == 0
     assert_gpu_run_matches_the_cpu(folder / "out", folder / "gpu", (1, 8), 3)
-
-
-def mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
-    return found
 
 
 def run_under_mpiexec(ranks, job_args, timeout=600):

@@ -6,12 +6,12 @@ and mpiexec -n 3 giving the serial run's classes."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import starfile
 from class2d_data import best_rotated_correlation, make_views_set, true_views
+from conftest import mpiexec_or_skip as mpiexec
 from conftest import run_cli
 from test_class2d import FAST, assert_gpu_run_matches_the_cpu, matched_agreement, run_under_mpiexec
 
@@ -97,13 +97,6 @@ def test_fast_subsets_are_refused_with_grad_in_one_line(vdam_run, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert "--fast_subsets" in err and len(err.splitlines()) == 1
     assert not list(tmp_path.glob("run_it*"))
-
-
-def mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    if not beside.exists():
-        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
-    return str(beside)
 
 
 @pytest.mark.mpi

@@ -10,13 +10,12 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import starfile
-from conftest import run_cli
+from conftest import mpiexec_or_skip, run_cli
 
 from cryorefine.core.euler import euler_to_matrix  # noqa: F401  (the conventions the rotation below follows)
 from cryorefine.io.mrc import read_volume, write_volume
@@ -405,14 +404,12 @@ def test_two_classes_write_relions_files_of_each_class(two_classes):
 def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
     """mpiexec -n 3: a master and a worker per pseudo-half set, each class's step made by the first worker; the
     maps and poses of one process (float32 rounding), and iteration 0's files with run_it000_sampling.star."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    mpiexec = mpiexec_or_skip()
     assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "serial" / "run", "--iter", 2,
                    *TWO_CLASSES) == 0
     environment = dict(os.environ)
     environment.pop("PMI_SIZE", None)
-    done = subprocess.run([str(mpiexec), "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
+    done = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
                            str(two_maps / "mix.star"), "--o", str(two_maps / "mpi" / "run"), "--iter", "2",
                            *map(str, TWO_CLASSES)],
                           capture_output=True, text=True, timeout=300, env=environment)
@@ -440,15 +437,13 @@ def test_two_classes_under_mpiexec_on_the_gpu_give_the_maps_of_one_process(two_m
     from conftest import cupy_or_skip
 
     cupy_or_skip()
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
+    mpiexec = mpiexec_or_skip()
     run = [*(a for a in TWO_CLASSES if a != "--cpu"), "--gpu", "0"]
     assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "gpu_serial" / "run", "--iter", 2,
                    *run) == 0
     environment = dict(os.environ)
     environment.pop("PMI_SIZE", None)
-    done = subprocess.run([str(mpiexec), "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
+    done = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
                            str(two_maps / "mix.star"), "--o", str(two_maps / "gpu_mpi" / "run"), "--iter", "2",
                            *map(str, run)],
                           capture_output=True, text=True, timeout=300, env=environment)

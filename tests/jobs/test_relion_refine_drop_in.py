@@ -8,14 +8,13 @@ is the drop-in's own, and the same files are checked.
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 
 import pytest
 import starfile
 import test_relion_command_lines as tutorial
-from conftest import run_cli
+from conftest import mpiexec_or_skip, run_cli
 from test_relion5_gui_lines import gui_project  # noqa: F401 (a fixture)
 from test_relion_command_lines import REFINE3D_JOB019, project  # noqa: F401 (a fixture)
 
@@ -172,19 +171,11 @@ def test_existing_files_of_another_program_are_not_overwritten(capsys, tmp_path)
     assert (tmp_path / "relion_refine").read_text() == "#!/bin/sh\necho RELION\n"
 
 
-def mpiexec():
-    """pip's mpich beside the Python, else the machine's mpiexec (Open MPI on the GPU machine)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else shutil.which("mpiexec")
-
-
 @pytest.mark.mpi
 def test_the_drop_in_under_mpirun(project, tmp_path):  # noqa: F811
     """`mpirun -n 3 relion_refine_mpi <the tutorial's Refine3D line>`, the shim: the runner `cryorefine refine` uses
     under MPI (a master and a worker per half set), the half maps written and RELION_JOB_EXIT_SUCCESS."""
-    launcher = mpiexec()
-    if launcher is None:
-        pytest.skip("no mpiexec beside the Python (pip install mpich, part of the test extra)")
+    launcher = mpiexec_or_skip()
     assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
     words = as_relion_refine(REFINE3D_JOB019.replace("Refine3D/job019/", "Refine3D/job219/"), tmp_path / "scratch")
     (project / "Refine3D" / "job219").mkdir()
@@ -272,9 +263,7 @@ def run_through_the_mpi_shim(project_folder, tmp_path, job, args, keep_pythonpat
     and nothing else but cryorefine's own, and the files its end line names among them."""
     import re
 
-    launcher = mpiexec()
-    if launcher is None:
-        pytest.skip("no mpiexec beside the Python (pip install mpich, part of the test extra)")
+    launcher = mpiexec_or_skip()
     assert run_cli("install-relion-shims", tmp_path / "bin") in (0, None)
     folder = project_folder / args[args.index("--pipeline_control") + 1]
     folder.mkdir(parents=True, exist_ok=True)  # the GUI makes the job's folder

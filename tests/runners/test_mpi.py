@@ -2,7 +2,6 @@
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mpiexec_or_skip as mpiexec
 
 from cryorefine.cli import main
 from cryorefine.core.fourier import downsample_volume
@@ -21,14 +21,6 @@ pytestmark = pytest.mark.mpi
 EXAMPLE_MAP = Path(__file__).resolve().parents[2] / "examples" / "ribosome_64px.mrc"
 REFINE_ARGS = ("--ini_high", "50", "--ctf", "--particle_diameter", "320", "--flatten_solvent", "--zero_mask",
                "--offset_range", "3", "--offset_step", "1", "--cpu")
-
-
-def mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec (pip install mpich, part of the test extra)")
-    return found
 
 
 def run(ranks, folder, out, *extra, env=None, timeout=600):
