@@ -400,20 +400,26 @@ def test_two_classes_write_relions_files_of_each_class(two_classes):
                           read_volume(out / f"run_it012_class{largest:03d}.mrc")[0])
 
 
+def run_in_one_process_and_under_mpiexec(two_maps, args, serial, mpi):
+    """2 iterations of `initial_model` with `args` on the two maps' particles: in this process into folder `serial`,
+    then under `mpiexec -n 3` (a master and a worker per pseudo-half set) into folder `mpi`."""
+    launcher = mpiexec_or_skip()
+    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / serial / "run", "--iter", 2,
+                   *args) == 0
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    done = subprocess.run([launcher, "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
+                           str(two_maps / "mix.star"), "--o", str(two_maps / mpi / "run"), "--iter", "2",
+                           *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=environment)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.mpi
 def test_two_classes_under_mpiexec_give_the_maps_of_one_process(two_maps):
     """mpiexec -n 3: a master and a worker per pseudo-half set, each class's step made by the first worker; the
     maps and poses of one process (float32 rounding), and iteration 0's files with run_it000_sampling.star."""
-    mpiexec = mpiexec_or_skip()
-    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "serial" / "run", "--iter", 2,
-                   *TWO_CLASSES) == 0
-    environment = dict(os.environ)
-    environment.pop("PMI_SIZE", None)
-    done = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
-                           str(two_maps / "mix.star"), "--o", str(two_maps / "mpi" / "run"), "--iter", "2",
-                           *map(str, TWO_CLASSES)],
-                          capture_output=True, text=True, timeout=300, env=environment)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_in_one_process_and_under_mpiexec(two_maps, TWO_CLASSES, "serial", "mpi")
     # iteration 0's files: relion_refine_mpi's have the sampling.star that relion_refine's lack
     it000 = {run: {p.name for p in (two_maps / run).glob("run_it000_*")} for run in ("mpi", "serial")}
     assert "run_it000_class002_angdist.bild" in it000["serial"]
@@ -437,17 +443,8 @@ def test_two_classes_under_mpiexec_on_the_gpu_give_the_maps_of_one_process(two_m
     from conftest import cupy_or_skip
 
     cupy_or_skip()
-    mpiexec = mpiexec_or_skip()
-    run = [*(a for a in TWO_CLASSES if a != "--cpu"), "--gpu", "0"]
-    assert run_cli("initial_model", "--i", two_maps / "mix.star", "--o", two_maps / "gpu_serial" / "run", "--iter", 2,
-                   *run) == 0
-    environment = dict(os.environ)
-    environment.pop("PMI_SIZE", None)
-    done = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "cryorefine", "initial_model", "--i",
-                           str(two_maps / "mix.star"), "--o", str(two_maps / "gpu_mpi" / "run"), "--iter", "2",
-                           *map(str, run)],
-                          capture_output=True, text=True, timeout=300, env=environment)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_in_one_process_and_under_mpiexec(two_maps, [*(a for a in TWO_CLASSES if a != "--cpu"), "--gpu", "0"],
+                                         "gpu_serial", "gpu_mpi")
     for it in (1, 2):
         for k in (1, 2):
             got, want = (read_volume(two_maps / run / f"run_it{it:03d}_class{k:03d}.mrc")[0].ravel()
