@@ -72,8 +72,8 @@ class _SlowRunner:
 class _ThreeParticles(list):
     """Three particles in one intensity group (what the loop reads of a ParticleSet besides its length)."""
 
-    scale_group_index = np.zeros(3, np.int64)
-    n_scale_groups = 1
+    def scale_group_names_and_counts(self):
+        return ["group1"], [3]
 
 
 class _SlowJob:

@@ -209,8 +209,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
             state = job.start(particles, settings, noise_spectra)
             clock.mark(INITIAL_MODEL)
         # the weights of the intensity scales' mean (RELION's nr_particles_per_group): of the particles, not saved
-        state.model.particles_per_scale_group = np.bincount(particles.scale_group_index,
-                                                            minlength=particles.n_scale_groups)
+        state.model.particles_per_scale_group = np.asarray(particles.scale_group_names_and_counts()[1])
         session.announce(particles, settings)
         clock.mark("workers told the run is set up")
         out_root = config.output_root
