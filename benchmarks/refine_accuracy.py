@@ -379,6 +379,9 @@ def per_iteration(out, log, truth, truth_star, box, pixel, started):
         row = {"iteration": it, "resolution_angstrom": _number(model, "rlnCurrentResolution"),
                "healpix_order": _number(sampling, "rlnHealpixOrder"),
                "sigma_offset_angstrom": _number(model, "rlnSigmaOffsetsAngst"),
+               "image_size_px": _number(model, "rlnCurrentImageSize"),
+               "offset_range_angstrom": _number(sampling, "rlnOffsetRange"),
+               "offset_step_angstrom": _number(sampling, "rlnOffsetStep"),
                "accuracy_rotations_deg": (None if classes is None or "rlnAccuracyRotations" not in classes
                                           else float(classes["rlnAccuracyRotations"].iloc[0])),
                "wall_s": model_star.stat().st_mtime - previous, **timings.get(it, {})}
@@ -492,13 +495,17 @@ def markdown(results):
                       f"{angstrom(start and start['fsc_0.5'])} / {angstrom(start and start['fsc_0.143'])} Å."]
     for r in done:
         lines += ["", f"{r['program']}, seed {r['seed']}, per iteration (half 1 against the truth):", "",
-                  row("iteration", "order", "resolution (Å)", "σ_offset (Å)", "acc rot (°)", "median angle (°)",
-                      "median offset (Å)", "FSC 0.5 (Å)", "FSC 0.143 (Å)", "E / M (s)", "wall (s)"),
-                  row(*["---"] * 11)]
+                  row("iteration", "order", "size (px)", "offsets (Å)", "resolution (Å)", "σ_offset (Å)",
+                      "acc rot (°)", "median angle (°)", "median offset (Å)", "FSC 0.5 (Å)", "FSC 0.143 (Å)",
+                      "E / M (s)", "wall (s)"),
+                  row(*["---"] * 13)]
         for it in r["per_iteration"]:
             timing = (f"{it['expectation_s']:.1f} / {it['maximisation_s']:.1f}" if "expectation_s" in it else "–")
             order = it.get("healpix_order")
+            size, step, span = (it.get(k) for k in ("image_size_px", "offset_step_angstrom", "offset_range_angstrom"))
             lines.append(row(it["iteration"], "–" if order is None else int(order),
+                             "–" if size is None else int(size),
+                             "–" if step is None or span is None else f"{span:.2f} by {step:.2f}",
                              angstrom(it["resolution_angstrom"]), figure(it["sigma_offset_angstrom"]),
                              figure(it["accuracy_rotations_deg"]), figure(it.get("median_angle_error_deg")),
                              figure(it.get("median_offset_error_angstrom")),
