@@ -111,6 +111,22 @@ def cupy_or_skip():
     return cp
 
 
+@pytest.fixture(scope="module")
+def cp():
+    """CuPy for the GPU engine's tests (cupy_or_skip)."""
+    return cupy_or_skip()
+
+
+@pytest.fixture(params=["slices projected once a pair", "slices projected in every block"])
+def fine_slices(request, monkeypatch):
+    """Both ways of the GPU's fine pass to a block's child slices (`estep.cuda._PairGroups.project_once`), whatever
+    the number of blocks a (class, coarse orientation) pair has."""
+    from cryorefine.estep import cuda
+
+    monkeypatch.setattr(cuda, "FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE", 0 if request.param.endswith("a pair") else 1 << 40)
+    return request.param
+
+
 def significance_by_full_sort(weights, adaptive_fraction, max_significants=0):
     """The significance rule stated plainly, the brute force the engines are checked against: per row,
     sort all weights, cumulate, keep the fewest samples holding `adaptive_fraction` of the row's mass

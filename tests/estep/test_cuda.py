@@ -5,7 +5,8 @@ All tests need a CUDA device and CuPy (marker `gpu`); they skip without one.
 
 import numpy as np
 import pytest
-from conftest import cupy_or_skip, run_cli, significance_by_full_sort
+from conftest import run_cli, significance_by_full_sort
+from engine_pairs import fine_diff2_against_brute_force, noise_spectrum, run_both
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
@@ -16,11 +17,6 @@ from cryorefine.estep.kernels import COARSE_KERNELS, coarse_kernel_name
 from cryorefine.estep.reference import NumpyEngine
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return cupy_or_skip()
 
 
 def blob_volume(rng, n, blobs=8):
@@ -54,11 +50,7 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
     real = fourier.irfft2_centered(images, n) + rng.normal(scale=noise * np.std(volume.sum(0)),
                                                            size=(n_particles, n, n))
     images = fourier.rfft2_centered(real)
-    power = np.mean(np.abs(images) ** 2, axis=0)
-    shells = fourier.shell_index_2d(n)
-    sigma2 = np.bincount(shells.reshape(-1), weights=power.reshape(-1), minlength=n // 2 + 1)[: n // 2 + 1]
-    counts = np.bincount(shells.reshape(-1), minlength=n // 2 + 1)[: n // 2 + 1]
-    sigma2 = (sigma2 / np.maximum(counts, 1) / 2.0 * sigma_scale)[None, :]
+    sigma2 = noise_spectrum(images, n, sigma_scale)
     old = rng.uniform(-1.5, 1.5, (n_particles, 2))
     residual = old - np.round(old)
     batch = Batch(indices=np.arange(n_particles), images_ft=images, images_ft_unmasked=images * 1.01, ctf=ctf_values,
@@ -74,18 +66,6 @@ def random_problem(seed, n, n_particles, healpix_order=1, offset_range=2, offset
     setup = IterationSetup(projectors=None, maps=[volume], sigma2_noise=sigma2, sampling=sampling, ori_size_px=n,
                            **kw)
     return volume, setup, batch
-
-
-def run_both(cp, setup, batch):
-    from cryorefine.estep.cuda import CupyEngine
-
-    ref = NumpyEngine(np.float64, keep_blocks=True)
-    ref.setup(setup)
-    want = ref.run(batch)
-    gpu = CupyEngine(keep_blocks=True)
-    gpu.setup(setup)
-    got = gpu.run(batch)
-    return ref, want, gpu, got
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -306,16 +286,6 @@ def test_local_shift_images_matches_the_numpy_phase(cp):
     assert np.all(got[:, :, n_t:] == 0)
 
 
-@pytest.fixture(params=["slices projected once a pair", "slices projected in every block"])
-def fine_slices(request, monkeypatch):
-    """Both ways of the fine pass to a block's child slices (`estep.cuda._PairGroups.project_once`), whatever the
-    number of blocks a (class, coarse orientation) pair has."""
-    from cryorefine.estep import cuda
-
-    monkeypatch.setattr(cuda, "FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE", 0 if request.param.endswith("a pair") else 1 << 40)
-    return request.param
-
-
 @pytest.mark.parametrize("oversampling", [1, 2])  # 8 × 4 children in one tile; 64 × 16 in 16 tiles of 4 × 16
 def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     _, setup, batch = random_problem(6, 48, 5, sigma_scale=30.0, sampling_kw=dict(oversampling=oversampling))
@@ -326,29 +296,9 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     gpu.run(batch)
     ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
-    b_blk, k_blk, o_blk, t_blk, got = gpu.last_fine[0]
-    assert b_blk.size > 5
-    # float64 brute force, child by child: 0.5·Σ |X shifted − CTF·P|²/σ² (the numpy engine's definition)
-    from cryorefine.core import euler
-
-    b_blk, k_blk, o_blk, t_blk = (cp.asnumpy(a) if hasattr(a, "get") else np.asarray(a)
-                                  for a in (b_blk, k_blk, o_blk, t_blk))
-    every = max(1, b_blk.size * got.shape[1] // 20000)  # brute force on at most ~20,000 children
-    b_blk, k_blk, o_blk, t_blk, got = b_blk[::every], k_blk[::every], o_blk[::every], t_blk[::every], got[::every]
-    rot, tilt, psi, tx, ty = setup.sampling.fine_samples_flat(o_blk * ref.n_trans + t_blk)  # (blocks, children)
-    mats = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
-    children = rot.shape[1]
-    k_child = np.repeat(k_blk, children)
-    proj = np.zeros((mats.shape[0], ref.fine.positions.size), complex)
-    for k, projector in enumerate(ref.setup_.projectors):
-        rows = np.flatnonzero(k_child == k)
-        proj[rows] = ref.fine.gather(projector.project(mats[rows], setup.current_size_px))
-    b_child = np.repeat(b_blk, children)
-    shifts = batch.residual_origin_px[b_child] + np.stack([tx.reshape(-1), ty.reshape(-1)], axis=1)
-    x = ref.fine.gather(batch.images_ft)[b_child] * ref.fine.phase(shifts, setup.ori_size_px, complex)
-    c = ref.fine.gather(batch.ctf)[b_child]
-    minv = ref.minv_fine[np.asarray(batch.optics_index)[b_child]]
-    want = (0.5 * np.sum(minv * np.abs(x - c * proj) ** 2, axis=1)).reshape(got.shape)
+    assert gpu.last_fine[0][0].size > 5
+    # float64 brute force, child by child (the numpy engine's definition)
+    got, want = fine_diff2_against_brute_force(cp, ref, setup, batch, gpu.last_fine[0], euler.euler_to_matrix)
     rel = np.max(np.abs(got - want) / np.abs(want))
     print(f"fine diff2: {got.size} children, max relative error vs float64 {rel:.2e}")
     assert rel <= 1e-5, rel
@@ -375,7 +325,7 @@ def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
                               "local_far_origin_priors"])
 def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     _, setup, batch = random_problem(7, 32, 12, sigma_scale=5.0, **kw)
-    ref, want, gpu, got = run_both(cp, setup, batch)
+    ref, want, gpu, got = run_both(setup, batch)
     for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "class_index"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6, err_msg=name)
     np.testing.assert_array_equal(got.n_significant, want.n_significant)
@@ -410,7 +360,7 @@ def test_the_fine_pass_limit_cuts_a_particle_s_samples_alike_on_both_engines(cp,
     _, setup, batch = random_problem(7, 32, 12, fine_pass_raised=True)
     monkeypatch.setattr(common, "FINE_CELLS_PER_PARTICLE", 1 << 10)
     limit = common.fine_pass_limit(setup)
-    ref, want, gpu, got = run_both(cp, setup, batch)
+    ref, want, gpu, got = run_both(setup, batch)
     assert 0 < limit and (want.n_significant == limit).sum() >= 3 and (want.n_significant < limit).sum() >= 3
     np.testing.assert_array_equal(got.n_significant, want.n_significant)
     for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px"):
@@ -430,7 +380,7 @@ def test_a_vdam_unit_of_two_classes_under_the_cap_on_significant_poses_matches_t
     volume, setup, batch = random_problem(11, 32, 12, sigma_scale=5.0)
     other = 0.8 * volume + 0.5 * blob_volume(np.random.default_rng(12), 32, blobs=2)
     setup = replace(setup, maps=[volume, other], log_pdf_class=np.log([0.6, 0.4]), max_significants=200)
-    ref, want, gpu, got = run_both(cp, setup, batch)
+    ref, want, gpu, got = run_both(setup, batch)
     assert (want.n_significant == 200).all()
     np.testing.assert_array_equal(got.n_significant, want.n_significant)
     for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "class_index"):

@@ -7,7 +7,7 @@ All tests need a CUDA device and CuPy (marker `gpu`); they skip without one.
 
 import numpy as np
 import pytest
-from conftest import cupy_or_skip
+from engine_pairs import fine_diff2_against_brute_force, noise_spectrum, run_both
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
@@ -18,11 +18,6 @@ from cryorefine.estep.engine import Batch, IterationSetup
 from cryorefine.estep.reference import NumpyEngine
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return cupy_or_skip()
 
 
 def psi_matrices(psi_deg):
@@ -58,11 +53,7 @@ def random_problem_2d(seed, n, n_particles, n_classes=3, psi_step_deg=10.0, offs
     real = fourier.irfft2_centered(images * ctf, n) + rng.normal(scale=noise * np.std(references[0]),
                                                                  size=(n_particles, n, n))
     images = fourier.rfft2_centered(real)
-    power = np.mean(np.abs(images) ** 2, axis=0)
-    shells = fourier.shell_index_2d(n)
-    sigma2 = np.bincount(shells.reshape(-1), weights=power.reshape(-1), minlength=n // 2 + 1)[: n // 2 + 1]
-    counts = np.bincount(shells.reshape(-1), minlength=n // 2 + 1)[: n // 2 + 1]
-    sigma2 = (sigma2 / np.maximum(counts, 1) / 2.0 * sigma_scale)[None, :]
+    sigma2 = noise_spectrum(images, n, sigma_scale)
     old = rng.uniform(-1.5, 1.5, (n_particles, 2))
     batch = Batch(indices=np.arange(n_particles), images_ft=images, images_ft_unmasked=images * 1.01, ctf=ctf,
                   optics_index=np.zeros(n_particles, np.int64), old_origin_px=old,
@@ -81,18 +72,6 @@ def random_problem_2d(seed, n, n_particles, n_classes=3, psi_step_deg=10.0, offs
     setup = IterationSetup(projectors=None, maps=references, sigma2_noise=sigma2, sampling=sampling, ori_size_px=n,
                            ref_dim=2, **kw)
     return truth, setup, batch
-
-
-def run_both(setup, batch):
-    from cryorefine.estep.cuda import CupyEngine
-
-    ref = NumpyEngine(np.float64, keep_blocks=True)
-    ref.setup(setup)
-    want = ref.run(batch)
-    gpu = CupyEngine(keep_blocks=True)
-    gpu.setup(setup)
-    got = gpu.run(batch)
-    return ref, want, gpu, got
 
 
 def geometry(grid):
@@ -209,15 +188,6 @@ def test_2d_coarse_diff2_relative_error_below_1e5(cp):
     np.testing.assert_array_equal(np.argmin(got, axis=1), np.argmin(want, axis=1))
 
 
-@pytest.fixture(params=["slices projected once a pair", "slices projected in every block"])
-def fine_slices(request, monkeypatch):
-    """Both ways of the fine pass to a block's child slices (`estep.cuda._PairGroups.project_once`)."""
-    from cryorefine.estep import cuda
-
-    monkeypatch.setattr(cuda, "FINE_BLOCKS_PER_PAIR_PROJECTED_ONCE", 0 if request.param.endswith("a pair") else 1 << 40)
-    return request.param
-
-
 @pytest.mark.parametrize("oversampling", [1, 2])  # 2 × 4 and 4 × 16 children a block
 def test_2d_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     """The fine pass's diff2 of every child against float64 brute force: 0.5·Σ minv·|X moved − CTF·P|² with P the
@@ -230,26 +200,15 @@ def test_2d_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
     gpu.run(batch)
     ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)
-    b_blk, k_blk, o_blk, t_blk, got = gpu.last_fine[0]
-    assert b_blk.size > 5 and np.unique(k_blk).size > 1
-    every = max(1, b_blk.size * got.shape[1] // 20000)  # brute force on at most ~20,000 children
-    b_blk, k_blk, o_blk, t_blk, got = b_blk[::every], k_blk[::every], o_blk[::every], t_blk[::every], got[::every]
-    rot, tilt, psi, tx, ty = setup.sampling.fine_samples_flat(o_blk * ref.n_trans + t_blk)  # (blocks, children)
-    assert np.all(rot == 0) and np.all(tilt == 0)
-    children = psi.shape[1]
-    assert children == 2 ** oversampling * 4 ** oversampling
-    mats = psi_matrices(psi.reshape(-1))
-    k_child = np.repeat(k_blk, children)
-    proj = np.zeros((mats.shape[0], ref.fine.positions.size), complex)
-    for k, projector in enumerate(ref.setup_.projectors):
-        rows = np.flatnonzero(k_child == k)
-        proj[rows] = ref.fine.gather(projector.project(mats[rows], setup.current_size_px))
-    b_child = np.repeat(b_blk, children)
-    shifts = batch.residual_origin_px[b_child] + np.stack([tx.reshape(-1), ty.reshape(-1)], axis=1)
-    x = ref.fine.gather(batch.images_ft)[b_child] * ref.fine.phase(shifts, setup.ori_size_px, complex)
-    c = ref.fine.gather(batch.ctf)[b_child]
-    minv = ref.minv_fine[np.asarray(batch.optics_index)[b_child]]
-    want = (0.5 * np.sum(minv * np.abs(x - c * proj) ** 2, axis=1)).reshape(got.shape)
+    b_blk, k_blk = gpu.last_fine[0][:2]
+    assert b_blk.size > 5 and np.unique(cp.asnumpy(k_blk) if hasattr(k_blk, "get") else k_blk).size > 1
+    assert gpu.last_fine[0][4].shape[1] == 2 ** oversampling * 4 ** oversampling  # children a block
+
+    def in_plane(rot, tilt, psi):
+        assert np.all(rot == 0) and np.all(tilt == 0)
+        return psi_matrices(psi)
+
+    got, want = fine_diff2_against_brute_force(cp, ref, setup, batch, gpu.last_fine[0], in_plane)
     rel = np.max(np.abs(got - want) / np.abs(want))
     print(f"2D fine diff2: {got.size} children, max relative error vs float64 {rel:.2e}")
     assert rel <= 1e-5, rel
