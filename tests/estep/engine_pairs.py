@@ -1,6 +1,7 @@
 """What the GPU engine's parity tests in 3D (test_cuda.py) and in 2D (test_cuda_2d.py) share (their fixtures `cp`
 and `fine_slices` are conftest's): both engines run on one batch, a problem's white-noise spectrum, and the float64
-brute force of the fine pass's squared differences that the GPU's are checked against."""
+brute force of the fine pass's squared differences that the GPU's are checked against, and the checks of a
+batch's results and compressed fine weights."""
 
 from __future__ import annotations
 
@@ -61,3 +62,29 @@ def fine_diff2_against_brute_force(cp, ref, setup, batch, fine_block,
     minv = ref.minv_fine[np.asarray(batch.optics_index)[b_child]]
     want = (0.5 * np.sum(minv * np.abs(x - c * proj) ** 2, axis=1)).reshape(got.shape)
     return got, want
+
+
+def assert_same_results(got, want) -> None:
+    """The GPU engine's results of a batch `got` are the numpy engine's `want`: the best poses and classes, the
+    significant samples' counts, pmax, log-likelihoods and norm corrections, each to its float32 tolerance."""
+    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "class_index"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(got.n_significant, want.n_significant)
+    np.testing.assert_allclose(got.pmax, want.pmax, rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(got.log_likelihood, want.log_likelihood, rtol=1e-5)
+    np.testing.assert_allclose(got.norm_correction, want.norm_correction, rtol=1e-4)
+
+
+def assert_same_fine_weights(ref, gpu, batch) -> None:
+    """The engines' compressed fine weights of `batch` (kept blocks) agree: the same weight on every child of the
+    coarse samples both kept; a block of one engine alone (float32 against float64 can swap samples of nearly equal
+    weight at the significance cut) carries ≈ no weight."""
+    assert len(ref.last_blocks) == len(gpu.last_blocks) == batch.indices.size
+    for bw, bg in zip(ref.last_blocks, gpu.last_blocks):
+        want_w = dict(zip(bw.coarse_index.tolist(), bw.weights))
+        got_w = dict(zip(bg.coarse_index.tolist(), bg.weights))
+        common = sorted(set(want_w) & set(got_w))
+        assert len(common) >= 0.9 * max(len(want_w), len(got_w))
+        np.testing.assert_allclose([got_w[c] for c in common], [want_w[c] for c in common], atol=2e-3)
+        assert sum(want_w[c].sum() for c in set(want_w) - set(got_w)) < 1e-3
+        assert sum(got_w[c].sum() for c in set(got_w) - set(want_w)) < 1e-3

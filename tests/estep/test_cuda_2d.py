@@ -7,7 +7,13 @@ All tests need a CUDA device and CuPy (marker `gpu`); they skip without one.
 
 import numpy as np
 import pytest
-from engine_pairs import fine_diff2_against_brute_force, noise_spectrum, run_both
+from engine_pairs import (
+    assert_same_fine_weights,
+    assert_same_results,
+    fine_diff2_against_brute_force,
+    noise_spectrum,
+    run_both,
+)
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.projector import BackProjector, Projector
@@ -230,12 +236,7 @@ def test_2d_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     assert np.mean(want.class_index == truth) >= 0.9  # a problem with an answer
     if setup.max_significants > 0:  # the cut binds
         assert want.n_significant.max() == setup.max_significants
-    for name in ("rot_deg", "tilt_deg", "psi_deg", "origin_x_px", "origin_y_px", "class_index"):
-        np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6, err_msg=name)
-    np.testing.assert_array_equal(got.n_significant, want.n_significant)
-    np.testing.assert_allclose(got.pmax, want.pmax, rtol=2e-3, atol=1e-4)
-    np.testing.assert_allclose(got.log_likelihood, want.log_likelihood, rtol=1e-5)
-    np.testing.assert_allclose(got.norm_correction, want.norm_correction, rtol=1e-4)
+    assert_same_results(got, want)
     sw, sg = ref.sums(), gpu.sums()
     np.testing.assert_allclose(sg.sigma2_noise, sw.sigma2_noise, rtol=1e-3)
     np.testing.assert_allclose(sg.pdf_class, sw.pdf_class, atol=1e-3)
@@ -247,15 +248,7 @@ def test_2d_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
         assert scale > 0, k
         assert np.max(np.abs(cp.asnumpy(sg.data[k]) - sw.data[k])) / scale < 1e-3, k
         assert np.max(np.abs(cp.asnumpy(sg.weight[k]) - sw.weight[k])) / np.max(sw.weight[k]) < 1e-3, k
-    assert len(ref.last_blocks) == len(gpu.last_blocks) == batch.indices.size
-    for bw, bg in zip(ref.last_blocks, gpu.last_blocks):
-        want_w = dict(zip(bw.coarse_index.tolist(), bw.weights))
-        got_w = dict(zip(bg.coarse_index.tolist(), bg.weights))
-        common = sorted(set(want_w) & set(got_w))
-        assert len(common) >= 0.9 * max(len(want_w), len(got_w))
-        np.testing.assert_allclose([got_w[c] for c in common], [want_w[c] for c in common], atol=2e-3)
-        assert sum(want_w[c].sum() for c in set(want_w) - set(got_w)) < 1e-3
-        assert sum(got_w[c].sum() for c in set(got_w) - set(want_w)) < 1e-3
+    assert_same_fine_weights(ref, gpu, batch)
 
 
 def test_2d_reconstruction_on_the_device_matches_the_host(cp):
