@@ -310,7 +310,9 @@ def image_key(name: str) -> str:
 
 
 def pose_errors(truth_star, refined_star):
-    """Angles (degrees) between true and refined rotations, and origin distances (Å), per particle."""
+    """Angles (degrees) between true and refined rotations, and origin distances (Å), per particle; and the
+    angles left once the refined poses are turned by the one rotation of the map's frame that fits them best
+    (`frame_rotation`): the map of a refinement may turn a little as a whole, which moves every pose alike."""
     truth = read_star(truth_star)["particles"]
     found = read_star(refined_star)["particles"]
     truth = truth.set_index(truth["rlnImageName"].map(image_key))
@@ -318,11 +320,30 @@ def pose_errors(truth_star, refined_star):
     truth = truth.loc[found.index]
     a = euler.euler_to_matrix(truth["rlnAngleRot"], truth["rlnAngleTilt"], truth["rlnAnglePsi"])
     b = euler.euler_to_matrix(found["rlnAngleRot"], found["rlnAngleTilt"], found["rlnAnglePsi"])
-    cos = (np.trace(a @ np.swapaxes(b, -1, -2), axis1=-2, axis2=-1) - 1) / 2
-    angle = np.rad2deg(np.arccos(np.clip(cos, -1, 1)))
+    angle = rotation_angles_deg(a, b)
+    frame = frame_rotation(a, b)
     shift = np.hypot(truth["rlnOriginXAngst"].to_numpy() - found["rlnOriginXAngst"].to_numpy(),
                      truth["rlnOriginYAngst"].to_numpy() - found["rlnOriginYAngst"].to_numpy())
-    return angle, shift
+    return angle, shift, rotation_angles_deg(a @ frame, b)
+
+
+def rotation_angles_deg(a, b):
+    """The angle (degrees) of the rotation between each pair of matrices a[i], b[i]."""
+    cos = (np.trace(a @ np.swapaxes(b, -1, -2), axis1=-2, axis2=-1) - 1) / 2
+    return np.rad2deg(np.arccos(np.clip(cos, -1, 1)))
+
+
+def frame_rotation(a, b, keep_fraction=0.8):
+    """The rotation G (3×3) for which a[i]·G is closest to b[i] (least squares over the matrices, the best
+    `keep_fraction` of the particles once a first fit over all of them has ranked them, so that particles in a wrong
+    view do not pull it): a refined map turned by G as a whole gives every pose b = a·G."""
+    keep = np.arange(len(a))
+    for _ in range(2):
+        u, _, vt = np.linalg.svd(np.einsum("nji,njk->ik", a[keep], b[keep]))
+        g = u @ np.diag([1.0, 1.0, np.linalg.det(u @ vt)]) @ vt
+        residual = rotation_angles_deg(a @ g, b)
+        keep = np.argsort(residual)[: max(3, int(keep_fraction * len(a)))]
+    return g
 
 
 def log_timings(log):
@@ -388,8 +409,9 @@ def per_iteration(out, log, truth, truth_star, box, pixel, started):
         previous = model_star.stat().st_mtime
         data = Path(f"{root}_data.star")
         if data.exists():
-            angle, shift = pose_errors(truth_star, data)
-            row.update(median_angle_error_deg=float(np.median(angle)), median_offset_error_angstrom=float(np.median(shift)))
+            angle, shift, in_frame = pose_errors(truth_star, data)
+            row.update(median_angle_error_deg=float(np.median(angle)), median_offset_error_angstrom=float(np.median(shift)),
+                       median_angle_error_map_frame_deg=float(np.median(in_frame)))
         half1 = Path(f"{root}_half1_class001.mrc")
         if half1.exists():
             fsc = np.asarray(fsc_volumes(read_volume(half1)[0].astype(np.float64), truth))
@@ -428,7 +450,7 @@ def measure(work, setup, program, seed, folder, log, code, seconds, started, ext
     half_curves = {"refined": gold_fsc}
     if fsc_star.exists():
         half_curves["true_poses"] = read_star(fsc_star)["fsc"]["rlnFourierShellCorrelation"].to_numpy()
-    angle, shift = pose_errors(work / "sim" / "particles.star", data_star)
+    angle, shift, in_frame = pose_errors(work / "sim" / "particles.star", data_star)
     iterations = per_iteration(out, log, truth, work / "sim" / "particles.star", box, pixel, started)
     walls = [row["wall_s"] for row in iterations]
     return {
@@ -444,6 +466,7 @@ def measure(work, setup, program, seed, folder, log, code, seconds, started, ext
                          for name, curve in curves.items()},
         "half_map_fsc_curves": {name: curve.tolist() for name, curve in half_curves.items()},
         "angle_error_deg": {"median": float(np.median(angle)), "p90": float(np.percentile(angle, 90))},
+        "angle_error_map_frame_deg": {"median": float(np.median(in_frame)), "p90": float(np.percentile(in_frame, 90))},
         "offset_error_angstrom": {"median": float(np.median(shift)), "p90": float(np.percentile(shift, 90))},
         "per_iteration": iterations,
     }
@@ -472,18 +495,20 @@ def markdown(results):
     extra = " ".join(results["command_extra"]) or "(nothing)"
     lines = [title, "", f"Both programs: {' '.join(AUTO_REFINE)}, then {extra}; from {results['input']}.", "",
              row("program", "seed", "exit", "iterations", "wall (s)", "reported (Å)", "half-map FSC 0.143 (Å)",
-                 "FSC vs truth 0.5 / 0.143 (Å)", "median / 90 % angle (°)", "median / 90 % offset (Å)"),
-             row(*["---"] * 10)]
+                 "FSC vs truth 0.5 / 0.143 (Å)", "median / 90 % angle (°)", "in the map's frame (°)",
+                 "median / 90 % offset (Å)"),
+             row(*["---"] * 11)]
     for r in runs:
         if not r.get("iterations"):
-            lines.append(row(r["program"], r["seed"], r["exit_code"], 0, f"{r['wall_s']:.1f}", *["–"] * 5))
+            lines.append(row(r["program"], r["seed"], r["exit_code"], 0, f"{r['wall_s']:.1f}", *["–"] * 6))
             continue
         fsc, angle, offset = r["fsc_vs_truth"]["refined"], r["angle_error_deg"], r["offset_error_angstrom"]
         lines.append(row(r["program"], r["seed"], r["exit_code"],
                          f"{r['iterations']}{'' if r['converged'] else ' (not converged)'}", f"{r['wall_s']:.1f}",
                          angstrom(r["reported_resolution_angstrom"]), angstrom(r["half_map_fsc"]["refined_0.143"]),
                          f"{angstrom(fsc['fsc_0.5'])} / {angstrom(fsc['fsc_0.143'])}",
-                         f"{angle['median']:.2f} / {angle['p90']:.2f}", f"{offset['median']:.2f} / {offset['p90']:.2f}"))
+                         f"{angle['median']:.2f} / {angle['p90']:.2f}", frame_cell(r),
+                         f"{offset['median']:.2f} / {offset['p90']:.2f}"))
     done = [r for r in runs if r.get("iterations")]
     if done:
         first = done[0]
@@ -496,9 +521,9 @@ def markdown(results):
     for r in done:
         lines += ["", f"{r['program']}, seed {r['seed']}, per iteration (half 1 against the truth):", "",
                   row("iteration", "order", "size (px)", "offsets (Å)", "resolution (Å)", "σ_offset (Å)",
-                      "acc rot (°)", "median angle (°)", "median offset (Å)", "FSC 0.5 (Å)", "FSC 0.143 (Å)",
-                      "E / M (s)", "wall (s)"),
-                  row(*["---"] * 13)]
+                      "acc rot (°)", "median angle (°)", "in the map's frame (°)", "median offset (Å)", "FSC 0.5 (Å)",
+                      "FSC 0.143 (Å)", "E / M (s)", "wall (s)"),
+                  row(*["---"] * 14)]
         for it in r["per_iteration"]:
             timing = (f"{it['expectation_s']:.1f} / {it['maximisation_s']:.1f}" if "expectation_s" in it else "–")
             order = it.get("healpix_order")
@@ -508,10 +533,17 @@ def markdown(results):
                              "–" if step is None or span is None else f"{span:.2f} by {step:.2f}",
                              angstrom(it["resolution_angstrom"]), figure(it["sigma_offset_angstrom"]),
                              figure(it["accuracy_rotations_deg"]), figure(it.get("median_angle_error_deg")),
+                             figure(it.get("median_angle_error_map_frame_deg")),
                              figure(it.get("median_offset_error_angstrom")),
                              angstrom(it.get("half1_vs_truth_fsc_0.5")), angstrom(it.get("half1_vs_truth_fsc_0.143")),
                              timing, angstrom(it["wall_s"])))
     return "\n".join(lines)
+
+
+def frame_cell(run):
+    """The median / 90th percentile angular error once the map's frame is fitted (– for results without it)."""
+    frame = run.get("angle_error_map_frame_deg")
+    return "–" if frame is None else f"{frame['median']:.2f} / {frame['p90']:.2f}"
 
 
 def finite_or_none(value):
