@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def split_at_double_dash(argv):
     """(the script's own arguments, those after the first `--`, passed on to cryorefine as they are)."""
@@ -89,6 +91,14 @@ def model_chains(model, chains, out):
     structure.setup_entities()
     structure.make_mmcif_document().write_file(str(out))
     return out
+
+
+def normalised_with_noise(signal, circle, snr, rng):
+    """Clean images `signal` (B, N, N) divided by the σ of white noise of variance var(signal)/`snr` inside the
+    particle circle `circle` (N, N), and that noise (σ 1, drawn from `rng` in one call) added: particles at that SNR
+    normalised as RELION's extraction normalises them (background σ 1)."""
+    sigma = np.sqrt(signal[:, circle].var(axis=1) / snr)
+    return signal / sigma[:, None, None] + rng.normal(size=signal.shape)
 
 
 def work_and_engine_parser(description, epilog, job):

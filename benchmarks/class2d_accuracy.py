@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import run_logged, seconds_per_iteration, split_at_double_dash
+from bench_common import normalised_with_noise, run_logged, seconds_per_iteration, split_at_double_dash
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.arrays import to_host
@@ -272,8 +272,7 @@ def simulate_set(work, options):
             index = mine[start:start + 1024]
             signal = to_host(simulate_images(projector, params, index, clean, pixel, box, circle, 0,
                                              xp=xp)).astype(np.float64)
-            sigma = np.sqrt(signal[:, circle].var(axis=1) / options.snr)
-            images[index] = signal / sigma[:, None, None] + noise.normal(size=signal.shape)
+            images[index] = normalised_with_noise(signal, circle, options.snr, noise)
     write_stack(work / "particles.mrcs", images, pixel)
     write_stack(work / "true_views.mrcs", truth_images, pixel)
     optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"], "rlnAmplitudeContrast": [Q0],
