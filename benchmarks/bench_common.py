@@ -101,6 +101,27 @@ def normalised_with_noise(signal, circle, snr, rng):
     return signal / sigma[:, None, None] + rng.normal(size=signal.shape)
 
 
+def simulated_particle_tables(params, pixel_angstrom, box_px, optics_values):
+    """The optics table, the particle table without poses (what a freshly extracted set holds: image names
+    NNNNNN@particles.mrcs, defocus) and the same with the true poses, of a set simulated with `params` (as
+    `jobs.simulate.draw_parameters` gives them); `optics_values` (voltage kV, Cs mm, amplitude contrast)."""
+    import pandas as pd
+
+    voltage_kv, cs_mm, q0 = optics_values
+    n = len(params["rot_deg"])
+    optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"], "rlnAmplitudeContrast": [q0],
+                           "rlnSphericalAberration": [cs_mm], "rlnVoltage": [voltage_kv],
+                           "rlnImagePixelSize": [pixel_angstrom], "rlnImageSize": [box_px],
+                           "rlnImageDimensionality": [2]})
+    particles = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles.mrcs" for i in range(n)],
+                              "rlnDefocusU": params["defocus_u_angstrom"], "rlnDefocusV": params["defocus_v_angstrom"],
+                              "rlnDefocusAngle": params["defocus_angle_deg"], "rlnOpticsGroup": np.ones(n, dtype=int)})
+    truth = particles.assign(rlnAngleRot=params["rot_deg"], rlnAngleTilt=params["tilt_deg"],
+                             rlnAnglePsi=params["psi_deg"], rlnOriginXAngst=params["origin_x_angstrom"],
+                             rlnOriginYAngst=params["origin_y_angstrom"])
+    return optics, particles, truth
+
+
 def work_and_engine_parser(description, epilog, job):
     """An ArgumentParser with --work (required) and one of --gpu / --cpu (required) for the `job` runs."""
     parser = argparse.ArgumentParser(description=description, epilog=epilog)

@@ -81,7 +81,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from bench_common import normalised_with_noise, run_logged, seconds_per_iteration, split_at_double_dash
+from bench_common import (
+    normalised_with_noise,
+    run_logged,
+    seconds_per_iteration,
+    simulated_particle_tables,
+    split_at_double_dash,
+)
 from class2d_accuracy import (
     ASTIGMATISM_UM,
     CS_MM,
@@ -196,8 +202,6 @@ def gui_line(star, diameter_angstrom, iterations, threads=GUI_THREADS, pool=GUI_
 def simulate_set(folder, volume, pixel, options):
     """Make (or find, made with the same settings) `folder`/particles.star (no poses), truth.star, truth.mrc and
     reference_40A.mrc of one map; the settings written beside them."""
-    import pandas as pd
-
     from cryorefine.jobs.simulate import SimulationOptions, draw_parameters, simulate_images
 
     box, n = volume.shape[0], options.n
@@ -222,16 +226,8 @@ def simulate_set(folder, volume, pixel, options):
         signal = simulate_images(projector, params, index, clean, pixel, box, circle, 0).astype(np.float64)
         images[index] = normalised_with_noise(signal, circle, options.snr, noise)
     write_stack(folder / "particles.mrcs", images, pixel)
-    optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"], "rlnAmplitudeContrast": [Q0],
-                           "rlnSphericalAberration": [CS_MM], "rlnVoltage": [VOLTAGE_KV],
-                           "rlnImagePixelSize": [pixel], "rlnImageSize": [box], "rlnImageDimensionality": [2]})
-    particles = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles.mrcs" for i in range(n)],
-                              "rlnDefocusU": params["defocus_u_angstrom"], "rlnDefocusV": params["defocus_v_angstrom"],
-                              "rlnDefocusAngle": params["defocus_angle_deg"], "rlnOpticsGroup": np.ones(n, dtype=int)})
+    optics, particles, truth = simulated_particle_tables(params, pixel, box, (VOLTAGE_KV, CS_MM, Q0))
     write_star({"optics": optics, "particles": particles}, folder / "particles.star")
-    truth = particles.assign(rlnAngleRot=params["rot_deg"], rlnAngleTilt=params["tilt_deg"],
-                             rlnAnglePsi=params["psi_deg"], rlnOriginXAngst=params["origin_x_angstrom"],
-                             rlnOriginYAngst=params["origin_y_angstrom"])
     write_star({"optics": optics, "particles": truth}, folder / "truth.star")
     stamp.write_text(json.dumps(settings))
 
@@ -701,7 +697,7 @@ def main(argv=None):
     save()
     print(f"{options.n} particles of each map ({', '.join(maps)}), {options.box} px at {pixel:g} Å/px, SNR "
           f"{options.snr:g}, mask {diameter} Å; sets made in "
-          f"{', '.join(f'{s:.0f}' for s in report['simulate_seconds'].values())} s (0: reused)")
+          f"{', '.join(f'{s:.1f}' for s in report['simulate_seconds'].values())} s (about 0: reused)")
     print(table(report["runs"], report["refines"]))
     print(f"wrote {out}")
 

@@ -108,13 +108,13 @@ def test_another_shape_does_not_align_to_the_truth(bench, ribosome):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """60 particles of the rod in a 24 px box, the GUI line for 2 iterations: cryorefine initial_model and (as
+    """60 particles of the rod in a 16 px box, the GUI line for 2 iterations: cryorefine initial_model and (as
     "RELION") cryorefine's relion_refine on the same line and seed; then, reusing cryorefine's, the refines for one
     iteration (HEALPix order 1: seconds)."""
     work = tmp_path_factory.mktemp("initial_model_accuracy")
     relion = f"{shlex.quote(sys.executable)} -m cryorefine relion_refine"
     common = [sys.executable, str(BENCHMARKS / "initial_model_accuracy.py"), "--work", str(work), "--cpu", "--n", "60",
-              "--box", "24", "--iter", "2", "--maps", "rod", "--measure_every", "1"]
+              "--box", "16", "--iter", "2", "--maps", "rod", "--measure_every", "1"]
     first = subprocess.run([*common, "--relion", relion, "--relion_extra=--cpu", "--relion_j", "1", "--json",
                             str(work / "first.json")], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -128,7 +128,7 @@ def tiny(tmp_path_factory):
 
 def test_a_tiny_cpu_run_measures_both_programs_alike(tiny):
     work, stdout, results, _, _ = tiny
-    assert results["n"] == 60 and results["maps"] == ["rod"] and results["box_px"] == 24
+    assert results["n"] == 60 and results["maps"] == ["rod"] and results["box_px"] == 16
     ours, theirs = results["runs"]
     assert (ours["program"], theirs["program"]) == ("cryorefine", "relion")
     assert "--iter 2 --grad --denovo_3dref --i particles.star" in ours["command"]
