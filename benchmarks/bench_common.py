@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def split_at_double_dash(argv):
     """(the script's own arguments, those after the first `--`, passed on to cryorefine as they are)."""
@@ -89,6 +91,35 @@ def model_chains(model, chains, out):
     structure.setup_entities()
     structure.make_mmcif_document().write_file(str(out))
     return out
+
+
+def normalised_with_noise(signal, circle, snr, rng):
+    """Clean images `signal` (B, N, N) divided by the σ of white noise of variance var(signal)/`snr` inside the
+    particle circle `circle` (N, N), and that noise (σ 1, drawn from `rng` in one call) added: particles at that SNR
+    normalised as RELION's extraction normalises them (background σ 1)."""
+    sigma = np.sqrt(signal[:, circle].var(axis=1) / snr)
+    return signal / sigma[:, None, None] + rng.normal(size=signal.shape)
+
+
+def simulated_particle_tables(params, pixel_angstrom, box_px, optics_values):
+    """The optics table, the particle table without poses (what a freshly extracted set holds: image names
+    NNNNNN@particles.mrcs, defocus) and the same with the true poses, of a set simulated with `params` (as
+    `jobs.simulate.draw_parameters` gives them); `optics_values` (voltage kV, Cs mm, amplitude contrast)."""
+    import pandas as pd
+
+    voltage_kv, cs_mm, q0 = optics_values
+    n = len(params["rot_deg"])
+    optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"], "rlnAmplitudeContrast": [q0],
+                           "rlnSphericalAberration": [cs_mm], "rlnVoltage": [voltage_kv],
+                           "rlnImagePixelSize": [pixel_angstrom], "rlnImageSize": [box_px],
+                           "rlnImageDimensionality": [2]})
+    particles = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles.mrcs" for i in range(n)],
+                              "rlnDefocusU": params["defocus_u_angstrom"], "rlnDefocusV": params["defocus_v_angstrom"],
+                              "rlnDefocusAngle": params["defocus_angle_deg"], "rlnOpticsGroup": np.ones(n, dtype=int)})
+    truth = particles.assign(rlnAngleRot=params["rot_deg"], rlnAngleTilt=params["tilt_deg"],
+                             rlnAnglePsi=params["psi_deg"], rlnOriginXAngst=params["origin_x_angstrom"],
+                             rlnOriginYAngst=params["origin_y_angstrom"])
+    return optics, particles, truth
 
 
 def work_and_engine_parser(description, epilog, job):

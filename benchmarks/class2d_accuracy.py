@@ -66,7 +66,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import run_logged, seconds_per_iteration, split_at_double_dash
+from bench_common import (
+    normalised_with_noise,
+    run_logged,
+    seconds_per_iteration,
+    simulated_particle_tables,
+    split_at_double_dash,
+)
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.arrays import to_host
@@ -228,8 +234,6 @@ def true_views(maps, views_per_map):
 def simulate_set(work, options):
     """Make (or find, made with the same settings) WORK/particles.star, truth.star, true_views.mrcs; returns the
     views (map, rot, tilt), their true images, the true view of each particle (in STAR order) and the pixel size."""
-    import pandas as pd
-
     from cryorefine.jobs.simulate import SimulationOptions, simulate_images
 
     settings = {"maps": options.maps, "views_per_map": options.views_per_map, "box": options.box, "n": options.n,
@@ -272,21 +276,12 @@ def simulate_set(work, options):
             index = mine[start:start + 1024]
             signal = to_host(simulate_images(projector, params, index, clean, pixel, box, circle, 0,
                                              xp=xp)).astype(np.float64)
-            sigma = np.sqrt(signal[:, circle].var(axis=1) / options.snr)
-            images[index] = signal / sigma[:, None, None] + noise.normal(size=signal.shape)
+            images[index] = normalised_with_noise(signal, circle, options.snr, noise)
     write_stack(work / "particles.mrcs", images, pixel)
     write_stack(work / "true_views.mrcs", truth_images, pixel)
-    optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"], "rlnAmplitudeContrast": [Q0],
-                           "rlnSphericalAberration": [CS_MM], "rlnVoltage": [VOLTAGE_KV],
-                           "rlnImagePixelSize": [pixel], "rlnImageSize": [box], "rlnImageDimensionality": [2]})
-    particles = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles.mrcs" for i in range(n)],
-                              "rlnDefocusU": params["defocus_u_angstrom"], "rlnDefocusV": params["defocus_v_angstrom"],
-                              "rlnDefocusAngle": params["defocus_angle_deg"], "rlnOpticsGroup": np.ones(n, dtype=int)})
+    optics, particles, truth = simulated_particle_tables(params, pixel, box, (VOLTAGE_KV, CS_MM, Q0))
     write_star({"optics": optics, "particles": particles}, work / "particles.star")
-    truth = particles.assign(rlnAngleRot=params["rot_deg"], rlnAngleTilt=params["tilt_deg"],
-                             rlnAnglePsi=params["psi_deg"], rlnOriginXAngst=params["origin_x_angstrom"],
-                             rlnOriginYAngst=params["origin_y_angstrom"], rlnClassNumber=view_of + 1)
-    write_star({"optics": optics, "particles": truth}, work / "truth.star")
+    write_star({"optics": optics, "particles": truth.assign(rlnClassNumber=view_of + 1)}, work / "truth.star")
     stamp.write_text(json.dumps(settings))
     return views, truth_images, view_of, pixel
 
