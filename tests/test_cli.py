@@ -324,19 +324,19 @@ def test_the_end_line_of_a_run_stopped_by_iter_names_its_own_last_maps_and_says_
 
 
 def test_a_continued_run_says_where_it_went_on_from_and_names_no_map_it_did_not_write(tmp_path, capsys, caplog):
-    """--continue from iteration 1 on a root where a map of an earlier converged run lies (run_class001.mrc): the
-    run says it went on from iteration 1, and its end line counts the iteration it ran, names its number and this
-    run's maps, not that map."""
+    """--continue from iteration 1 (no --o: RELION's root run_ct1) where a map of an earlier converged run with that
+    root lies (run_ct1_class001.mrc): the run says it went on from iteration 1, and its end line counts the
+    iteration it ran, names its number and this run's maps, not that map."""
     out = tmp_path / "out"
     assert run(capsys, "refine", *small_refine_inputs(tmp_path), "--o", str(out / "run"), "--iter", "1")[0] == 0
-    (out / "run_class001.mrc").write_text("an earlier run's map")
+    (out / "run_ct1_class001.mrc").write_text("an earlier run's map")
     with caplog.at_level("INFO", logger="cryorefine"):
         code, stdout, _ = run(capsys, "refine", "--continue", str(out / "run_it001_optimiser.star"), "--iter", "2")
     assert code == 0
     assert "continued from iteration 1" in caplog.text
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("not converged after 1 iteration (iteration 2, continued from iteration 1)"), last
-    assert f"{out / 'run_it002'}_half1_class001.mrc" in last and "run_class001.mrc" not in last
+    assert f"{out / 'run_ct1_it002'}_half1_class001.mrc" in last and "class001.mrc " not in f"{last} "
 
 
 def test_the_end_line_of_a_converged_run_names_its_final_map(tmp_path, capsys, monkeypatch):
@@ -368,7 +368,7 @@ def test_the_end_line_of_a_continued_classification_counts_its_iterations(tmp_pa
     assert code == 0
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("2 iterations (iterations 2–3, continued from iteration 1); resolution "), last
-    assert last.endswith(f"maps: {out / 'run'}_it003_class*.mrc")
+    assert last.endswith(f"maps: {out / 'run_ct1'}_it003_class*.mrc")  # no --o: RELION's run_ct1
 
 
 def interrupt_at(monkeypatch, iteration, interruption=KeyboardInterrupt):
@@ -421,7 +421,7 @@ def test_ctrl_c_in_the_first_iteration_names_iteration_0_and_before_it_there_is_
     monkeypatch.undo()
     code, stdout, _ = run(capsys, "refine", "--continue", str(star), "--iter", "1")
     assert code == 0 and "(iteration 1, continued from iteration 0)" in stdout
-    assert (tmp_path / "run_it001_half1_class001.mrc").is_file()
+    assert (tmp_path / "run_ct0_it001_half1_class001.mrc").is_file()  # no --o: RELION's run_ct0
 
     def interrupted_start(self, *args):
         raise KeyboardInterrupt()

@@ -331,8 +331,8 @@ def test_auto_iter_max_is_refines_last_iteration(capsys, files, tmp_path, caplog
     assert (tmp_path / "run_it001_optimiser.star").is_file() and not (tmp_path / "run_it002_optimiser.star").exists()
     # a continue line that raises it goes on to it
     code, stdout, _ = run(capsys, "refine", "--continue", tmp_path / "run_it001_optimiser.star", "--auto_iter_max", "2")
-    assert code == 0 and (tmp_path / "run_it002_optimiser.star").is_file()
-    assert not (tmp_path / "run_it003_optimiser.star").exists()
+    assert code == 0 and (tmp_path / "run_ct1_it002_optimiser.star").is_file()  # no --o: RELION's run_ct1
+    assert not (tmp_path / "run_ct1_it003_optimiser.star").exists()
 
 
 def test_j_on_a_continue_line_is_taken(files, tmp_path, capsys):
@@ -346,7 +346,7 @@ def test_j_on_a_continue_line_is_taken(files, tmp_path, capsys):
     code, _, err = run(capsys, "classify", "--continue", tmp_path / "run_it001_optimiser.star", "--j", "1",
                        "--iter", "2")
     assert code == 0, err
-    assert resume.load_config_values(tmp_path / "run_it002_optimiser.star")["threads"] == 1
+    assert resume.load_config_values(tmp_path / "run_ct1_it002_optimiser.star")["threads"] == 1
 
 
 def test_the_options_are_declared_once():

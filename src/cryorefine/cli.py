@@ -296,15 +296,17 @@ CLASS2D_GRAD_ITERATIONS = 200
 _FILE = click.Path(dir_okay=False)
 _FOLDER = click.Path(file_okay=False)
 
+#: where a --continue run writes (io.run_files.continued_output_root), as --o's help says it
+CONTINUE_ROOT_HELP = ("with --continue, none or the continued run's own gives RELION's <that root>_ct<N>, N the "
+                      "iteration continued from")
 JOB_OPTIONS = (
     _option("--i", "input_star", ALL_JOBS, type=_FILE, help="Particle STAR file."),
     _option("--o", "output_root",
-            help="Output root, e.g. Refine3D/job001/run (with --continue: default the run's own).",
-            per_command={CLASSIFY: {"help": "Output root, e.g. Class3D/job001/run (with --continue: default the run's "
-                                            "own)."},
-                         CLASS2D: {"help": "Output root, e.g. Class2D/job001/run (with --continue: default the run's "
-                                           "own)."},
-                         INITIAL_MODEL: {"help": "Output root, e.g. InitialModel/job001/run."}}),
+            help=f"Output root, e.g. Refine3D/job001/run ({CONTINUE_ROOT_HELP}).",
+            per_command={CLASSIFY: {"help": f"Output root, e.g. Class3D/job001/run ({CONTINUE_ROOT_HELP})."},
+                         CLASS2D: {"help": f"Output root, e.g. Class2D/job001/run ({CONTINUE_ROOT_HELP})."},
+                         INITIAL_MODEL: {"help": f"Output root, e.g. InitialModel/job001/run "
+                                                 f"({CONTINUE_ROOT_HELP})."}}),
     _option("--ref", "reference_map", type=_FILE, help="Initial reference map (MRC).",
             per_command={CLASSIFY: {"help": "Initial reference: one map (MRC) for all classes, or a STAR file of K "
                                             "maps (rlnReferenceImage)."}}),
@@ -592,8 +594,9 @@ def options_given(ctx: click.Context) -> set[str]:
 def _continued_config(params: dict, given: set[str]) -> RefineConfig:
     """The options of the run that --continue (a run_itNNN_optimiser.star) belongs to, with those that --continue
     may change: --o, --iter, the engine (CONTINUE_TAKES), and those of RELION's parseContinue that this run reads
-    afresh each iteration (CONTINUE_CHANGES); other options given are named in a warning and ignored."""
-    from cryorefine.io import resume
+    afresh each iteration (CONTINUE_CHANGES); other options given are named in a warning and ignored. The output
+    root is RELION's (`io.run_files.continued_output_root`): without --o, or with the run's own, <root>_ct<N>."""
+    from cryorefine.io import resume, run_files
 
     config = RefineConfig.from_json(json.dumps(resume.load_config_values(params["continue_from"])))
     parameters = {p.opts[0]: p for p in click.get_current_context().command.params}
@@ -615,8 +618,12 @@ def _continued_config(params: dict, given: set[str]) -> RefineConfig:
         engine = {"engine": config.engine if config.engine != "cuda" or cupy_available() else "numpy",
                   "free_gpu_memory_mb": params["free_gpu_memory_mb"]}
     iterations = _max_iterations(params, given) if given & {"--iter", "--auto_iter_max"} else config.max_iterations
-    return dataclasses.replace(config, output_root=params["output_root"] or config.output_root,
-                               max_iterations=iterations, **engine, **changes).check()
+    output_root = run_files.continued_output_root(params["continue_from"], params["output_root"])
+    if output_root != params["output_root"]:
+        _command_line_log().info("--continue: the files go under %s (relion_refine's root for a run continued "
+                                 "without --o or with its own)", output_root)
+    return dataclasses.replace(config, output_root=output_root, max_iterations=iterations, **engine,
+                               **changes).check()
 
 
 @cli.command("relion_refine", context_settings={"ignore_unknown_options": True}, add_help_option=False,

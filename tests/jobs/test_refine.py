@@ -311,7 +311,10 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     """Force convergence after iteration 1: iteration 2 joins the halves and writes, as RELION's
     MlOptimiserMpi::iterate does once its iteration number is -1, the converged run's files alone (no run_it002_*):
     the joined map not solvent-flattened, the half maps without τ² and masks (RELION's _unfil.mrc), and an
-    optimiser.star of iteration -1 that names one model. The run's end line names those files."""
+    optimiser.star of iteration -1 that names one model, and a run_model.star whose model_groups count half 1's
+    particles (RELION's first worker of half 1 writes it: MlOptimiserMpi::initialise sets its model's
+    nr_particles_per_group to half 1's, Experiment::getNumberOfParticlesPerGroup, and MlOptimiserMpi::iterate has
+    rank 1 write the final model.star). The run's end line names those files."""
     import re
 
     from cryorefine.io.relion_outputs import angdist_bild_text
@@ -357,6 +360,9 @@ def test_final_joined_iteration_writes_relion_final_outputs(refined, tmp_path, m
     # run_class001_angdist.bild); the halves' are iteration 2's sums, so here only its sum and its shape
     subsets = starfile.read(tmp_path / "run_data.star")["particles"]["rlnRandomSubset"].to_numpy()
     assert set(subsets) == {1, 2}
+    groups = model["model_groups"]
+    assert len(groups) == 1 and list(groups["rlnGroupNrParticles"]) == [int(np.sum(subsets == 1))] \
+        and np.sum(subsets == 1) < len(subsets)
     joined_pdf = model["model_pdf_orient_class_1"]["rlnOrientationDistribution"].to_numpy(dtype=float)
     assert joined_pdf.sum() == pytest.approx(1.0)
     directions = starfile.read(tmp_path / "run_sampling.star", always_dict=True)

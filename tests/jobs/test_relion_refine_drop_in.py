@@ -190,8 +190,10 @@ def test_the_drop_in_under_mpirun(project, tmp_path):  # noqa: F811
 
 
 def test_a_continue_line_runs_the_job_it_continues(project, monkeypatch, tmp_path):  # noqa: F811
-    """RELION's GUI continues a Class3D job with a line of neither --ref nor --K (`--continue … --o …_ct1`): the
-    drop-in goes on with the classification, as RELION does, from its optimiser.star."""
+    """RELION 3.1's GUI continues a Class3D job with a line of neither --ref nor --K that names the new root itself
+    (`--continue … --o …_ct1`; RELION 4 and 5 write the job's own `--o …/run` and relion_refine adds the `_ct1`:
+    tests/jobs/test_relion5_gui_continue.py): the drop-in goes on with the classification, as RELION does, from its
+    optimiser.star, under that root."""
     monkeypatch.chdir(project)
     line = tutorial.CLASS3D_JOB035.replace("Class3D/job035/", "Class3D/job335/")
     (project / "Class3D" / "job335").mkdir()

@@ -193,7 +193,7 @@ def test_after_a_failure_the_last_completed_iteration_stays(data):
                             str(out / "run_it001_optimiser.star"), "--iter", "2"],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert (out / "run_it002_half1_class001.mrc").is_file()
+    assert (out / "run_ct1_it002_half1_class001.mrc").is_file()  # no --o: RELION's run_ct1
 
 
 def test_two_ranks_are_refused(data):

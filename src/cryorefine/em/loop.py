@@ -306,8 +306,9 @@ def initial_files_submitted(job, state: RunState, runner, writer, argv) -> None:
 
 
 def continued_files_submitted(job, state: RunState, runner, writer, argv, resume_from: str) -> None:
-    """A run continued under a new output root (--continue with another --o): the files of the iteration it goes on
-    from written again under that root before the next iteration, as RELION's MlOptimiser::initialise writes them
+    """A run continued under a new output root (--continue: RELION's <root>_ct<N> where --o is none or the run's
+    own, `io.run_files.continued_output_root`; or another --o): the files of the iteration it goes on from written
+    again under that root before the next iteration, as RELION's MlOptimiser::initialise writes them
     (`io.run_files.continued_iteration_writes`: the sampling.star as relion_refine_mpi writes it, under mpirun or for
     an auto-refine, which RELION runs only under MPI), after the state --continue reads beside their optimiser.star,
     so that the new root's copy of that iteration can itself be continued from. Nothing under the run's own root."""

@@ -39,8 +39,6 @@ Deliberate differences from RELION's own files:
   rlnGradSuspendFinerSamplingIter, rlnGradSuspendLocalSamplingIter, rlnSgd…): it is not run here
   (rlnDoGradientRefine and rlnDoStochasticGradientDescent say so), and RELION's reader defaults them.
 - Non-finite floats are written as inf/nan, as RELION writes them (RELION reads them back as 0).
-- A converged refinement's run_model.star counts all particles in model_groups' rlnGroupNrParticles (RELION's first
-  worker writes it with the counts of its half set, half 1; each half's model.star counts that half's, here too).
 - With --solvent_correct_fsc (a model whose `fsc_unmasked` is set), model.star says which FSC
   rlnGoldStandardFsc is: model_general gets rlnDoSolventFscCorrection, rlnSolventMaskName and
   rlnRandomiseFrom (Å), and each model_class_N the postprocessing curves

@@ -3,7 +3,9 @@ starts on that root (refused, or removed with --overwrite), and the iteration a 
 
 A run's files are out/run_itNNN_* (every iteration's, from out/run_it000_*: the state before iteration 1, which
 --continue can start from as it can from any other iteration) and the files a converged refinement writes, as RELION
-does, without an iteration number in its final iteration (out/run_data.star, out/run_class001.mrc, …).
+does, without an iteration number in its final iteration (out/run_data.star, out/run_class001.mrc, …). A run
+continued from iteration N writes under the root relion_refine gives it (`continued_output_root`: out/run_ctN where
+--continue comes with no --o or the run's own, as RELION's GUI writes its continue lines).
 """
 
 from __future__ import annotations
@@ -125,6 +127,21 @@ def iteration_of(optimiser_star_path: Path | str) -> int:
     if match is None:
         raise InputError(f"{optimiser_star_path}: --continue takes a run_itNNN_optimiser.star file")
     return int(match.group(1))
+
+
+def continued_output_root(optimiser_star_path: Path | str, given_root: str | None) -> str:
+    """The output root of a run continued from `optimiser_star_path` with --o `given_root` (None: no --o), as
+    relion_refine's MlOptimiser::parseContinue sets it: with no --o, or with the text of the continued run's own root
+    (the optimiser.star's rlnOutputRootName, as RELION's GUI writes its continue lines: `--o <job folder>/run`),
+    `<that root>_ct<N>`, N the iteration continued from (its rlnCurrentIteration, no leading zeros); otherwise
+    `given_root`, as given."""
+    iteration, general = read_optimiser_star(optimiser_star_path)
+    run_root = str(general.get("rlnOutputRootName", ""))
+    if given_root and (not run_root or str(given_root) != run_root):
+        return str(given_root)
+    if not run_root:
+        raise InputError(f"{optimiser_star_path}: data_optimiser_general has no rlnOutputRootName; give --o")
+    return f"{run_root}_ct{iteration}"
 
 
 #: what a continued run does not write again of its starting iteration's files under a new root: RELION writes no

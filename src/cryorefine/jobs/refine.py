@@ -23,7 +23,8 @@ and in each half's model.star the initial noise spectra and RELION's starting τ
 `em.references.initial_data_versus_prior`); --continue can start from its optimiser.star. The final iteration
 writes, as RELION's does, only the converged run's files, without an iteration number: run_data.star,
 run_class001.mrc (the joined halves' map, not solvent-flattened), run_half{1,2}_class001_unfil.mrc (each half's map
-without τ² and masks), run_model.star, run_class001_angdist.bild (all particles' directions), run_sampling.star,
+without τ² and masks), run_model.star (its model_groups counting half 1's particles, as RELION's first worker
+writes it), run_class001_angdist.bild (all particles' directions), run_sampling.star,
 run_optimiser.star (naming those three; rlnCurrentIteration -1) and run_report.png.
 """
 
@@ -452,8 +453,9 @@ class RefineJob:
         pixel = model.pixel_size_angstrom
         particles = self.particles
         joined_pdf = self._joined_direction_distribution(model)
+        # written, as RELION's, by the first worker of half 1: its model_groups count half 1's particles
         joined = job_model_star_blocks(particles, model, optimiser, config, [f"{out_root}_class001.mrc"],
-                                       pdf_direction=joined_pdf)
+                                       members=self.members[0], pdf_direction=joined_pdf)
         writes = [partial(write_particle_star, particles.star, f"{out_root}_data.star",
                           self._particle_table(snapshot, pixel)),
                   partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel),
