@@ -15,7 +15,9 @@ class's accuracy is the mean over the particles (the shift times the pixel size,
 class's.
 
 `em.schedule.estimated_accuracy` is a spectral model of the same sum that needs no projections; at low resolution,
-where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°).
+where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°), and
+after a refinement's low-resolution join of the halves, whose FSC of 1 there inflates τ², more so (0.2° where this
+gives 2-3°). refine and initial_model estimate with this function, as RELION does.
 """
 
 from __future__ import annotations
