@@ -35,6 +35,8 @@ from cryorefine.em import schedule
 
 #: RELION's number of particles for the estimate of a 3D refinement (10 for 2D ones)
 N_TRIAL_PARTICLES = 100
+#: rotation trials projected at a time (of `em.schedule.rotation_trials_deg`' 36)
+ROTATION_TRIALS_PER_BLOCK = 6
 
 
 def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,
@@ -70,7 +72,6 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     rng = np.random.default_rng(seed)
     moved_angle = rng.integers(0, 3, size=len(indices))  # rot, tilt or psi
     moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
-    rotations = np.asarray(schedule.rotation_trials_deg())
     shifts = np.asarray(schedule.translation_trials_px())
     best_rot, best_trans = schedule.UNKNOWN_ACCURACY, schedule.UNKNOWN_ACCURACY
     for k, volume in enumerate(maps):
@@ -82,11 +83,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
             weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell]
             angles = poses[i]
             f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
-            moved = np.repeat(angles[None], rotations.size, axis=0)
-            moved[:, moved_angle[i]] += rotations
-            f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
-                                   image_size_px=n)[:, inside]
-            acc_rot.append(_first_beyond(rotations, (np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1)))
+            acc_rot.append(_rotation_error(projector, f1, angles, int(moved_angle[i]), weight, inside))
             k_axis = kx if moved_axis[i] == 0 else ky
             # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box
             phase = np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2
@@ -96,6 +93,25 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
             best_rot = min(best_rot, float(np.mean(acc_rot)))
             best_trans = min(best_trans, float(np.mean(acc_trans)))
     return schedule.Accuracy(best_rot, best_trans)
+
+
+def _rotation_error(projector: Projector, f1: np.ndarray, angles: np.ndarray, moved_angle: int, weight: np.ndarray,
+                    inside: np.ndarray) -> float:
+    """One particle's angular error: the first rotation trial whose projection (`inside` coefficients, weighted by
+    `weight`) differs from `f1` by an SNR beyond ln 100, else the last. The trials are projected a block at a time
+    and the search stops at the first block that holds the answer, as RELION's stops at the first trial."""
+    rotations = np.asarray(schedule.rotation_trials_deg())
+    n = inside.shape[0]
+    for start in range(0, rotations.size, ROTATION_TRIALS_PER_BLOCK):
+        trials = rotations[start:start + ROTATION_TRIALS_PER_BLOCK]
+        moved = np.repeat(angles[None], trials.size, axis=0)
+        moved[:, moved_angle] += trials
+        f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
+                               image_size_px=n)[:, inside]
+        above = np.flatnonzero((np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1) > schedule.ACCURACY_NEG_LOG_P)
+        if above.size:
+            return float(trials[above[0]])
+    return float(rotations[-1])
 
 
 def _first_beyond(trials: np.ndarray, snr: np.ndarray) -> float:
