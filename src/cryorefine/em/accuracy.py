@@ -77,10 +77,16 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     for k, volume in enumerate(maps):
         if k < pdf.size and pdf[k] < schedule.MIN_CLASS_FRACTION_FOR_ACCURACY:
             continue
-        projector = Projector(np.asarray(volume), padding_factor, n // 2)
+        # the map Fourier-cropped to the smallest even box that holds the current size: the same coefficients at
+        # the same integer frequencies, its projections smaller by crop/ori (the projector's 1/N² of a box N), which
+        # the weights make up for; a 360 px map's padded transform at the current size instead of the whole box's
+        crop = min(ori, n + n % 2)
+        small = np.asarray(volume) if crop == ori else fourier.downsample_volume(np.asarray(volume), crop)
+        projector = Projector(small, padding_factor, n // 2)
+        scale2 = (ori / crop) ** 2
         acc_rot, acc_trans = [], []
         for i in range(len(indices)):
-            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell]
+            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell] * scale2
             angles = poses[i]
             f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
             acc_rot.append(_rotation_error(projector, f1, angles, int(moved_angle[i]), weight, inside))
