@@ -66,25 +66,29 @@ def first_trial(trials, snr_of):
     return trials[-1]
 
 
-def test_one_particle_gives_the_trial_by_trial_errors_of_one_angle_and_one_axis(particles):
+@pytest.mark.parametrize("current", [BOX, 10], ids=["whole box", "current size below the box"])
+def test_one_particle_gives_the_trial_by_trial_errors_of_one_angle_and_one_axis(particles, current):
+    """Written out through the whole map's projector at the current size (below the box, the estimate projects the
+    map Fourier-cropped to that size, whose coefficients are the same)."""
     volume = smooth_random_map(1)
     sigma2 = np.full(BOX // 2 + 1, 2e-4)
     i = 1
     angles = np.array([particles.rot_deg[i], particles.tilt_deg[i], particles.psi_deg[i]])
-    projector = Projector(volume, 2.0, BOX // 2)
-    f1 = projector.project(euler_to_matrix(*angles))
-    ctf = np.asarray(ctf_2d(BOX, particles.ctf_parameters(np.array([i]))))[0].astype(np.float64)
+    projector = Projector(volume, 2.0, current // 2)
+    f1 = projector.project(euler_to_matrix(*angles), image_size_px=current)
+    pixel = np.array([PIXEL * BOX / current])  # the CTF of the same frequencies at the current size
+    ctf = np.asarray(ctf_2d(current, particles.ctf_parameters(np.array([i]), pixel)))[0].astype(np.float64)
 
     def rotation_error(which):
         def snr(e):
             moved = angles.copy()
             moved[which] += e
-            return snr_written_out(f1, projector.project(euler_to_matrix(*moved)), ctf, sigma2)
+            return snr_written_out(f1, projector.project(euler_to_matrix(*moved), image_size_px=current), ctf, sigma2)
         return first_trial(schedule.rotation_trials_deg(), snr)
 
     def shift_error(axis):
-        ky = np.fft.fftfreq(BOX, 1.0 / BOX)[:, None]
-        kx = np.arange(BOX // 2 + 1)[None, :]
+        ky = np.fft.fftfreq(current, 1.0 / current)[:, None]
+        kx = np.arange(current // 2 + 1)[None, :]
         k = kx if axis == 0 else ky
         return first_trial(schedule.translation_trials_px(),
                            lambda s: snr_written_out(f1, f1 * np.exp(-2j * np.pi * k * s / BOX), ctf, sigma2))
@@ -92,9 +96,18 @@ def test_one_particle_gives_the_trial_by_trial_errors_of_one_angle_and_one_axis(
     by_angle = {rotation_error(which) for which in range(3)}
     by_axis = {shift_error(axis) * PIXEL for axis in range(2)}
     assert min(by_angle) < 30.0 and min(by_axis) < 10.0 * PIXEL  # the set resolves both
-    acc = estimate([volume], sigma2, particles, indices=[i])
-    assert any(acc.rotations_deg == pytest.approx(e, abs=1e-9) for e in by_angle), (acc, by_angle)
-    assert any(acc.translations_angstrom == pytest.approx(s, abs=1e-9) for s in by_axis), (acc, by_axis)
+    acc = estimate([volume], sigma2, particles, indices=[i], current=current)
+    # the whole box: the same trial; the cropped map's trilinear projections differ from the whole map's by about 1 %,
+    # which may move the answer to the next trial
+    steps = 0 if current == BOX else 1
+    rotations, shifts = list(schedule.rotation_trials_deg()), [t * PIXEL for t in schedule.translation_trials_px()]
+
+    def near(value, trials, found):
+        at = int(np.argmin(np.abs(np.asarray(trials) - value)))
+        return any(abs(at - int(np.argmin(np.abs(np.asarray(trials) - f)))) <= steps for f in found)
+
+    assert near(acc.rotations_deg, rotations, by_angle), (acc, by_angle)
+    assert near(acc.translations_angstrom, shifts, by_axis), (acc, by_axis)
 
 
 def test_a_round_blob_cannot_be_oriented_but_can_be_centred(particles):
@@ -122,3 +135,4 @@ def test_classes_below_one_percent_are_left_out_and_the_best_class_counts(partic
     assert estimate([sharp, blob], sigma2, particles, pdf=np.array([0.005, 0.995])).rotations_deg > 30.0
     assert estimate([sharp], sigma2, particles, pdf=np.array([0.001])) == (schedule.UNKNOWN_ACCURACY,
                                                                            schedule.UNKNOWN_ACCURACY)
+

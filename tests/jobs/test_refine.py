@@ -1,5 +1,6 @@
 """`cryorefine refine` end to end on simulated data with known poses (numpy engine)."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -689,3 +690,62 @@ def test_origin_priors_centre_the_offsets_prior_and_are_written_back(tmp_path):
         assert sigma < 0.5 * spread_about_centre, (iteration, sigma)
         assert 0.7 * about_priors < sigma < 1.5 * about_priors, (iteration, sigma, about_priors)
         assert error < 0.5 * PIXEL, (iteration, error)
+
+
+def test_accuracy_particles_are_relions_first_hundred_of_half_one():
+    """RELION's auto-refine estimates the accuracy from the first 100 particles of its order: half 1's particles
+    shuffled once, then sorted by optics group (randomiseParticlesOrder). Half 1 here: the 150 even indices, 60 of
+    them (those below 120) in optics group 1, the other 90 in group 2: all 60 of group 1 and 40 of group 2."""
+    from cryorefine.jobs.refine import accuracy_particles
+
+    half1 = np.arange(0, 300, 2)
+    optics = (np.arange(300) >= 120).astype(np.int64)
+    chosen = accuracy_particles(half1, optics, seed=3)
+    assert chosen.size == 100 and np.all(np.diff(chosen) > 0)
+    assert np.isin(chosen, half1).all()
+    assert np.isin(np.arange(0, 120, 2), chosen).all()  # the whole of optics group 1 first
+    assert np.array_equal(chosen, accuracy_particles(half1, optics, seed=3))  # the same every iteration
+    assert not np.array_equal(chosen, accuracy_particles(half1, optics, seed=4))
+    assert np.array_equal(accuracy_particles(half1[:30], optics, seed=3), half1[:30])  # fewer than 100: all
+
+
+def test_refine_samples_as_relion_estimates_the_accuracy_from_half_one_s_projections(tmp_path):
+    """RELION's auto-refine estimates the accuracy every iteration from projections of half 1's map at its
+    particles' poses (calculateExpectedAngularErrors). Half 1's map a round blob, whose projections do not change
+    under rotation: every particle's angular search ends at RELION's cap (beyond 30°), so HEALPix order 2 (3.75°
+    oversampled) is fine enough and the sampling stays (RELION's updateAngularSampling), although half 2's map is
+    sharp and a τ² as high as the low-resolution join of the halves leaves it (a data-versus-prior of 999) makes the
+    spectral model of the same sum promise an accuracy that would ask for order 3."""
+    from conftest import make_particle_set
+
+    from cryorefine.config import RefineConfig
+    from cryorefine.em import schedule
+    from cryorefine.jobs.refine import RefineJob
+
+    box, pixel = 16, 4.0
+    star, _ = make_particle_set(tmp_path, n=12, box=box, pixel_size=pixel, seed=2)
+    z, y, x = np.mgrid[:box, :box, :box] - box // 2
+    blob = np.exp(-(x * x + y * y + z * z) / 8.0)
+    rng = np.random.default_rng(1)
+    sharp = rng.normal(size=(box,) * 3) * (x * x + y * y + z * z < 36)
+    write_volume(tmp_path / "blob.mrc", blob.astype(np.float32), pixel)
+    config = RefineConfig(input_star=str(star), output_root=str(tmp_path / "run"),
+                          reference_map=str(tmp_path / "blob.mrc"), do_ctf=True, offset_range_px=3.0,
+                          offset_step_px=1.0)
+    job = RefineJob(config)
+    particles, settings = job.load()
+    n_shells = box // 2 + 1
+    run = job.start(particles, settings, lambda *_: np.full((1, n_shells), 1e-3))
+    model = run.model
+    model.maps = [[blob], [sharp]]
+    model.tau2 = np.full((2, 1, n_shells), 10.0)
+    model.ssnr = np.full((2, 1, n_shells), 999.0)
+    # the resolution and the poses have settled: RELION's rule may make the sampling finer
+    run.optimiser = dataclasses.replace(run.optimiser, nr_iter_wo_resol_gain=1,
+                                        nr_iter_wo_large_hidden_variable_changes=1)
+    step_deg = schedule.angular_step_deg(2, config.oversampling)
+    spectral = schedule.estimated_accuracy_from_model(model, box, settings.particle_diameter_angstrom, do_ctf=True)
+    assert spectral.rotations_deg < step_deg / schedule.FINE_ENOUGH_FRACTION_OF_ACCURACY  # would go to order 3
+    job.plan(run, 2)
+    assert run.optimiser.acc_rot_deg > 30.0 and model.accuracy_rotations_deg > 30.0
+    assert run.optimiser.healpix_order == 2 and run.schedule.has_fine_enough_angular_sampling

@@ -15,7 +15,9 @@ class's accuracy is the mean over the particles (the shift times the pixel size,
 class's.
 
 `em.schedule.estimated_accuracy` is a spectral model of the same sum that needs no projections; at low resolution,
-where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°).
+where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°), and
+after a refinement's low-resolution join of the halves, whose FSC of 1 there inflates τ², more so (0.2° where this
+gives 2-3°). refine and initial_model estimate with this function, as RELION does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from cryorefine.em import schedule
 
 #: RELION's number of particles for the estimate of a 3D refinement (10 for 2D ones)
 N_TRIAL_PARTICLES = 100
+#: rotation trials projected at a time (of `em.schedule.rotation_trials_deg`' 36)
+ROTATION_TRIALS_PER_BLOCK = 6
 
 
 def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,
@@ -68,23 +72,24 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     rng = np.random.default_rng(seed)
     moved_angle = rng.integers(0, 3, size=len(indices))  # rot, tilt or psi
     moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
-    rotations = np.asarray(schedule.rotation_trials_deg())
     shifts = np.asarray(schedule.translation_trials_px())
     best_rot, best_trans = schedule.UNKNOWN_ACCURACY, schedule.UNKNOWN_ACCURACY
     for k, volume in enumerate(maps):
         if k < pdf.size and pdf[k] < schedule.MIN_CLASS_FRACTION_FOR_ACCURACY:
             continue
-        projector = Projector(np.asarray(volume), padding_factor, n // 2)
+        # the map Fourier-cropped to the smallest even box that holds the current size: the same coefficients at
+        # the same integer frequencies, its projections smaller by crop/ori (the projector's 1/N² of a box N), which
+        # the weights make up for; a 360 px map's padded transform at the current size instead of the whole box's
+        crop = min(ori, n + n % 2)
+        small = np.asarray(volume) if crop == ori else fourier.downsample_volume(np.asarray(volume), crop)
+        projector = Projector(small, padding_factor, n // 2)
+        scale2 = (ori / crop) ** 2
         acc_rot, acc_trans = [], []
         for i in range(len(indices)):
-            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell]
+            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell] * scale2
             angles = poses[i]
             f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
-            moved = np.repeat(angles[None], rotations.size, axis=0)
-            moved[:, moved_angle[i]] += rotations
-            f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
-                                   image_size_px=n)[:, inside]
-            acc_rot.append(_first_beyond(rotations, (np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1)))
+            acc_rot.append(_rotation_error(projector, f1, angles, int(moved_angle[i]), weight, inside))
             k_axis = kx if moved_axis[i] == 0 else ky
             # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box
             phase = np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2
@@ -94,6 +99,25 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
             best_rot = min(best_rot, float(np.mean(acc_rot)))
             best_trans = min(best_trans, float(np.mean(acc_trans)))
     return schedule.Accuracy(best_rot, best_trans)
+
+
+def _rotation_error(projector: Projector, f1: np.ndarray, angles: np.ndarray, moved_angle: int, weight: np.ndarray,
+                    inside: np.ndarray) -> float:
+    """One particle's angular error: the first rotation trial whose projection (`inside` coefficients, weighted by
+    `weight`) differs from `f1` by an SNR beyond ln 100, else the last. The trials are projected a block at a time
+    and the search stops at the first block that holds the answer, as RELION's stops at the first trial."""
+    rotations = np.asarray(schedule.rotation_trials_deg())
+    n = inside.shape[0]
+    for start in range(0, rotations.size, ROTATION_TRIALS_PER_BLOCK):
+        trials = rotations[start:start + ROTATION_TRIALS_PER_BLOCK]
+        moved = np.repeat(angles[None], trials.size, axis=0)
+        moved[:, moved_angle] += trials
+        f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
+                               image_size_px=n)[:, inside]
+        above = np.flatnonzero((np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1) > schedule.ACCURACY_NEG_LOG_P)
+        if above.size:
+            return float(trials[above[0]])
+    return float(rotations[-1])
 
 
 def _first_beyond(trials: np.ndarray, snr: np.ndarray) -> float:

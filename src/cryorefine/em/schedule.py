@@ -21,7 +21,7 @@ One iteration of a gold-standard refinement calls them in RELION's order
                             optimiser.has_high_fsc_at_resol_limit, ave_pmax=model.ave_pmax,
                             final_iteration=optimiser.do_join_halves)
         if not (it == 1 and config.firstiter_cc):
-            acc = estimated_accuracy_from_model(model, sizes.current_size_px, diameter, ...)
+            acc = em.accuracy.projected_accuracy(half 1's map, ..., current_size_px=sizes.current_size_px, ...)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg,
                                 acc_trans_angstrom=acc.translations_angstrom)
         if it > 1:

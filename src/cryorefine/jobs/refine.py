@@ -40,7 +40,7 @@ import numpy as np
 from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
 from cryorefine.core.sampling import next_perturbation
-from cryorefine.em import loop, mstep, schedule
+from cryorefine.em import accuracy, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import initial_data_versus_prior, initial_tau2, lowpass_to_ini_high, read_reference
 from cryorefine.em.solvent import SolventMasks
@@ -86,6 +86,16 @@ def half_direction_distributions(sums: list) -> np.ndarray | None:
     return np.stack(out)
 
 
+def accuracy_particles(half1: np.ndarray, optics_index: np.ndarray, seed: int) -> np.ndarray:
+    """The particles of RELION's accuracy estimate in an auto-refine: the first `em.accuracy.N_TRIAL_PARTICLES` of
+    half 1 (`half1`, indices) in an order drawn once from `seed` and then sorted by optics group (RELION's
+    randomiseParticlesOrder, which its relion_refine does once, before iteration 1), the same every iteration;
+    ascending."""
+    order = np.random.default_rng(seed + 1).permutation(np.asarray(half1, dtype=np.int64))
+    order = order[np.argsort(np.asarray(optics_index)[order], kind="stable")]
+    return np.sort(order[:accuracy.N_TRIAL_PARTICLES])
+
+
 class RefineJob:
     """The refinement as the iteration loop (`em.loop`) runs it."""
 
@@ -97,6 +107,7 @@ class RefineJob:
         self.config = config
         self.halves = None  # half set (1 or 2) per particle, once loaded
         self.particles = None
+        self.accuracy_particles = None  # those of the accuracy estimate (`accuracy_particles`), once loaded
         self.masks = None  # em.solvent.SolventMasks, read by load (on an MPI worker: at its first M-step)
 
     # ------------------------------------------------------------------ set-up
@@ -117,6 +128,7 @@ class RefineJob:
         if min(m.size for m in self.members) == 0:
             raise InputError(f"{config.input_star}: refinement needs at least 2 particles, one per half set")
         self.halves, self.particles = halves, particles
+        self.accuracy_particles = accuracy_particles(self.members[0], particles.optics_index, config.random_seed)
         return particles, settings
 
     def start(self, particles, settings, noise_spectra):
@@ -160,10 +172,8 @@ class RefineJob:
         # --strict_highres_exp: the size both E-step passes compare (None: the current size)
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
-        if not do_cc and model.tau2 is not None:
-            # RELION: the accuracy of the images the E-step compares
-            acc = schedule.estimated_accuracy_from_model(model, likelihood or sizes.current_size_px,
-                                                         self.diameter_angstrom, do_ctf=config.do_ctf)
+        if not do_cc and model.sigma2_noise is not None:
+            acc = self._accuracy(run, likelihood or sizes.current_size_px)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
@@ -176,6 +186,18 @@ class RefineJob:
         units = [WorkUnit(f"half {h + 1}", self.members[h], np.zeros(1, np.int64),
                           self._setup(model, optimiser, sampling, sizes, likelihood, h, do_cc)) for h in (0, 1)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units, final)
+
+    def _accuracy(self, run, compared_size_px):
+        """RELION's estimate of the angular and translational accuracy (calculateExpectedAngularErrors, every
+        iteration of an auto-refine but a --firstiter_cc one): half 1's map projected at the current poses of
+        `accuracy_particles`, on the images the E-step compares (`em.accuracy.projected_accuracy`)."""
+        config, model, poses = self.config, run.model, run.particles
+        chosen = self.accuracy_particles
+        return accuracy.projected_accuracy(
+            [model.maps[0][0]], np.ones(1), model.sigma2_noise, self.particles, chosen,
+            np.stack([poses.rot_deg[chosen], poses.tilt_deg[chosen], poses.psi_deg[chosen]], axis=1),
+            current_size_px=compared_size_px, padding_factor=config.padding_factor, do_ctf=config.do_ctf,
+            ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed)
 
     def _setup(self, model, optimiser, sampling, sizes, likelihood_size_px, half, do_cc):
         config = self.config
