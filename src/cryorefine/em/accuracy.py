@@ -37,6 +37,8 @@ from cryorefine.em import schedule
 N_TRIAL_PARTICLES = 100
 #: rotation trials projected at a time (of `em.schedule.rotation_trials_deg`' 36)
 ROTATION_TRIALS_PER_BLOCK = 6
+#: particles whose trials are projected together
+PARTICLES_PER_BLOCK = 25
 
 
 def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,
@@ -73,6 +75,8 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     moved_angle = rng.integers(0, 3, size=len(indices))  # rot, tilt or psi
     moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
     shifts = np.asarray(schedule.translation_trials_px())
+    # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box, k along x or y: (trials, coefficients)
+    phases = [4.0 * np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2 for k_axis in (kx, ky)]
     best_rot, best_trans = schedule.UNKNOWN_ACCURACY, schedule.UNKNOWN_ACCURACY
     for k, volume in enumerate(maps):
         if k < pdf.size and pdf[k] < schedule.MIN_CLASS_FRACTION_FOR_ACCURACY:
@@ -84,40 +88,48 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         small = np.asarray(volume) if crop == ori else fourier.downsample_volume(np.asarray(volume), crop)
         projector = Projector(small, padding_factor, n // 2)
         scale2 = (ori / crop) ** 2
+        weights = ctf2 * inv[np.minimum(optics, inv.shape[0] - 1)][:, shell] * scale2  # (particles, coefficients)
         acc_rot, acc_trans = [], []
-        for i in range(len(indices)):
-            weight = ctf2[i] * inv[min(int(optics[i]), inv.shape[0] - 1)][shell] * scale2
-            angles = poses[i]
-            f1 = projector.project(euler.euler_to_matrix(*angles), image_size_px=n)[inside]
-            acc_rot.append(_rotation_error(projector, f1, angles, int(moved_angle[i]), weight, inside))
-            k_axis = kx if moved_axis[i] == 0 else ky
-            # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box
-            phase = np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2
-            snr = (4.0 * phase * (np.abs(f1) ** 2 * weight)[None]).sum(axis=1)
-            acc_trans.append(_first_beyond(shifts, snr) * pixels[i])
+        for chunk in range(0, len(indices), PARTICLES_PER_BLOCK):
+            rows = np.arange(chunk, min(chunk + PARTICLES_PER_BLOCK, len(indices)))
+            f1 = projector.project(euler.euler_to_matrix(*poses[rows].T), image_size_px=n)[:, inside]
+            acc_rot += _rotation_errors(projector, f1, poses[rows], moved_angle[rows], weights[rows], inside)
+            power = np.abs(f1) ** 2 * weights[rows]
+            for axis, phase in enumerate(phases):
+                on_axis = moved_axis[rows] == axis
+                snr = power[on_axis] @ phase.T  # (particles, trials)
+                acc_trans += [_first_beyond(shifts, row) * pixel for row, pixel in zip(snr, pixels[rows][on_axis])]
         if acc_rot:
             best_rot = min(best_rot, float(np.mean(acc_rot)))
             best_trans = min(best_trans, float(np.mean(acc_trans)))
     return schedule.Accuracy(best_rot, best_trans)
 
 
-def _rotation_error(projector: Projector, f1: np.ndarray, angles: np.ndarray, moved_angle: int, weight: np.ndarray,
-                    inside: np.ndarray) -> float:
-    """One particle's angular error: the first rotation trial whose projection (`inside` coefficients, weighted by
-    `weight`) differs from `f1` by an SNR beyond ln 100, else the last. The trials are projected a block at a time
-    and the search stops at the first block that holds the answer, as RELION's stops at the first trial."""
+def _rotation_errors(projector: Projector, f1: np.ndarray, angles: np.ndarray, moved_angle: np.ndarray,
+                     weights: np.ndarray, inside: np.ndarray) -> list[float]:
+    """Each particle's angular error: the first rotation trial of its angle `moved_angle` (0 rot, 1 tilt, 2 psi)
+    whose projection (`inside` coefficients, weighted by its row of `weights`) differs from its row of `f1` by an SNR
+    beyond ln 100, else the last. The trials are projected a block at a time for the particles still searching, and
+    a particle's search stops at the first block that holds its answer, as RELION's stops at the first trial."""
     rotations = np.asarray(schedule.rotation_trials_deg())
     n = inside.shape[0]
+    errors = np.full(len(angles), rotations[-1])
+    searching = np.arange(len(angles))
     for start in range(0, rotations.size, ROTATION_TRIALS_PER_BLOCK):
+        if searching.size == 0:
+            break
         trials = rotations[start:start + ROTATION_TRIALS_PER_BLOCK]
-        moved = np.repeat(angles[None], trials.size, axis=0)
-        moved[:, moved_angle] += trials
-        f2 = projector.project(euler.euler_to_matrix(moved[:, 0], moved[:, 1], moved[:, 2]),
-                               image_size_px=n)[:, inside]
-        above = np.flatnonzero((np.abs(f1[None] - f2) ** 2 * weight).sum(axis=1) > schedule.ACCURACY_NEG_LOG_P)
-        if above.size:
-            return float(trials[above[0]])
-    return float(rotations[-1])
+        moved = np.repeat(angles[searching, None], trials.size, axis=1)  # (searching, trials, 3)
+        moved[np.arange(searching.size), :, moved_angle[searching]] += trials
+        flat = moved.reshape(-1, 3)
+        f2 = projector.project(euler.euler_to_matrix(flat[:, 0], flat[:, 1], flat[:, 2]),
+                               image_size_px=n)[:, inside].reshape(searching.size, trials.size, -1)
+        snr = (np.abs(f1[searching, None] - f2) ** 2 * weights[searching, None]).sum(axis=2)
+        above = snr > schedule.ACCURACY_NEG_LOG_P
+        found = above.any(axis=1)
+        errors[searching[found]] = trials[np.argmax(above[found], axis=1)]
+        searching = searching[~found]
+    return errors.tolist()
 
 
 def _first_beyond(trials: np.ndarray, snr: np.ndarray) -> float:
