@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,8 @@ class StepOutcome:
     # seconds of the job's own M-step parts (`em.mstep.timed_part`; under MPI as rank 1 ran them), where it times them
     maximization_parts: dict = dataclasses.field(default_factory=dict)
     # MPI: an io.background.WaitFor of the model's maps, which reach the master while the next E-step runs (the
-    # loop touches no map until its files are written)
+    # loop touches no map until its files are written, but for a job whose plan reads them, `Job.plan_reads_maps`:
+    # its plan waits for them)
     maps_arrival: Any = None
 
 
@@ -80,6 +82,9 @@ class Job(Protocol):
     kind: str  # "refine" or "classify": what --continue checks a saved run against
     config: Any  # config.RefineConfig
     min_mpi_ranks: int  # the fewest MPI ranks (master included) the job runs on
+    # (optional, False where absent) the plan reads the last M-step's maps (an accuracy estimate projects them): under
+    # MPI the loop waits for them to have reached the master before it plans
+    plan_reads_maps: bool
 
     def load(self):
         """(ParticleSet, images.ImageSettings), the inputs checked (`particles_and_settings` does the common part);
@@ -221,11 +226,14 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
             else:
                 continued_files_submitted(job, state, runner, writer, argv, resume_from)
             log_stages("run start", reports.start_seconds)
+            maps_ready = None  # MPI: set once the last M-step's maps have reached this process
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
                     log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
                     break
                 tic = time.perf_counter()
+                if maps_ready is not None and getattr(job, "plan_reads_maps", False):
+                    writer.wait_until(maps_ready)  # MPI: the last M-step's maps have crossed to this process
                 plan = job.plan(state, iteration)
                 plan = dataclasses.replace(plan, units=in_direction_order(plan.units, state.particles.rot_deg,
                                                                           state.particles.tilt_deg))
@@ -255,7 +263,12 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                     resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
                                                                                               snapshot))
                 writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
-                waited = writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
+                if outcome.maps_arrival is None:
+                    maps_ready = None
+                    waited = writer.submit(writes)
+                else:  # set on the writer's thread as soon as the maps are whole, before the files are written
+                    maps_ready = threading.Event()
+                    waited = writer.submit([outcome.maps_arrival, maps_ready.set, *writes])
                 timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, and waiting
                 previous_files = dict(writer.last_seconds)  # the previous iteration's files on the writer's thread
                 model, optimiser = state.model, state.optimiser

@@ -197,6 +197,7 @@ class InitialModelJob:
 
     kind = "initial_model"
     min_mpi_ranks = 2
+    plan_reads_maps = True  # the accuracy estimate projects the maps (`_sampling`)
 
     def __init__(self, config):
         # RELION's InitialModel runs relion_refine in C1 and aligns the map to --sym's axes at the end

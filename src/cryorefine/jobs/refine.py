@@ -102,6 +102,7 @@ class RefineJob:
     kind = "refine"
     min_mpi_ranks = 3  # a master and one worker per half set
     relion_runs_only_under_mpi = True  # RELION's auto-refine: its files are relion_refine_mpi's, in one process too
+    plan_reads_maps = True  # the accuracy estimate projects half 1's map (`_accuracy`)
 
     def __init__(self, config):
         self.config = config
