@@ -134,3 +134,21 @@ def work_and_engine_parser(description, epilog, job):
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__).parse_args()
+
+
+def small_turn(vector_deg):
+    """The rotation matrix of a turn by |v| degrees about v (x, y, z) (Rodrigues)."""
+    v = np.deg2rad(np.asarray(vector_deg, dtype=np.float64))
+    angle = float(np.linalg.norm(v))
+    if angle == 0.0:
+        return np.eye(3)
+    k = v / angle
+    cross = np.array([[0.0, -k[2], k[1]], [k[2], 0.0, -k[0]], [-k[1], k[0], 0.0]])
+    return np.eye(3) + np.sin(angle) * cross + (1.0 - np.cos(angle)) * cross @ cross
+
+
+def rotation_angles_deg(a, b):
+    """The angle (degrees) of the rotation that takes each matrix b[i] to a[i] (…, 3, 3); a number for one pair."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    cos = (np.trace(a @ np.swapaxes(b, -1, -2), axis1=-2, axis2=-1) - 1) / 2
+    return np.rad2deg(np.arccos(np.clip(cos, -1, 1)))

@@ -86,6 +86,7 @@ from bench_common import (
     run_logged,
     seconds_per_iteration,
     simulated_particle_tables,
+    small_turn,
     split_at_double_dash,
 )
 from class2d_accuracy import (
@@ -244,23 +245,6 @@ def coarse_rotations(order=COARSE_ORDER, psi_step_deg=COARSE_PSI_STEP_DEG):
     rot, tilt = healpix_angles_deg(order, np.arange(directions))
     psi = np.arange(0.0, 360.0, psi_step_deg)
     return euler.euler_to_matrix(np.repeat(rot, psi.size), np.repeat(tilt, psi.size), np.tile(psi, directions))
-
-
-def small_turn(vector_deg):
-    """The rotation matrix of a turn by |v| degrees about v (x, y, z) (Rodrigues)."""
-    v = np.deg2rad(np.asarray(vector_deg, dtype=np.float64))
-    angle = float(np.linalg.norm(v))
-    if angle == 0.0:
-        return np.eye(3)
-    k = v / angle
-    cross = np.array([[0.0, -k[2], k[1]], [k[2], 0.0, -k[0]], [-k[1], k[0], 0.0]])
-    return np.eye(3) + math.sin(angle) * cross + (1.0 - math.cos(angle)) * cross @ cross
-
-
-def angle_between_deg(a, b):
-    """The angle of the rotation that takes matrix `b` to matrix `a` (degrees)."""
-    cos = (np.trace(np.asarray(a) @ np.asarray(b).T) - 1.0) / 2.0
-    return float(np.rad2deg(np.arccos(np.clip(cos, -1.0, 1.0))))
 
 
 def lowpass_weights(box_px, share_of_nyquist):

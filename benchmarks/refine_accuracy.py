@@ -87,7 +87,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import model_chains, split_at_double_dash
+from bench_common import model_chains, rotation_angles_deg, split_at_double_dash
 
 from cryorefine.core import euler, fourier
 from cryorefine.core.fsc import fsc_volumes, resolution_at_threshold
@@ -325,12 +325,6 @@ def pose_errors(truth_star, refined_star):
     shift = np.hypot(truth["rlnOriginXAngst"].to_numpy() - found["rlnOriginXAngst"].to_numpy(),
                      truth["rlnOriginYAngst"].to_numpy() - found["rlnOriginYAngst"].to_numpy())
     return angle, shift, rotation_angles_deg(a @ frame, b)
-
-
-def rotation_angles_deg(a, b):
-    """The angle (degrees) of the rotation between each pair of matrices a[i], b[i]."""
-    cos = (np.trace(a @ np.swapaxes(b, -1, -2), axis1=-2, axis2=-1) - 1) / 2
-    return np.rad2deg(np.arccos(np.clip(cos, -1, 1)))
 
 
 def frame_rotation(a, b, keep_fraction=0.8):

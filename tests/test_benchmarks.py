@@ -158,18 +158,15 @@ def test_refine_accuracy_finds_the_turn_of_the_map_s_frame_and_the_errors_left(m
     in that frame are the particles' own."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import refine_accuracy
+    from bench_common import small_turn
 
     from cryorefine.core import euler
 
     rng = np.random.default_rng(3)
 
     def turn(axes, degrees):
-        axes = axes / np.linalg.norm(axes, axis=-1, keepdims=True)
-        k = np.zeros((len(axes), 3, 3))
-        k[:, 0, 1], k[:, 0, 2], k[:, 1, 2] = -axes[:, 2], axes[:, 1], -axes[:, 0]
-        k = k - np.swapaxes(k, 1, 2)
-        t = np.deg2rad(np.asarray(degrees, dtype=float))[:, None, None]
-        return np.eye(3) + np.sin(t) * k + (1 - np.cos(t)) * k @ k  # Rodrigues
+        """A turn by each of `degrees` about each of `axes`."""
+        return np.stack([small_turn(d * axis / np.linalg.norm(axis)) for axis, d in zip(axes, degrees)])
 
     n = 2000
     a = euler.euler_to_matrix(rng.uniform(-180, 180, n), rng.uniform(0, 180, n), rng.uniform(-180, 180, n))

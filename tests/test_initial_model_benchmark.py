@@ -79,6 +79,8 @@ def test_a_truth_turned_moved_and_mirrored_is_put_back(bench, ribosome, hand, an
     """The truth turned by Q (on a finer grid), moved by s and, in one case, mirrored: found in that hand, the turn
     Qᵀ within one step of the global grid, the shift −Qᵀs within half a pixel, and then an FSC with the truth of
     about 1 to Nyquist; the other hand correlates less."""
+    from bench_common import rotation_angles_deg
+
     from cryorefine.core import euler
 
     maps, pixel, prepared = ribosome
@@ -88,7 +90,7 @@ def test_a_truth_turned_moved_and_mirrored_is_put_back(bench, ribosome, hand, an
     made = bench.mirrored(made) if hand == "mirrored" else made
     found = bench.align_to_truth(made, prepared)
     assert found.hand == hand
-    assert bench.angle_between_deg(found.matrix, q.T) < bench.COARSE_STEP_DEG
+    assert rotation_angles_deg(found.matrix, q.T) < bench.COARSE_STEP_DEG
     expected = bench.turned_shift(q.T, tuple(-s for s in shift_px))
     assert np.allclose(found.shift_px, expected, atol=0.5)
     other = next(h for h in bench.HANDS if h != hand)
