@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import shutil
 import sys
 from pathlib import Path
@@ -77,6 +79,20 @@ def make_particle_set(folder, n=6, box=16, pixel_size=1.5, seed=0, relion30=Fals
     star_path = folder / "particles.star"
     starfile.write(blocks, star_path)
     return star_path, images
+
+
+#: the benchmark scripts, which import each other and bench_common by name
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_modules(*names):
+    """The benchmark scripts `names` imported (a tuple, in order), benchmarks/ on sys.path while the block runs."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield tuple(importlib.import_module(name) for name in names)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def mpiexec_or_skip() -> str:

@@ -3,7 +3,6 @@ lines, the measures give the known answers of hand-made cases, the simulated set
 origins its truth file says, and a tiny run on the CPU measures both programs alike (cryorefine's own relion_refine
 standing in for RELION, so that both runs must measure the same)."""
 
-import importlib
 import itertools
 import json
 import os
@@ -14,18 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BENCHMARKS, benchmark_modules
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GUI_LINES_FILE = Path(__file__).resolve().parent / "data" / "relion5_class2d_gui_lines.txt"
 
 
 @pytest.fixture(scope="module")
 def scripts():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("class2d_accuracy"), importlib.import_module("empiar10028")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("class2d_accuracy", "empiar10028") as modules:
+        yield modules
 
 
 def gui_words(setting):
@@ -164,11 +160,8 @@ def test_the_simulated_particles_hold_their_true_views_psi_and_origins(scripts, 
 
 
 def test_seconds_between_iteration_files(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from bench_common import seconds_per_iteration
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("bench_common") as (bench_common,):
+        seconds_per_iteration = bench_common.seconds_per_iteration
     for iteration, seconds in ((0, 100.0), (1, 105.0), (2, 108.0), (10, 128.0)):
         path = tmp_path / f"run_it{iteration:03d}_model.star"
         path.write_text("")

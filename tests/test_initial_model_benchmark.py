@@ -3,7 +3,6 @@ its alignment puts a truth turned, moved and mirrored by known amounts back onto
 measures both programs alike (cryorefine's own relion_refine standing in for RELION, so that both runs must measure
 the same) and refines from the aligned map and from the truth low-passed to 40 Å."""
 
-import importlib
 import json
 import shlex
 import subprocess
@@ -12,18 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BENCHMARKS, benchmark_modules
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GUI_LINES_FILE = Path(__file__).resolve().parent / "data" / "relion5_initial_model_gui_lines.txt"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("initial_model_accuracy")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_modules("initial_model_accuracy") as (module,):
+        yield module
 
 
 def test_the_line_is_relion5s_initial_model_gui_line(bench):
