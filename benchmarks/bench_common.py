@@ -122,18 +122,14 @@ def simulated_particle_tables(params, pixel_angstrom, box_px, optics_values):
     return optics, particles, truth
 
 
-def work_and_engine_parser(description, epilog, job):
+def work_and_engine_parser(description, epilog, job, formatter_class=argparse.HelpFormatter):
     """An ArgumentParser with --work (required) and one of --gpu / --cpu (required) for the `job` runs."""
-    parser = argparse.ArgumentParser(description=description, epilog=epilog)
+    parser = argparse.ArgumentParser(description=description, epilog=epilog, formatter_class=formatter_class)
     parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
     engine = parser.add_mutually_exclusive_group(required=True)
     engine.add_argument("--gpu", action="store_true", help=f"{job} with the GPU engine (device 0).")
     engine.add_argument("--cpu", action="store_true", help=f"{job} with the numpy engine.")
     return parser
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__).parse_args()
 
 
 def small_turn(vector_deg):
@@ -152,3 +148,7 @@ def rotation_angles_deg(a, b):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     cos = (np.trace(a @ np.swapaxes(b, -1, -2), axis1=-2, axis2=-1) - 1) / 2
     return np.rad2deg(np.arccos(np.clip(cos, -1, 1)))
+
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()

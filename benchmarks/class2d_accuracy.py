@@ -72,6 +72,7 @@ from bench_common import (
     seconds_per_iteration,
     simulated_particle_tables,
     split_at_double_dash,
+    work_and_engine_parser,
 )
 
 from cryorefine.core import euler, fourier
@@ -110,13 +111,10 @@ FINE_SHIFT_STEP_PX, FINE_SHIFT_STEPS = 0.25, 2
 # ---------------------------------------------------------------------------------------------- options
 def parse_args(argv):
     argv, extra = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Options after -- are passed on to every `cryorefine class2d` run.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
-    engine = parser.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--gpu", action="store_true", help="cryorefine class2d with the GPU engine (device 0).")
-    engine.add_argument("--cpu", action="store_true", help="cryorefine class2d with the numpy engine.")
+    parser = work_and_engine_parser(__doc__.split("\n\n")[0],
+                                    "Options after -- are passed on to every `cryorefine class2d` run.",
+                                    "cryorefine class2d",
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", nargs="+", default=list(MADE_MAPS),
                         help=f"The maps: {', '.join(MADE_MAPS)} or paths to cubic MRC maps of {MAP_BOX_PX} px at "
                              f"{MAP_PIXEL_ANGSTROM:g} Å/px [default: %(default)s].")

@@ -88,6 +88,7 @@ from bench_common import (
     simulated_particle_tables,
     small_turn,
     split_at_double_dash,
+    work_and_engine_parser,
 )
 from class2d_accuracy import (
     ASTIGMATISM_UM,
@@ -133,13 +134,10 @@ HANDS = ("as is", "mirrored")
 # ---------------------------------------------------------------------------------------------- options
 def parse_args(argv):
     argv, extra = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Options after -- are passed on to every `cryorefine initial_model` run.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", required=True, type=Path, help="Work folder (created if missing).")
-    engine = parser.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--gpu", action="store_true", help="cryorefine's runs with the GPU engine (device 0).")
-    engine.add_argument("--cpu", action="store_true", help="cryorefine's runs with the numpy engine.")
+    parser = work_and_engine_parser(__doc__.split("\n\n")[0],
+                                    "Options after -- are passed on to every `cryorefine initial_model` run.",
+                                    "cryorefine's runs",
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", nargs="+", default=list(DEFAULT_MAPS),
                         help="The maps: ribosome, rod, blobs or paths to cubic MRC maps of 64 px at 6 Å/px "
                              "[default: %(default)s].")
