@@ -2,8 +2,8 @@
 particles from a map, refines them without their poses from the map low-passed (for each --seeds, with RELION's
 relion_refine_mpi too when --relion names it, with the same options), and reports for each run the resolution it
 claims, the FSC against the truth beside a reconstruction at the true poses, the pose errors, and per iteration
-the median angular and offset errors, the FSC of half 1 against the truth, the HEALPix order, σ_offset and the
-resolution (Markdown on stdout, everything in WORK/results.json). Options after `--` go to every run of both
+the median angular and offset errors, the FSC of half 1 against the truth, the HEALPix order, σ_offset, the
+resolution and what moves the order on (Markdown on stdout, everything in WORK/results.json). Options after `--` go to every run of both
 programs.
 
 The benchmark runs the real command lines, step by step, in one work folder:
@@ -49,9 +49,10 @@ The benchmark runs the real command lines, step by step, in one work folder:
                (degrees) and of the distance between refined and true origins (Å);
              - per iteration (run_itNNN_*): the median angular and offset errors (data.star), the FSC of
                half 1 against the truth at 0.5 and 0.143, the HEALPix order (sampling.star), σ_offset,
-               the angular accuracy and the resolution (half1_model.star), and for cryorefine the
-               expectation and maximisation seconds (and the E-step's stages) from its log; the wall
-               seconds between the iterations' half-1 model files.
+               the angular accuracy and the resolution (half1_model.star), the changes of the poses and
+               the two counters that decide the next HEALPix order (optimiser.star), and for cryorefine
+               the plan, expectation, maximisation and outputs seconds (and the E-step's stages) from its
+               log; the wall seconds between the iterations' half-1 model files.
 8. report    Markdown tables on stdout and everything in WORK/results.json (or --json), written again after
              every run; then every iteration's maps but the last are deleted (--keep_maps keeps them).
 
@@ -106,6 +107,13 @@ RELION_MPIRUN = "mpirun --allow-run-as-root --oversubscribe -n 3"
 RELION_EXTRA = "--j 4 --pool 30 --dont_combine_weights_via_disc --preread_images"
 ITERATION_LINE = re.compile(r"iteration (\d+): resolution ([\d.]+|inf) Å.*E ([\d.]+) s, M ([\d.]+) s")
 STAGES_LINE = re.compile(r"E-step stages \(s\): (.+)$")  # follows its iteration's line
+BETWEEN_LINE = re.compile(r"between iterations \(s\): plan ([\d.]+), outputs ([\d.]+)")  # follows it too
+# what decides when a refinement moves to the next HEALPix order (RELION's updateAngularSampling): optimiser.star's
+# changes of the poses in the iteration and its two counters, as both programs write them
+OPTIMISER_LABELS = {"changes_orientations_deg": "rlnChangesOptimalOrientations",
+                    "changes_offsets_angstrom": "rlnChangesOptimalOffsets",
+                    "iterations_without_resolution_gain": "rlnNumberOfIterWithoutResolutionGain",
+                    "iterations_without_hidden_changes": "rlnNumberOfIterWithoutChangingAssignments"}
 SETUP_FILE = "setup.json"
 
 
@@ -341,7 +349,8 @@ def frame_rotation(a, b, keep_fraction=0.8):
 
 
 def log_timings(log):
-    """Per iteration of cryorefine's log: resolution, E and M seconds and the E-step's stages ({} for RELION's)."""
+    """Per iteration of cryorefine's log: E and M seconds, the E-step's stages, and the plan's and the outputs'
+    seconds between iterations ({} for RELION's)."""
     rows = {}
     current = None
     for line in (log.read_text(errors="replace") if log.exists() else "").splitlines():
@@ -351,6 +360,8 @@ def log_timings(log):
         elif (match := STAGES_LINE.search(line)) and current is not None:
             current["expectation_stages_s"] = {name: float(seconds) for name, seconds in
                                                (item.rsplit(" ", 1) for item in match[1].split(", "))}
+        elif (match := BETWEEN_LINE.search(line)) and current is not None:
+            current["plan_s"], current["outputs_s"] = float(match[1]), float(match[2])
     return rows
 
 
@@ -391,6 +402,7 @@ def per_iteration(out, log, truth, truth_star, box, pixel, started):
         model = _general(model_star, "model_general")
         classes = read_star(model_star).get("model_classes")
         sampling = _general(f"{root}_sampling.star", "sampling_general")
+        optimiser = _general(f"{root}_optimiser.star", "optimiser_general")
         row = {"iteration": it, "resolution_angstrom": _number(model, "rlnCurrentResolution"),
                "healpix_order": _number(sampling, "rlnHealpixOrder"),
                "sigma_offset_angstrom": _number(model, "rlnSigmaOffsetsAngst"),
@@ -399,6 +411,7 @@ def per_iteration(out, log, truth, truth_star, box, pixel, started):
                "offset_step_angstrom": _number(sampling, "rlnOffsetStep"),
                "accuracy_rotations_deg": (None if classes is None or "rlnAccuracyRotations" not in classes
                                           else float(classes["rlnAccuracyRotations"].iloc[0])),
+               **{key: _number(optimiser, label) for key, label in OPTIMISER_LABELS.items()},
                "wall_s": model_star.stat().st_mtime - previous, **timings.get(it, {})}
         previous = model_star.stat().st_mtime
         data = Path(f"{root}_data.star")
@@ -516,10 +529,15 @@ def markdown(results):
         lines += ["", f"{r['program']}, seed {r['seed']}, per iteration (half 1 against the truth):", "",
                   row("iteration", "order", "size (px)", "offsets (Å)", "resolution (Å)", "σ_offset (Å)",
                       "acc rot (°)", "median angle (°)", "in the map's frame (°)", "median offset (Å)", "FSC 0.5 (Å)",
-                      "FSC 0.143 (Å)", "E / M (s)", "wall (s)"),
-                  row(*["---"] * 14)]
+                      "FSC 0.143 (Å)", "changes (°, Å)", "counters", "plan / E / M / outputs (s)", "wall (s)"),
+                  row(*["---"] * 16)]
         for it in r["per_iteration"]:
-            timing = (f"{it['expectation_s']:.1f} / {it['maximisation_s']:.1f}" if "expectation_s" in it else "–")
+            timing = "–" if "expectation_s" not in it else " / ".join(
+                "–" if it.get(key) is None else f"{it[key]:.1f}"
+                for key in ("plan_s", "expectation_s", "maximisation_s", "outputs_s"))
+            turn, shift = it.get("changes_orientations_deg"), it.get("changes_offsets_angstrom")
+            counters = [it.get(key) for key in ("iterations_without_resolution_gain",
+                                                "iterations_without_hidden_changes")]
             order = it.get("healpix_order")
             size, step, span = (it.get(k) for k in ("image_size_px", "offset_step_angstrom", "offset_range_angstrom"))
             lines.append(row(it["iteration"], "–" if order is None else int(order),
@@ -530,6 +548,8 @@ def markdown(results):
                              figure(it.get("median_angle_error_map_frame_deg")),
                              figure(it.get("median_offset_error_angstrom")),
                              angstrom(it.get("half1_vs_truth_fsc_0.5")), angstrom(it.get("half1_vs_truth_fsc_0.143")),
+                             "–" if turn is None or shift is None else f"{turn:.2f}, {shift:.2f}",
+                             "–" if None in counters else " / ".join(str(int(c)) for c in counters),
                              timing, angstrom(it["wall_s"])))
     return "\n".join(lines)
 

@@ -206,3 +206,23 @@ def test_refine_accuracy_gives_relion_the_command_line_cryorefine_gets(tmp_path,
     command = refine_accuracy.relion_command(args, options)
     assert command == ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "3", str(relion.resolve()), *options,
                        "--j", "6", "--pool", "10"]
+
+
+def test_refine_accuracy_reads_the_seconds_between_iterations_from_the_log(tmp_path, monkeypatch):
+    """The lines of a refine log (as em.loop writes them): each iteration's E and M seconds, its E-step stages, and the
+    plan's and outputs' seconds that follow it, kept with their iteration."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import refine_accuracy
+
+    log = tmp_path / "run.log"
+    log.write_text(
+        "12:00:01 INFO iteration 1: resolution 18.5 Å, order 2, E 0.9 s, M 0.1 s\n"
+        "12:00:01 INFO   E-step stages (s): setup 0.3, coarse 0.2\n"
+        "12:00:01 INFO   between iterations (s): plan 1.4, outputs 0.2 (of which waiting for the previous "
+        "iteration's files 0.0; those took 0.0 on the writer, 0.0 more waiting for their maps)\n"
+        "12:00:03 INFO iteration 2: resolution 15.8 Å, order 2, E 0.3 s, M 0.0 s\n"
+        "12:00:03 INFO   between iterations (s): plan 1.9, outputs 0.3 (of which waiting 0.1)\n")
+    rows = refine_accuracy.log_timings(log)
+    assert rows[1] == {"expectation_s": 0.9, "maximisation_s": 0.1, "plan_s": 1.4, "outputs_s": 0.2,
+                       "expectation_stages_s": {"setup": 0.3, "coarse": 0.2}}
+    assert (rows[2]["plan_s"], rows[2]["outputs_s"], rows[2]["expectation_s"]) == (1.9, 0.3, 0.3)
