@@ -235,6 +235,35 @@ def test_hidden_variable_counter_rules():
     assert fresh.nr_iter_wo_large_hidden_variable_changes == 1
 
 
+def test_changes_are_counted_against_the_steps_relion_mpi_s_leader_keeps():
+    """relion_refine_mpi's leader counts the changes against the sampling the run started with (order 2, 2 px: 40 %
+    of 7.5° and of 6 Å are 3° and 2.4 Å), not the current one (order 4, 0.5 px: 0.75° and 0.6 Å): in the second
+    iteration at an order, the first's changes (3.0°, 1.2 Å) the smallest so far, 2.5° and 1.0 Å are small against
+    the first and large against the second (below the smallest by more than 3 %); a --continue counts from the
+    sampling it continues with."""
+    kw = dict(pixel_size_angstrom=PIXEL, oversampling=1)
+    now = OptimiserState(healpix_order=4, offset_step_px=0.5, nr_iter_wo_large_hidden_variable_changes=0,
+                         smallest_changes_orientations_deg=3.0, smallest_changes_offsets_angstrom=1.2,
+                         smallest_changes_classes=0.0)
+    start = sch.ScheduleState().counted_from(OptimiserState(healpix_order=2, offset_step_px=2.0))
+    assert (start.counted_healpix_order, start.counted_offset_step_px) == (2, 2.0)
+    leader = sch.update_hidden_variable_counters(now, 2.5, 1.0, 0.0, step_healpix_order=start.counted_healpix_order,
+                                                 step_offset_px=start.counted_offset_step_px, **kw)
+    current = sch.update_hidden_variable_counters(now, 2.5, 1.0, 0.0, **kw)
+    assert leader.nr_iter_wo_large_hidden_variable_changes == 1
+    assert current.nr_iter_wo_large_hidden_variable_changes == 0
+    # a change above 40 % of the first steps and below the smallest by more than 3 % is large against either:
+    # 5° ≥ 3° after a first iteration's 10°
+    shaken = dataclasses.replace(now, smallest_changes_orientations_deg=10.0)
+    assert sch.update_hidden_variable_counters(shaken, 5.0, 1.0, 0.0, step_healpix_order=2, step_offset_px=2.0,
+                                               **kw).nr_iter_wo_large_hidden_variable_changes == 0
+    continued = start.counted_from(now)
+    assert (continued.counted_healpix_order, continued.counted_offset_step_px) == (4, 0.5)
+    same = sch.update_change_counters(now, 2.5, 1.0, 0.0, 10.0, previous_resolution_angstrom=10.0, counted=continued,
+                                      **kw)
+    assert same.nr_iter_wo_large_hidden_variable_changes == 0
+
+
 # ------------------------------------------------------------------ sampling updates
 
 

@@ -10,6 +10,7 @@ One iteration of a gold-standard refinement calls them in RELION's order
 (MlOptimiserMpi::iterate, expectation, maximization)::
 
     optimiser, state = initial_schedule(config)                       # before iteration 1
+    state = state.counted_from(optimiser)                             # MPI's leader: changes vs the first steps
     res = current_resolution(model.ori_size_px, model.pixel_size_angstrom,
                              iteration=0, ini_high_angstrom=config.ini_high_angstrom)
     model.current_resolution_angstrom = res.resolution_angstrom
@@ -35,7 +36,8 @@ One iteration of a gold-standard refinement calls them in RELION's order
         res = current_resolution(..., fsc_halves=fsc, tau2_fudge=config.tau2_fudge,
                                  halves_joined=optimiser.do_join_halves, iteration=it, ...)
         optimiser = update_change_counters(optimiser, changes..., resolution_angstrom=res.resolution_angstrom,
-                                           previous_resolution_angstrom=model.current_resolution_angstrom, ...)
+                                           previous_resolution_angstrom=model.current_resolution_angstrom,
+                                           counted=state, ...)
         model.current_resolution_angstrom = res.resolution_angstrom
         ... write outputs ...
         if optimiser.has_converged: break                               # that was the final iteration
@@ -170,10 +172,23 @@ class ScheduleState:
     incr_size_px: RELION's incr_size, shells added beyond the resolution for the image size; it
         only grows (update_size_flags_from_fsc).
     has_fine_enough_angular_sampling: set by update_sampling, read by check_convergence.
+    counted_healpix_order, counted_offset_step_px: the sampling whose steps an iteration's changes of
+        the poses are measured against (`update_hidden_variable_counters`); None: the current one.
+        relion_refine_mpi counts the changes on its leader, whose sampling stays the one the run
+        started (or was continued) with: updateAngularSampling runs on the followers only
+        (MlOptimiserMpi::expectationSetup), and no follower sends the new order or offset step back
+        but in a helical refinement. An auto-refine, which RELION runs under MPI only, counts so too.
     """
 
     incr_size_px: int = 10
     has_fine_enough_angular_sampling: bool = False
+    counted_healpix_order: int | None = None
+    counted_offset_step_px: float | None = None
+
+    def counted_from(self, optimiser) -> ScheduleState:
+        """This state counting the changes against `optimiser`'s sampling (a run's start or its --continue)."""
+        return dataclasses.replace(self, counted_healpix_order=int(optimiser.healpix_order),
+                                   counted_offset_step_px=float(optimiser.offset_step_px))
 
 
 class ResolutionEstimate(NamedTuple):
@@ -616,17 +631,22 @@ def hidden_variable_changes(old, new, pixel_size_angstrom: float, symmetry: str)
 
 
 def update_hidden_variable_counters(optimiser, changes_orientations_deg: float, changes_offsets_angstrom: float,
-                                    changes_classes: float, *, pixel_size_angstrom: float, oversampling: int):
+                                    changes_classes: float, *, pixel_size_angstrom: float, oversampling: int,
+                                    step_healpix_order: int | None = None, step_offset_px: float | None = None):
     """RELION's updateOverallChangesInHiddenVariables (the counter part).
 
     nr_iter_wo_large_hidden_variable_changes goes up by one when all three changes are "not
     large": 1.03·classes ≥ smallest so far, and for offsets and orientations either a change below
-    40 % of the current (oversampled) step or 1.03·change ≥ smallest so far; otherwise it is reset
-    to 0. Then the smallest changes so far are updated (the class change rounded to an integer, as
-    RELION does). Offsets in Å; the offset step is offset_step_px·pixel_size / 2^oversampling.
+    40 % of the (oversampled) step or 1.03·change ≥ smallest so far; otherwise it is reset to 0.
+    Then the smallest changes so far are updated (the class change rounded to an integer, as RELION
+    does). Offsets in Å; the offset step is offset_step_px·pixel_size / 2^oversampling. The steps
+    are those of HEALPix order `step_healpix_order` and offset step `step_offset_px` where given
+    (`ScheduleState.counted_healpix_order`), else the optimiser's current ones.
     """
-    ang_step = angular_step_deg(optimiser.healpix_order, oversampling)
-    off_step_angstrom = optimiser.offset_step_px * pixel_size_angstrom / 2 ** int(oversampling)
+    order = optimiser.healpix_order if step_healpix_order is None else step_healpix_order
+    offset_step_px = optimiser.offset_step_px if step_offset_px is None else step_offset_px
+    ang_step = angular_step_deg(order, oversampling)
+    off_step_angstrom = offset_step_px * pixel_size_angstrom / 2 ** int(oversampling)
     ratio_orient = changes_orientations_deg / ang_step
     ratio_trans = changes_offsets_angstrom / off_step_angstrom
     f = SIMILAR_CHANGES_FACTOR
@@ -673,16 +693,20 @@ def update_resolution_counter(optimiser, resolution_angstrom: float, previous_re
 
 def update_change_counters(optimiser, changes_orientations_deg: float, changes_offsets_angstrom: float,
                            changes_classes: float, resolution_angstrom: float, *,
-                           previous_resolution_angstrom: float, pixel_size_angstrom: float, oversampling: int):
+                           previous_resolution_angstrom: float, pixel_size_angstrom: float, oversampling: int,
+                           counted: ScheduleState | None = None):
     """After the M-step: `update_hidden_variable_counters` then `update_resolution_counter`.
 
     changes_*: the E-step's averages (`hidden_variable_changes_from_sums`); resolution_angstrom:
     the new `current_resolution`; previous_resolution_angstrom: the one before it
-    (model.current_resolution_angstrom before it is overwritten).
+    (model.current_resolution_angstrom before it is overwritten); `counted`: the schedule whose
+    counted_* sampling the changes are measured against (None: the current sampling).
     """
-    optimiser = update_hidden_variable_counters(optimiser, changes_orientations_deg, changes_offsets_angstrom,
-                                                changes_classes, pixel_size_angstrom=pixel_size_angstrom,
-                                                oversampling=oversampling)
+    optimiser = update_hidden_variable_counters(
+        optimiser, changes_orientations_deg, changes_offsets_angstrom, changes_classes,
+        pixel_size_angstrom=pixel_size_angstrom, oversampling=oversampling,
+        step_healpix_order=None if counted is None else counted.counted_healpix_order,
+        step_offset_px=None if counted is None else counted.counted_offset_step_px)
     return update_resolution_counter(optimiser, resolution_angstrom, previous_resolution_angstrom)
 
 

@@ -137,6 +137,7 @@ class RefineJob:
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         n_optics = len(particles.optics_groups)
         optimiser, sched = schedule.initial_schedule(config)
+        sched = sched.counted_from(optimiser)  # as relion_refine_mpi's leader counts the changes (ScheduleState)
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
                            padding_factor=config.padding_factor, pdf_class=np.ones(1),
                            sigma_offset_angstrom=INITIAL_SIGMA_OFFSET_ANGSTROM,
@@ -155,6 +156,7 @@ class RefineJob:
 
     def resume(self, run, particles, iteration_root):
         run.model.maps = [[mrc.read_volume(f"{iteration_root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
+        run.schedule = run.schedule.counted_from(run.optimiser)  # RELION's leader reads the iteration's sampling
 
     # ------------------------------------------------------------------ one iteration
     def plan(self, run, iteration):
@@ -351,7 +353,7 @@ class RefineJob:
         optimiser = schedule.update_change_counters(
             optimiser, changes.orientations_deg, changes.offsets_angstrom, changes.classes, res.resolution_angstrom,
             previous_resolution_angstrom=model.current_resolution_angstrom,
-            pixel_size_angstrom=model.pixel_size_angstrom, oversampling=config.oversampling)
+            pixel_size_angstrom=model.pixel_size_angstrom, oversampling=config.oversampling, counted=run.schedule)
         model.current_resolution_angstrom = res.resolution_angstrom
         run.optimiser = replace(optimiser, changes_optimal_orientations_deg=changes.orientations_deg,
                                 changes_optimal_offsets_angstrom=changes.offsets_angstrom,
