@@ -12,7 +12,8 @@ over the image at the current size (every coefficient of its half transform with
 ln 100 (the two poses' likelihoods differ 100-fold); 30.1° where none up to 30° does. The same for a shift of x or
 y (at random) by a growing s px (`em.schedule.translation_trials_px`), F₂ = F₁ shifted: 10.1 px at most. The
 class's accuracy is the mean over the particles (the shift times the pixel size, in Å), and the run's the best
-class's.
+class's. The projections are made in single precision, as the E-step's are (half the time of double on the host;
+the sums are double).
 
 `em.schedule.estimated_accuracy` is a spectral model of the same sum that needs no projections; at low resolution,
 where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°), and
@@ -86,7 +87,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         # the weights make up for; a 360 px map's padded transform at the current size instead of the whole box's
         crop = min(ori, n + n % 2)
         small = np.asarray(volume) if crop == ori else fourier.downsample_volume(np.asarray(volume), crop)
-        projector = Projector(small, padding_factor, n // 2)
+        projector = Projector(small, padding_factor, n // 2, dtype=np.float32)
         scale2 = (ori / crop) ** 2
         weights = ctf2 * inv[np.minimum(optics, inv.shape[0] - 1)][:, shell] * scale2  # (particles, coefficients)
         acc_rot, acc_trans = [], []
