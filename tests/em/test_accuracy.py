@@ -136,3 +136,18 @@ def test_classes_below_one_percent_are_left_out_and_the_best_class_counts(partic
     assert estimate([sharp], sigma2, particles, pdf=np.array([0.001])) == (schedule.UNKNOWN_ACCURACY,
                                                                            schedule.UNKNOWN_ACCURACY)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("current", [BOX, 10], ids=["whole box", "current size below the box"])
+def test_the_estimate_on_the_gpu_is_the_host_s(particles, cp, current):
+    """The projections and sums on the device (xp=cupy) give each particle the same trials as on the host."""
+    volume = smooth_random_map(4)
+    sigma2 = np.full(BOX // 2 + 1, 3e-4)
+    angles = np.stack([particles.rot_deg, particles.tilt_deg, particles.psi_deg], axis=1)
+    for i in range(3):
+        on = {xp.__name__: projected_accuracy([volume], np.ones(1), sigma2, particles, [i], angles[[i]],
+                                              current_size_px=current, padding_factor=2.0, do_ctf=True, xp=xp)
+              for xp in (np, cp)}
+        assert on["cupy"] == on["numpy"], (i, on)
+        assert on["numpy"].rotations_deg < 30.0  # a trial that is found, not the cap

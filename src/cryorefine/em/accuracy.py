@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cryorefine.core import euler, fourier
+from cryorefine.core.arrays import Array, ArrayModule, to_host
 from cryorefine.core.ctf import ctf_2d
 from cryorefine.core.projector import Projector
 from cryorefine.data import ParticleSet
@@ -46,11 +47,12 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
                        particles: ParticleSet, indices: npt.ArrayLike, angles_deg: npt.ArrayLike, *,
                        current_size_px: int,
                        padding_factor: float, do_ctf: bool, ctf_intact_first_peak: bool = False,
-                       sigma2_fudge: float = 1.0, seed: int = 0) -> schedule.Accuracy:
+                       sigma2_fudge: float = 1.0, seed: int = 0, xp: ArrayModule = np) -> schedule.Accuracy:
     """The accuracy (module docstring) of the references `maps` (K host volumes) with class shares `pdf_class`,
     noise `sigma2_noise` ((optics groups, shells) or (shells,)), from the particles `indices` of `particles` at
     their poses (`angles_deg`: rot, tilt and psi of each, (len(indices), 3)). `seed` draws which angle and which
-    shift axis each particle's trials move. (999, 999) where no class has 1 % of the particles."""
+    shift axis each particle's trials move. (999, 999) where no class has 1 % of the particles. The projections
+    and their sums are made with `xp` (cupy: on the current device; the trials' bookkeeping stays on the host)."""
     indices = np.asarray(indices, dtype=np.int64)
     poses = np.asarray(angles_deg, dtype=np.float64).reshape(len(indices), 3)
     sigma2 = np.atleast_2d(np.asarray(sigma2_noise, dtype=np.float64))
@@ -62,6 +64,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     ky, kx = np.broadcast_to(ky, shell.shape), np.broadcast_to(kx, shell.shape)
     inside = (shell >= 1) & (shell <= n // 2) & (shell < sigma2.shape[1])
     shell, ky, kx = shell[inside], ky[inside], kx[inside]
+    coefficients = xp.asarray(np.flatnonzero(inside.reshape(-1)))  # of a projection's flat half transform
     pixels = np.asarray(particles.pixel_size_per_particle_angstrom, dtype=np.float64)[indices]
     if do_ctf and len(indices):  # the CTF at the current size: the same integer frequencies of the original box
         ctf = ctf_2d(n, particles.ctf_parameters(indices, pixels * ori / n),
@@ -77,7 +80,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
     moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
     shifts = np.asarray(schedule.translation_trials_px())
     # |F₁ − F₁·e^{−2πi·k·s/N}|² = |F₁|²·4·sin²(π·k·s/N), N the original box, k along x or y: (trials, coefficients)
-    phases = [4.0 * np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2 for k_axis in (kx, ky)]
+    phases = [xp.asarray(4.0 * np.sin(np.pi * np.outer(shifts, k_axis) / ori) ** 2) for k_axis in (kx, ky)]
     best_rot, best_trans = schedule.UNKNOWN_ACCURACY, schedule.UNKNOWN_ACCURACY
     for k, volume in enumerate(maps):
         if k < pdf.size and pdf[k] < schedule.MIN_CLASS_FRACTION_FOR_ACCURACY:
@@ -86,34 +89,47 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         # the same integer frequencies, its projections smaller by crop/ori (the projector's 1/N² of a box N), which
         # the weights make up for; a 360 px map's padded transform at the current size instead of the whole box's
         crop = min(ori, n + n % 2)
-        small = np.asarray(volume) if crop == ori else fourier.downsample_volume(np.asarray(volume), crop)
-        projector = Projector(small, padding_factor, n // 2, dtype=np.float32)
+        whole = xp.asarray(volume)
+        small = whole if crop == ori else fourier.downsample_volume(whole, crop, xp)
+        del whole
+        projector = Projector(small, padding_factor, n // 2, dtype=np.float32, xp=xp)
+        del small
         scale2 = (ori / crop) ** 2
-        weights = ctf2 * inv[np.minimum(optics, inv.shape[0] - 1)][:, shell] * scale2  # (particles, coefficients)
+        # (particles, coefficients)
+        weights = xp.asarray(ctf2 * inv[np.minimum(optics, inv.shape[0] - 1)][:, shell] * scale2)
         acc_rot, acc_trans = [], []
         for chunk in range(0, len(indices), PARTICLES_PER_BLOCK):
             rows = np.arange(chunk, min(chunk + PARTICLES_PER_BLOCK, len(indices)))
-            f1 = projector.project(euler.euler_to_matrix(*poses[rows].T), image_size_px=n)[:, inside]
-            acc_rot += _rotation_errors(projector, f1, poses[rows], moved_angle[rows], weights[rows], inside)
-            power = np.abs(f1) ** 2 * weights[rows]
+            f1 = _projections(projector, poses[rows], n, coefficients)
+            acc_rot += _rotation_errors(projector, f1, poses[rows], moved_angle[rows], weights[rows[0]:rows[-1] + 1],
+                                        n, coefficients)
+            power = xp.abs(f1) ** 2 * weights[rows[0]:rows[-1] + 1]
             for axis, phase in enumerate(phases):
-                on_axis = moved_axis[rows] == axis
-                snr = power[on_axis] @ phase.T  # (particles, trials)
+                on_axis = np.flatnonzero(moved_axis[rows] == axis)
+                snr = to_host(power[xp.asarray(on_axis)] @ phase.T)  # (particles, trials)
                 acc_trans += [_first_beyond(shifts, row) * pixel for row, pixel in zip(snr, pixels[rows][on_axis])]
+        del projector
         if acc_rot:
             best_rot = min(best_rot, float(np.mean(acc_rot)))
             best_trans = min(best_trans, float(np.mean(acc_trans)))
     return schedule.Accuracy(best_rot, best_trans)
 
 
-def _rotation_errors(projector: Projector, f1: np.ndarray, angles: np.ndarray, moved_angle: np.ndarray,
-                     weights: np.ndarray, inside: np.ndarray) -> list[float]:
+def _projections(projector: Projector, angles_deg: np.ndarray, n: int, coefficients: Array) -> Array:
+    """The `coefficients` of the n px projections at the poses `angles_deg` (rot, tilt, psi): (poses, coefficients)."""
+    xp = projector.xp
+    matrices = euler.euler_to_matrix(angles_deg[:, 0], angles_deg[:, 1], angles_deg[:, 2], xp=xp)
+    return projector.project(matrices, image_size_px=n).reshape(len(angles_deg), -1)[:, coefficients]
+
+
+def _rotation_errors(projector: Projector, f1: Array, angles: np.ndarray, moved_angle: np.ndarray,
+                     weights: Array, n: int, coefficients: Array) -> list[float]:
     """Each particle's angular error: the first rotation trial of its angle `moved_angle` (0 rot, 1 tilt, 2 psi)
-    whose projection (`inside` coefficients, weighted by its row of `weights`) differs from its row of `f1` by an SNR
+    whose projection (its `coefficients`, weighted by its row of `weights`) differs from its row of `f1` by an SNR
     beyond ln 100, else the last. The trials are projected a block at a time for the particles still searching, and
     a particle's search stops at the first block that holds its answer, as RELION's stops at the first trial."""
+    xp = projector.xp
     rotations = np.asarray(schedule.rotation_trials_deg())
-    n = inside.shape[0]
     errors = np.full(len(angles), rotations[-1])
     searching = np.arange(len(angles))
     for start in range(0, rotations.size, ROTATION_TRIALS_PER_BLOCK):
@@ -122,10 +138,9 @@ def _rotation_errors(projector: Projector, f1: np.ndarray, angles: np.ndarray, m
         trials = rotations[start:start + ROTATION_TRIALS_PER_BLOCK]
         moved = np.repeat(angles[searching, None], trials.size, axis=1)  # (searching, trials, 3)
         moved[np.arange(searching.size), :, moved_angle[searching]] += trials
-        flat = moved.reshape(-1, 3)
-        f2 = projector.project(euler.euler_to_matrix(flat[:, 0], flat[:, 1], flat[:, 2]),
-                               image_size_px=n)[:, inside].reshape(searching.size, trials.size, -1)
-        snr = (np.abs(f1[searching, None] - f2) ** 2 * weights[searching, None]).sum(axis=2)
+        f2 = _projections(projector, moved.reshape(-1, 3), n, coefficients).reshape(searching.size, trials.size, -1)
+        rows = xp.asarray(searching)
+        snr = to_host((xp.abs(f1[rows, None] - f2) ** 2 * weights[rows, None]).sum(axis=2))
         above = snr > schedule.ACCURACY_NEG_LOG_P
         found = above.any(axis=1)
         errors[searching[found]] = trials[np.argmax(above[found], axis=1)]
