@@ -140,7 +140,7 @@ def _rotation_errors(projector: Projector, f1: Array, angles: np.ndarray, moved_
         moved[np.arange(searching.size), :, moved_angle[searching]] += trials
         f2 = _projections(projector, moved.reshape(-1, 3), n, coefficients).reshape(searching.size, trials.size, -1)
         rows = xp.asarray(searching)
-        snr = to_host((xp.abs(f1[rows, None] - f2) ** 2 * weights[rows, None]).sum(axis=2))
+        snr = to_host((xp.abs(f1[rows][:, None] - f2) ** 2 * weights[rows][:, None]).sum(axis=2))
         above = snr > schedule.ACCURACY_NEG_LOG_P
         found = above.any(axis=1)
         errors[searching[found]] = trials[np.argmax(above[found], axis=1)]
