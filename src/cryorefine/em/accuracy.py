@@ -6,14 +6,15 @@ its randomly ordered particles): project the reference at the particle's pose, t
 psi (one of them, at random, the same for every trial of that particle) moved by a growing error δ
 (`em.schedule.rotation_trials_deg`), and find the first δ at which
 
-    Σ_k CTF(k)²·|F₁(k) − F₂(k)|² / (2·sigma2_fudge·σ²(shell k))
+    Σ_k CTF(k)²·|F₁(k) − F₂(k)|² / (2·σ²(shell k))
 
-over the image at the current size (every coefficient of its half transform with shell 1 … current/2) exceeds
-ln 100 (the two poses' likelihoods differ 100-fold); 30.1° where none up to 30° does. The same for a shift of x or
-y (at random) by a growing s px (`em.schedule.translation_trials_px`), F₂ = F₁ shifted: 10.1 px at most. The
-class's accuracy is the mean over the particles (the shift times the pixel size, in Å), and the run's the best
-class's. The projections are made in single precision, as the E-step's are (half the time of double on the host;
-the sums are double).
+(RELION's σ² is times its sigma2_fudge, 1 unless its unlisted option --sigma2_fudge says otherwise; cryorefine takes
+no such option) over the image at the current size (every coefficient of its half transform with shell 1 …
+current/2) exceeds ln 100 (the two poses' likelihoods differ 100-fold); 30.1° where none up to 30° does. The same
+for a shift of x or y (at random) by a growing s px (`em.schedule.translation_trials_px`), F₂ = F₁ shifted: 10.1 px
+at most. The class's accuracy is the mean over the particles (the shift times the pixel size, in Å), and the run's
+the best class's. The projections are made in single precision, as the E-step's are (half the time of double on the
+host; the sums are double).
 
 `em.schedule.estimated_accuracy` is a spectral model of the same sum that needs no projections; at low resolution,
 where a reference is close to a round blob, it is far more optimistic than this (about 5° where this gives 30°), and
@@ -47,7 +48,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
                        particles: ParticleSet, indices: npt.ArrayLike, angles_deg: npt.ArrayLike, *,
                        current_size_px: int,
                        padding_factor: float, do_ctf: bool, ctf_intact_first_peak: bool = False,
-                       sigma2_fudge: float = 1.0, seed: int = 0, xp: ArrayModule = np) -> schedule.Accuracy:
+                       seed: int = 0, xp: ArrayModule = np) -> schedule.Accuracy:
     """The accuracy (module docstring) of the references `maps` (K host volumes) with class shares `pdf_class`,
     noise `sigma2_noise` ((optics groups, shells) or (shells,)), from the particles `indices` of `particles` at
     their poses (`angles_deg`: rot, tilt and psi of each, (len(indices), 3)). `seed` draws which angle and which
@@ -74,7 +75,7 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         ctf2 = np.ones((len(indices), shell.size))
     optics = np.asarray(particles.optics_index)[indices]
     with np.errstate(divide="ignore"):
-        inv = np.where(sigma2 > 0, 1.0 / (2.0 * sigma2_fudge * np.where(sigma2 > 0, sigma2, 1.0)), 0.0)
+        inv = np.where(sigma2 > 0, 1.0 / (2.0 * np.where(sigma2 > 0, sigma2, 1.0)), 0.0)
     rng = np.random.default_rng(seed)
     moved_angle = rng.integers(0, 3, size=len(indices))  # rot, tilt or psi
     moved_axis = rng.integers(0, 2, size=len(indices))  # x or y
