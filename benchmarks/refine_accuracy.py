@@ -35,7 +35,8 @@ The benchmark runs the real command lines, step by step, in one work folder:
              --relion_mpirun (a master and a worker per half: RELION splits random halves only under MPI)
              with --relion_extra appended (its threads, --pool, --preread_images …), in WORK/sim (RELION reads
              image names relative to where it runs), into WORK/relion_seedS; --relion_seconds stops a run and
-             measures the iterations it finished. `-- --gpu 0` means GPU 0 to both programs.
+             measures the iterations it finished; --relion_seeds runs it for some of the seeds only. `-- --gpu 0`
+             means GPU 0 to both programs.
 7. measure   per run:
              - the resolution it reports (rlnCurrentResolution, RELION's SSNR > 1 rule) and where its
                half-map FSC (rlnGoldStandardFsc) falls below 0.5 and 0.143, from run_model.star when the
@@ -165,11 +166,16 @@ def parse_args(argv):
                         help="Options of the RELION runs alone [default: %(default)s].")
     parser.add_argument("--relion_seconds", type=float, default=None,
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
+    parser.add_argument("--relion_seeds", type=int, nargs="+", default=None,
+                        help="Run RELION for these of --seeds only (its runs do not change with cryorefine's code) "
+                             "[default: every seed].")
     args = parser.parse_args(argv)
     if args.model is not None and (args.box is None or args.angpix is None):
         parser.error("--model needs --box and --angpix")
     if args.relion is not None and not args.relion.is_file():
         parser.error(f"--relion {args.relion}: no such file; give the path of relion_refine_mpi")
+    if args.relion_seeds is not None and (args.relion is None or not set(args.relion_seeds) <= set(args.seeds or [])):
+        parser.error("--relion_seeds: give it with --relion, and only seeds that --seeds names")
     return args, extra
 
 
@@ -581,10 +587,10 @@ def main(argv=None):
         setup = json.loads((work / SETUP_FILE).read_text())
     else:
         setup = prepare(args, work)
-    programs = ["cryorefine"] + (["relion"] if args.relion is not None else [])
     runs, codes = [], []
     for seed in args.seeds or [None]:
-        for program in programs:
+        with_relion = args.relion is not None and (args.relion_seeds is None or seed in args.relion_seeds)
+        for program in ["cryorefine"] + (["relion"] if with_relion else []):
             folder, log, code, seconds, started = run_refine(args, extra, work, setup, program, seed)
             codes.append(code)
             runs.append(measure(work, setup, program, seed, folder, log, code, seconds, started, extra,

@@ -226,3 +226,25 @@ def test_refine_accuracy_reads_the_seconds_between_iterations_from_the_log(tmp_p
     assert rows[1] == {"expectation_s": 0.9, "maximisation_s": 0.1, "plan_s": 1.4, "outputs_s": 0.2,
                        "expectation_stages_s": {"setup": 0.3, "coarse": 0.2}}
     assert (rows[2]["plan_s"], rows[2]["outputs_s"], rows[2]["expectation_s"]) == (1.9, 0.3, 0.3)
+
+
+def test_refine_accuracy_runs_relion_for_the_seeds_asked_only(tmp_path, monkeypatch):
+    """--relion_seeds: cryorefine for every seed, RELION for those named (its runs do not change with our code)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import refine_accuracy
+
+    relion = tmp_path / "relion_refine_mpi"
+    relion.write_text("")
+    ran = []
+
+    def run_refine(args, extra, work, setup, program, seed):
+        ran.append((program, seed))
+        return tmp_path / f"{program}{seed}", tmp_path / "log", 0, 1.0, 0.0
+
+    monkeypatch.setattr(refine_accuracy, "prepare", lambda args, work: {})
+    monkeypatch.setattr(refine_accuracy, "run_refine", run_refine)
+    monkeypatch.setattr(refine_accuracy, "measure", lambda *a: {"program": a[2], "seed": a[3]})
+    monkeypatch.setattr(refine_accuracy, "markdown", lambda results: "")
+    assert refine_accuracy.main(["--work", str(tmp_path), "--seeds", "1", "2", "3", "--relion", str(relion),
+                                 "--relion_seeds", "3", "--keep_maps"]) == 0
+    assert ran == [("cryorefine", 1), ("cryorefine", 2), ("cryorefine", 3), ("relion", 3)]
