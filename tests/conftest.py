@@ -188,9 +188,21 @@ CLASSIFY_ARGS = ("--K", 2, "--ini_high", 40, "--ctf", "--particle_diameter", 320
                  "--offset_range", 3, "--offset_step", 1, "--healpix_order", 1, "--cpu")
 
 
+#: GPU test modules whose tests make no arena sized from the GPU's free memory (kernels and their parity with the
+#: numpy engine, fixed-size arenas at most): under pytest-xdist they spread over the workers; a test among them that
+#: does size one is marked xdist_group("gpu") itself
+GPU_MODULES_WITHOUT_RUN_ARENAS = ("tests/core/", "tests/estep/test_cuda.py", "tests/estep/test_cuda_2d.py",
+                                  "tests/gpu/test_shell_sums.py", "tests/gpu/test_bin_sums.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two workers), the GPU tests run on one worker, one after the other:
-    each sizes its device memory arena from what the GPU has free."""
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), the GPU tests that run jobs or size an
+    arena from what the GPU has free run on one worker, one after the other (side by side, the first would leave the
+    others no memory); the kernels' tests spread over the workers."""
+    root = Path(str(config.rootpath))
     for item in items:
-        if item.get_closest_marker("gpu"):
+        if not item.get_closest_marker("gpu"):
+            continue
+        where = Path(str(item.fspath)).relative_to(root).as_posix()
+        if not where.startswith(GPU_MODULES_WITHOUT_RUN_ARENAS):
             item.add_marker(pytest.mark.xdist_group("gpu"))

@@ -517,6 +517,7 @@ def test_refinement_on_the_gpu_matches_the_cpu(cp, tmp_path):
     assert np.mean(angles <= 1.0) >= 0.8, np.percentile(angles, [50, 80, 90])
 
 
+@pytest.mark.xdist_group("gpu")  # its run sizes an arena from the GPU's free memory (conftest)
 def test_plan_predicts_the_measured_device_memory(cp, tmp_path):
     """`cryorefine plan`'s first-iteration peak bounds the arena's measured high-water mark from above, closely."""
     from pathlib import Path
