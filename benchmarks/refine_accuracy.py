@@ -47,7 +47,8 @@ The benchmark runs the real command lines, step by step, in one work folder:
                map, or half 1 for a half map) and of the starting reference: the resolutions where each
                falls below 0.5 and 0.143, and a few shells;
              - the median and 90th percentile of the angle between refined and true rotation matrices
-               (degrees) and of the distance between refined and true origins (Å);
+               (degrees) and of the distance between refined and true origins (Å); the same angles once
+               the refined map's small turn as a whole is fitted (`frame_rotation`), and that turn;
              - per iteration (run_itNNN_*): the median angular and offset errors (data.star), the FSC of
                half 1 against the truth at 0.5 and 0.143, the HEALPix order (sampling.star), σ_offset,
                the angular accuracy and the resolution (half1_model.star), the changes of the poses and
@@ -57,7 +58,7 @@ The benchmark runs the real command lines, step by step, in one work folder:
 8. report    Markdown tables on stdout and everything in WORK/results.json (or --json), written again after
              every run; then every iteration's maps but the last are deleted (--keep_maps keeps them).
 
-No hand or frame alignment is made: the reference comes from the truth, so a refined map in
+No hand or frame alignment is made for the FSCs: the reference comes from the truth, so a refined map in
 another hand or frame means the refinement failed (and the FSC against the truth shows it).
 FSCs against the truth are unmasked, over the whole box.
 
@@ -324,9 +325,9 @@ def image_key(name: str) -> str:
 
 
 def pose_errors(truth_star, refined_star):
-    """Angles (degrees) between true and refined rotations, and origin distances (Å), per particle; and the
-    angles left once the refined poses are turned by the one rotation of the map's frame that fits them best
-    (`frame_rotation`): the map of a refinement may turn a little as a whole, which moves every pose alike."""
+    """Angles (degrees) between true and refined rotations, and origin distances (Å), per particle; the angles left
+    once the refined poses are turned by the one rotation of the map's frame that fits them best (`frame_rotation`):
+    the map of a refinement may turn a little as a whole, which moves every pose alike; and that rotation's angle."""
     truth = read_star(truth_star)["particles"]
     found = read_star(refined_star)["particles"]
     truth = truth.set_index(truth["rlnImageName"].map(image_key))
@@ -338,7 +339,7 @@ def pose_errors(truth_star, refined_star):
     frame = frame_rotation(a, b)
     shift = np.hypot(truth["rlnOriginXAngst"].to_numpy() - found["rlnOriginXAngst"].to_numpy(),
                      truth["rlnOriginYAngst"].to_numpy() - found["rlnOriginYAngst"].to_numpy())
-    return angle, shift, rotation_angles_deg(a @ frame, b)
+    return angle, shift, rotation_angles_deg(a @ frame, b), float(rotation_angles_deg(frame[None], np.eye(3)[None])[0])
 
 
 def frame_rotation(a, b, keep_fraction=0.8):
@@ -422,7 +423,7 @@ def per_iteration(out, log, truth, truth_star, box, pixel, started):
         previous = model_star.stat().st_mtime
         data = Path(f"{root}_data.star")
         if data.exists():
-            angle, shift, in_frame = pose_errors(truth_star, data)
+            angle, shift, in_frame, _ = pose_errors(truth_star, data)
             row.update(median_angle_error_deg=float(np.median(angle)), median_offset_error_angstrom=float(np.median(shift)),
                        median_angle_error_map_frame_deg=float(np.median(in_frame)))
         half1 = Path(f"{root}_half1_class001.mrc")
@@ -463,7 +464,7 @@ def measure(work, setup, program, seed, folder, log, code, seconds, started, ext
     half_curves = {"refined": gold_fsc}
     if fsc_star.exists():
         half_curves["true_poses"] = read_star(fsc_star)["fsc"]["rlnFourierShellCorrelation"].to_numpy()
-    angle, shift, in_frame = pose_errors(work / "sim" / "particles.star", data_star)
+    angle, shift, in_frame, frame_turn = pose_errors(work / "sim" / "particles.star", data_star)
     iterations = per_iteration(out, log, truth, work / "sim" / "particles.star", box, pixel, started)
     walls = [row["wall_s"] for row in iterations]
     return {
@@ -480,6 +481,7 @@ def measure(work, setup, program, seed, folder, log, code, seconds, started, ext
         "half_map_fsc_curves": {name: curve.tolist() for name, curve in half_curves.items()},
         "angle_error_deg": {"median": float(np.median(angle)), "p90": float(np.percentile(angle, 90))},
         "angle_error_map_frame_deg": {"median": float(np.median(in_frame)), "p90": float(np.percentile(in_frame, 90))},
+        "map_frame_turn_deg": frame_turn,
         "offset_error_angstrom": {"median": float(np.median(shift)), "p90": float(np.percentile(shift, 90))},
         "per_iteration": iterations,
     }
@@ -561,9 +563,11 @@ def markdown(results):
 
 
 def frame_cell(run):
-    """The median / 90th percentile angular error once the map's frame is fitted (– for results without it)."""
-    frame = run.get("angle_error_map_frame_deg")
-    return "–" if frame is None else f"{frame['median']:.2f} / {frame['p90']:.2f}"
+    """The median / 90th percentile angular error once the map's frame is fitted, and how far the frame turned (– for
+    results without them)."""
+    frame, turn = run.get("angle_error_map_frame_deg"), run.get("map_frame_turn_deg")
+    cell = "–" if frame is None else f"{frame['median']:.2f} / {frame['p90']:.2f}"
+    return cell if turn is None else f"{cell} (turned {turn:.2f}°)"
 
 
 def finite_or_none(value):

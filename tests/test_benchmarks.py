@@ -146,7 +146,7 @@ def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_wi
              "found": table(["2@/tmp/work/sim/particles.mrcs", "1@/tmp/work/sim/particles.mrcs"], [20.0, 13.0],
                             [2.0, 4.0])}
     monkeypatch.setattr(refine_accuracy, "read_star", lambda path: stars[path])
-    angle, shift, _ = refine_accuracy.pose_errors("truth", "found")
+    angle, shift, _, _ = refine_accuracy.pose_errors("truth", "found")
     np_angle = [float(a) for a in angle]
     assert np_angle[0] == pytest.approx(0.0, abs=1e-6) and np_angle[1] > 1.0  # particle 2 exact, particle 1 off
     assert list(shift) == pytest.approx([0.0, 3.0])
