@@ -137,7 +137,6 @@ def test_classes_below_one_percent_are_left_out_and_the_best_class_counts(partic
                                                                            schedule.UNKNOWN_ACCURACY)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("current", [BOX, 10], ids=["whole box", "current size below the box"])
 def test_the_estimate_on_the_gpu_is_the_host_s(particles, cp, current):

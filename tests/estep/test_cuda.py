@@ -474,6 +474,7 @@ def test_back_projection_chunks_shrink_to_the_free_memory(cp):
 
 
 # ---------------------------------------------------------------------------------------- a whole refinement
+@pytest.mark.xdist_group("gpu")  # its run sizes an arena from the GPU's free memory (conftest)
 def test_refinement_on_the_gpu_matches_the_cpu(cp, tmp_path):
     """Same data, same seed, 3 iterations: the final maps agree (FSC ≥ 0.99 to the reported resolution)
     and ≥ 80 % of the poses are within 1° of the CPU's."""
@@ -590,6 +591,7 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
 
 
 # ---------------------------------------------------------------------------------------- classification
+@pytest.mark.xdist_group("gpu")  # its runs size an arena from the GPU's free memory (conftest)
 def test_classification_on_the_gpu_separates_the_mixture_and_agrees_with_the_cpu(cp, tmp_path):
     """The CI separation test (150 + 150 particles of two maps, K = 2, 10 iterations) on the GPU engine:
     ≥ 95 % in the class of their map, and ≥ 95 % of the class assignments equal to the CPU engine's."""
