@@ -10,8 +10,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import benchmark_modules
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "empiar10028.py"
+
+
+@pytest.fixture
+def empiar10028():
+    """benchmarks/empiar10028.py, imported as the benchmark tests import the scripts (benchmarks/ on sys.path)."""
+    with benchmark_modules("empiar10028") as (module,):
+        yield module
+
+
+@pytest.fixture
+def refine_accuracy():
+    """benchmarks/refine_accuracy.py, imported as the benchmark tests import the scripts (benchmarks/ on sys.path)."""
+    with benchmark_modules("refine_accuracy") as (module,):
+        yield module
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +95,9 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run):
         assert "later iterations as the last measured one" in summary["extrapolation"]
 
 
-def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, monkeypatch):
+def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, empiar10028):
     """The 1.5× target's table: ratios to the cheapest local iteration, by HEALPix order and search, the last
     iteration apart; none without local searches (the tiny run's two iterations are global)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("empiar10028", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     _, _, results = tiny_run
     assert results["jobs"]["refine"]["summary"]["estep_relative_to_cheapest_local"] is None
 
@@ -98,7 +107,7 @@ def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_
 
     its = [it(1, 2, False, 3.0), it(2, 3, False, 4.0), it(3, 4, True, 2.5), it(4, 4, True, 2.0), it(5, 5, True, 3.0),
            it(6, 5, True, 6.0)]
-    rel = script.relative_to_cheapest_local(its)
+    rel = empiar10028.relative_to_cheapest_local(its)
     assert rel["cheapest_iteration"] == 4 and rel["cheapest_seconds"] == 2.0
     assert rel["worst_iteration"] == 6 and rel["worst_ratio"] == 3.0
     groups = {g["group"]: (g["iterations"], g["min"], g["max"]) for g in rel["groups"]}
@@ -130,11 +139,8 @@ def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     assert min(parity["map_correlation"].values()) > 0.999999
 
 
-def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_with(monkeypatch):
+def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_with(refine_accuracy, monkeypatch):
     import pandas as pd
-
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import refine_accuracy
 
     def table(names, rot, x):
         return {"particles": pd.DataFrame({"rlnImageName": names, "rlnAngleRot": rot, "rlnAngleTilt": [30.0, 30.0],
@@ -152,12 +158,10 @@ def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_wi
     assert list(shift) == pytest.approx([0.0, 3.0])
 
 
-def test_refine_accuracy_finds_the_turn_of_the_map_s_frame_and_the_errors_left(monkeypatch):
+def test_refine_accuracy_finds_the_turn_of_the_map_s_frame_and_the_errors_left(refine_accuracy):
     """Poses that all carry one rotation of 0.5° (a refined map turned as a whole) and each its own error of 0.2°
     about a random axis, with 10 % of the particles in a wrong view: the frame's rotation is found, and the errors left
     in that frame are the particles' own."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import refine_accuracy
     from bench_common import small_turn
 
     from cryorefine.core import euler
@@ -182,12 +186,9 @@ def test_refine_accuracy_finds_the_turn_of_the_map_s_frame_and_the_errors_left(m
     assert np.median(refine_accuracy.rotation_angles_deg(a, b)[~wrong]) > 0.45  # the frame's turn before the fit
 
 
-def test_refine_accuracy_gives_relion_the_command_line_cryorefine_gets(tmp_path, monkeypatch):
+def test_refine_accuracy_gives_relion_the_command_line_cryorefine_gets(refine_accuracy, tmp_path):
     """Both programs: the files, --ctf, the mask, --ini_high, RELION 5 GUI's Refine3D options, the seed and the options
     after `--`, in that order; RELION's run under its launcher with its own options last."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import refine_accuracy
-
     relion = tmp_path / "relion_refine_mpi"
     relion.write_text("")
     args, extra = refine_accuracy.parse_args(["--work", str(tmp_path), "--seeds", "2", "3", "--relion", str(relion),
@@ -208,12 +209,9 @@ def test_refine_accuracy_gives_relion_the_command_line_cryorefine_gets(tmp_path,
                        "--j", "6", "--pool", "10"]
 
 
-def test_refine_accuracy_reads_the_seconds_between_iterations_from_the_log(tmp_path, monkeypatch):
+def test_refine_accuracy_reads_the_seconds_between_iterations_from_the_log(refine_accuracy, tmp_path):
     """The lines of a refine log (as em.loop writes them): each iteration's E and M seconds, its E-step stages, and the
     plan's and outputs' seconds that follow it, kept with their iteration."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import refine_accuracy
-
     log = tmp_path / "run.log"
     log.write_text(
         "12:00:01 INFO iteration 1: resolution 18.5 Å, order 2, E 0.9 s, M 0.1 s\n"
@@ -228,11 +226,8 @@ def test_refine_accuracy_reads_the_seconds_between_iterations_from_the_log(tmp_p
     assert (rows[2]["plan_s"], rows[2]["outputs_s"], rows[2]["expectation_s"]) == (1.9, 0.3, 0.3)
 
 
-def test_refine_accuracy_runs_relion_for_the_seeds_asked_only(tmp_path, monkeypatch):
+def test_refine_accuracy_runs_relion_for_the_seeds_asked_only(refine_accuracy, tmp_path, monkeypatch):
     """--relion_seeds: cryorefine for every seed, RELION for those named (its runs do not change with our code)."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import refine_accuracy
-
     relion = tmp_path / "relion_refine_mpi"
     relion.write_text("")
     ran = []
