@@ -3,8 +3,8 @@ particles from a map, refines them without their poses from the map low-passed (
 relion_refine_mpi too when --relion names it, with the same options), and reports for each run the resolution it
 claims, the FSC against the truth beside a reconstruction at the true poses, the pose errors, and per iteration
 the median angular and offset errors, the FSC of half 1 against the truth, the HEALPix order, σ_offset, the
-resolution and what moves the order on (Markdown on stdout, everything in WORK/results.json). Options after `--` go to every run of both
-programs.
+resolution and what moves the order on (Markdown on stdout, everything in WORK/results.json). Options after `--`
+go to every run of both programs.
 
 The benchmark runs the real command lines, step by step, in one work folder:
 
@@ -543,7 +543,7 @@ def markdown(results):
             timing = "–" if "expectation_s" not in it else " / ".join(
                 "–" if it.get(key) is None else f"{it[key]:.1f}"
                 for key in ("plan_s", "expectation_s", "maximisation_s", "outputs_s"))
-            turn, shift = it.get("changes_orientations_deg"), it.get("changes_offsets_angstrom")
+            change_deg, change_angstrom = it.get("changes_orientations_deg"), it.get("changes_offsets_angstrom")
             counters = [it.get(key) for key in ("iterations_without_resolution_gain",
                                                 "iterations_without_hidden_changes")]
             order = it.get("healpix_order")
@@ -556,7 +556,8 @@ def markdown(results):
                              figure(it.get("median_angle_error_map_frame_deg")),
                              figure(it.get("median_offset_error_angstrom")),
                              angstrom(it.get("half1_vs_truth_fsc_0.5")), angstrom(it.get("half1_vs_truth_fsc_0.143")),
-                             "–" if turn is None or shift is None else f"{turn:.2f}, {shift:.2f}",
+                             "–" if change_deg is None or change_angstrom is None
+                             else f"{change_deg:.2f}, {change_angstrom:.2f}",
                              "–" if None in counters else " / ".join(str(int(c)) for c in counters),
                              timing, angstrom(it["wall_s"])))
     return "\n".join(lines)

@@ -102,9 +102,9 @@ def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, 
         for chunk in range(0, len(indices), PARTICLES_PER_BLOCK):
             rows = np.arange(chunk, min(chunk + PARTICLES_PER_BLOCK, len(indices)))
             f1 = _projections(projector, poses[rows], n, coefficients)
-            acc_rot += _rotation_errors(projector, f1, poses[rows], moved_angle[rows], weights[rows[0]:rows[-1] + 1],
-                                        n, coefficients)
-            power = xp.abs(f1) ** 2 * weights[rows[0]:rows[-1] + 1]
+            block_weights = weights[rows[0]:rows[-1] + 1]  # the block's rows (a view)
+            acc_rot += _rotation_errors(projector, f1, poses[rows], moved_angle[rows], block_weights, n, coefficients)
+            power = xp.abs(f1) ** 2 * block_weights
             for axis, phase in enumerate(phases):
                 on_axis = np.flatnonzero(moved_axis[rows] == axis)
                 snr = to_host(power[xp.asarray(on_axis)] @ phase.T)  # (particles, trials)
