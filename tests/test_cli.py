@@ -377,10 +377,10 @@ def interrupt_at(monkeypatch, iteration, interruption=KeyboardInterrupt):
 
     original = RefineJob.plan
 
-    def plan(self, run_state, planned):
+    def plan(self, run_state, planned, estimate_accuracy=None):
         if planned == iteration:
             raise interruption()
-        return original(self, run_state, planned)
+        return original(self, run_state, planned, estimate_accuracy)
 
     monkeypatch.setattr(RefineJob, "plan", plan)
 
@@ -444,10 +444,10 @@ def test_sigterm_names_the_last_complete_iteration_and_the_continue_line(tmp_pat
               "from cryorefine.jobs.refine import RefineJob\n"
               "from cryorefine.cli import main\n"
               "original = RefineJob.plan\n"
-              "def plan(self, state, iteration):\n"
+              "def plan(self, state, iteration, estimate_accuracy=None):\n"
               "    if iteration == 3:\n"
               "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    return original(self, state, iteration)\n"
+              "    return original(self, state, iteration, estimate_accuracy)\n"
               "RefineJob.plan = plan\n"
               "main(sys.argv[1:])\n")
     done = subprocess.run([sys.executable, "-c", script, "refine", *inputs, "--o", str(tmp_path / "run"),

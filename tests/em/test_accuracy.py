@@ -150,3 +150,20 @@ def test_the_estimate_on_the_gpu_is_the_host_s(particles, cp, current):
               for xp in (np, cp)}
         assert on["cupy"] == on["numpy"], (i, on)
         assert on["numpy"].rotations_deg < 30.0  # a trial that is found, not the cap
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_estimates_on_its_device_between_iterations_and_leaves_its_arena_as_it_was(particles, cp):
+    """`CudaBackend.estimate_accuracy` inside the run's arena: the host's estimate, in a scope of its own that frees
+    every block it took."""
+    from cryorefine.em.accuracy import AccuracyRequest
+    from cryorefine.estep.backend import CudaBackend
+
+    angles = np.stack([particles.rot_deg, particles.tilt_deg, particles.psi_deg], axis=1)
+    request = AccuracyRequest([smooth_random_map(5)], np.ones(1), np.full(BOX // 2 + 1, 3e-4), np.arange(3), angles,
+                              current_size_px=10, padding_factor=2.0, do_ctf=True)
+    backend = CudaBackend(0)
+    with backend.run_scope():
+        before = backend.arena.top
+        assert backend.estimate_accuracy(request, particles) == request.estimate(particles)
+        assert backend.arena.top == before and backend.arena.escaped_blocks == 0

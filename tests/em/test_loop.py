@@ -54,6 +54,9 @@ class _SlowRunner:
     def staged(self, particles):
         return contextlib.nullcontext(particles)
 
+    def estimate_accuracy(self, request, particles):
+        return request.estimate(particles)
+
     def announce(self, particles, settings):
         pass
 
@@ -98,7 +101,7 @@ class _SlowJob:
                               np.zeros(3, np.int64), zeros)
         return RunState(model, OptimiserState(), state, np.random.default_rng(0))
 
-    def plan(self, run, iteration):
+    def plan(self, run, iteration, estimate_accuracy=None):
         time.sleep(self.naps["plan"])
         run.optimiser.iteration = iteration
         return IterationPlan(iteration, types.SimpleNamespace(current_size_px=8, coarse_size_px=8), None, False, [])

@@ -100,30 +100,6 @@ def test_an_error_in_the_loop_ends_a_wait_for_what_will_not_come():
     assert done == [] and time.perf_counter() - tic < 5
 
 
-def test_a_plan_that_reads_the_maps_waits_for_their_arrival_and_not_for_the_files():
-    """`wait_until`: an MPI master's plan that projects the last maps waits until the writer has seen them arrive
-    (the event set right after the WaitFor), not until the iteration's files are written."""
-    arrived, maps_ready, files_done = threading.Event(), threading.Event(), threading.Event()
-    with BackgroundWriter() as writer:
-        writer.submit([WaitFor(arrived.is_set), maps_ready.set, lambda: files_done.wait(5)])
-        threading.Timer(0.2, arrived.set).start()
-        tic = time.perf_counter()
-        writer.wait_until(maps_ready)
-        assert 0.15 < time.perf_counter() - tic < 4 and not files_done.is_set()
-        files_done.set()
-
-
-def test_waiting_for_the_maps_ends_with_the_writes_error():
-    """Writes that fail before the event is set: `wait_until` raises their error instead of waiting for ever."""
-    def fail():
-        raise OSError("disk full")
-
-    never = threading.Event()
-    with pytest.raises(OSError, match="disk full"), BackgroundWriter() as writer:
-        writer.submit([fail, never.set])
-        writer.wait_until(never)
-
-
 def _write_pid(path):
     """A drawing-process write: the pid of the process that ran it, in `path`."""
     Path(path).write_text(str(os.getpid()))

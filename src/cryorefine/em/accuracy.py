@@ -24,7 +24,8 @@ gives 2-3°). refine and initial_model estimate with this function, as RELION do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,39 @@ N_TRIAL_PARTICLES = 100
 ROTATION_TRIALS_PER_BLOCK = 6
 #: particles whose trials are projected together
 PARTICLES_PER_BLOCK = 25
+
+
+@dataclass(frozen=True)
+class AccuracyRequest:
+    """What a plan asks for an estimate: `projected_accuracy`'s arguments but the particle set, which every process
+    of a run holds (the runner says where it is made: one process's device, an MPI run's first worker)."""
+
+    maps: list
+    pdf_class: np.ndarray
+    sigma2_noise: np.ndarray
+    indices: np.ndarray
+    angles_deg: np.ndarray
+    current_size_px: int
+    padding_factor: float
+    do_ctf: bool
+    ctf_intact_first_peak: bool = False
+    seed: int = 0
+
+    def estimate(self, particles: ParticleSet, xp: ArrayModule = np) -> schedule.Accuracy:
+        """The estimate from `particles` (the run's set), made with `xp`."""
+        return projected_accuracy(self.maps, self.pdf_class, self.sigma2_noise, particles, self.indices,
+                                  self.angles_deg, current_size_px=self.current_size_px,
+                                  padding_factor=self.padding_factor, do_ctf=self.do_ctf,
+                                  ctf_intact_first_peak=self.ctf_intact_first_peak, seed=self.seed, xp=xp)
+
+
+#: how a plan has a request estimated (the runner's `estimate_accuracy`): (request, the run's particles) -> accuracy
+Estimator = Callable[[AccuracyRequest, ParticleSet], schedule.Accuracy]
+
+
+def estimate_on_host(request: AccuracyRequest, particles: ParticleSet) -> schedule.Accuracy:
+    """The estimate made here with numpy (a plan given no other `Estimator`)."""
+    return request.estimate(particles)
 
 
 def projected_accuracy(maps: Sequence[npt.ArrayLike], pdf_class: npt.ArrayLike, sigma2_noise: npt.ArrayLike,

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +70,8 @@ class StepOutcome:
     # seconds of the job's own M-step parts (`em.mstep.timed_part`; under MPI as rank 1 ran them), where it times them
     maximization_parts: dict = dataclasses.field(default_factory=dict)
     # MPI: an io.background.WaitFor of the model's maps, which reach the master while the next E-step runs (the
-    # loop touches no map until its files are written, but for a job whose plan reads them, `Job.plan_reads_maps`:
-    # its plan waits for them)
+    # loop touches no map until its files are written: a plan only names them, and its accuracy estimate is made on
+    # rank 1, which holds them; `Runner.estimate_accuracy`)
     maps_arrival: Any = None
 
 
@@ -82,9 +81,6 @@ class Job(Protocol):
     kind: str  # "refine" or "classify": what --continue checks a saved run against
     config: Any  # config.RefineConfig
     min_mpi_ranks: int  # the fewest MPI ranks (master included) the job runs on
-    # (optional, False where absent) the plan reads the last M-step's maps (an accuracy estimate projects them): under
-    # MPI the loop waits for them to have reached the master before it plans
-    plan_reads_maps: bool
 
     def load(self):
         """(ParticleSet, images.ImageSettings), the inputs checked (`particles_and_settings` does the common part);
@@ -98,8 +94,9 @@ class Job(Protocol):
         """A --continue state (its box and particle count already checked) completed: its maps read from the
         files of `iteration_root` (out/run_itNNN)."""
 
-    def plan(self, run: RunState, iteration: int) -> IterationPlan:
-        """The schedule of `iteration` (updates run.optimiser); its work units."""
+    def plan(self, run: RunState, iteration: int, estimate_accuracy=None) -> IterationPlan:
+        """The schedule of `iteration` (updates run.optimiser); its work units. An accuracy estimate it needs it asks
+        of `estimate_accuracy` (an `em.accuracy.Estimator`: the runner's; None: `estimate_on_host`)."""
 
     def maximization_groups(self, plan: IterationPlan) -> list:
         """The maps of the M-step in groups, each a list of (unit, class index in the unit) whose sums must be in
@@ -155,6 +152,11 @@ class Runner(Protocol):
 
     def staged(self, particles):
         """A context manager giving the particles whose images the run reads (--scratch_dir copies)."""
+
+    def estimate_accuracy(self, request, particles):
+        """A plan's accuracy estimate (`em.accuracy.AccuracyRequest`; the `em.accuracy.Estimator` the loop gives
+        `job.plan`): one process makes it on its engine's device; under MPI the first worker, on its device, with the
+        maps it holds (RELION's first follower makes it too)."""
 
     def expectation_maximization(self, job, plan, model, previous, particles, settings, store, progress) -> StepOutcome:
         """The E-step of every unit of `plan` (results through `store(indices, BatchResult)`) and `job.maximize`."""
@@ -226,15 +228,12 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
             else:
                 continued_files_submitted(job, state, runner, writer, argv, resume_from)
             log_stages("run start", reports.start_seconds)
-            maps_ready = None  # MPI: set once the last M-step's maps have reached this process
             for iteration in range(state.optimiser.iteration + 1, config.max_iterations + 1):
                 if stop_requested is not None and stop_requested():
                     log.warning("stopped before iteration %d as asked (RELION_JOB_ABORT_NOW)", iteration)
                     break
                 tic = time.perf_counter()
-                if maps_ready is not None and getattr(job, "plan_reads_maps", False):
-                    writer.wait_until(maps_ready)  # MPI: the last M-step's maps have crossed to this process
-                plan = job.plan(state, iteration)
+                plan = job.plan(state, iteration, runner.estimate_accuracy)
                 plan = dataclasses.replace(plan, units=in_direction_order(plan.units, state.particles.rot_deg,
                                                                           state.particles.tilt_deg))
                 previous = state.particles.copy()
@@ -263,12 +262,7 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                     resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
                                                                                               snapshot))
                 writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
-                if outcome.maps_arrival is None:
-                    maps_ready = None
-                    waited = writer.submit(writes)
-                else:  # set on the writer's thread as soon as the maps are whole, before the files are written
-                    maps_ready = threading.Event()
-                    waited = writer.submit([outcome.maps_arrival, maps_ready.set, *writes])
+                waited = writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
                 timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, and waiting
                 previous_files = dict(writer.last_seconds)  # the previous iteration's files on the writer's thread
                 model, optimiser = state.model, state.optimiser

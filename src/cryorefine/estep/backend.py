@@ -94,6 +94,10 @@ class NumpyBackend:
     def maximization_scope(self) -> AbstractContextManager[NumpyBackend]:
         return contextlib.nullcontext(self)
 
+    def estimate_accuracy(self, request, particles):
+        """`request` (`em.accuracy.AccuracyRequest`) estimated from `particles` on the host."""
+        return request.estimate(particles)
+
     def free_device_bytes(self) -> None:
         """None: everything is on the host already."""
         return None
@@ -213,6 +217,23 @@ class CudaBackend:
             return
         with self.arena.pooled():
             yield self
+
+    def estimate_accuracy(self, request, particles):
+        """`request` (`em.accuracy.AccuracyRequest`) estimated from `particles` on the device, between iterations: in
+        a scope of its own under the run's (PARTICLE: it counts as no iteration in `iteration_peak_bytes`), its
+        temporaries from a caching pool, all freed on return; on the host where the arena lacks the room."""
+        import cupy
+
+        from cryorefine.gpu.allocator import ArenaOutOfMemory, Scope
+
+        if self.arena is None:
+            return request.estimate(particles, cupy)
+        try:
+            with self.arena.scope(Scope.PARTICLE), self.arena.pooled():
+                return request.estimate(particles, cupy)
+        except ArenaOutOfMemory as exc:
+            log.info("the accuracy estimate made on the host: %s", exc)
+        return request.estimate(particles)
 
     def free_device_bytes(self) -> int | None:
         """Bytes free for this run on the device now (`gpu.allocator.free_device_bytes`)."""

@@ -45,7 +45,6 @@ class InOwnProcess:
 
 
 SIDE_BY_SIDE_THREADS = 8  # the threads of `Together` writes
-EVENT_POLL_SECONDS = 0.01  # how often `wait_until` looks whether the writes ended on an error
 
 
 class Together:
@@ -88,16 +87,6 @@ class BackgroundWriter:
         waited = time.perf_counter() - tic
         self._pending = self._pool.submit(self._run_all, list(writes))
         return waited
-
-    def wait_until(self, event: threading.Event) -> None:
-        """Block until `event` is set (by one of the submitted writes: e.g. right after a `WaitFor`); raise the error
-        of the submitted writes if they end on one first."""
-        while not event.wait(EVENT_POLL_SECONDS):
-            pending = self._pending
-            if pending is not None and pending.done():
-                pending.result()  # their error, if any
-                if not event.is_set():
-                    raise RuntimeError("the submitted writes ended without setting the event waited for")
 
     def wait(self):
         """Block until the submitted writes are done; raise the first error one of them raised."""

@@ -331,7 +331,7 @@ class Class2DJob:
                                                                       self.config.padding_factor, 2))
 
     # ------------------------------------------------------------------ one iteration
-    def plan(self, run, iteration):
+    def plan(self, run, iteration, estimate_accuracy=None):
         config, model = self.config, run.model
         k_classes = int(config.n_classes)
         box, pixel = model.ori_size_px, model.pixel_size_angstrom

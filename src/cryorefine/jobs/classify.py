@@ -240,7 +240,7 @@ class ClassifyJob:
                            for k in range(self.config.n_classes)]]
 
     # ------------------------------------------------------------------ one iteration
-    def plan(self, run, iteration):
+    def plan(self, run, iteration, estimate_accuracy=None):
         config, model = self.config, run.model
         k_classes = int(config.n_classes)
         optimiser = replace(run.optimiser, iteration=iteration)

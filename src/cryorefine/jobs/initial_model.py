@@ -197,7 +197,6 @@ class InitialModelJob:
 
     kind = "initial_model"
     min_mpi_ranks = 2
-    plan_reads_maps = True  # the accuracy estimate projects the maps (`_sampling`)
 
     def __init__(self, config):
         # RELION's InitialModel runs relion_refine in C1 and aligns the map to --sym's axes at the end
@@ -266,7 +265,7 @@ class InitialModelJob:
                                                           int(self.config.n_classes), self.config.random_seed,
                                                           SUBSET_STREAM))
 
-    def plan(self, run, iteration):
+    def plan(self, run, iteration, estimate_accuracy=None):
         config, model = self.config, run.model
         k_classes = int(config.n_classes)
         optimiser = gradient.counters_at_start(replace(run.optimiser, iteration=iteration), iteration)
@@ -279,7 +278,8 @@ class InitialModelJob:
         model.current_size_px, model.coarse_size_px = sizes.current_size_px, sizes.coarse_size_px
         likelihood_size_px = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, model.ori_size_px,
                                                          model.pixel_size_angstrom, sizes.current_size_px)
-        optimiser = self._sampling(optimiser, run, likelihood_size_px or sizes.current_size_px)
+        optimiser = self._sampling(optimiser, run, likelihood_size_px or sizes.current_size_px,
+                                   estimate_accuracy or accuracy.estimate_on_host)
         optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
@@ -306,9 +306,10 @@ class InitialModelJob:
             tau2_fudge=gradient.tau2_fudge_at(iteration, self.phases, config.tau2_fudge),
             whole_batch=sum(h.size for h in halves) == n_particles)
 
-    def _sampling(self, optimiser, run, compared_size_px):
-        """The iteration's accuracy estimate and, with --auto_sampling, its sampling (module docstring); a new HEALPix
-        order starts the direction distributions afresh, even (RELION's initialisePdfDirection)."""
+    def _sampling(self, optimiser, run, compared_size_px, estimate):
+        """The iteration's accuracy estimate (made by `estimate`, an `em.accuracy.Estimator`) and, with
+        --auto_sampling, its sampling (module docstring); a new HEALPix order starts the direction distributions
+        afresh, even (RELION's initialisePdfDirection)."""
         config, model = self.config, run.model
         if (model.sigma2_noise is not None and self.particles is not None
                 and gradient.estimates_accuracy(optimiser.iteration, self.phases.n_iterations)):
@@ -317,12 +318,13 @@ class InitialModelJob:
             chosen = np.sort(np.random.default_rng((config.random_seed, optimiser.iteration)).choice(
                 n, min(n, accuracy.N_TRIAL_PARTICLES), replace=False))
             poses = run.particles
-            acc = accuracy.projected_accuracy(
-                model.maps[0], model.pdf_class, model.sigma2_noise, self.particles, chosen,
+            acc = estimate(accuracy.AccuracyRequest(
+                list(model.maps[0]), model.pdf_class, model.sigma2_noise, chosen,
                 np.stack([poses.rot_deg[chosen], poses.tilt_deg[chosen], poses.psi_deg[chosen]], axis=1),
                 current_size_px=compared_size_px,
                 padding_factor=config.padding_factor, do_ctf=config.do_ctf,
-                ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed + optimiser.iteration)
+                ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed + optimiser.iteration),
+                self.particles)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if not (config.auto_sampling and gradient.updates_sampling(optimiser.iteration)):

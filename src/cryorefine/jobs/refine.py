@@ -102,7 +102,6 @@ class RefineJob:
     kind = "refine"
     min_mpi_ranks = 3  # a master and one worker per half set
     relion_runs_only_under_mpi = True  # RELION's auto-refine: its files are relion_refine_mpi's, in one process too
-    plan_reads_maps = True  # the accuracy estimate projects half 1's map (`_accuracy`)
 
     def __init__(self, config):
         self.config = config
@@ -159,7 +158,7 @@ class RefineJob:
         run.schedule = run.schedule.counted_from(run.optimiser)  # RELION's leader reads the iteration's sampling
 
     # ------------------------------------------------------------------ one iteration
-    def plan(self, run, iteration):
+    def plan(self, run, iteration, estimate_accuracy=None):
         config, model = self.config, run.model
         box, pixel = model.ori_size_px, model.pixel_size_angstrom
         optimiser = replace(run.optimiser, iteration=iteration)
@@ -176,7 +175,8 @@ class RefineJob:
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, sizes.current_size_px)
         do_cc = iteration == 1 and config.firstiter_cc
         if not do_cc and model.sigma2_noise is not None:
-            acc = self._accuracy(run, likelihood or sizes.current_size_px)
+            acc = self._accuracy(run, likelihood or sizes.current_size_px,
+                                 estimate_accuracy or accuracy.estimate_on_host)
             optimiser = replace(optimiser, acc_rot_deg=acc.rotations_deg, acc_trans_angstrom=acc.translations_angstrom)
             model.accuracy_rotations_deg, model.accuracy_translations_angstrom = acc
         if iteration > 1:
@@ -190,17 +190,19 @@ class RefineJob:
                           self._setup(model, optimiser, sampling, sizes, likelihood, h, do_cc)) for h in (0, 1)]
         return loop.IterationPlan(iteration, sizes, sampling, do_cc, units, final)
 
-    def _accuracy(self, run, compared_size_px):
+    def _accuracy(self, run, compared_size_px, estimate):
         """RELION's estimate of the angular and translational accuracy (calculateExpectedAngularErrors, every
         iteration of an auto-refine but a --firstiter_cc one): half 1's map projected at the current poses of
-        `accuracy_particles`, on the images the E-step compares (`em.accuracy.projected_accuracy`)."""
+        `accuracy_particles`, on the images the E-step compares (`em.accuracy.projected_accuracy`), made by
+        `estimate` (`em.accuracy.Estimator`)."""
         config, model, poses = self.config, run.model, run.particles
         chosen = self.accuracy_particles
-        return accuracy.projected_accuracy(
-            [model.maps[0][0]], np.ones(1), model.sigma2_noise, self.particles, chosen,
+        request = accuracy.AccuracyRequest(
+            [model.maps[0][0]], np.ones(1), model.sigma2_noise, chosen,
             np.stack([poses.rot_deg[chosen], poses.tilt_deg[chosen], poses.psi_deg[chosen]], axis=1),
             current_size_px=compared_size_px, padding_factor=config.padding_factor, do_ctf=config.do_ctf,
             ctf_intact_first_peak=config.ctf_intact_first_peak, seed=config.random_seed)
+        return estimate(request, self.particles)
 
     def _setup(self, model, optimiser, sampling, sizes, likelihood_size_px, half, do_cc):
         config = self.config

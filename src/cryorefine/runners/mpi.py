@@ -104,6 +104,7 @@ TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
 TAG_MODEL = 17  # rank 1 -> master: the new model (its maps as (shape, dtype)), the M-step's stages and parts
 TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps_of_worker`)
+TAG_ACCURACY = 19  # rank 1 -> master: the accuracy estimate a plan asked for (`em.accuracy.AccuracyRequest`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 MAPS_POLL_SECONDS = 0.001  # how often the threads that move the maps to the master ask MPI to go on
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
@@ -396,6 +397,19 @@ class MpiRunner:
         """The master reads no images; the workers copy the stacks to --scratch_dir after the noise pass."""
         return contextlib.nullcontext(particles)
 
+    def estimate_accuracy(self, request, particles):
+        """A plan's accuracy estimate (`em.accuracy.AccuracyRequest`), made by rank 1 as RELION's first follower makes
+        it: on its engine's device, from its own particle set (the same STAR file's) and the maps it holds (those it
+        does not hold cross with the request, as an iteration's do); the master holds no device."""
+        from mpi4py import MPI
+
+        self.objects.bcast(("accuracy", replace(request, maps=self._without_held(request.maps))), root=0)
+        status = MPI.Status()
+        while not self.comm.Iprobe(source=1, tag=TAG_ACCURACY, status=status):
+            self._raise_worker_failure()
+            time.sleep(0.0005)
+        return self.comm.recv(source=1, tag=TAG_ACCURACY)
+
     def announce(self, particles, settings):
         """First broadcast: the run is set up (the workers load the particles and go on)."""
         self.objects.bcast(("setup", settings), root=0)
@@ -552,6 +566,11 @@ class MpiRunner:
         with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node) as particles:
             while True:
                 kind, payload = self.objects.bcast(None, root=0)
+                if kind == "accuracy":  # the master's plan asks for an estimate: the first worker makes it
+                    if self.rank == 1:
+                        request = replace(payload, maps=self._with_held(payload.maps))
+                        self.comm.send(backend.estimate_accuracy(request, particles), dest=0, tag=TAG_ACCURACY)
+                    continue
                 if kind != "iteration":
                     self._maps_sent()
                     return
@@ -692,26 +711,28 @@ class MpiRunner:
         return shares_of_unit(members, len(workers))[workers.index(self.rank - 1)]
 
     # ------------------------------------------------------------------ maps
-    def _without_held_maps(self, plan, model):
-        """(plan, model) with every map the workers hold already (`held_maps`, the last M-step's, which the workers
-        shared among them) replaced by its place (`HeldMap`): each map crosses to the master once per iteration.
-        Maps are only ever replaced, never changed in place, so a held map is recognised by its identity."""
+    def _without_held(self, maps):
+        """`maps` (a list, or None) with every map the workers hold already (`held_maps`, the last M-step's, which the
+        workers shared among them) replaced by its place (`HeldMap`): each map crosses to the master once per
+        iteration. Maps are only ever replaced, never changed in place, so a held map is recognised by its
+        identity."""
         held = {id(m): HeldMap(h, k) for h, row in enumerate(self.held_maps) for k, m in enumerate(row)}
+        return None if maps is None else [held.get(id(m), m) for m in maps]
 
-        def light(maps):
-            return None if maps is None else [held.get(id(m), m) for m in maps]
+    def _with_held(self, maps):
+        """A worker's `maps` from the master's, every `HeldMap` replaced by the map it names."""
+        return None if maps is None else [self.held_maps[m.half][m.klass] if isinstance(m, HeldMap) else m
+                                          for m in maps]
 
-        units = [replace(u, setup=replace(u.setup, maps=light(u.setup.maps))) for u in plan.units]
-        return replace(plan, units=units), replace(model, maps=[light(row) for row in model.maps])
+    def _without_held_maps(self, plan, model):
+        """(plan, model) with every held map replaced by its place (`_without_held`)."""
+        units = [replace(u, setup=replace(u.setup, maps=self._without_held(u.setup.maps))) for u in plan.units]
+        return replace(plan, units=units), replace(model, maps=[self._without_held(row) for row in model.maps])
 
     def _with_held_maps(self, plan, model):
         """A worker's (plan, model) from the master's, every `HeldMap` replaced by the map it names."""
-        def whole(maps):
-            return None if maps is None else [self.held_maps[m.half][m.klass] if isinstance(m, HeldMap) else m
-                                              for m in maps]
-
-        units = [replace(u, setup=replace(u.setup, maps=whole(u.setup.maps))) for u in plan.units]
-        return replace(plan, units=units), replace(model, maps=[whole(row) for row in model.maps])
+        units = [replace(u, setup=replace(u.setup, maps=self._with_held(u.setup.maps))) for u in plan.units]
+        return replace(plan, units=units), replace(model, maps=[self._with_held(row) for row in model.maps])
 
     def _work(self, iteration):
         """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""

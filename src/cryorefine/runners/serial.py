@@ -57,6 +57,11 @@ class SerialRunner:
     def announce(self, particles, settings):
         """Nothing to tell: there are no workers."""
 
+    def estimate_accuracy(self, request, particles):
+        """A plan's accuracy estimate (`em.accuracy.AccuracyRequest`), made on the backend (the GPU where the run has
+        one)."""
+        return self.backend.estimate_accuracy(request, particles)
+
     def staged(self, particles):
         """The particles read from copies of their stacks under --scratch_dir for the run (data.scratch_copy)."""
         return scratch_copy(particles, self.scratch_dir, log)
