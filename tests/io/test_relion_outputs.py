@@ -363,6 +363,19 @@ def test_classes_table_with_completeness():
     np.testing.assert_allclose(classes["rlnOverallFourierCompleteness"].astype(float), 0.75, rtol=1e-12)
 
 
+def test_class_offset_priors_only_for_2d_references():
+    """RELION writes rlnClassPriorOffsetX/Y for 2D references and its reader refuses 2D classes without them
+    (MlModel::readStar); 3D classes have none."""
+    model, optimiser = make_states(size_px=32, n_classes=2, n_groups=1)
+    for dims, expected in ((2, True), (3, False)):
+        classes = ro.model_star_blocks(model, optimiser, make_config(), None, ["a", "b"], ["g"], [1],
+                                       reference_dimensionality=dims)["model_classes"]
+        columns = list(classes.columns)
+        assert ({"rlnClassPriorOffsetX", "rlnClassPriorOffsetY"} <= set(columns)) is expected, dims
+        if expected:  # after the overall completeness, as RELION's MlModel::write puts them
+            assert columns[-3:] == ["rlnOverallFourierCompleteness", "rlnClassPriorOffsetX", "rlnClassPriorOffsetY"]
+
+
 def test_bad_shapes_and_disagreeing_sampling_are_refused(tmp_path):
     model, optimiser = make_states(n_classes=2, n_groups=1)
     with pytest.raises(ValueError, match="reference image names"):

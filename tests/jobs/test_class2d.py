@@ -71,6 +71,8 @@ def test_the_outputs_are_relions_2d_files(three_views):
     classes = model["model_classes"]
     assert list(classes["rlnReferenceImage"]) == [f"{k:06d}@{out}/run_it008_classes.mrcs" for k in (1, 2, 3)]
     assert classes["rlnClassDistribution"].sum() == pytest.approx(1.0)
+    # RELION's MlModel::readStar refuses 2D classes without their offset priors: the centre this run used, (0, 0)
+    assert (classes["rlnClassPriorOffsetX"] == 0).all() and (classes["rlnClassPriorOffsetY"] == 0).all()
     general = starfile.read(out / "run_it008_sampling.star")
     assert int(general["rlnIs3DSampling"]) == 0 and float(general["rlnPsiStep"]) == pytest.approx(15.0)
 

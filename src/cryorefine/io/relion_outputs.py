@@ -26,7 +26,8 @@ shortest text that reads back to the same float64 (Python's repr), so values rou
 sampling's direction table, which a run reads back from nowhere, with DIRECTION_DECIMALS decimals.
 
 Deliberate differences from RELION's own files:
-- model_classes has no rlnClassPriorOffsetX/Y (RELION writes them for 2D references only).
+- model_classes has rlnClassPriorOffsetX/Y for 2D references only, as RELION writes them, always 0: the centre of
+  the offsets' prior that the run used for every class (RELION moves it with the class's offsets).
 - rlnFourierCompleteness and rlnSpectralOrientabilityContribution come from optional arguments
   and are 0 when not given (RELION's reader treats a missing completeness as 0 as well).
 - model_pdf_orient_class_N is written only when `pdf_direction` is given; RELION's reader starts
@@ -177,6 +178,10 @@ def model_star_blocks(model, optimiser, config, half: int | None,
         "rlnAccuracyTranslationsAngst": _fcol(np.full(n_classes, float(model.accuracy_translations_angstrom))),
         "rlnEstimatedResolution": _fcol(estimated),
         "rlnOverallFourierCompleteness": _fcol(total_completeness),
+        # RELION's reader refuses 2D classes without them (MlModel::readStar); the offsets' prior is centred on
+        # (0, 0) Å for every class here (jobs.class2d)
+        **({"rlnClassPriorOffsetX": _fcol(np.zeros(n_classes)), "rlnClassPriorOffsetY": _fcol(np.zeros(n_classes))}
+           if reference_dimensionality == 2 else {}),
     })
 
     shells = np.arange(n_shells)

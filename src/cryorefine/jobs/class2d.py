@@ -39,9 +39,12 @@ the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of 
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
 With --gpu the E-steps run on the GPU engine's 2D path (one GPU per process, EM and VDAM, in one process or under
 mpirun: the workers' sums added on their GPUs and the references made once among them where each has a GPU of its
-own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). Not yet: RELION's
-per-class offset priors (rlnClassPriorOffsetX/Y; the offsets' prior here is centred on (0, 0) for every class; the
-particles' rlnOriginX/YPriorAngst are not used, as in RELION's 2D classification).
+own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). The offsets' prior is
+centred on (0, 0) for every class (model.star's rlnClassPriorOffsetX/Y, which RELION's reader needs, are 0). RELION
+moves each class's centre to the class's weighted sum of offsets divided by the weight of all particles
+(maximizationOtherParameters), which is the class's share of the particles times its mean offset (with K = 24 or
+100, a few per cent of that mean). The particles' rlnOriginX/YPriorAngst are not used, as in RELION's 2D
+classification.
 Outputs per iteration: run_itNNN_classes.mrcs (the K class averages, one stack),
 run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, rlnOriginXAngst/YAngst, no
 rlnAngleRot/Tilt), run_itNNN_optimiser.star, run_itNNN_sampling.star, run_itNNN_report.png (the class averages as
