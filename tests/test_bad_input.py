@@ -67,6 +67,10 @@ REFINE = ("refine", "--i", "{d}/particles.star", "--ref", "{d}/ref.mrc", "--o", 
           "--particle_diameter", "40")
 CLASSIFY = ("classify", "--i", "{d}/particles.star", "--ref", "{d}/ref.mrc", "--o", "{d}/out/run", "--iter", "1",
             "--cpu", "--K", "2", "--particle_diameter", "40")
+CLASS2D = ("class2d", "--i", "{d}/particles.star", "--o", "{d}/out/run", "--iter", "1", "--cpu", "--K", "2",
+           "--particle_diameter", "40")
+INITIAL_MODEL = ("initial_model", "--i", "{d}/particles.star", "--o", "{d}/out/run", "--iter", "1", "--cpu",
+                 "--particle_diameter", "40")
 RECONSTRUCT = ("reconstruct", "--i", "{d}/particles.star", "--o", "{d}/out/map.mrc")
 SIMULATE = ("simulate", "--ref", "{d}/ref.mrc", "--n", "4", "--o", "{d}/out", "--cpu")
 PLAN = ("plan", "--i", "{d}/particles.star", "--ref", "{d}/ref.mrc", "--o", "{d}/out/run")
@@ -179,6 +183,26 @@ CASES = [
     ("--offset_range beyond half the box", REFINE, ("--offset_range", "9"), None, "--offset_range 9"),
     ("classify --offset_range beyond half the box", CLASSIFY, ("--offset_range", "100"), None, "--offset_range 100"),
     ("plan --offset_range beyond half the box", PLAN, ("--offset_range", "12"), None, "--offset_range 12"),
+    # the 2D classification and the initial model: their own options, and the particle files they read
+    ("class2d --K 0", CLASS2D, ("--K", "0"), None, "--K 0"),
+    ("class2d --psi_step 0", CLASS2D, ("--psi_step", "0"), None, "--psi_step 0"),
+    ("class2d --psi_step 400", CLASS2D, ("--psi_step", "400"), None, "--psi_step 400"),
+    ("class2d --grad_write_iter 0", CLASS2D, ("--grad", "--grad_write_iter", "0"), None, "--grad_write_iter 0"),
+    ("class2d --class_inactivity_threshold -1", CLASS2D, ("--grad", "--class_inactivity_threshold", "-1"), None,
+     "--class_inactivity_threshold -1"),
+    ("class2d --fast_subsets with --grad", CLASS2D, ("--grad", "--fast_subsets"), None, "--fast_subsets"),
+    ("class2d --offset_range beyond half the box", CLASS2D, ("--offset_range", "100"), None, "--offset_range 100"),
+    ("class2d --ref", CLASS2D, ("--ref", "{d}/ref.mrc"), None, "--ref"),
+    ("class2d image index beyond the stack", CLASS2D, (), set_column("rlnImageName", "000099@stack.mrcs", row=1),
+     "stack.mrcs"),
+    ("class2d text in rlnAnglePsi", CLASS2D, (), set_column("rlnAnglePsi", "--", row=2), "rlnAnglePsi"),
+    ("initial_model --K 0", INITIAL_MODEL, ("--K", "0"), None, "--K 0"),
+    ("initial_model --sym X9", INITIAL_MODEL, ("--sym", "X9"), None, "X9"),
+    ("initial_model --healpix_order 99", INITIAL_MODEL, ("--healpix_order", "99"), None, "--healpix_order 99"),
+    ("initial_model --offset_step 0", INITIAL_MODEL, ("--offset_step", "0"), None, "--offset_step 0"),
+    ("initial_model --tau2_fudge 0", INITIAL_MODEL, ("--tau2_fudge", "0"), None, "--tau2_fudge 0"),
+    ("initial_model missing stack", INITIAL_MODEL, (), set_column("rlnImageName", "000001@gone.mrcs", row=1),
+     "gone.mrcs"),
     # output folders that cannot be made (/proc takes no new folder, even from root)
     *[pytest.param(name, command, extra, None, option,
                    marks=pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc"), id=name)
