@@ -212,9 +212,9 @@ def pytest_collection_modifyitems(config, items):
     arena from what the GPU has free run on one worker, one after the other (side by side, the first would leave the
     others no memory); the kernels' tests spread over the workers.
 
-    That is not enough on a GPU: with `pytest -m gpu tests -n 4 --dist loadgroup` on one H200 (2026-11-29), 12 job
-    tests failed and one errored while the other workers ran kernel tests (the run was cut before its summary; side by
-    side on 49c7141 the same kind of run failed for want of memory for the arenas). What passed there, all of it: the
+    That is not enough on a GPU: with `pytest -m gpu tests -n 4 --dist loadgroup` on one H200 (2026-11-29), 12 tests
+    failed and one errored near the run's end (it was cut before its summary named them; on 49c7141 such a run's
+    failures were job tests that found too little free memory for their arenas). What passed there, all of it: the
     kernels side by side, `pytest -m gpu tests/estep -n 4` (98 passed, 200 s), then the rest in one process,
     `pytest -m gpu tests --ignore tests/estep` (91 passed, 2 skipped, 290 s). `gpu_pool_released` below hands each
     GPU test's cached blocks back to the device when it ends, so an idle worker holds none."""
