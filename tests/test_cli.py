@@ -231,6 +231,51 @@ def test_a_full_disk_is_named_with_what_to_do_not_as_an_internal_error(tmp_path,
     assert "internal error" not in err and "Traceback" not in err
 
 
+def _fake_cupy():
+    """A stand-in for CuPy's two out-of-memory exception types (the CPU machine has no CuPy)."""
+    import types
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status):
+            super().__init__(f"status {status}")
+            self.status = status
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    runtime = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError)
+    memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, memory=memory))
+
+
+@pytest.mark.parametrize("status, code, start", [(2, 3, "the GPU's memory ran out outside cryorefine's arena"),
+                                                 (700, 1, "internal error")])
+def test_a_gpu_out_of_memory_says_so_in_one_line(tmp_path, capsys, monkeypatch, status, code, start):
+    """A CUDA call that fails for memory (cudaErrorMemoryAllocation, status 2: e.g. the context's creation on a GPU
+    another process has filled) is one line naming the likely cause and what to do, exit 3, not an internal error;
+    another CUDA error stays an internal error."""
+    import sys
+
+    from cryorefine.io import mrc
+
+    path, images = make_particle_set(tmp_path, n=6)
+    write_mrc(tmp_path / "stack.mrcs", images, pixel_size=1.5)
+    write_mrc(tmp_path / "ref.mrc", np.ones((16, 16, 16), np.float32), pixel_size=1.5)
+    cupy = _fake_cupy()
+
+    def failing(*args, **kwargs):
+        raise cupy.cuda.runtime.CUDARuntimeError(status)
+
+    monkeypatch.setattr(mrc, "write_volume", failing)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    code_seen, _, err = run(capsys, "refine", "--i", str(path), "--ref", str(tmp_path / "ref.mrc"), "--o",
+                            str(tmp_path / "out" / "run"), "--ini_high", "10", "--iter", "1", "--cpu")
+    lines = err.strip().splitlines()
+    assert code_seen == code and len(lines) == 1, err
+    assert lines[0].startswith(f"cryorefine: error: {start}"), err
+    assert ("nvidia-smi" in lines[0]) == (status == 2)
+
+
 def test_relion_gpu_strings_give_one_device_per_worker():
     import click
 

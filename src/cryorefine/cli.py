@@ -20,7 +20,7 @@ import click
 
 from cryorefine import __version__
 from cryorefine.config import RefineConfig
-from cryorefine.errors import InputError, RunInterrupted, disk_full_message
+from cryorefine.errors import InputError, RunInterrupted, disk_full_message, gpu_memory_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -1049,9 +1049,9 @@ def main(argv=None):
     except MemoryError as exc:
         _fail(f"out of memory: {exc}; use a smaller batch or box", 3, debug, args)
     except Exception as exc:  # the last line of defence: one line, and the traceback with --debug
-        disk_full = disk_full_message(exc)
-        if disk_full:
-            _fail(disk_full, 3, debug, args)
+        resource = disk_full_message(exc) or gpu_memory_message(exc)
+        if resource:
+            _fail(resource, 3, debug, args)
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug, args)
     return 0
 

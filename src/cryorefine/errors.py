@@ -1,10 +1,11 @@
 """The one exception type for bad input (the CLI prints its message as one line and exits 2), the one
-line for an output that did not fit on its disk, which one process and an MPI job both print, and a run
-stopped by Ctrl-C or SIGTERM."""
+lines for an output that did not fit on its disk and for a GPU whose memory ran out outside the arena, which one
+process and an MPI job both print, and a run stopped by Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import errno
+import sys
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an output that did not fit: the user's to fix, not ours
 
@@ -20,6 +21,25 @@ def disk_full_message(exc: BaseException) -> str | None:
     where = f" writing {exc.filename}" if exc.filename else ""
     return (f"no space left on the device{where}: free space where the run writes (--o), then carry on from its "
             "last complete iteration with --continue (its _optimiser.star)")
+
+
+CUDA_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, CUDARuntimeError.status
+
+
+def gpu_memory_message(exc: BaseException) -> str | None:
+    """What to tell the user when `exc` is the GPU's memory running out outside the arena (CuPy's OutOfMemoryError,
+    or a CUDA call failing with cudaErrorMemoryAllocation, as the CUDA context's creation does on a GPU another
+    process has filled), else None. Only where CuPy was imported: without it there was no GPU."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    out_of_memory = isinstance(exc, cupy.cuda.memory.OutOfMemoryError) or (
+        isinstance(exc, cupy.cuda.runtime.CUDARuntimeError) and getattr(exc, "status", None) == CUDA_MEMORY_ALLOCATION)
+    if not out_of_memory:
+        return None
+    return (f"the GPU's memory ran out outside cryorefine's arena ({exc}): another process may hold that GPU's memory "
+            "(nvidia-smi lists them); run on a free GPU (--gpu), or raise --free_gpu_memory to leave more of it "
+            "outside the arena")
 
 
 class Terminated(KeyboardInterrupt):
