@@ -2,7 +2,7 @@
 RELION's standard settings, and a Class2D K=100 with RELION's GUI line, on particles simulated from the 7P6Z ribosome model at 360 px and 1.34 Å/px. Prints,
 and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
 stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
-particles × 25 iterations; --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
+particles where all its iterations ran (none from fewer); --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
 jobs on the same particles for their first --relion_iterations iterations, and the seconds per iteration of both
 programs are set side by side.
 
@@ -36,7 +36,8 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
               the GPU arena's high water per allocator scope, the FLOP/s of the diff2 stages against
               the FP32 peak measured on the card, each iteration's E-step against the cheapest
               local-search iteration's (by HEALPix order; the target is at most 1.5×), and the job's
-              time extrapolated to 105,247 particles × 25 iterations; printed as Markdown and written
+              time extrapolated to 105,247 particles where all its iterations ran (an iteration not
+              measured is never stood in for by one that was); printed as Markdown and written
               as JSON (--json) with the device, versions, date and command.
 
 Warm-up: on the GPU each job first runs for 3 iterations on 200 of the particles, so that the
@@ -287,7 +288,8 @@ def prune_half_maps(folder, keep, *_progress):
 
 
 def summarise(job, n_particles, peak_flops):
-    """Particle-iterations per second per stage, FLOP/s, and the extrapolated job time."""
+    """Particle-iterations per second per stage, FLOP/s, and the job time extrapolated to the full particle count
+    (where every iteration of the job was measured; otherwise none)."""
     its = job["iterations"]
     n_its = len(its)
     total = {}
@@ -331,15 +333,16 @@ def summarise(job, n_particles, peak_flops):
     scale = FULL_PARTICLES / n_particles
     per_iteration = [(it["seconds"].get("expectation", 0.0) + it["seconds"].get("write", 0.0)
                       + it["seconds"].get("plan", 0.0)) * scale + it["seconds"].get("maximization", 0.0) for it in its]
-    if per_iteration:
-        per_iteration += [per_iteration[-1]] * max(FULL_ITERATIONS - n_its, 0)
-    extrapolated = start * scale + sum(per_iteration[:FULL_ITERATIONS])
+    # only in particles: an iteration not measured is not stood in for by one that was (later iterations cost
+    # differently: other sizes, samplings, searches), so fewer measured iterations than the job's give no figure
+    whole_job = n_its >= FULL_ITERATIONS
+    extrapolated = start * scale + sum(per_iteration[:FULL_ITERATIONS]) if whole_job else None
     return {"stages": rows, "achieved_flops": achieved, "start_seconds": start, "outside_iterations": outside,
             "estep_relative_to_cheapest_local": relative_to_cheapest_local(its),
             "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
-            "extrapolation": f"{FULL_PARTICLES} particles × {FULL_ITERATIONS} iterations from {n_particles} "
-                             f"particles × {n_its} measured iterations"
-                             + ("" if n_its >= FULL_ITERATIONS else "; later iterations as the last measured one")}
+            "extrapolation": (f"{FULL_PARTICLES} particles × {FULL_ITERATIONS} iterations from {n_particles} "
+                              f"particles × {n_its} measured iterations" if whole_job else
+                              f"none: {n_its} of the job's {FULL_ITERATIONS} iterations measured")}
 
 
 def relative_to_cheapest_local(its):
@@ -528,8 +531,10 @@ def format_report(results):
         if s.get("outside_iterations"):
             lines.append("\noutside the iterations (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                                       s["outside_iterations"].items()))
+        extrapolated = (f"{s['extrapolated_seconds'] / 60:.1f} min ({s['extrapolation']})"
+                        if s["extrapolated_seconds"] is not None else s["extrapolation"])
         lines.append(f"\njob wall time {job['wall_seconds']:.0f} s (start {s['start_seconds']:.0f} s); extrapolated "
-                     f"({s['extrapolation']}): {s['extrapolated_seconds'] / 60:.1f} min")
+                     f"to {FULL_PARTICLES:,} particles: {extrapolated}")
     return "\n".join(lines)
 
 
