@@ -96,6 +96,16 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run, 
         per_iteration = [(it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"]) * scale
                          + it["seconds"]["maximization"] for it in whole["iterations"]]
         assert summary["extrapolated_seconds"] == pytest.approx(summary["start_seconds"] * scale + sum(per_iteration))
+    # an auto-refine without --iter ran to convergence: its iterations, however many, are the whole job
+    refine = results["jobs"]["refine"]
+    words = refine["command"].split()
+    at = words.index("--iter")
+    converged = dict(refine, command=" ".join(words[:at] + words[at + 2:]))
+    summary = empiar10028.summarise(converged, n, None)
+    per_iteration = [(it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"]) * scale
+                     + it["seconds"]["maximization"] for it in refine["iterations"]]
+    assert summary["extrapolated_seconds"] == pytest.approx(summary["start_seconds"] * scale + sum(per_iteration))
+    assert summary["extrapolation"] == f"105247 particles from {n} particles × {len(per_iteration)} measured iterations"
 
 
 def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, empiar10028):
