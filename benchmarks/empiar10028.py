@@ -1,10 +1,11 @@
 """The EMPIAR-10028 benchmark on a stand-in of the same geometry: its Class3D K=6 and auto-refine jobs, with
-RELION's standard settings, and a Class2D K=100 with RELION's GUI line, on particles simulated from the 7P6Z ribosome model at 360 px and 1.34 Å/px. Prints,
+RELION's standard settings, a Class2D K=100 and an InitialModel with RELION's GUI lines, on particles simulated
+from the 7P6Z ribosome model at 360 px and 1.34 Å/px (binned, e.g. to 128 px, for the InitialModel). Prints,
 and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
 stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
 particles where all its iterations ran (none from fewer); --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
-jobs on the same particles for their first --relion_iterations iterations, and the seconds per iteration of both
-programs are set side by side.
+jobs on the same particles for their first --relion_iterations iterations (the InitialModel: its whole line,
+stopped by --relion_seconds), and the seconds per iteration of both programs are set side by side.
 
 EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
 300 kV) is the data set behind the timings of the RELION-2, GeRelion and Zhang 2018 papers. It
@@ -29,6 +30,11 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
                   and a mask of 360 Å: class2d --iter 25 --ctf --tau2_fudge 2 --particle_diameter 360 --K 100
                   --flatten_solvent --zero_mask --center_classes --oversampling 1 --psi_step 12
                   --offset_range 5 --offset_step 2 --norm --scale (no reference)
+              (d) InitialModel (--jobs initial_model, not by default), RELION 5's GUI line with a mask of 360 Å:
+                  initial_model --iter 200 --grad --denovo_3dref --ctf --K 1 --sym C1 --flatten_solvent
+                  --zero_mask --pad 1 --particle_diameter 360 --oversampling 1 --healpix_order 1
+                  --offset_range 6 --offset_step 2 --auto_sampling --tau2_fudge 4 (no reference), on a stand-in
+                  made as users bin their particles for it: --box 128 --angpix 3.77 (the same 482 Å box)
               run in this process through the command line's own option parsing
               (`cli.config_from_arguments`); --iterations N stops each job after N iterations.
 4. report     per job: particle-iterations per second of each stage (image preparation, coarse
@@ -46,8 +52,8 @@ pays this once per version); the auto-refine then runs 2 iterations of local sea
 order 4 on them, for the local searches' kernels, which its first 3 iterations do not use. Its
 time is reported apart (--no-warmup measures a cold start).
 
-Extrapolation (to 105,247 particles, of a job whose iterations all ran: Class3D's and Class2D's 25, an
-auto-refine's to convergence; none after fewer, as with --iterations): each measured iteration's plan (the
+Extrapolation (to 105,247 particles, of a job whose iterations all ran: Class3D's and Class2D's 25,
+InitialModel's 200, an auto-refine's to convergence; none after fewer, as with --iterations): each measured iteration's plan (the
 particles put in direction order), E-step and the loop's own time for the outputs (building the tables, waiting
 for the writer thread when it lags) scale with the particle count, its M-step does not. The time outside the iterations (the
 engine made, the particles read, the initial noise spectra over all images, the last files written:
@@ -65,16 +71,23 @@ is reconstructed from 20 particles, and against such weak references the posteri
     python benchmarks/empiar10028.py --n 105247 --float16 --jobs class2d --model .bench/7p6z.cif.gz --work /tmp/e105k
     python benchmarks/empiar10028.py --n 105247 --float16 --jobs class2d --model .bench/7p6z.cif.gz --work /tmp/e105k \
         --relion_only --relion /tmp/relion/build/bin/relion_refine_mpi --relion_iterations 4 --relion_seconds 420
+    python benchmarks/empiar10028.py --n 105247 --box 128 --angpix 3.77 --jobs initial_model \
+        --model .bench/7p6z.cif.gz --work /tmp/e105k_128
+    python benchmarks/empiar10028.py --n 105247 --box 128 --angpix 3.77 --jobs initial_model \
+        --model .bench/7p6z.cif.gz --work /tmp/e105k_128 --relion_only --relion /tmp/relion/build/bin/relion_refine \
+        --relion_launcher "" --relion_extra "--gpu 0 --j 4 --pool 30 --dont_combine_weights_via_disc" \
+        --relion_seconds 540         # one process: RELION refuses --grad under MPI without --split_random_halves
 
 RELION beside it (--relion PATH, e.g. RELION 5's relion_refine_mpi built by ../shared/device/relion_build.sh):
 each job's line (the refine job's with --auto_refine --split_random_halves, which cryorefine's refine implies) on
 the same STAR file, launched by --relion_launcher (default `mpirun --allow-run-as-root -n 3`: a leader and two
 workers) with --relion_extra (default `--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc`: both
 workers on GPU 0, as RELION's GUI and tutorial run it on one GPU), --iter --relion_iterations, in WORK/relion_JOB;
---relion_seconds stops it and measures the iterations it finished. Both programs' seconds per iteration are read
-alike, from when each iteration's run_itNNN_model.star was written (WORK/JOB for cryorefine, WORK/relion_JOB for
-RELION), and compared over the iterations after the first that both finished (iteration 1 holds each program's
-own start: RELION's from its launch or its iteration-0 files). --relion_only runs RELION alone, set against
+--relion_seconds stops it and measures the iterations it finished (the InitialModel runs its whole line, whose
+VDAM schedule follows its --iter, until --relion_seconds). Both programs' seconds per iteration are read alike, from
+when each iteration's run_itNNN_model.star was written (WORK/JOB for cryorefine, WORK/relion_JOB for RELION), and
+compared from the first iteration both wrote files of to the last (iteration 1, or the InitialModel's 10th, holds
+each program's own start: RELION's from its launch or its iteration-0 files; VDAM writes every 10th iteration's). --relion_only runs RELION alone, set against
 cryorefine's files of an earlier run of the same jobs in WORK (one machine call each), and writes
 WORK/results_relion.json instead of WORK/results.json.
 """
@@ -86,6 +99,7 @@ import datetime
 import functools
 import json
 import logging
+import math
 import platform
 import shlex
 import shutil
@@ -133,9 +147,20 @@ JOB_ARGUMENTS = {
     "class2d": ("class2d", ["--iter", "25", "--ctf", "--tau2_fudge", "2", "--particle_diameter", "360", "--K", "{K}",
                             "--flatten_solvent", "--zero_mask", "--center_classes", "--oversampling", "1",
                             "--psi_step", "12", "--offset_range", "5", "--offset_step", "2", "--norm", "--scale"]),
+    # RELION 5's InitialModel GUI line (tests/data/relion5_initial_model_gui_lines.txt), its mask diameter 360 Å: VDAM,
+    # no --ref; run on the stand-in binned as users bin for this job (--box 128 --angpix 3.77: the same 482 Å box)
+    "initial_model": ("initial_model", ["--iter", "200", "--grad", "--denovo_3dref", "--ctf", "--K", "{K}", "--sym",
+                                        "C1", "--flatten_solvent", "--zero_mask", "--pad", "1", "--particle_diameter",
+                                        "360", "--oversampling", "1", "--healpix_order", "1", "--offset_range", "6",
+                                        "--offset_step", "2", "--auto_sampling", "--tau2_fudge", "4"]),
 }
 #: the jobs' --K without --K
-DEFAULT_CLASSES = {"class3d": 6, "class2d": 100}
+DEFAULT_CLASSES = {"class3d": 6, "class2d": 100, "initial_model": 1}
+#: the commands that start without a reference (--ref)
+WITHOUT_REFERENCE = ("class2d", "initial_model")
+#: the jobs whose schedule follows --iter (VDAM's phases): RELION runs their whole line, stopped by --relion_seconds,
+#: not a line of --relion_iterations iterations
+GRADIENT_JOBS = ("initial_model",)
 #: RELION's flags for its GPU runs (--relion), as its GUI and tutorial write them for one GPU shared by two workers
 RELION_GPU_FLAGS = "--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc"
 #: what relion_refine needs besides a job's line for what cryorefine's command implies
@@ -217,9 +242,9 @@ def warm_up(name, star, reference, work, args):
 
 def job_arguments(name, star, reference, out_root, classes=None):
     """The command and the arguments of job `name` (JOB_ARGUMENTS) on `star` into `out_root`: --ref `reference`
-    where the job takes one (not class2d), --K `classes` (default DEFAULT_CLASSES) where it has classes."""
+    where the job takes one (not WITHOUT_REFERENCE), --K `classes` (default DEFAULT_CLASSES) where it has classes."""
     command, template = JOB_ARGUMENTS[name]
-    arguments = ["--i", star, *(["--ref", reference] if command != "class2d" else []), "--o", out_root]
+    arguments = ["--i", star, *(["--ref", reference] if command not in WITHOUT_REFERENCE else []), "--o", out_root]
     return command, arguments + [a.format(K=classes or DEFAULT_CLASSES.get(name)) for a in template]
 
 
@@ -244,7 +269,7 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
         arguments += ["--free_gpu_memory", f"{max(0.0, free_bytes - args.arena_gb * 1e9) / 2 ** 20:.0f}"]
     config = config_from_arguments(command, arguments)
     from cryorefine.estep.backend import make_backend
-    from cryorefine.jobs import class2d, classify, refine
+    from cryorefine.jobs import class2d, classify, initial_model, refine
     from cryorefine.runners.serial import SerialRunner
 
     log.info("%s: cryorefine %s %s", name, command, " ".join(map(str, arguments)))
@@ -252,7 +277,7 @@ def run_job(name, star, reference, work, args, iterations=None, extra=()):
     backend = make_backend(config, None if args.engine == "numpy" else args.gpu)
     runner = SerialRunner(backend, config.batch_size_for, config.preread_images)
     engine_seconds = time.perf_counter() - tic
-    job = {"classify": classify, "refine": refine, "class2d": class2d}[command]
+    job = {"classify": classify, "refine": refine, "class2d": class2d, "initial_model": initial_model}[command]
     progress = None if args.keep_maps is None else functools.partial(prune_half_maps, work / name, args.keep_maps)
     # the benchmark's own folders: a run again with the same --work replaces the last one's files
     reports = job.run(config, runner, argv=[command, *map(str, arguments)], progress=progress, overwrite=True)
@@ -286,9 +311,20 @@ def prune_half_maps(folder, keep, *_progress):
             path.unlink(missing_ok=True)
 
 
-def summarise(job, n_particles, peak_flops):
+def job_iterations(name, capped_at=None):
+    """The iterations of job `name` as a user runs it: its line's --iter (JOB_ARGUMENTS; Class3D's and Class2D's 25,
+    InitialModel's 200), or None for an auto-refine, which runs to convergence, unless `capped_at` (--iterations)
+    stopped it: then math.inf (no run of it is the whole job)."""
+    template = [str(a) for a in JOB_ARGUMENTS[name][1]]
+    if "--iter" in template:
+        return int(template[template.index("--iter") + 1])
+    return math.inf if capped_at else None
+
+
+def summarise(job, n_particles, peak_flops, iterations=FULL_ITERATIONS):
     """Particle-iterations per second per stage, FLOP/s, and the job time extrapolated to the full particle count
-    (where every iteration of the job was measured; otherwise none)."""
+    where every one of the job's `iterations` was measured (`job_iterations`; None: as many as it ran, an
+    auto-refine to convergence); otherwise none."""
     its = job["iterations"]
     n_its = len(its)
     total = {}
@@ -334,17 +370,16 @@ def summarise(job, n_particles, peak_flops):
                       + it["seconds"].get("plan", 0.0)) * scale + it["seconds"].get("maximization", 0.0) for it in its]
     # only in particles: an iteration not measured is not stood in for by one that was (later iterations cost
     # differently: other sizes, samplings, searches), so fewer measured iterations than the job's give no figure
-    words = job["command"].split()
-    to_convergence = words[1] == "refine" and "--iter" not in words  # an auto-refine's job: all its iterations
-    whole_job = to_convergence or n_its >= FULL_ITERATIONS
-    extrapolated = start * scale + sum(per_iteration if to_convergence else per_iteration[:FULL_ITERATIONS]) \
-        if whole_job else None
+    whole_job = iterations is None or n_its >= iterations
+    counted = per_iteration if iterations is None else per_iteration[:int(min(iterations, n_its))]
+    extrapolated = start * scale + sum(counted) if whole_job else None
     return {"stages": rows, "achieved_flops": achieved, "start_seconds": start, "outside_iterations": outside,
             "estep_relative_to_cheapest_local": relative_to_cheapest_local(its),
             "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
-            "extrapolation": (f"{FULL_PARTICLES} particles from {n_particles} particles × "
-                              f"{n_its if to_convergence else FULL_ITERATIONS} measured iterations" if whole_job else
-                              f"none: {n_its} of the job's {FULL_ITERATIONS} iterations measured")}
+            "extrapolation": (f"{FULL_PARTICLES} particles from {n_particles} particles × {len(counted)} measured "
+                              "iterations" if whole_job else
+                              f"none: {n_its} of the job's {iterations} iterations measured" if iterations < math.inf
+                              else f"none: the auto-refine was stopped after {n_its} iterations (--iterations)")}
 
 
 def relative_to_cheapest_local(its):
@@ -380,9 +415,10 @@ def with_iterations(arguments, iterations):
 
 
 def run_relion(name, star, reference, work, args):
-    """RELION on job `name`'s line for --relion_iterations iterations in WORK/relion_NAME (run where the STAR file
-    is, whose image names are relative to it); its command, exit code ("stopped" after --relion_seconds), wall
-    seconds and the seconds from its launch to each iteration's files."""
+    """RELION on job `name`'s line for --relion_iterations iterations (a GRADIENT_JOBS line as it is, its schedule
+    following its --iter: stopped by --relion_seconds) in WORK/relion_NAME (run where the STAR file is, whose image
+    names are relative to it); its command, exit code ("stopped" after --relion_seconds), wall seconds and the
+    seconds from its launch to each iteration's files."""
     folder = work / f"relion_{name}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -390,10 +426,13 @@ def run_relion(name, star, reference, work, args):
     program = shlex.split(args.relion)
     if Path(program[0]).exists():
         program[0] = str(Path(program[0]).absolute())
+    line = arguments + RELION_JOB_FLAGS.get(name, [])
+    whole = name in GRADIENT_JOBS
     command = [*shlex.split(args.relion_launcher), *program,
-               *with_iterations(arguments + RELION_JOB_FLAGS.get(name, []), args.relion_iterations),
+               *(map(str, line) if whole else with_iterations(line, args.relion_iterations)),
                *shlex.split(args.relion_extra)]
-    log.info("%s: RELION for %d iterations: %s", name, args.relion_iterations, shlex.join(command))
+    log.info("%s: RELION for %s: %s", name, "its line's iterations" if whole else f"{args.relion_iterations} iterations",
+             shlex.join(command))
     launched = time.time()
     code, wall = run_logged(command, folder / "relion.log", star.parent, args.relion_seconds)
     times = iteration_file_times(folder)
@@ -402,29 +441,38 @@ def run_relion(name, star, reference, work, args):
 
 
 def compare_with_relion(name, work, relion, job=None):
-    """cryorefine's and RELION's seconds per iteration from their iteration files, and over iterations 2…M (M the
-    last that both finished) the ratio RELION / cryorefine; with `job` (cryorefine's run in this process) its whole
-    iterations' seconds from its own reports beside them."""
+    """cryorefine's and RELION's seconds per iteration from their iteration files, and from the first iteration both
+    wrote files of (1; a gradient job's every --grad_write_iter-th: 10) to the last one both wrote, the ratio RELION /
+    cryorefine over those iterations; with `job` (cryorefine's run in this process) its whole iterations' seconds from
+    its own reports beside them. A row's seconds are from the iteration files before it (those of several
+    iterations where the files skip some) divided by the iterations between."""
     ours = iteration_file_times(work / name)
     theirs = {int(it): t for it, t in relion["seconds_from_launch"].items()}
     rows = []
+    def per_iteration(times, it, since_launch=0.0):
+        """Seconds per iteration from the iteration files before `it` to its own, None without them."""
+        before = [i for i in times if i < it]
+        if it not in times or (not before and since_launch is None):
+            return None
+        last = max(before) if before else 0
+        return (times[it] - (times[last] if before else since_launch)) / (it - last)
+
     for it in sorted(set(ours) | set(theirs)):
         if it < 1:
             continue
-        row = {"iteration": it,
-               "cryorefine_seconds": ours[it] - ours[it - 1] if it in ours and it - 1 in ours else None,
-               "relion_seconds": theirs[it] - theirs.get(it - 1, 0.0) if it in theirs else None}
+        row = {"iteration": it, "cryorefine_seconds": per_iteration(ours, it, None),
+               "relion_seconds": per_iteration(theirs, it)}
         reports = [r for r in (job or {}).get("iterations", []) if r["iteration"] == it]
         if reports:
             row["cryorefine_reported_seconds"] = sum(reports[0]["seconds"].get(k, 0.0)
                                                      for k in ("plan", "expectation", "maximization", "write"))
         rows.append(row)
-    both = sorted(set(ours) & set(theirs))
-    last = max((it for it in both if all(i in ours and i in theirs for i in range(1, it + 1))), default=0)
+    both = sorted(it for it in set(ours) & set(theirs) if it >= 1)
     result = {"iterations": rows, "relion_start_seconds": theirs.get(0)}
-    if last >= 2:
-        result.update(compared_iterations=[2, last], cryorefine_seconds=ours[last] - ours[1],
-                      relion_seconds=theirs[last] - theirs[1])
+    if len(both) >= 2:
+        first, last = both[0], both[-1]
+        result.update(compared_iterations=[first + 1, last], cryorefine_seconds=ours[last] - ours[first],
+                      relion_seconds=theirs[last] - theirs[first])
         result["ratio"] = result["relion_seconds"] / max(result["cryorefine_seconds"], 1e-9)
     return result
 
@@ -631,7 +679,7 @@ def main(argv=None):
             warmup = warm_up(name, star, reference, args.work, args) if args.engine == "cuda" and args.warmup else None
             job = run_job(name, star, reference, args.work, args)
             job["warmup_seconds"] = warmup
-            job["summary"] = summarise(job, args.n, peak)
+            job["summary"] = summarise(job, args.n, peak, job_iterations(name, args.iterations))
             results["jobs"][name] = job
             saved.write_text(json.dumps(results, indent=1))
         if args.relion:

@@ -33,13 +33,13 @@ def refine_accuracy():
 def tiny_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("empiar10028")
     done = subprocess.run([sys.executable, str(SCRIPT), "--engine", "numpy", "--work", str(work), "--jobs",
-                           "class3d", "refine", "--json", str(work / "out.json")],
+                           "class3d", "refine", "initial_model", "--json", str(work / "out.json")],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return work, done.stdout, json.loads((work / "out.json").read_text())
 
 
-def test_both_jobs_run_with_relion_settings_and_write_their_outputs(tiny_run):
+def test_the_jobs_run_with_relion_settings_and_write_their_outputs(tiny_run):
     work, _, results = tiny_run
     class3d = results["jobs"]["class3d"]
     assert "--K 6" in class3d["command"] and "--tau2_fudge 4" in class3d["command"]
@@ -49,6 +49,9 @@ def test_both_jobs_run_with_relion_settings_and_write_their_outputs(tiny_run):
     refine = results["jobs"]["refine"]
     assert "--auto_local_healpix_order 4" in refine["command"]
     assert (work / "refine" / "run_it002_half1_class001.mrc").is_file()
+    initial = results["jobs"]["initial_model"]  # RELION 5's InitialModel GUI line: VDAM, no reference
+    assert "--grad --denovo_3dref" in initial["command"] and "--ref" not in initial["command"].split()
+    assert (work / "initial_model" / "run_it002_class001.mrc").is_file()
 
 
 def test_stage_table_accounts_for_the_measured_time(tiny_run):
@@ -83,29 +86,32 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run, 
     was not measured stood in for by one that was: a run of fewer iterations than the job's gives no figure."""
     _, _, results = tiny_run
     n = results["n_particles"]
-    for job in results["jobs"].values():
-        its = job["iterations"]
-        assert len(its) < 25  # the tiny run: no figure
-        summary = job["summary"]
-        assert summary["extrapolated_seconds"] is None
-        assert summary["extrapolation"] == f"none: {len(its)} of the job's 25 iterations measured"
-        # the same iterations, as if there were 25 of them: all of them scaled, the start too
-        whole = dict(job, iterations=[dict(its[i % len(its)], iteration=i + 1) for i in range(25)])
-        summary = empiar10028.summarise(whole, n, None)
-        scale = 105_247 / n
-        per_iteration = [(it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"]) * scale
-                         + it["seconds"]["maximization"] for it in whole["iterations"]]
-        assert summary["extrapolated_seconds"] == pytest.approx(summary["start_seconds"] * scale + sum(per_iteration))
-    # an auto-refine without --iter ran to convergence: its iterations, however many, are the whole job
-    refine = results["jobs"]["refine"]
-    words = refine["command"].split()
-    at = words.index("--iter")
-    converged = dict(refine, command=" ".join(words[:at] + words[at + 2:]))
-    summary = empiar10028.summarise(converged, n, None)
-    per_iteration = [(it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"]) * scale
-                     + it["seconds"]["maximization"] for it in refine["iterations"]]
-    assert summary["extrapolated_seconds"] == pytest.approx(summary["start_seconds"] * scale + sum(per_iteration))
-    assert summary["extrapolation"] == f"105247 particles from {n} particles × {len(per_iteration)} measured iterations"
+    scale = 105_247 / n
+
+    def per_iteration(its):
+        return [(it["seconds"]["plan"] + it["seconds"]["expectation"] + it["seconds"]["write"]) * scale
+                + it["seconds"]["maximization"] for it in its]
+
+    jobs = results["jobs"]
+    assert [len(job["iterations"]) for job in jobs.values()] == [2, 2, 2]  # the tiny run's --iterations 2: no figure
+    assert all(job["summary"]["extrapolated_seconds"] is None for job in jobs.values())
+    assert jobs["class3d"]["summary"]["extrapolation"] == "none: 2 of the job's 25 iterations measured"
+    assert jobs["initial_model"]["summary"]["extrapolation"] == "none: 2 of the job's 200 iterations measured"
+    assert jobs["refine"]["summary"]["extrapolation"] == ("none: the auto-refine was stopped after 2 iterations "
+                                                          "(--iterations)")
+    assert empiar10028.job_iterations("refine") is None and empiar10028.job_iterations("class2d") == 25
+    # Class3D's iterations as if all 25 had run: every one of them scaled, and the start
+    its = jobs["class3d"]["iterations"]
+    whole = dict(jobs["class3d"], iterations=[dict(its[i % len(its)], iteration=i + 1) for i in range(25)])
+    summary = empiar10028.summarise(whole, n, None, 25)
+    assert summary["extrapolated_seconds"] == pytest.approx(
+        summary["start_seconds"] * scale + sum(per_iteration(whole["iterations"])))
+    # an auto-refine run to convergence: its iterations, however many, are the whole job
+    refine = jobs["refine"]
+    summary = empiar10028.summarise(refine, n, None, None)
+    assert summary["extrapolated_seconds"] == pytest.approx(
+        summary["start_seconds"] * scale + sum(per_iteration(refine["iterations"])))
+    assert summary["extrapolation"] == f"105247 particles from {n} particles × 2 measured iterations"
 
 
 def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, empiar10028):
@@ -256,3 +262,22 @@ def test_refine_accuracy_runs_relion_for_the_seeds_asked_only(refine_accuracy, t
     assert refine_accuracy.main(["--work", str(tmp_path), "--seeds", "1", "2", "3", "--relion", str(relion),
                                  "--relion_seeds", "3", "--keep_maps"]) == 0
     assert ran == [("cryorefine", 1), ("cryorefine", 2), ("cryorefine", 3), ("relion", 3)]
+
+
+def test_relion_comparison_takes_the_iterations_both_wrote_files_of(empiar10028, monkeypatch, tmp_path):
+    """A gradient job writes every 10th iteration's files: the rows' seconds are per iteration between files, and the
+    ratio is over the iterations from the first both wrote to the last both wrote."""
+    ours = {0: 0.0, 10: 5.0, 20: 12.0, 30: 20.0}
+    monkeypatch.setattr(empiar10028, "iteration_file_times", lambda folder: ours)
+    relion = {"seconds_from_launch": {"10": 100.0, "20": 250.0, "30": 420.0, "40": 600.0}}
+    result = empiar10028.compare_with_relion("initial_model", tmp_path, relion)
+    rows = {row["iteration"]: (row["cryorefine_seconds"], row["relion_seconds"]) for row in result["iterations"]}
+    assert rows == {10: (0.5, 10.0), 20: (0.7, 15.0), 30: (0.8, 17.0), 40: (None, 18.0)}
+    assert result["compared_iterations"] == [11, 30]
+    assert (result["cryorefine_seconds"], result["relion_seconds"]) == (15.0, 320.0)
+    assert result["ratio"] == pytest.approx(320.0 / 15.0)
+    # an EM job's files at every iteration: iterations 2 to the last both finished, as before
+    ours = {0: 0.0, 1: 4.0, 2: 5.0, 3: 6.0}
+    monkeypatch.setattr(empiar10028, "iteration_file_times", lambda folder: ours)
+    result = empiar10028.compare_with_relion("class3d", tmp_path, {"seconds_from_launch": {"1": 60.0, "2": 90.0}})
+    assert result["compared_iterations"] == [2, 2] and result["ratio"] == pytest.approx(30.0)
