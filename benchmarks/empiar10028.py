@@ -4,7 +4,7 @@ from the 7P6Z ribosome model at 360 px and 1.34 Å/px (binned, e.g. to 128 px, f
 and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
 stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
 particles where all its iterations ran (none from fewer); --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
-jobs on the same particles for their first --relion_iterations iterations (the InitialModel: its whole line,
+jobs on the same particles for their first --relion_iterations iterations (VDAM jobs: their whole line,
 stopped by --relion_seconds), and the seconds per iteration of both programs are set side by side.
 
 EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
@@ -30,6 +30,8 @@ cannot be downloaded here, so this script builds a stand-in of the same geometry
                   and a mask of 360 Å: class2d --iter 25 --ctf --tau2_fudge 2 --particle_diameter 360 --K 100
                   --flatten_solvent --zero_mask --center_classes --oversampling 1 --psi_step 12
                   --offset_range 5 --offset_step 2 --norm --scale (no reference)
+              (c') Class2D as RELION 5's GUI line comes (VDAM; --jobs class2d_vdam, not by default): the same
+                  with --grad --class_inactivity_threshold 0.1 --grad_write_iter 10 --iter 200
               (d) InitialModel (--jobs initial_model, not by default), RELION 5's GUI line with a mask of 360 Å:
                   initial_model --iter 200 --grad --denovo_3dref --ctf --K 1 --sym C1 --flatten_solvent
                   --zero_mask --pad 1 --particle_diameter 360 --oversampling 1 --healpix_order 1
@@ -53,7 +55,7 @@ order 4 on them, for the local searches' kernels, which its first 3 iterations d
 time is reported apart (--no-warmup measures a cold start).
 
 Extrapolation (to 105,247 particles, of a job whose iterations all ran: Class3D's and Class2D's 25,
-InitialModel's 200, an auto-refine's to convergence; none after fewer, as with --iterations): each measured iteration's plan (the
+VDAM Class2D's and InitialModel's 200, an auto-refine's to convergence; none after fewer, as with --iterations): each measured iteration's plan (the
 particles put in direction order), E-step and the loop's own time for the outputs (building the tables, waiting
 for the writer thread when it lags) scale with the particle count, its M-step does not. The time outside the iterations (the
 engine made, the particles read, the initial noise spectra over all images, the last files written:
@@ -83,10 +85,10 @@ each job's line (the refine job's with --auto_refine --split_random_halves, whic
 the same STAR file, launched by --relion_launcher (default `mpirun --allow-run-as-root -n 3`: a leader and two
 workers) with --relion_extra (default `--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc`: both
 workers on GPU 0, as RELION's GUI and tutorial run it on one GPU), --iter --relion_iterations, in WORK/relion_JOB;
---relion_seconds stops it and measures the iterations it finished (the InitialModel runs its whole line, whose
-VDAM schedule follows its --iter, until --relion_seconds). Both programs' seconds per iteration are read alike, from
+--relion_seconds stops it and measures the iterations it finished (a VDAM job runs its whole line, whose
+schedule follows its --iter, until --relion_seconds). Both programs' seconds per iteration are read alike, from
 when each iteration's run_itNNN_model.star was written (WORK/JOB for cryorefine, WORK/relion_JOB for RELION), and
-compared from the first iteration both wrote files of to the last (iteration 1, or the InitialModel's 10th, holds
+compared from the first iteration both wrote files of to the last (iteration 1, or a VDAM job's 10th, holds
 each program's own start: RELION's from its launch or its iteration-0 files; VDAM writes every 10th iteration's). --relion_only runs RELION alone, set against
 cryorefine's files of an earlier run of the same jobs in WORK (one machine call each), and writes
 WORK/results_relion.json instead of WORK/results.json.
@@ -147,6 +149,12 @@ JOB_ARGUMENTS = {
     "class2d": ("class2d", ["--iter", "25", "--ctf", "--tau2_fudge", "2", "--particle_diameter", "360", "--K", "{K}",
                             "--flatten_solvent", "--zero_mask", "--center_classes", "--oversampling", "1",
                             "--psi_step", "12", "--offset_range", "5", "--offset_step", "2", "--norm", "--scale"]),
+    # RELION 5's Class2D GUI line as it comes (VDAM: 'Use EM algorithm? No'), its mask diameter 360 Å
+    "class2d_vdam": ("class2d", ["--grad", "--class_inactivity_threshold", "0.1", "--grad_write_iter", "10", "--iter",
+                                 "200", "--ctf", "--tau2_fudge", "2", "--particle_diameter", "360", "--K", "{K}",
+                                 "--flatten_solvent", "--zero_mask", "--center_classes", "--oversampling", "1",
+                                 "--psi_step", "12", "--offset_range", "5", "--offset_step", "2", "--norm",
+                                 "--scale"]),
     # RELION 5's InitialModel GUI line (tests/data/relion5_initial_model_gui_lines.txt), its mask diameter 360 Å: VDAM,
     # no --ref; run on the stand-in binned as users bin for this job (--box 128 --angpix 3.77: the same 482 Å box)
     "initial_model": ("initial_model", ["--iter", "200", "--grad", "--denovo_3dref", "--ctf", "--K", "{K}", "--sym",
@@ -155,12 +163,12 @@ JOB_ARGUMENTS = {
                                         "--offset_step", "2", "--auto_sampling", "--tau2_fudge", "4"]),
 }
 #: the jobs' --K without --K
-DEFAULT_CLASSES = {"class3d": 6, "class2d": 100, "initial_model": 1}
+DEFAULT_CLASSES = {"class3d": 6, "class2d": 100, "class2d_vdam": 100, "initial_model": 1}
 #: the commands that start without a reference (--ref)
 WITHOUT_REFERENCE = ("class2d", "initial_model")
 #: the jobs whose schedule follows --iter (VDAM's phases): RELION runs their whole line, stopped by --relion_seconds,
 #: not a line of --relion_iterations iterations
-GRADIENT_JOBS = ("initial_model",)
+GRADIENT_JOBS = ("class2d_vdam", "initial_model")
 #: RELION's flags for its GPU runs (--relion), as its GUI and tutorial write them for one GPU shared by two workers
 RELION_GPU_FLAGS = "--gpu 0:0 --j 4 --pool 30 --pad 2 --dont_combine_weights_via_disc"
 #: what relion_refine needs besides a job's line for what cryorefine's command implies

@@ -33,7 +33,7 @@ def refine_accuracy():
 def tiny_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("empiar10028")
     done = subprocess.run([sys.executable, str(SCRIPT), "--engine", "numpy", "--work", str(work), "--jobs",
-                           "class3d", "refine", "initial_model", "--json", str(work / "out.json")],
+                           "class3d", "refine", "initial_model", "class2d_vdam", "--json", str(work / "out.json")],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return work, done.stdout, json.loads((work / "out.json").read_text())
@@ -52,6 +52,9 @@ def test_the_jobs_run_with_relion_settings_and_write_their_outputs(tiny_run):
     initial = results["jobs"]["initial_model"]  # RELION 5's InitialModel GUI line: VDAM, no reference
     assert "--grad --denovo_3dref" in initial["command"] and "--ref" not in initial["command"].split()
     assert (work / "initial_model" / "run_it002_class001.mrc").is_file()
+    vdam = results["jobs"]["class2d_vdam"]  # RELION 5's Class2D GUI line as it comes: VDAM
+    assert "--grad --class_inactivity_threshold 0.1" in vdam["command"] and "--K 100" in vdam["command"]
+    assert (work / "class2d_vdam" / "run_it002_classes.mrcs").is_file()
 
 
 def test_stage_table_accounts_for_the_measured_time(tiny_run):
@@ -93,7 +96,7 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run, 
                 + it["seconds"]["maximization"] for it in its]
 
     jobs = results["jobs"]
-    assert [len(job["iterations"]) for job in jobs.values()] == [2, 2, 2]  # the tiny run's --iterations 2: no figure
+    assert [len(job["iterations"]) for job in jobs.values()] == [2, 2, 2, 2]  # the tiny run's --iterations 2: none
     assert all(job["summary"]["extrapolated_seconds"] is None for job in jobs.values())
     assert jobs["class3d"]["summary"]["extrapolation"] == "none: 2 of the job's 25 iterations measured"
     assert jobs["initial_model"]["summary"]["extrapolation"] == "none: 2 of the job's 200 iterations measured"
