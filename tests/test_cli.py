@@ -249,11 +249,13 @@ def _fake_cupy():
 
 
 @pytest.mark.parametrize("status, code, start", [(2, 3, "the GPU's memory ran out outside cryorefine's arena"),
+                                                 (None, 3, "the GPU's memory ran out outside cryorefine's arena"),
                                                  (700, 1, "internal error")])
 def test_a_gpu_out_of_memory_says_so_in_one_line(tmp_path, capsys, monkeypatch, status, code, start):
     """A CUDA call that fails for memory (cudaErrorMemoryAllocation, status 2: e.g. the context's creation on a GPU
-    another process has filled) is one line naming the likely cause and what to do, exit 3, not an internal error;
-    another CUDA error stays an internal error."""
+    another process has filled) or CuPy's OutOfMemoryError (status None here; a MemoryError) is one line naming the
+    likely cause and what to do, exit 3, not an internal error or a host's lack of memory; another CUDA error stays
+    an internal error."""
     import sys
 
     from cryorefine.io import mrc
@@ -264,6 +266,8 @@ def test_a_gpu_out_of_memory_says_so_in_one_line(tmp_path, capsys, monkeypatch, 
     cupy = _fake_cupy()
 
     def failing(*args, **kwargs):
+        if status is None:
+            raise cupy.cuda.memory.OutOfMemoryError("Out of memory allocating 1,024 bytes")
         raise cupy.cuda.runtime.CUDARuntimeError(status)
 
     monkeypatch.setattr(mrc, "write_volume", failing)
@@ -273,7 +277,7 @@ def test_a_gpu_out_of_memory_says_so_in_one_line(tmp_path, capsys, monkeypatch, 
     lines = err.strip().splitlines()
     assert code_seen == code and len(lines) == 1, err
     assert lines[0].startswith(f"cryorefine: error: {start}"), err
-    assert ("nvidia-smi" in lines[0]) == (status == 2)
+    assert ("nvidia-smi" in lines[0]) == (code == 3)
 
 
 def test_relion_gpu_strings_give_one_device_per_worker():

@@ -1046,8 +1046,8 @@ def main(argv=None):
         _fail(str(exc), exc.exit_code, False, args)
     except InputError as exc:
         _fail(str(exc), 2, debug, args)
-    except MemoryError as exc:
-        _fail(f"out of memory: {exc}; use a smaller batch or box", 3, debug, args)
+    except MemoryError as exc:  # CuPy's OutOfMemoryError is one: the GPU's memory outside the arena
+        _fail(gpu_memory_message(exc) or f"out of memory: {exc}; use a smaller batch or box", 3, debug, args)
     except Exception as exc:  # the last line of defence: one line, and the traceback with --debug
         resource = disk_full_message(exc) or gpu_memory_message(exc)
         if resource:

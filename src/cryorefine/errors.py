@@ -1,6 +1,6 @@
-"""The one exception type for bad input (the CLI prints its message as one line and exits 2), the one
-lines for an output that did not fit on its disk and for a GPU whose memory ran out outside the arena, which one
-process and an MPI job both print, and a run stopped by Ctrl-C or SIGTERM."""
+"""The one exception type for bad input (the CLI prints its message as one line and exits 2), the line for an
+output that did not fit on its disk and the line for a GPU whose memory ran out outside the arena, which one process
+and an MPI job both print, and a run stopped by Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
