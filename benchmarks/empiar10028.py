@@ -3,9 +3,10 @@ RELION's standard settings, a Class2D K=100 and an InitialModel with RELION's GU
 from the 7P6Z ribosome model at 360 px and 1.34 Å/px (binned, e.g. to 128 px, for the InitialModel). Prints,
 and writes as JSON with --json, each job's wall time, the seconds and particle-iterations per second of every
 stage, the FLOP/s of the diff2 stages, the GPU arena's high water, and the job time extrapolated to 105,247
-particles where all its iterations ran (none from fewer); --engine numpy runs a tiny version on the CPU. With --relion, RELION runs the same
-jobs on the same particles for their first --relion_iterations iterations (VDAM jobs: their whole line,
-stopped by --relion_seconds), and the seconds per iteration of both programs are set side by side.
+particles where all its iterations ran (none from fewer); --engine numpy runs a tiny version on the CPU. With
+--relion, RELION runs the same jobs on the same particles for their first --relion_iterations iterations (VDAM
+jobs: their whole line, stopped by --relion_seconds), and the seconds per iteration of both programs are set
+side by side.
 
 EMPIAR-10028 (Plasmodium falciparum 80S ribosome; 105,247 particles of 360 × 360 px at 1.34 Å/px,
 300 kV) is the data set behind the timings of the RELION-2, GeRelion and Zhang 2018 papers. It
@@ -54,12 +55,12 @@ pays this once per version); the auto-refine then runs 2 iterations of local sea
 order 4 on them, for the local searches' kernels, which its first 3 iterations do not use. Its
 time is reported apart (--no-warmup measures a cold start).
 
-Extrapolation (to 105,247 particles, of a job whose iterations all ran: Class3D's and Class2D's 25,
-VDAM Class2D's and InitialModel's 200, an auto-refine's to convergence; none after fewer, as with --iterations): each measured iteration's plan (the
-particles put in direction order), E-step and the loop's own time for the outputs (building the tables, waiting
-for the writer thread when it lags) scale with the particle count, its M-step does not. The time outside the iterations (the
-engine made, the particles read, the initial noise spectra over all images, the last files written:
-the run's own named stages, reported apart) scales with the particle count.
+Extrapolation (to 105,247 particles, of a job whose iterations all ran: Class3D's and Class2D's 25, VDAM
+Class2D's and InitialModel's 200, an auto-refine's to convergence; none after fewer, as with --iterations): each
+measured iteration's plan (the particles put in direction order), E-step and the loop's own time for the outputs
+(building the tables, waiting for the writer thread when it lags) scale with the particle count, its M-step does
+not. The time outside the iterations (the engine made, the particles read, the initial noise spectra over all
+images, the last files written: the run's own named stages, reported apart) scales with the particle count.
 
 `--engine numpy` runs the same at a tiny size on the CPU (the example map examples/ribosome_64px.mrc
 cropped to 32 px at 12 Å/px, 120 particles at SNR 1, 2 iterations): a check that the script works, not a
@@ -89,9 +90,9 @@ workers on GPU 0, as RELION's GUI and tutorial run it on one GPU), --iter --reli
 schedule follows its --iter, until --relion_seconds). Both programs' seconds per iteration are read alike, from
 when each iteration's run_itNNN_model.star was written (WORK/JOB for cryorefine, WORK/relion_JOB for RELION), and
 compared from the first iteration both wrote files of to the last (iteration 1, or a VDAM job's 10th, holds
-each program's own start: RELION's from its launch or its iteration-0 files; VDAM writes every 10th iteration's). --relion_only runs RELION alone, set against
-cryorefine's files of an earlier run of the same jobs in WORK (one machine call each), and writes
-WORK/results_relion.json instead of WORK/results.json.
+each program's own start: RELION's from its launch or its iteration-0 files; VDAM writes every 10th iteration's).
+--relion_only runs RELION alone, set against cryorefine's files of an earlier run of the same jobs in WORK (one
+machine call each), and writes WORK/results_relion.json instead of WORK/results.json.
 """
 
 from __future__ import annotations
@@ -439,8 +440,8 @@ def run_relion(name, star, reference, work, args):
     command = [*shlex.split(args.relion_launcher), *program,
                *(map(str, line) if whole else with_iterations(line, args.relion_iterations)),
                *shlex.split(args.relion_extra)]
-    log.info("%s: RELION for %s: %s", name, "its line's iterations" if whole else f"{args.relion_iterations} iterations",
-             shlex.join(command))
+    log.info("%s: RELION for %s: %s", name,
+             "its line's iterations" if whole else f"{args.relion_iterations} iterations", shlex.join(command))
     launched = time.time()
     code, wall = run_logged(command, folder / "relion.log", star.parent, args.relion_seconds)
     times = iteration_file_times(folder)
