@@ -403,3 +403,22 @@ def test_device_arena_too_large_a_reserve():
 
     with pytest.raises(ArenaOutOfMemory, match="free_gpu_memory"):
         DeviceArena(0, free_gpu_memory_mb=1e9)
+
+
+@pytest.mark.gpu
+def test_cupy_s_own_out_of_memory_errors_are_named_as_the_gpu_s_memory():
+    """CuPy's two ways of saying the device has no room (its pool's OutOfMemoryError; a CUDA call's
+    cudaErrorMemoryAllocation) are what `errors.gpu_memory_message` recognises, and another CUDA error is not."""
+    cp = cupy_or_skip()
+    from cryorefine.errors import gpu_memory_message
+
+    free, total = cp.cuda.runtime.memGetInfo()
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError) as too_big:
+        cp.cuda.Memory(total + free)  # more than the device has
+    assert "another process may hold that GPU's memory" in gpu_memory_message(too_big.value)
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError) as no_room:
+        cp.cuda.runtime.malloc(total + free)
+    assert gpu_memory_message(no_room.value) is not None
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError) as other:
+        cp.cuda.runtime.setDevice(cp.cuda.runtime.getDeviceCount())  # a device that does not exist
+    assert gpu_memory_message(other.value) is None
