@@ -72,7 +72,12 @@ def iteration_file_times(folder, root="run"):
 def seconds_per_iteration(folder, root="run"):
     """{iteration: seconds} from the previous iteration's model.star to this one's (`iteration_file_times`), divided
     by the iterations between them (a --grad run writes its files every --grad_write_iter iterations)."""
-    times = iteration_file_times(folder, root)
+    return seconds_between(iteration_file_times(folder, root))
+
+
+def seconds_between(times):
+    """{iteration: seconds} from each iteration's time in `times` ({iteration: time}) back to the one before it in
+    `times`, divided by the iterations between them; the first has none."""
     order = sorted(times)
     return {b: (times[b] - times[a]) / (b - a) for a, b in zip(order, order[1:])}
 

@@ -111,7 +111,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import iteration_file_times, run_logged, split_at_double_dash
+from bench_common import iteration_file_times, run_logged, seconds_between, split_at_double_dash
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.gz"
@@ -457,20 +457,14 @@ def compare_with_relion(name, work, relion, job=None):
     iterations where the files skip some) divided by the iterations between."""
     ours = iteration_file_times(work / name)
     theirs = {int(it): t for it, t in relion["seconds_from_launch"].items()}
+    ours_per_iteration = seconds_between(ours)
+    theirs_per_iteration = seconds_between({0: 0.0, **theirs})  # RELION's first files: from its launch (time 0)
     rows = []
-    def per_iteration(times, it, since_launch=0.0):
-        """Seconds per iteration from the iteration files before `it` to its own, None without them."""
-        before = [i for i in times if i < it]
-        if it not in times or (not before and since_launch is None):
-            return None
-        last = max(before) if before else 0
-        return (times[it] - (times[last] if before else since_launch)) / (it - last)
-
     for it in sorted(set(ours) | set(theirs)):
         if it < 1:
             continue
-        row = {"iteration": it, "cryorefine_seconds": per_iteration(ours, it, None),
-               "relion_seconds": per_iteration(theirs, it)}
+        row = {"iteration": it, "cryorefine_seconds": ours_per_iteration.get(it),
+               "relion_seconds": theirs_per_iteration.get(it)}
         reports = [r for r in (job or {}).get("iterations", []) if r["iteration"] == it]
         if reports:
             row["cryorefine_reported_seconds"] = sum(reports[0]["seconds"].get(k, 0.0)
