@@ -414,10 +414,10 @@ def test_cupy_s_own_out_of_memory_errors_are_named_as_the_gpu_s_memory():
 
     free, total = cp.cuda.runtime.memGetInfo()
     with pytest.raises(cp.cuda.memory.OutOfMemoryError) as too_big:
-        cp.cuda.Memory(total + free)  # more than the device has
+        cp.cuda.MemoryPool().malloc(total + free)  # more than the device has, through a pool as CuPy's arrays ask
     assert "another process may hold that GPU's memory" in gpu_memory_message(too_big.value)
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError) as no_room:
-        cp.cuda.runtime.malloc(total + free)
+        cp.cuda.Memory(total + free)  # cudaMalloc itself, as the CUDA context's creation fails
     assert gpu_memory_message(no_room.value) is not None
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError) as other:
         cp.cuda.runtime.setDevice(cp.cuda.runtime.getDeviceCount())  # a device that does not exist
