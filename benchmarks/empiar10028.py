@@ -130,13 +130,15 @@ STAGES = (  # (label, stage names summed) in the order of an iteration
     ("upload + shifted images", ("upload", "coarse_images")),
     ("coarse diff2 (local searches: with their slices, local_diff2)", ("coarse",)),
     ("weights", ("weights",)),
-    ("fine diff2 (slices projected once a pair where pairs have many blocks)", ("fine",)),
+    ("fine set-up (the blocks' orientations and pairs)", ("fine_setup",)),
+    ("fine slices (projected once a pair where pairs have many blocks)", ("fine_slices",)),
+    ("fine diff2 (the kernel)", ("fine",)),
     ("fine weights (priors, per-particle sums, significance)", ("fine_weights",)),
     ("weighted sums + back-projection", ("sums", "backproject")),
     ("per-particle results (to the host, stored)", ("results",)),
 )
-STAGE_COLUMNS = ("set-up", "read", "images", "orient.", "upload", "coarse", "weights", "fine", "fine w.", "sums+BP",
-                 "results")
+STAGE_COLUMNS = ("set-up", "read", "images", "orient.", "upload", "coarse", "weights", "fine set-up", "fine slices",
+                 "fine", "fine w.", "sums+BP", "results")
 JOB_ARGUMENTS = {
     "class3d": ("classify", ["--K", "{K}", "--iter", "25", "--tau2_fudge", "4", "--particle_diameter", "360",
                              "--healpix_order", "2", "--offset_range", "5", "--offset_step", "2", "--oversampling",

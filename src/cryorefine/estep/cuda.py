@@ -236,8 +236,8 @@ class CupyEngine:
         self.last_coarse_diff2 = []  # with keep_blocks: per sub-batch, coarse diff2 (B, K·R·T)
         self.last_fine = []  # with keep_blocks: per particle group, (coarse index per block, diff2 (n_blocks, NF))
         self.stage_seconds = {"upload": 0.0, "orientations": 0.0, "coarse_images": 0.0, "coarse": 0.0,
-                              "weights": 0.0, "fine": 0.0, "fine_weights": 0.0, "sums": 0.0, "backproject": 0.0,
-                              "results": 0.0}
+                              "weights": 0.0, "fine_setup": 0.0, "fine_slices": 0.0, "fine": 0.0, "fine_weights": 0.0,
+                              "sums": 0.0, "backproject": 0.0, "results": 0.0}
         # useful floating-point operations per stage: the coarse matrix products (2 per real multiply-add of
         # the cross term and of the CTF²|P|² term), the fine pass's cross terms (8 per orientation, translation
         # and complex coefficient, the coarse pass's count)
@@ -711,10 +711,12 @@ class CupyEngine:
         geometry = (self.ref_volumes, *self.geometry, self.class_stride, fine_mats_d)
         tail = (self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"], pre["residual_d"], x_norm2,
                 self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2)
+        tic = self._tick("fine_setup", tic)  # the blocks' orientations, matrices and (class, orientation) pairs
         if not pairs.project_once:
             if n_blocks:
                 fn((n_blocks, fine_tiles(nfo, nft)), (FINE_THREADS,),
                    (*geometry, _NULL, _NULL, _NULL, blk["b"], blk["k"], blk["u"], blk["t"], *tail))
+            tic = self._tick("fine", tic)
         else:
             per_chunk = self._pairs_per_chunk(SLICE_BYTES_PER_COEF)
             for first in range(0, pairs.n_pairs, per_chunk):
@@ -722,11 +724,12 @@ class CupyEngine:
                     in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
                     slices = self._project_pairs(chunk_pairs, pairs.n_unique,
                                                  self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d))
+                    tic = self._tick("fine_slices", tic)
                     fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
                        (*geometry, slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["k"][in_chunk],
                         blk["u"][in_chunk], blk["t"][in_chunk], *tail))
+                    tic = self._tick("fine", tic)
                     del slices, in_chunk, row0
-        tic = self._tick("fine", tic)
         # priors of every child: class, parent orientation (and direction), child offset
         parent = self.log_pdf_class[k_blk] + olp_blk
         if self.log_pdf_direction is not None:
