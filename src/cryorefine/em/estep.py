@@ -199,6 +199,7 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
             runs = _engine_runs(backend, indices.size, settings.ori_size_px, inputs.current_size_px)
             for parts in runs:
                 batch = prepare_in_parts(prepare, parts)
+                backend.synchronize()  # the preparation's device work in its own stage, not the engine's upload
                 tic = add_seconds(stages, "images", tic)
                 # a batch taken in several runs has its neighbourhoods computed by the engine, run by run
                 local = this.result() if len(runs) == 1 else None

@@ -102,6 +102,9 @@ class NumpyBackend:
         """None: everything is on the host already."""
         return None
 
+    def synchronize(self) -> None:
+        """Nothing runs ahead of the host."""
+
     def on_device(self, array: Array) -> bool:
         return True
 
@@ -240,6 +243,10 @@ class CudaBackend:
         from cryorefine.gpu.allocator import free_device_bytes
 
         return free_device_bytes(self.arena)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (so that a stage's seconds are its own)."""
+        self.array_module.cuda.get_current_stream().synchronize()
 
     def on_device(self, array: Array) -> bool:
         from cryorefine.core.arrays import array_module
