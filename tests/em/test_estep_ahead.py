@@ -154,6 +154,44 @@ def test_results_are_those_of_engines_computing_their_own_neighbourhoods(problem
             np.testing.assert_array_equal(a, b)
 
 
+def test_units_of_the_same_references_transform_them_once(problem):
+    """Units whose set-ups hold the same map objects (a gradient run's pseudo-half sets) are set up with one set of
+    projectors, made once by the backend, and give the results of engines transforming copies of them, bit for
+    bit; units of equal maps that are not the same objects each transform their own."""
+    particles, settings, units, inputs = problem
+    maps = units[0].setup.maps
+    same = [dataclasses.replace(u, setup=dataclasses.replace(u.setup, maps=maps)) for u in units]
+    copies = [dataclasses.replace(u, setup=dataclasses.replace(u.setup, maps=[m.copy() for m in maps]))
+              for u in units]
+    runs = {}
+    for name, these in (("same", same), ("copies", copies)):
+        backend = RecordingBackend()
+        made = []
+        share = backend.shared_projectors
+
+        def counted(*args, made=made, share=share):
+            made.append(args)
+            return share(*args)
+
+        backend.shared_projectors = counted
+        results, sums, _, _ = e_step((particles, settings, these, inputs), backend)
+        runs[name] = (results, sums, made, [setup for setup, _, _ in backend.log])
+    _, _, made, setups = runs["same"]
+    assert len(made) == 1
+    assert all(setup.maps is None and setup.projectors is setups[0].projectors for setup in setups)
+    assert {setup.sampling for setup in setups} == {u.setup.sampling for u in units}  # each unit's own otherwise
+    _, _, made, setups = runs["copies"]
+    assert made == [] and all(setup.projectors is None for setup in setups)
+    for (u, indices, got), (v, want_indices, want) in zip(runs["same"][0], runs["copies"][0], strict=True):
+        assert u == v
+        np.testing.assert_array_equal(indices, want_indices)
+        for f in dataclasses.fields(BatchResult):
+            np.testing.assert_array_equal(getattr(got, f.name), getattr(want, f.name), err_msg=f.name)
+    for u in (0, 1):
+        for a, b in zip(runs["same"][1][u].pack(), runs["copies"][1][u].pack(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_neighbourhoods_are_computed_on_a_thread_and_only_waiting_for_them_is_counted(problem, monkeypatch):
     """With neighbourhoods that take 0.2 s each, the batches' are computed on the thread; the stages add up to no
     more than the E-step's wall time (the thread's work is not counted beside the main thread's), and the waits

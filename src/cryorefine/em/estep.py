@@ -164,6 +164,7 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
 
     sums = {}
     engine, current = None, None
+    references = SharedReferences(backend, units)
     with ThreadPoolExecutor(1, thread_name_prefix="neighbourhoods") as pool:
         # a future of them (None in a global search), computed on the thread
         def neighbourhoods(u: int, indices: np.ndarray) -> Future:
@@ -191,7 +192,7 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
                         sums[current].move_volumes(backend.to_host)
                         tic = add_seconds(stages, "park", tic)
                 engine = backend.make_engine()
-                engine.setup(units[u].setup)
+                engine.setup(references.setup_of(u))
                 current = u
                 tic = add_seconds(stages, "setup", tic)
             prepare = functools.partial(_prepare_part, particles, indices, images, reader, settings, inputs,
@@ -215,6 +216,41 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
     if engine is not None:
         sums[current] = _collect(engine, stages, flops)
     return sums
+
+
+class SharedReferences:
+    """The engines' set-ups of an iteration's units, where several units would transform the same references (the
+    same map objects at the same padding, current size and dimension: a gradient run's two pseudo-half sets, which
+    share the model's classes) with those references made once, as projectors (`Backend.shared_projectors`, in the
+    current scope), when the first of them is set up, and given to the others as they are. Units with projectors
+    of their own (an MPI worker's, shared among the unit's workers) or alone with their maps keep their set-up."""
+
+    def __init__(self, backend: Backend, units: Sequence[WorkUnit]):
+        self.backend = backend
+        self.units = units
+        groups: dict[tuple, list[int]] = {}
+        for u, unit in enumerate(units):
+            s = unit.setup
+            if s.maps is not None and s.projectors is None:
+                key = (tuple(id(m) for m in s.maps), float(s.padding_factor), int(s.current_size_px), int(s.ref_dim))
+                groups.setdefault(key, []).append(u)
+        self.group_of = {u: tuple(members) for members in groups.values() if len(members) > 1 for u in members}
+        self.projectors: dict[tuple[int, ...], list] = {}
+
+    def setup_of(self, u: int) -> IterationSetup:
+        """Unit `u`'s set-up, its maps replaced by the projectors its group shares (made now if none are yet)."""
+        s = self.units[u].setup
+        group = self.group_of.get(u)
+        if group is None:
+            return s
+        if group not in self.projectors:
+            self.projectors[group] = self.backend.shared_projectors(
+                s.maps, s.padding_factor, s.current_size_px // 2, [0] * len(s.maps), 0, _kept_here)
+        return dataclasses.replace(s, maps=None, projectors=self.projectors[group])
+
+
+def _kept_here(data, owner: int) -> None:
+    """`Backend.shared_projectors`'s `share` within one process: every transform is made here already."""
 
 
 def _make_lazy_tables(units, poses):
