@@ -4,6 +4,7 @@ trilinear (bilinear in 2D) interpolation. See `cryorefine.core.projector` for th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +122,8 @@ def trilinear_gridding_kernel(size_px: int, padded_size_px: int, xp: ArrayModule
     this function; RELION divides by it before the transform of a projector and after the
     inverse transform of a reconstruction (Projector::griddingCorrect).
     """
+    if ndim == 2 and xp is np:
+        return _host_gridding_kernel_2d(size_px, padded_size_px)[planes]
     k = xp.arange(size_px, dtype=xp.float64) - size_px // 2
     if ndim == 2:
         t = xp.sqrt(k[planes][:, None] ** 2 + k[None, :] ** 2) / float(padded_size_px)
@@ -128,3 +131,13 @@ def trilinear_gridding_kernel(size_px: int, padded_size_px: int, xp: ArrayModule
     z = k[planes][:, None, None]
     t = xp.sqrt(z * z + k[None, :, None] ** 2 + k[None, None, :] ** 2) / float(padded_size_px)
     return xp.sinc(t) ** 2
+
+
+@functools.lru_cache(maxsize=8)
+def _host_gridding_kernel_2d(size_px: int, padded_size_px: int) -> np.ndarray:
+    """`trilinear_gridding_kernel`'s (N, N) 2D kernel on the host, made once per size (a 2D job divides each class
+    image by it every iteration), read-only."""
+    k = np.arange(size_px, dtype=np.float64) - size_px // 2
+    kernel = np.sinc(np.sqrt(k[:, None] ** 2 + k[None, :] ** 2) / float(padded_size_px)) ** 2
+    kernel.flags.writeable = False
+    return kernel

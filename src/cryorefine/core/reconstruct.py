@@ -23,6 +23,7 @@ needs in the sums' own precision (complex64 for float32 sums), its transform tak
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -273,15 +274,15 @@ def soft_mask_outside_map(volume: Array, radius_px: float | None = None, cosine_
     """
     n = volume.shape[0]
     radius = n / 2.0 if radius_px is None else float(radius_px)
-    radius_p = radius + cosine_width_px
     k = xp.arange(n, dtype=xp.float64) - n // 2
     rest2 = sum(a * a for a in xp.meshgrid(*(k,) * (volume.ndim - 1), indexing="ij"))
     slabs = map_slabs(n, volume.ndim)
 
     def blend(planes: slice) -> Array:
+        if volume.ndim == 2 and xp is np:
+            return _host_blend_2d(n, radius, float(cosine_width_px))[planes]
         r = xp.sqrt(k[planes].reshape((-1,) + (1,) * (volume.ndim - 1)) ** 2 + rest2[None])
-        raised = 0.5 + 0.5 * xp.cos(np.pi * (radius_p - r) / cosine_width_px)
-        return xp.where(r < radius, 0.0, xp.where(r > radius_p, 1.0, raised))
+        return _blend(r, radius, cosine_width_px, xp)
 
     total = 0.0
     weighted = 0.0
@@ -297,6 +298,24 @@ def soft_mask_outside_map(volume: Array, radius_px: float | None = None, cosine_
         b = blend(planes)
         out[planes] = ((1.0 - b) * volume[planes] + b * background).astype(volume.dtype)
     return out
+
+
+def _blend(r: Array, radius: float, cosine_width_px: float, xp: ArrayModule) -> Array:
+    """`soft_mask_outside_map`'s share of the outside average at radius `r`: 0 inside `radius`, 1 beyond it plus
+    the width, a raised cosine between."""
+    radius_p = radius + cosine_width_px
+    raised = 0.5 + 0.5 * xp.cos(np.pi * (radius_p - r) / cosine_width_px)
+    return xp.where(r < radius, 0.0, xp.where(r > radius_p, 1.0, raised))
+
+
+@functools.lru_cache(maxsize=8)
+def _host_blend_2d(size_px: int, radius: float, cosine_width_px: float) -> np.ndarray:
+    """`_blend` on the (N, N) grid on the host, made once per size and radius (a 2D job masks each class image with
+    it every iteration), read-only."""
+    k = np.arange(size_px, dtype=np.float64) - size_px // 2
+    blend = _blend(np.sqrt(k[:, None] ** 2 + k[None, :] ** 2), radius, cosine_width_px, np)
+    blend.flags.writeable = False
+    return blend
 
 
 def gridding_correct(volume: Array, padded_size_px: int, xp: ArrayModule = np) -> Array:

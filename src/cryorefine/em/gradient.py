@@ -362,7 +362,8 @@ def shifted_moments(moments: Moments, grid: PaddedGrid, shift_px: Sequence[float
     multiplied by exp(−2πi·k·shift/Np) (RELION's centerClasses under --grad, shiftImageInContinuousFourierTransform
     on the padded grid `grid`); the second moment stays."""
     ky, kx = grid.frequencies()
-    phase = np.exp(-2j * np.pi * (kx * float(shift_px[0]) + ky * float(shift_px[1])) / grid.padded_size_px)
+    turn = -2j * np.pi / grid.padded_size_px
+    phase = np.exp(turn * float(shift_px[1]) * ky) * np.exp(turn * float(shift_px[0]) * kx)  # a product of 1D factors
     return Moments([(m * phase).astype(m.dtype) for m in moments.first], moments.second.copy())
 
 

@@ -158,20 +158,21 @@ def blobs(average: np.ndarray, diameter_px: float, place_sigma_of_diameter: floa
     scaled to the standard deviation of `average` (a flat average gives zeros)."""
     average = np.asarray(average, dtype=np.float64)
     n, ndim = average.shape[0], average.ndim
-    grid = np.indices(average.shape, dtype=np.float64)
+    coordinate = np.arange(n, dtype=np.float64)
     width = diameter_px * BLOB_WIDTH_OF_DIAMETER
 
     def draw() -> np.ndarray:
-        out = np.zeros(average.shape)
         places = rng.normal(0.0, diameter_px * place_sigma_of_diameter, (N_BLOBS, ndim)) + n / 2.0
-        for place in places:
-            idx = tuple(int(v) for v in place)
-            if not all(0 <= i < n for i in idx):
-                continue
-            amplitude = abs(float(average[idx]))
-            r2 = sum((grid[a] - place[a]) ** 2 for a in range(ndim))
-            out += amplitude * np.exp(-r2 / (width * width))
-        return out
+        pixel = places.astype(np.int64)  # the place's pixel: its coordinates truncated (towards 0)
+        inside = np.all((pixel >= 0) & (pixel < n), axis=1)
+        places = places[inside]
+        amplitude = np.abs(average[tuple(pixel[inside].T)])
+        # each Gaussian is the product of one per axis: (blobs, n) factors, summed over the blobs
+        factors = [np.exp(-((coordinate[None, :] - places[:, a, None]) ** 2) / (width * width)) for a in range(ndim)]
+        if ndim == 2:
+            return (amplitude[:, None] * factors[0]).T @ factors[1]
+        return np.tensordot(amplitude[:, None] * factors[0], factors[1][:, :, None] * factors[2][:, None, :],
+                            axes=(0, 0))
 
     image = draw() - draw() / 2.0
     spread = float(image.std())

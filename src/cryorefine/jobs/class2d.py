@@ -214,8 +214,8 @@ def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
     mass = float(positive.sum())
     if mass <= 0:
         return np.zeros(2)
-    y, x = np.mgrid[:n, :n] - n // 2
-    return np.array([(positive * x).sum(), (positive * y).sum()]) / mass
+    k = np.arange(n, dtype=np.float64) - n // 2
+    return np.array([positive.sum(axis=0) @ k, positive.sum(axis=1) @ k]) / mass  # column and row masses
 
 
 def centring_shift_px(image: np.ndarray, max_shift_px: float) -> np.ndarray:
@@ -445,13 +445,13 @@ class Class2DJob:
                 continue
             data, weight = backend.to_device(sums[0].data[i]), backend.to_device(sums[0].weight[i])
             sums[0].data[i] = sums[0].weight[i] = None
+            if pdf_class[k] <= 0 or float(weight.sum()) <= 0:
+                continue  # an empty class: an image of zeros
             previous = xp.asarray(np.asarray(model.maps[0][k], dtype=np.float64))
             t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max, xp=xp).power_spectrum),
                             dtype=np.float64)[:n_shells]
             t2[r_max + 1:] = 0.0
             bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max, xp=xp)
-            if pdf_class[k] <= 0 or float(bp.weight.sum()) <= 0:
-                continue  # an empty class: an image of zeros
             sigma2 = np.asarray(to_host(bp.noise_sigma2()), dtype=np.float64)[:n_shells]
             image = np.asarray(to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge,
                                                       minres_map_px=schedule.MINRES_MAP_SHELL)), dtype=np.float64)
