@@ -456,7 +456,9 @@ def compare_with_relion(name, work, relion, job=None):
     wrote files of (1; a gradient job's every --grad_write_iter-th: 10) to the last one both wrote, the ratio RELION /
     cryorefine over those iterations; with `job` (cryorefine's run in this process) its whole iterations' seconds from
     its own reports beside them. A row's seconds are from the iteration files before it (those of several
-    iterations where the files skip some) divided by the iterations between."""
+    iterations where the files skip some) divided by the iterations between. Iteration 1 alone as well, where both
+    wrote its files and iteration 0's (`first_iteration`: a job of ~400 s a RELION iteration seldom gets further in a
+    lease)."""
     ours = iteration_file_times(work / name)
     theirs = {int(it): t for it, t in relion["seconds_from_launch"].items()}
     ours_per_iteration = seconds_between(ours)
@@ -479,6 +481,9 @@ def compare_with_relion(name, work, relion, job=None):
         result.update(compared_iterations=[first + 1, last], cryorefine_seconds=ours[last] - ours[first],
                       relion_seconds=theirs[last] - theirs[first])
         result["ratio"] = result["relion_seconds"] / max(result["cryorefine_seconds"], 1e-9)
+    if all(0 in times and 1 in times for times in (ours, theirs)):  # iteration 1 alone, from the iteration-0 files
+        first = {"cryorefine_seconds": ours[1] - ours[0], "relion_seconds": theirs[1] - theirs[0]}
+        result["first_iteration"] = {**first, "ratio": first["relion_seconds"] / max(first["cryorefine_seconds"], 1e-9)}
     return result
 
 
@@ -500,6 +505,11 @@ def format_relion(results):
                          f"{c['relion_seconds']:.1f} s: RELION / cryorefine = {c['ratio']:.1f}×")
         else:
             lines.append("\nno iteration after the first finished by both programs: no ratio")
+        if "first_iteration" in c:
+            f = c["first_iteration"]
+            lines.append(f"\niteration 1 alone (from each program's iteration-0 files): cryorefine "
+                         f"{f['cryorefine_seconds']:.1f} s, RELION {f['relion_seconds']:.1f} s: RELION / cryorefine = "
+                         f"{f['ratio']:.1f}×")
     return "\n".join(lines)
 
 

@@ -284,3 +284,12 @@ def test_relion_comparison_takes_the_iterations_both_wrote_files_of(empiar10028,
     monkeypatch.setattr(empiar10028, "iteration_file_times", lambda folder: ours)
     result = empiar10028.compare_with_relion("class3d", tmp_path, {"seconds_from_launch": {"1": 60.0, "2": 90.0}})
     assert result["compared_iterations"] == [2, 2] and result["ratio"] == pytest.approx(30.0)
+    assert "first_iteration" not in result  # RELION's iteration-0 files unknown
+    # RELION stopped during its iteration 2: no ratio over the later iterations, iteration 1 alone
+    result = empiar10028.compare_with_relion("class2d", tmp_path, {"seconds_from_launch": {"0": 20.0, "1": 60.0}})
+    assert "ratio" not in result
+    first = result["first_iteration"]
+    assert (first["cryorefine_seconds"], first["relion_seconds"]) == (4.0, 40.0) and first["ratio"] == pytest.approx(10)
+    text = empiar10028.format_relion({"relion": {"class2d": {"command": "relion_refine_mpi", "returncode": "stopped",
+                                                             "wall_seconds": 80.0, "comparison": result}}})
+    assert "no ratio" in text and "iteration 1 alone" in text and "= 10.0×" in text
