@@ -184,9 +184,10 @@ def initial_references(particles: ParticleSet, settings: ImageSettings, config: 
     resolution = initial_resolution_angstrom(config, box, pixel)
     r_max = max(1, min(box // 2, relion_round(box * pixel / resolution) // 2))
     sums = [BackProjector(box, config.padding_factor, r_max, ndim=2) for _ in range(k_classes)]
+    size = min(box, 2 * (r_max + 1))  # the images and CTFs out to r_max alone: what the back-projection takes
     with particles.image_reader() as reader:
         for indices in particles.batches(batch_size, chosen):
-            batch = prepare_batch(particles, indices, reader, settings, box, 1.0, 0)
+            batch = prepare_batch(particles, indices, reader, settings, size, 1.0, 0)
             mats = euler.euler_to_matrix(np.zeros(indices.size), np.zeros(indices.size), psi[indices])
             for k in range(k_classes):
                 mine = class_of[indices] == k
