@@ -457,8 +457,8 @@ def compare_with_relion(name, work, relion, job=None):
     cryorefine over those iterations; with `job` (cryorefine's run in this process) its whole iterations' seconds from
     its own reports beside them. A row's seconds are from the iteration files before it (those of several
     iterations where the files skip some) divided by the iterations between. Iteration 1 alone as well, where both
-    wrote its files and iteration 0's (`first_iteration`: a job of ~400 s a RELION iteration seldom gets further in a
-    lease)."""
+    wrote its files and iteration 0's (`first_iteration`: at ~400 s a RELION iteration, as the 105k Class2D's, a
+    measurement may end before RELION's second)."""
     ours = iteration_file_times(work / name)
     theirs = {int(it): t for it, t in relion["seconds_from_launch"].items()}
     ours_per_iteration = seconds_between(ours)
