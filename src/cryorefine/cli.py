@@ -20,7 +20,7 @@ import click
 
 from cryorefine import __version__
 from cryorefine.config import RefineConfig
-from cryorefine.errors import InputError, RunInterrupted, disk_full_message, gpu_memory_message
+from cryorefine.errors import InputError, RunInterrupted, gpu_memory_message, resource_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -1049,7 +1049,7 @@ def main(argv=None):
     except MemoryError as exc:  # CuPy's OutOfMemoryError is one: the GPU's memory outside the arena
         _fail(gpu_memory_message(exc) or f"out of memory: {exc}; use a smaller batch or box", 3, debug, args)
     except Exception as exc:  # the last line of defence: one line, and the traceback with --debug
-        resource = disk_full_message(exc) or gpu_memory_message(exc)
+        resource = resource_message(exc)
         if resource:
             _fail(resource, 3, debug, args)
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug, args)

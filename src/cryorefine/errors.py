@@ -42,6 +42,13 @@ def gpu_memory_message(exc: BaseException) -> str | None:
             "outside the arena")
 
 
+def resource_message(exc: BaseException) -> str | None:
+    """The line for an exception that is a resource running out, the user's to fix (a full disk:
+    `disk_full_message`; the GPU's memory outside the arena: `gpu_memory_message`), else None; what one process
+    and an MPI job both print."""
+    return disk_full_message(exc) or gpu_memory_message(exc)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread during a run as Ctrl-C raises KeyboardInterrupt (the command line installs
     the handler), so that both stop the run the same way."""

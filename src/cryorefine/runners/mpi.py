@@ -89,7 +89,7 @@ from cryorefine.em.estep import (
     sums_wait_on_host,
 )
 from cryorefine.em.loop import StepOutcome, log_stages
-from cryorefine.errors import InputError, RunInterrupted, disk_full_message, gpu_memory_message
+from cryorefine.errors import InputError, RunInterrupted, resource_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
 from cryorefine.gpu.collectives import NCCL_RESERVE_MB, DeviceCollectives, nccl_usable
@@ -258,8 +258,7 @@ def _failure_line(comm, exc):
     """ "rank R on HOST: cause" of an exception on this rank (a worker's reported one as it came)."""
     if isinstance(exc, WorkerFailed):
         return exc.line
-    message = (str(exc) if isinstance(exc, InputError)
-               else disk_full_message(exc) or gpu_memory_message(exc) or f"{type(exc).__name__}: {exc}")
+    message = str(exc) if isinstance(exc, InputError) else resource_message(exc) or f"{type(exc).__name__}: {exc}"
     return f"rank {comm.Get_rank()} on {socket.gethostname()}: {message}"
 
 
