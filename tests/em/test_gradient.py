@@ -218,3 +218,62 @@ def test_auto_sampling_follows_relions_rule_under_grad(given, expected):
     assert not optimiser.local_searches
     changed = got != {name: state[name] for name in expected}
     assert optimiser.nr_iter_wo_resol_gain == (0 if changed else state["nr_iter_wo_resol_gain"])
+
+
+def class_step_inputs(ndim, n=16, pf=2.0, r_max=6):
+    """A class's previous map, its two pseudo-half sets' sums (complex64 data, float32 weights, as the engines make
+    them) at radius `r_max`, and momenta after earlier steps (first moments not zero)."""
+    from cryorefine.core.grid import PaddedGrid
+
+    rng = np.random.default_rng(7)
+    previous = blob_map(n, seed=3) if ndim == 3 else blob_map(n, seed=3)[n // 2]
+    grid = PaddedGrid.create(n, pf, r_max, ndim=ndim)
+    target = Projector(blob_map(n, seed=4) if ndim == 3 else blob_map(n, seed=4)[n // 2], pf, r_max,
+                       do_gridding=False).data
+    halves = []
+    for _ in range(2):
+        weight = rng.uniform(5.0, 15.0, grid.shape)
+        noise = 0.05 * (rng.normal(size=grid.shape) + 1j * rng.normal(size=grid.shape))
+        halves.append((((target + noise) * weight).astype(np.complex64), weight.astype(np.float32)))
+    full = gradient.full_grid(n, pf, ndim)
+    moments = gradient.Moments.start(full)
+    for m in moments.first:
+        m[...] = 0.01 * (rng.normal(size=full.shape) + 1j * rng.normal(size=full.shape))
+    moments.second[...] = rng.uniform(0.5, 2.0, full.shape)
+    return previous, halves, moments, dict(padding_factor=pf, r_max=r_max, step=0.3, tau2_fudge=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_a_class_s_step_on_the_gpu_is_the_host_s(ndim):
+    """`update_class` with the sums on the GPU (xp=cupy, as the GPU engine leaves them) gives the host's map, τ²,
+    σ², momenta, FSC estimate and mean power, as host arrays, and leaves the momenta it was given as they were."""
+    from conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
+    previous, halves, moments, settings = class_step_inputs(ndim)
+    before = moments.copy()
+    host = gradient.update_class(previous, [(d.copy(), w.copy()) for d, w in halves], moments, **settings)
+    device = gradient.update_class(previous, [(cp.asarray(d), cp.asarray(w)) for d, w in halves], moments,
+                                   xp=cp, **settings)
+    for name in ("map", "tau2", "sigma2", "fsc_estimate"):
+        want, got = getattr(host, name), getattr(device, name)
+        assert isinstance(got, np.ndarray), name
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9 * float(np.abs(want).max()), err_msg=name)
+    np.testing.assert_allclose(device.mean_power, host.mean_power, rtol=1e-6)
+    for got, want in zip([*device.moments.first, device.moments.second], [*host.moments.first, host.moments.second],
+                         strict=True):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
+    for got, want in zip([*moments.first, moments.second], [*before.first, before.second], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.allclose(host.moments.second, before.second)  # the step moved them
+
+
+def test_a_class_s_step_leaves_the_momenta_it_was_given():
+    previous, halves, moments, settings = class_step_inputs(2)
+    before = moments.copy()
+    update = gradient.update_class(previous, halves, moments, **settings)
+    for got, want in zip([*moments.first, moments.second], [*before.first, before.second], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.allclose(update.moments.first[0], before.first[0])

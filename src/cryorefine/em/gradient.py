@@ -447,24 +447,31 @@ class ClassUpdate:
 
 
 def update_class(previous_map: np.ndarray, halves: list, moments: Moments, *, padding_factor: float, r_max: int,
-                 step: float, tau2_fudge: float) -> ClassUpdate:
+                 step: float, tau2_fudge: float, xp: ArrayModule = np) -> ClassUpdate:
     """The VDAM step of one class (2D image or 3D map) from its pseudo-half sets' sums `halves` [(data, weight) × 2]
-    at the current radius `r_max`; `moments` are not changed (the update has a copy)."""
-    previous = np.asarray(previous_map, dtype=np.float64)
+    at the current radius `r_max`, worked out on `xp`'s device (the sums are taken there, where a GPU engine's
+    already are; their x = 0 planes are made Hermitian in place); `moments` are not changed (the update has a copy).
+    The update's arrays are on the host."""
+    previous = xp.asarray(np.asarray(previous_map, dtype=np.float64))
     box = previous.shape[0]
     n_shells = box // 2 + 1
     grid = PaddedGrid.create(box, padding_factor, r_max, ndim=previous.ndim)
-    reference_ft = Projector(previous, padding_factor, r_max, do_gridding=False).data
-    t2 = np.asarray(Projector(previous, padding_factor, r_max).power_spectrum, dtype=np.float64)[:n_shells]
+    reference_ft = Projector(previous, padding_factor, r_max, do_gridding=False, xp=xp).data
+    t2 = np.asarray(to_host(Projector(previous, padding_factor, r_max, xp=xp).power_spectrum),
+                    dtype=np.float64)[:n_shells]
     t2[r_max + 1:] = 0.0
+    halves = [(xp.asarray(data), xp.asarray(weight)) for data, weight in halves]
     # the noise of the reconstruction from the first pseudo-half set's weights (RELION's updateSSNRarrays of its first
     # back-projector)
-    sigma2 = np.asarray(to_host(BackProjector.from_arrays(halves[0][0], halves[0][1], box, padding_factor,
-                                                          r_max).noise_sigma2()), dtype=np.float64)[:n_shells]
-    moments = moments.copy()
-    update = gradient_update(reference_ft, halves, grid, moments, step=step, tau2_fudge=tau2_fudge)
-    return ClassUpdate(map_from_padded_ft(update.reference_ft, grid), t2, sigma2, moments, update.fsc_estimate,
-                       update.mean_power)
+    sigma2 = np.asarray(to_host(BackProjector.from_arrays(halves[0][0], halves[0][1], box, padding_factor, r_max,
+                                                          xp=xp).noise_sigma2()), dtype=np.float64)[:n_shells]
+    working = (moments.copy() if xp is np
+               else Moments([xp.asarray(m) for m in moments.first], xp.asarray(moments.second)))
+    update = gradient_update(reference_ft, halves, grid, working, step=step, tau2_fudge=tau2_fudge, xp=xp)
+    image = to_host(map_from_padded_ft(update.reference_ft, grid, xp))
+    if xp is not np:
+        working = Moments([to_host(m) for m in working.first], to_host(working.second))
+    return ClassUpdate(image, t2, sigma2, working, update.fsc_estimate, update.mean_power)
 
 
 @dataclass(frozen=True)
@@ -477,10 +484,12 @@ class Replacement:
 
 def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: GradientPlan, config: RefineConfig,
                       peers: mstep.Peers, finish: Callable[[np.ndarray, Moments], tuple[np.ndarray, Moments]],
-                      inactivity_threshold: float = 0.0) -> tuple[ModelState, Replacement | None]:
+                      inactivity_threshold: float = 0.0,
+                      xp: ArrayModule = np) -> tuple[ModelState, Replacement | None]:
     """The M-step of a gradient run of K classes from its two pseudo-half sets' sums (`sums`, one unit each, every
     class in both), as RELION's maximization under --grad: the step of each class with a share and weights
-    (`update_class`; under MPI of the classes whose volumes are here, the others' gathered from `peers`); with
+    (`update_class`, on `xp`'s device; under MPI of the classes whose volumes are here, the others' gathered from
+    `peers`); with
     `inactivity_threshold` and `plan.may_replace_class`, the least active class replaced (`class_to_replace`: it
     takes the other's previous map, its new momenta, share, spectra and directions, and is not updated); then
     `finish(map, moments)` on every class (RELION's centerClasses and solventFlatten); the class shares, direction
@@ -496,14 +505,14 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
     for k in range(k_classes):
         if not all(mstep.volumes_here(s, k) for s in sums):
             continue
-        halves = [(to_host(s.data[k]), to_host(s.weight[k])) for s in sums]
+        halves = [(s.data[k], s.weight[k]) for s in sums]
         for s in sums:
             s.data[k] = s.weight[k] = None
-        if pdf_previous[k] <= 0 or float(np.sum(halves[0][1])) <= EQUAL_ACCURACY:
+        if pdf_previous[k] <= 0 or float(halves[0][1].sum()) <= EQUAL_ACCURACY:
             continue  # RELION keeps the previous reference of a class without share or weights
         made[k] = update_class(previous.maps[0][k], halves, previous.moments[k], padding_factor=config.padding_factor,
                                r_max=r_max, step=class_step_size(plan.step_size, pdf_previous[k], k_classes),
-                               tau2_fudge=plan.tau2_fudge)
+                               tau2_fudge=plan.tau2_fudge, xp=xp)
     made = mstep.gathered(peers, made)
 
     def rows(values, shape):

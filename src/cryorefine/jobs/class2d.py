@@ -427,7 +427,7 @@ class Class2DJob:
         `_maximize_gradient`."""
         config = self.config
         if config.grad:
-            return self._maximize_gradient(model, sums, plan, peers)
+            return self._maximize_gradient(model, sums, plan, peers, backend.array_module)
         xp = backend.array_module
         model = dataclasses.replace(model)
         k_classes = model.n_classes
@@ -481,10 +481,10 @@ class Class2DJob:
         return fourier.soft_circular_mask(model.ori_size_px, self._diameter_angstrom(model) /
                                           (2 * model.pixel_size_angstrom), self.config.width_mask_edge_px)
 
-    def _maximize_gradient(self, model, sums, plan, peers):
-        """VDAM's M-step (`em.gradient.vdam_maximization`, --class_inactivity_threshold), each average then centred
-        (--center_classes, RELION's rules under --grad: `_centres_under_grad`) with its first moments, and masked
-        (--flatten_solvent)."""
+    def _maximize_gradient(self, model, sums, plan, peers, xp):
+        """VDAM's M-step (`em.gradient.vdam_maximization`, --class_inactivity_threshold, each class's step on `xp`'s
+        device), each average then centred (--center_classes, RELION's rules under --grad: `_centres_under_grad`)
+        with its first moments, and masked (--flatten_solvent)."""
         config = self.config
         mask = self._mask(model)
         centre = config.center_classes and (plan.iteration < self.phases.initial + self.phases.between
@@ -502,7 +502,7 @@ class Class2DJob:
             return (image if mask is None else image * mask), moments
 
         model, replaced = gradient.vdam_maximization(model, sums, plan, config, peers, finish,
-                                                     config.class_inactivity_threshold)
+                                                     config.class_inactivity_threshold, xp)
         if replaced is not None:
             log.info("iteration %d: class %d (its share below --class_inactivity_threshold %g of an even share) "
                      "replaced by a copy of class %d", plan.iteration, replaced.dropped + 1,

@@ -347,12 +347,14 @@ class InitialModelJob:
         return [[(0, k), (1, k)] for k in range(len(plan.units[0].classes))]
 
     def maximize(self, model, sums, plan, backend, peers=mstep.ALONE, parts=None):
-        """The VDAM step of every class (`em.gradient.vdam_maximization`), each map then masked (--flatten_solvent)."""
+        """The VDAM step of every class (`em.gradient.vdam_maximization`, on the backend's device), each map then masked
+        (--flatten_solvent)."""
         if self.masks is None:  # an MPI worker, which does not load the run
             self.masks = SolventMasks.for_model(self.config, model)
         masks = self.masks
         model, _ = gradient.vdam_maximization(model, sums, plan, self.config, peers,
-                                              lambda volume, moments: (masks.apply(volume), moments))
+                                              lambda volume, moments: (masks.apply(volume), moments),
+                                              xp=backend.array_module)
         return model
 
     def update(self, run, plan, changes):
