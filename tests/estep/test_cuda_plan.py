@@ -45,3 +45,19 @@ def test_a_local_search_plans_from_its_neighbourhood_not_the_grid():
     assert plan.particles_per_batch > 100
     wide = plan_batches(free, kc, kc, 1780, 29, 1, 1 << 30, 32, local=True)
     assert wide.particles_per_batch >= 0.8 * plan.particles_per_batch
+
+
+def test_a_global_search_s_classes_share_coarse_products_up_to_the_column_limit():
+    """`CupyEngine._class_groups` (host arithmetic, no GPU): every class in one product, in order; a 2D
+    classification's 100 classes of 30 in-plane rotations in one product, a 3D class of 4,608 orientations alone,
+    never more columns than COARSE_COLUMNS_PER_PRODUCT unless one class has more."""
+    from types import SimpleNamespace
+
+    from cryorefine.estep.cuda import COARSE_COLUMNS_PER_PRODUCT, CupyEngine
+
+    for n_orient, n_classes, expected in ((30, 100, [(0, 100)]), (4608, 6, [(k, k + 1) for k in range(6)]),
+                                          (576, 10, [(0, 7), (7, 10)]), (30, 1, [(0, 1)])):
+        groups = CupyEngine._class_groups(SimpleNamespace(n_orient=n_orient, n_classes=n_classes))
+        assert groups == expected
+        assert [k for k0, k1 in groups for k in range(k0, k1)] == list(range(n_classes))
+        assert all((k1 - k0) * n_orient <= max(COARSE_COLUMNS_PER_PRODUCT, n_orient) for k0, k1 in groups)

@@ -93,6 +93,11 @@ log = logging.getLogger(__name__)
 
 
 _NULL = np.uint64(0)  # a null pointer argument of a kernel
+#: the most (class, orientation) columns of one coarse product of a global search, classes side by side
+#: (`CupyEngine._class_groups`): a 3D class's thousands of orientations make a product of their own; a 2D
+#: classification's classes, a few dozen in-plane rotations each, share one (its `pair` temporary, particles × columns
+#: float32, as large as one 3D class's)
+COARSE_COLUMNS_PER_PRODUCT = 4096
 
 
 def _one_stack(cp, arrays):
@@ -349,9 +354,11 @@ class CupyEngine:
             self.plan = plan_batches(self._free_bytes(), self.coarse.positions.size, self.fine.positions.size,
                                      1 if s.local_searches else self.n_orient, self.n_trans, self.n_classes, 1 << 30,
                                      self.children, local=s.local_searches)
-            self.coarse_cache = None
+            self.coarse_cache = None  # [(first class, end class, slices B, |slices|² P2)] of `_class_groups`
             if not s.local_searches and self.plan.cache_coarse_slices:
-                self.coarse_cache = [self._project_planar(k, np.arange(self.n_orient)) for k in range(self.n_classes)]
+                every = np.arange(self.n_orient)
+                self.coarse_cache = [(k0, k1, *self._project_planar(k0, every, k1)[:2])
+                                     for k0, k1 in self._class_groups()]
             log.debug("GPU engine plan: %s", self.plan.describe())
         self._compile_ahead(s)
 
@@ -380,20 +387,34 @@ class CupyEngine:
         self.bp_geometry = (_i32(bd), _i32(bw), _i32(bp.origin), _f32(bp.padding_factor),
                             _f32(br * br * (1.0 + 1e-5)))
 
-    def _project_planar(self, k, orientations):
-        """Planar, coefficient-major slices (B, P2) of class k at `orientations` for the coarse product."""
+    def _class_groups(self) -> list[tuple[int, int]]:
+        """(first, end) classes of each coarse product of a global search: consecutive classes whose orientations
+        together make at most COARSE_COLUMNS_PER_PRODUCT columns (one class where its own are more), so that a 2D
+        classification's few in-plane rotations a class (30 of K = 100) fill the product's column tiles of
+        GEMM_BN instead of one mostly empty tile a class."""
+        per_group = max(1, COARSE_COLUMNS_PER_PRODUCT // max(self.n_orient, 1))
+        return [(k, min(self.n_classes, k + per_group)) for k in range(0, self.n_classes, per_group)]
+
+    def _project_planar(self, k, orientations, end=None):
+        """Planar, coefficient-major slices (B, P2) of classes k … end − 1 (k alone by default) at `orientations`
+        for the coarse product: column (class − k)·len(orientations) + r, class-major as the diff2 rows are."""
         cp = self.cp
         kc = self.coarse.positions.size
         n = orientations.size
-        ldb = round_up(max(n, 1), GEMM_BN)
+        end = k + 1 if end is None else end
+        ldb = round_up(max(n * (end - k), 1), GEMM_BN)
         kd = round_up(2 * kc, GEMM_BK)
         b = cp.zeros((kd, ldb), dtype=cp.float32)
         p2 = cp.zeros((round_up(kc, GEMM_BK), ldb), dtype=cp.float32)
         mats = cp.asarray(self.matrices_host[orientations], dtype=cp.float32)
         fn = self._module().get_function("project_slices_planar")
-        fn(((n + 31) // 32, min((kc + 7) // 8, MAX_GRID_Y)), (32, 8),
-           (self.ref_volumes[k], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb), b, p2))
-        return b, p2, n
+        flat_b, flat_p2 = b.reshape(-1), p2.reshape(-1)
+        for c in range(k, end):  # each class's columns from its first, the rows' stride the whole width
+            first = (c - k) * n
+            fn(((n + 31) // 32, min((kc + 7) // 8, MAX_GRID_Y)), (32, 8),
+               (self.ref_volumes[c], *self.geometry, mats, self.kx_c, self.ky_c, _i32(kc), _i32(n), _i32(ldb),
+                flat_b[first:], flat_p2[first:]))
+        return b, p2, n * (end - k)
 
     # ------------------------------------------------------------------ one batch
     def run(self, batch: Batch, local: LocalOrientations | None = None) -> BatchResult:
@@ -540,27 +561,30 @@ class CupyEngine:
         diff2 = cp.empty((b_count, self.n_classes * n_sel * n_t), dtype=cp.float32)
         gemm = module.get_function(self.coarse_kernel)
         gemm_shared = coarse_shared_bytes(self.coarse_kernel)
-        chunk = n_sel if self.coarse_cache is not None else self.plan.orientations_per_chunk
-        for k in range(self.n_classes):
-            for start in range(0, n_sel, chunk):
-                stop = min(n_sel, start + chunk)
-                with self._scope(Scope.ORIENTATION):
-                    if self.coarse_cache is not None:  # all orientations in one chunk
-                        b_mat, p2_mat, _ = self.coarse_cache[k]
-                    else:
-                        b_mat, p2_mat, _ = self._project_planar(k, np.arange(start, stop))
-                    nc = stop - start
-                    ldb = b_mat.shape[1]
-                    pair = cp.empty((b_count, nc), dtype=cp.float32)
-                    grid = (ldb // GEMM_BN, ldp // GEMM_BM)
-                    gemm(grid, (GEMM_THREADS,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count),
-                                                 _i32(nc), _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair),
-                         shared_mem=gemm_shared)
-                    grid = (ldb // GEMM_BN, lda // GEMM_BM)
-                    gemm(grid, (GEMM_THREADS,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc),
-                                                 _i32(n_t), row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
-                                                 _i32(k * n_sel + start), diff2), shared_mem=gemm_shared)
-                    self.stage_flops["coarse"] += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
+        # (classes, orientations) of each product: the cached groups of classes with all their orientations, or
+        # each class's orientations in chunks, projected as they come
+        products = ([(k0, k1, 0, n_sel) for k0, k1, _, _ in self.coarse_cache] if self.coarse_cache is not None
+                    else [(k, k + 1, start, min(n_sel, start + self.plan.orientations_per_chunk))
+                          for k in range(self.n_classes)
+                          for start in range(0, n_sel, self.plan.orientations_per_chunk)])
+        for i, (k, end, start, stop) in enumerate(products):
+            with self._scope(Scope.ORIENTATION):
+                if self.coarse_cache is not None:
+                    _, _, b_mat, p2_mat = self.coarse_cache[i]
+                else:
+                    b_mat, p2_mat, _ = self._project_planar(k, np.arange(start, stop))
+                nc = (stop - start) * (end - k)  # columns: class-major within the product
+                ldb = b_mat.shape[1]
+                pair = cp.empty((b_count, nc), dtype=cp.float32)
+                grid = (ldb // GEMM_BN, ldp // GEMM_BM)
+                gemm(grid, (GEMM_THREADS,), (pair_mat, p2_mat, _i32(ldp), _i32(ldb), _i32(kp), _i32(b_count),
+                                             _i32(nc), _i32(1), row_term, pair, _i32(2), _i32(nc), _i32(0), pair),
+                     shared_mem=gemm_shared)
+                grid = (ldb // GEMM_BN, lda // GEMM_BM)
+                gemm(grid, (GEMM_THREADS,), (a_mat, b_mat, _i32(lda), _i32(ldb), _i32(kd), _i32(m), _i32(nc),
+                                             _i32(n_t), row_term, pair, _i32(mode), _i32(self.n_classes * n_sel),
+                                             _i32(k * n_sel + start), diff2), shared_mem=gemm_shared)
+                self.stage_flops["coarse"] += 2.0 * m * nc * 2 * kc + 2.0 * b_count * nc * kc
         del a_mat, pair_mat
         tic = self._tick("coarse", tic)
         if self.keep_blocks:
