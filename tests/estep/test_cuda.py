@@ -112,6 +112,40 @@ def test_projection_kernel_matches_projector(cp):
     assert np.max(np.abs(got - want)) / scale < 1e-5
 
 
+def test_slices_of_several_classes_in_one_launch_are_each_class_s(cp):
+    """project_slices_of_classes (a class per row, read from the stack of classes) gives, bit for bit, the rows
+    project_slices gives for each class alone."""
+    from cryorefine.estep.kernels import kernel_module
+
+    rng = np.random.default_rng(4)
+    n, rows = 32, 30
+    projectors = [Projector(rng.normal(size=(n, n, n)), dtype=np.float32) for _ in range(3)]
+    stack = cp.asarray(np.stack([p.data for p in projectors]), dtype=cp.complex64)
+    grid = projectors[0].grid
+    d, _, w = grid.shape
+    geometry = (np.int32(d), np.int32(w), np.int32(grid.origin), np.float32(grid.padding_factor),
+                np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)))
+    coef = Coefficients.create(n)
+    kx, ky = cp.asarray(coef.kx, dtype=cp.float32), cp.asarray(coef.ky, dtype=cp.float32)
+    mats = cp.asarray(euler.euler_to_matrix(*rng.uniform(-180, 180, (3, rows))).reshape(-1, 9), dtype=cp.float32)
+    row_class = np.sort(rng.integers(0, 3, rows))  # grouped by class, as the fine pass's pairs are
+    blocks = ((coef.positions.size + 127) // 128, 7)  # fewer y blocks than rows: each takes several
+    module = kernel_module()
+    got = cp.empty((rows, coef.positions.size), dtype=cp.complex64)
+    module.get_function("project_slices_of_classes")(
+        blocks, (128,), (stack, *geometry, np.int64(stack[0].size), cp.asarray(row_class, dtype=cp.int32), mats, kx,
+                         ky, np.int32(coef.positions.size), np.int32(rows), got))
+    for k in range(3):
+        mine = np.flatnonzero(row_class == k)
+        if not mine.size:
+            continue
+        want = cp.empty((mine.size, coef.positions.size), dtype=cp.complex64)
+        module.get_function("project_slices")(
+            blocks, (128,), (stack[k], *geometry, cp.ascontiguousarray(mats[mine[0]:mine[-1] + 1]), kx, ky,
+                             np.int32(coef.positions.size), np.int32(mine.size), want))
+        np.testing.assert_array_equal(cp.asnumpy(got[mine]), cp.asnumpy(want))
+
+
 @pytest.mark.parametrize("group", [1, 8])
 def test_backprojection_kernel_matches_backprojector(cp, group):
     """Random orientations and clusters of 8 within 0.05° (a coarse orientation's children, whose coefficients

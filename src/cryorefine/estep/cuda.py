@@ -898,18 +898,18 @@ class CupyEngine:
 
     def _project_pairs(self, chunk_pairs, n_unique, mats):
         """(pairs·NFO, Kf) complex64: the NFO fine slices of each (class, coarse orientation) pair of `chunk_pairs`
-        (host, sorted, pair = class·n_unique + unique orientation), pair by pair, projected once for all its blocks;
-        `mats` their rows' matrices (`_pair_matrices`)."""
+        (host, sorted, pair = class·n_unique + unique orientation), pair by pair, projected once for all its blocks,
+        every class's in one launch; `mats` their rows' matrices (`_pair_matrices`)."""
         cp = self.cp
         nfo, n_coef = self.n_fo, self.fine.positions.size
-        k_of_pair = chunk_pairs // n_unique
-        out = cp.empty((chunk_pairs.size * nfo, n_coef), dtype=cp.complex64)
-        fn = self._module().get_function("project_slices")
-        for k in np.unique(k_of_pair):
-            lo, hi = (int(np.searchsorted(k_of_pair, k, side=side)) * nfo for side in ("left", "right"))
-            fn(((n_coef + 127) // 128, min(hi - lo, MAX_GRID_Y)), (128,),
-               (self.ref_volumes[int(k)], *self.geometry, mats[lo:hi], self.kx_f, self.ky_f, _i32(n_coef),
-                _i32(hi - lo), out[lo:hi]))
+        n_rows = chunk_pairs.size * nfo
+        row_class = cp.asarray(np.repeat(chunk_pairs // n_unique, nfo), dtype=cp.int32)
+        out = cp.empty((n_rows, n_coef), dtype=cp.complex64)
+        if n_rows:
+            self._module().get_function("project_slices_of_classes")(
+                ((n_coef + 127) // 128, min(n_rows, MAX_GRID_Y)), (128,),
+                (self.ref_volumes, *self.geometry, self.class_stride, row_class, mats, self.kx_f, self.ky_f,
+                 _i32(n_coef), _i32(n_rows), out))
         return out
 
     # ------------------------------------------------------------------ weighted sums
