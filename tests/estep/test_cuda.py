@@ -773,6 +773,37 @@ def test_fused_coarse_weights_select_what_the_weights_array_does(cp, per_particl
         np.testing.assert_array_equal(cp.asnumpy(s_idx), want_s)
 
 
+def test_a_2d_reference_s_padded_transforms_keep_their_plans_and_match_the_host(cp):
+    """`padded_forward_2d` and `padded_inverse_window_2d` (a 2D classification's M-step, class after class) on the
+    device under kept plans (`gpu.fft_plans`: one R2C and one C2R of the padded box, made once), equal to the
+    host's, scope after scope."""
+    from cryorefine.core.grid import PaddedGrid
+    from cryorefine.core.padded_transforms import padded_forward_2d, padded_inverse_window_2d
+    from cryorefine.gpu import fft_plans
+    from cryorefine.gpu.allocator import DeviceArena, Scope
+
+    rng = np.random.default_rng(9)
+    n = 40
+    grid = PaddedGrid.create(n, 2.0, 12, ndim=2)
+    images = rng.normal(size=(3, n, n))
+    half = rng.normal(size=(3, 2 * n, n + 1)) + 1j * rng.normal(size=(3, 2 * n, n + 1))
+    fft_plans.clear()
+    arena = DeviceArena(capacity_bytes=64 << 20)
+    with arena.installed(), arena.scope(Scope.GLOBAL):
+        for image, ft in zip(images, half, strict=True):
+            with arena.scope(Scope.ITERATION):
+                cp.full((1 << 20,), 7.0)  # overwrite what the last scope held
+                forward = cp.asnumpy(padded_forward_2d(cp.asarray(image), grid, cp))
+                back = cp.asnumpy(padded_inverse_window_2d(cp.asarray(ft), n, cp))
+            want = padded_forward_2d(image, grid)
+            np.testing.assert_allclose(forward, want, rtol=0, atol=1e-12 * np.abs(want).max())
+            want = padded_inverse_window_2d(ft, n)
+            np.testing.assert_allclose(back, want, rtol=0, atol=1e-12 * np.abs(want).max())
+        assert arena.top == 0
+    arena.close()
+    assert sorted(key[1] for key in fft_plans._plans) == ["C2R", "R2C"]
+
+
 def test_image_transforms_keep_one_plan_outside_the_arena_across_scopes(cp):
     """The cuFFT plan of a batch shape is made once and kept with its work area outside the arena: the
     transforms stay exact after the scopes it was made in have ended and their bytes were reused."""

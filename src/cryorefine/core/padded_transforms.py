@@ -142,7 +142,7 @@ def padded_forward_2d(image: Array, grid: PaddedGrid, xp: ArrayModule = np, out:
     wx = min(w, npad // 2 + 1)
     box = xp.zeros((npad, npad), dtype=real)
     box[u[:, None], u[None, :]] = image
-    ft = xp.fft.rfft2(box, norm="backward")
+    ft = _rfft2(box, "backward", xp)
     if out is None:
         out = xp.zeros(grid.shape, dtype=cdtype)
     else:
@@ -157,5 +157,23 @@ def padded_inverse_window_2d(ft: Array, size_px: int, xp: ArrayModule = np) -> A
     unnormalised (a plain sum over frequencies): `padded_inverse_window` of a 2D reference."""
     npad = ft.shape[0]
     u = xp.asarray(window_indices(int(size_px), npad))
-    image = xp.fft.irfft2(ft, s=(npad, npad), norm="forward")
+    image = _irfft2(xp.ascontiguousarray(ft), (npad, npad), "forward", xp)
     return image[u[:, None], u[None, :]]
+
+
+def _rfft2(x: Array, norm: str, xp: ArrayModule) -> Array:
+    """xp.fft.rfft2 of a real 2D box; on the GPU under a kept cuFFT plan (`gpu.fft_plans`)."""
+    if xp is np:
+        return np.fft.rfft2(x, norm=norm)
+    from cryorefine.gpu import fft_plans
+
+    return fft_plans.rfft2(x, norm)
+
+
+def _irfft2(ft: Array, shape: tuple[int, int], norm: str, xp: ArrayModule) -> Array:
+    """xp.fft.irfft2 of a half transform to a real box of `shape`; on the GPU under a kept cuFFT plan."""
+    if xp is np:
+        return np.fft.irfft2(ft, s=shape, norm=norm)
+    from cryorefine.gpu import fft_plans
+
+    return fft_plans.irfft2(ft, shape, norm)
