@@ -290,6 +290,25 @@ def test_centring_moves_the_centre_of_mass_to_the_centre_within_the_offset_range
     assert np.hypot(*([3.0, -2.0] - limited)) == pytest.approx(1.0, abs=0.1)
 
 
+def test_under_grad_a_move_cut_to_an_offset_range_equal_to_the_least_move_always_centres():
+    """RELION's rule at a 2 px offset range: the centre of mass 3 px away, in 72 directions, is moved 2 px each time;
+    the cut vector's length is 2 ± rounding, which alone decided before (some directions were left uncentred, and
+    a GPU run under mpiexec, its sums rounded otherwise, centred a class the CPU run did not). Nearer than the least
+    move, nothing moves."""
+    from cryorefine.jobs.class2d import centre_of_mass_px, grad_centring_shift_px
+
+    n = 32
+    y, x = np.mgrid[:n, :n] - n // 2
+    for angle in np.linspace(0.0, 2.0 * np.pi, 72, endpoint=False):
+        blob = np.exp(-((x - 3.0 * np.cos(angle)) ** 2 + (y - 3.0 * np.sin(angle)) ** 2) / 4.0)
+        assert np.hypot(*centre_of_mass_px(blob)) > 2.5
+        shift = grad_centring_shift_px(blob, 2.0, 2.0)
+        assert shift is not None, angle
+        assert np.hypot(*shift) == pytest.approx(2.0, abs=1e-9)
+    near = np.exp(-((x - 1.0) ** 2 + y ** 2) / 4.0)
+    assert grad_centring_shift_px(near, 2.0, 2.0) is None
+
+
 def test_a_relion_continue_line_of_a_2d_run_continues_it_as_class2d(three_views):
     """RELION's optimiser.star does not say a run was 2D; the run's saved state does (rlnDoCenterClasses says what
     the run did)."""

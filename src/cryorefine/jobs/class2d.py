@@ -229,6 +229,16 @@ def centring_shift_px(image: np.ndarray, max_shift_px: float) -> np.ndarray:
     return -com
 
 
+def grad_centring_shift_px(image: np.ndarray, max_shift_px: float, least_shift_px: float) -> np.ndarray | None:
+    """Under --grad, the move that centres the image (`centring_shift_px`), or None where it is shorter than
+    `least_shift_px` (RELION's centerClasses: small moves upset the momenta). A move cut to `max_shift_px` counts
+    as exactly that long: where the offset range equals the least move, as in RELION's rule at a 2 px range, the
+    rescaled vector's rounding does not decide whether the class is centred."""
+    com_length = float(np.hypot(*centre_of_mass_px(image)))
+    length = max_shift_px if com_length > max_shift_px > 0 else com_length
+    return None if length < least_shift_px else centring_shift_px(image, max_shift_px)
+
+
 def shifted_image(image: np.ndarray, shift_px: np.ndarray) -> np.ndarray:
     """The image moved by `shift_px` (x, y), sub-pixel by a phase shift of its transform."""
     if not np.any(shift_px):
@@ -495,8 +505,8 @@ class Class2DJob:
 
         def finish(image, moments):
             if centre:
-                shift = centring_shift_px(image, plan.sampling.offset_range_px)
-                if float(np.hypot(*shift)) >= least_shift_px:
+                shift = grad_centring_shift_px(image, plan.sampling.offset_range_px, least_shift_px)
+                if shift is not None:
                     image = shifted_image(image, shift)
                     moments = gradient.shifted_moments(moments, grid, shift)
             return (image if mask is None else image * mask), moments
