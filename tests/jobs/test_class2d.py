@@ -293,8 +293,8 @@ def test_centring_moves_the_centre_of_mass_to_the_centre_within_the_offset_range
 def test_under_grad_a_move_cut_to_an_offset_range_equal_to_the_least_move_always_centres():
     """RELION's rule at a 2 px offset range: the centre of mass 3 px away, in 72 directions, is moved 2 px each time;
     the cut vector's length is 2 ± rounding, which alone decided before (some directions were left uncentred, and
-    a GPU run under mpiexec, its sums rounded otherwise, centred a class the CPU run did not). Nearer than the least
-    move, nothing moves."""
+    a GPU run under mpiexec, its sums rounded otherwise, and the CPU run differed in whether a class moved). Nearer
+    than the least move, nothing moves."""
     from cryorefine.jobs.class2d import centre_of_mass_px, grad_centring_shift_px
 
     n = 32
