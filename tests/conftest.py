@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -225,3 +226,17 @@ def pytest_collection_modifyitems(config, items):
         where = Path(str(item.fspath)).relative_to(root).as_posix()
         if not where.startswith(GPU_MODULES_WITHOUT_RUN_ARENAS):
             item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
+def assert_m_step_parts_within_the_m_step(log_text: str, iterations, names: set[str]) -> None:
+    """Each of `iterations` in a run's log has one line of the job's M-step parts (under MPI as rank 1 ran them),
+    naming at least `names`, whose seconds add up to no more than the iteration's M."""
+    lines = log_text.splitlines()
+    for it in iterations:
+        at = next(i for i, line in enumerate(lines) if f"iteration {it}: resolution" in line)
+        m_seconds = float(re.search(r", M ([\d.]+) s$", lines[at])[1])
+        parts_lines = [line for line in lines[at + 1:at + 6] if "M-step parts (s):" in line]
+        assert len(parts_lines) == 1, lines[at:at + 6]
+        parts = dict(item.rsplit(" ", 1) for item in parts_lines[0].split("M-step parts (s): ")[1].split(", "))
+        assert names <= set(parts), parts
+        assert sum(float(v) for v in parts.values()) <= m_seconds + 0.05 + 0.005 * len(parts), (parts, m_seconds)

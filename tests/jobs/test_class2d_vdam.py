@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import starfile
 from class2d_data import best_rotated_correlation, make_views_set, true_views
+from conftest import assert_m_step_parts_within_the_m_step, run_cli
 from conftest import mpiexec_or_skip as mpiexec
-from conftest import run_cli
 from test_class2d import FAST, assert_gpu_run_matches_the_cpu, matched_agreement, run_under_mpiexec
 
 from cryorefine.io.mrc import read_stack
@@ -82,6 +82,22 @@ def test_continue_from_a_mini_batch_iteration_gives_the_uninterrupted_runs_resul
     for suffix in ("classes.mrcs", "1moment.mrcs", "2moment.mrcs"):
         assert np.array_equal(read_stack(tmp_path / f"run_it010_{suffix}"),
                               read_stack(folder / "out" / f"run_it010_{suffix}")), suffix
+
+
+def test_each_iteration_logs_the_parts_of_its_m_step_em_and_vdam(vdam_run, tmp_path, caplog):
+    """The class averages' steps (VDAM) or reconstructions (EM), their centring and masks, the maps shared and the
+    other parameters, each iteration, within its M-step's seconds."""
+    _, star, _ = vdam_run
+    common = ("--i", star, "--iter", 2, "--grad_write_iter", 1, "--K", 3, "--tau2_fudge", 2, "--ctf",
+              "--flatten_solvent", "--zero_mask", "--center_classes", *FAST)
+    for extra, names in (((), {"sums to the device", "τ² of the references", "reconstructions", "centring and masks",
+                               "maps shared among the workers", "other parameters"}),
+                         (("--grad",), {"class steps", "maps shared among the workers", "centring and masks",
+                                        "other parameters"})):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cryorefine"):
+            assert run_cli("class2d", *common, *extra, "--o", tmp_path / "+".join(extra) / "run") == 0
+        assert_m_step_parts_within_the_m_step("\n".join(r.getMessage() for r in caplog.records), (1, 2), names)
 
 
 def test_a_relion_continue_line_of_a_vdam_run_continues_it_as_class2d(vdam_run):

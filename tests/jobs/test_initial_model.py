@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import starfile
-from conftest import mpiexec_or_skip, run_cli
+from conftest import assert_m_step_parts_within_the_m_step, mpiexec_or_skip, run_cli
 
 from cryorefine.core.euler import euler_to_matrix  # noqa: F401  (the conventions the rotation below follows)
 from cryorefine.io.mrc import read_volume, write_volume
@@ -174,6 +174,15 @@ def test_the_report_shows_each_written_map_as_it_forms(twelve_iterations):
             m = geometry.magnification
             grey = np.kron((view - view.min()) / (view.max() - view.min()), np.ones((m, m)))[::-1]
             assert np.abs(drawn - grey).max() <= 2 / 255, (it, name)
+
+
+def test_each_iteration_logs_the_parts_of_its_m_step(blobs_set, tmp_path, caplog):
+    _, star = blobs_set
+    with caplog.at_level("INFO", logger="cryorefine"):
+        assert run_cli("initial_model", "--i", star, "--o", tmp_path / "run", "--iter", 2, "--ctf", "--K", 1,
+                       "--flatten_solvent", "--zero_mask", "--random_seed", 1, *FAST) == 0
+    assert_m_step_parts_within_the_m_step("\n".join(r.getMessage() for r in caplog.records), (1, 2), {
+        "class steps", "maps shared among the workers", "centring and masks", "other parameters"})
 
 
 def test_relions_initial_model_line_runs_initial_model(blobs_set, tmp_path):

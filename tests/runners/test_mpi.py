@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import assert_m_step_parts_within_the_m_step
 from conftest import mpiexec_or_skip as mpiexec
 
 from cryorefine.cli import main
@@ -253,20 +254,6 @@ def mixture(tmp_path_factory):
     return folder
 
 
-def assert_m_step_parts_within_the_m_step(log_text, iterations):
-    """Each iteration's log has one line of the job's M-step parts (as rank 1 ran them under MPI), naming the
-    classes' reconstructions and the other parameters, whose seconds add up to no more than the iteration's M."""
-    lines = log_text.splitlines()
-    for it in iterations:
-        at = next(i for i, line in enumerate(lines) if f"iteration {it}:" in line)
-        m_seconds = float(re.search(r", M ([\d.]+) s$", lines[at])[1])
-        parts_lines = [line for line in lines[at + 1:at + 6] if "M-step parts (s):" in line]
-        assert len(parts_lines) == 1, lines[at:at + 6]
-        parts = dict(item.rsplit(" ", 1) for item in parts_lines[0].split("M-step parts (s): ")[1].split(", "))
-        assert {"reconstructions", "other parameters"} <= set(parts), parts
-        assert sum(float(v) for v in parts.values()) <= m_seconds + 0.05 + 0.005 * len(parts), (parts, m_seconds)
-
-
 def test_classify_under_mpi_writes_the_single_process_class_maps(mixture):
     """K = 2, 2 iterations (the seeding iteration, then both classes): 2, 3 and 5 ranks give the class maps of
     one process, byte for byte with one worker (2 ranks: it serves both seed units in turn, in the batches of one
@@ -278,7 +265,7 @@ def test_classify_under_mpi_writes_the_single_process_class_maps(mixture):
         assert result.returncode == 0, (ranks, result.stderr[-2000:])
         for it in (1, 2):
             assert result.stderr.count(f"iteration {it}:") == 1, (ranks, result.stderr[-2000:])
-        assert_m_step_parts_within_the_m_step(result.stderr, (1, 2))
+        assert_m_step_parts_within_the_m_step(result.stderr, (1, 2), {"reconstructions", "other parameters"})
     single = sorted(p.name for p in (mixture / "n1").iterdir())
     for ranks in (2, 3, 5):
         assert sorted(p.name for p in (mixture / f"n{ranks}").iterdir()) == sorted([*single, "run_it000_sampling.star"])

@@ -484,8 +484,8 @@ class Replacement:
 
 def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: GradientPlan, config: RefineConfig,
                       peers: mstep.Peers, finish: Callable[[np.ndarray, Moments], tuple[np.ndarray, Moments]],
-                      inactivity_threshold: float = 0.0,
-                      xp: ArrayModule = np) -> tuple[ModelState, Replacement | None]:
+                      inactivity_threshold: float = 0.0, xp: ArrayModule = np,
+                      parts: dict[str, float] | None = None) -> tuple[ModelState, Replacement | None]:
     """The M-step of a gradient run of K classes from its two pseudo-half sets' sums (`sums`, one unit each, every
     class in both), as RELION's maximization under --grad: the step of each class with a share and weights
     (`update_class`, on `xp`'s device; under MPI of the classes whose volumes are here, the others' gathered from
@@ -494,7 +494,8 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
     takes the other's previous map, its new momenta, share, spectra and directions, and is not updated); then
     `finish(map, moments)` on every class (RELION's centerClasses and solventFlatten); the class shares, direction
     distributions and the other parameters with momentum (RELION's maximizationOtherParameters: 0.9, none where the
-    batch holds every particle). The new model, and the replacement made."""
+    batch holds every particle). The new model, and the replacement made; the seconds of its parts are added to
+    `parts` (`mstep.timed_part`)."""
     previous = model
     model = dataclasses.replace(model)
     k_classes, n_shells = model.n_classes, model.n_shells
@@ -510,10 +511,13 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
             s.data[k] = s.weight[k] = None
         if pdf_previous[k] <= 0 or float(halves[0][1].sum()) <= EQUAL_ACCURACY:
             continue  # RELION keeps the previous reference of a class without share or weights
-        made[k] = update_class(previous.maps[0][k], halves, previous.moments[k], padding_factor=config.padding_factor,
-                               r_max=r_max, step=class_step_size(plan.step_size, pdf_previous[k], k_classes),
-                               tau2_fudge=plan.tau2_fudge, xp=xp)
-    made = mstep.gathered(peers, made)
+        with mstep.timed_part(parts, "class steps", xp):
+            made[k] = update_class(previous.maps[0][k], halves, previous.moments[k],
+                                   padding_factor=config.padding_factor, r_max=r_max,
+                                   step=class_step_size(plan.step_size, pdf_previous[k], k_classes),
+                                   tau2_fudge=plan.tau2_fudge, xp=xp)
+    with mstep.timed_part(parts, "maps shared among the workers", np):
+        made = mstep.gathered(peers, made)
 
     def rows(values, shape):
         return np.zeros(shape) if values is None or np.shape(values) != shape else np.array(values, dtype=np.float64)
@@ -550,9 +554,10 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
         if directions_previous is not None:
             directions_previous = np.array(directions_previous, dtype=np.float64)
             directions_previous[drop] = directions_previous[copy]
-    for k in range(k_classes):
-        image, moments[k] = finish(np.asarray(maps[k], dtype=np.float64), moments[k])
-        maps[k] = np.asarray(image, dtype=np.float32)
+    with mstep.timed_part(parts, "centring and masks", np):
+        for k in range(k_classes):
+            image, moments[k] = finish(np.asarray(maps[k], dtype=np.float64), moments[k])
+            maps[k] = np.asarray(image, dtype=np.float32)
     model.maps = [maps]
     model.moments = moments
     model.tau2, model.ssnr, model.reference_sigma2, model.fsc_halves = tau2, ssnr, ref_sigma2, fsc
@@ -566,8 +571,9 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
     directions = np.asarray(small.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
     total = directions.sum()
     directions = directions / total if total > 0 else np.full(directions.shape, 1.0 / directions.size)
-    mstep.maximize_other_parameters(model, config, [small], False)
-    other_parameters_with_momentum(model, previous, directions_previous, directions, mu)
+    with mstep.timed_part(parts, "other parameters", np):
+        mstep.maximize_other_parameters(model, config, [small], False)
+        other_parameters_with_momentum(model, previous, directions_previous, directions, mu)
     return model, None if replaced is None else Replacement(*replaced)
 
 

@@ -437,7 +437,7 @@ class Class2DJob:
         `_maximize_gradient`."""
         config = self.config
         if config.grad:
-            return self._maximize_gradient(model, sums, plan, peers, backend.array_module)
+            return self._maximize_gradient(model, sums, plan, peers, backend.array_module, parts)
         xp = backend.array_module
         model = dataclasses.replace(model)
         k_classes = model.n_classes
@@ -454,25 +454,30 @@ class Class2DJob:
         for i, k in enumerate(unit.classes):
             if not mstep.volumes_here(sums[0], i):
                 continue
-            data, weight = backend.to_device(sums[0].data[i]), backend.to_device(sums[0].weight[i])
-            sums[0].data[i] = sums[0].weight[i] = None
+            with mstep.timed_part(parts, "sums to the device", xp):
+                data, weight = backend.to_device(sums[0].data[i]), backend.to_device(sums[0].weight[i])
+                sums[0].data[i] = sums[0].weight[i] = None
             if pdf_class[k] <= 0 or float(weight.sum()) <= 0:
                 continue  # an empty class: an image of zeros
-            previous = xp.asarray(np.asarray(model.maps[0][k], dtype=np.float64))
-            t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max, xp=xp).power_spectrum),
-                            dtype=np.float64)[:n_shells]
-            t2[r_max + 1:] = 0.0
-            bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max, xp=xp)
-            sigma2 = np.asarray(to_host(bp.noise_sigma2()), dtype=np.float64)[:n_shells]
-            image = np.asarray(to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge,
-                                                      minres_map_px=schedule.MINRES_MAP_SHELL)), dtype=np.float64)
-            del bp, data, weight
-            if config.center_classes:  # RELION: centerClasses, then solventFlatten
-                image = centred_image(image, plan.sampling.offset_range_px)
-            if mask is not None:
-                image = image * mask
+            with mstep.timed_part(parts, "τ² of the references", xp):
+                previous = xp.asarray(np.asarray(model.maps[0][k], dtype=np.float64))
+                t2 = np.asarray(to_host(Projector(previous, config.padding_factor, r_max, xp=xp).power_spectrum),
+                                dtype=np.float64)[:n_shells]
+                t2[r_max + 1:] = 0.0
+            with mstep.timed_part(parts, "reconstructions", xp):
+                bp = BackProjector.from_arrays(data, weight, model.ori_size_px, config.padding_factor, r_max, xp=xp)
+                sigma2 = np.asarray(to_host(bp.noise_sigma2()), dtype=np.float64)[:n_shells]
+                image = np.asarray(to_host(bp.reconstruct(tau2=xp.asarray(t2), tau2_fudge=config.tau2_fudge,
+                                                          minres_map_px=schedule.MINRES_MAP_SHELL)), dtype=np.float64)
+                del bp, data, weight
+            with mstep.timed_part(parts, "centring and masks", np):
+                if config.center_classes:  # RELION: centerClasses, then solventFlatten
+                    image = centred_image(image, plan.sampling.offset_range_px)
+                if mask is not None:
+                    image = image * mask
             made[int(k)] = (image.astype(np.float32), t2, sigma2)
-        made = mstep.gathered(peers, made)
+        with mstep.timed_part(parts, "maps shared among the workers", xp):
+            made = mstep.gathered(peers, made)
         new_maps = mstep.class_maps_and_spectra(made, model.maps[0][:k_classes], (tau2, ref_sigma2, ssnr),
                                                 config.tau2_fudge, r_max)
         model.maps = [new_maps]
@@ -481,7 +486,8 @@ class Class2DJob:
         pdf = np.asarray(small.pdf_direction, dtype=np.float64).reshape(k_classes, -1)
         total = pdf.sum()
         model.pdf_direction = pdf / total if total > 0 else np.full(pdf.shape, 1.0 / pdf.size)
-        mstep.maximize_other_parameters(model, config, [small], False)
+        with mstep.timed_part(parts, "other parameters", np):
+            mstep.maximize_other_parameters(model, config, [small], False)
         return model
 
     def _mask(self, model):
@@ -491,10 +497,10 @@ class Class2DJob:
         return fourier.soft_circular_mask(model.ori_size_px, self._diameter_angstrom(model) /
                                           (2 * model.pixel_size_angstrom), self.config.width_mask_edge_px)
 
-    def _maximize_gradient(self, model, sums, plan, peers, xp):
+    def _maximize_gradient(self, model, sums, plan, peers, xp, parts):
         """VDAM's M-step (`em.gradient.vdam_maximization`, --class_inactivity_threshold, each class's step on `xp`'s
-        device), each average then centred (--center_classes, RELION's rules under --grad: `_centres_under_grad`)
-        with its first moments, and masked (--flatten_solvent)."""
+        device), each average then centred (--center_classes, RELION's rule under --grad: `grad_centring_shift_px`)
+        with its first moments, and masked (--flatten_solvent); the seconds of its parts added to `parts`."""
         config = self.config
         mask = self._mask(model)
         centre = config.center_classes and (plan.iteration < self.phases.initial + self.phases.between
@@ -512,7 +518,7 @@ class Class2DJob:
             return (image if mask is None else image * mask), moments
 
         model, replaced = gradient.vdam_maximization(model, sums, plan, config, peers, finish,
-                                                     config.class_inactivity_threshold, xp)
+                                                     config.class_inactivity_threshold, xp, parts)
         if replaced is not None:
             log.info("iteration %d: class %d (its share below --class_inactivity_threshold %g of an even share) "
                      "replaced by a copy of class %d", plan.iteration, replaced.dropped + 1,

@@ -354,7 +354,7 @@ class InitialModelJob:
         masks = self.masks
         model, _ = gradient.vdam_maximization(model, sums, plan, self.config, peers,
                                               lambda volume, moments: (masks.apply(volume), moments),
-                                              xp=backend.array_module)
+                                              xp=backend.array_module, parts=parts)
         return model
 
     def update(self, run, plan, changes):
