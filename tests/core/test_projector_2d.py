@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from cryorefine.core import euler, fourier
-from cryorefine.core.projector import BackProjector, Projector
+from cryorefine.core.grid import PaddedGrid
+from cryorefine.core.projector import BackProjector, Projector, padded_references_2d
 from cryorefine.core.sampling import Sampling
 
 N = 32
@@ -34,6 +35,27 @@ def test_the_unrotated_projection_of_an_image_is_its_transform():
     inside = in_circle(N, N // 2)
     assert np.abs(projection - expected)[inside].max() < 1e-12 * np.abs(expected).max() + 1e-15
     assert np.all(projection[~inside] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_stack_of_references_is_transformed_as_each_one_alone(dtype):
+    """One batched transform of three images (with gridding, r_max 10): each the Projector of that image alone;
+    without gridding, each one's unrotated projection is its own transform."""
+    images = np.stack([blobs(), blobs()[::-1], 0.5 * blobs().T])
+    grid = PaddedGrid.create(N, 2.0, 10, ndim=2)
+    stack = padded_references_2d(images, grid, dtype)
+    assert stack.shape == (3,) + grid.shape
+    for k in range(3):
+        alone = Projector(images[k], 2.0, 10, dtype=dtype).data
+        assert alone.dtype == stack.dtype
+        assert np.array_equal(stack[k], alone), k
+    plain = padded_references_2d(images, PaddedGrid.create(N, 2.0, N // 2, ndim=2), np.float64, do_gridding=False)
+    inside = in_circle(N, N // 2)
+    for k in range(3):
+        projection = Projector.from_transform(plain[k], PaddedGrid.create(N, 2.0, N // 2, ndim=2)).project(
+            np.eye(3)[None], N)[0]
+        expected = fourier.rfft2_centered(images[k])
+        assert np.abs(projection - expected)[inside].max() < 1e-12 * np.abs(expected).max() + 1e-15
 
 
 def test_a_quarter_turn_of_psi_is_the_image_turned_a_quarter():

@@ -128,11 +128,13 @@ def padded_inverse_window(ft: Array, size_px: int, xp: ArrayModule = np, r_max_p
 
 
 def padded_forward_2d(image: Array, grid: PaddedGrid, xp: ArrayModule = np, out: Array | None = None) -> Array:
-    """The compact padded transform (grid.shape, 2D: (2R+3, R+2)) of a real (N, N) 2D reference: DFT2 of the
-    image zero-padded to Np, divided by N² (so that the unrotated "projection" of a 2D reference is the
-    `fourier.rfft2_centered` of the image, as a 3D map's central slice is normalised), zero beyond |k| = R."""
+    """The compact padded transform (grid.shape, 2D: (2R+3, R+2)) of a real (N, N) 2D reference, or those
+    (K, …) of a stack (K, N, N) of them in one batched transform: DFT2 of the image zero-padded to Np, divided by
+    N² (so that the unrotated "projection" of a 2D reference is the `fourier.rfft2_centered` of the image, as a 3D
+    map's central slice is normalised), zero beyond |k| = R."""
     image = xp.asarray(image)
-    n = image.shape[0]
+    n = image.shape[-1]
+    lead = image.shape[:-2]
     npad = grid.padded_size_px
     real = image.dtype.type
     cdtype = complex_dtype_for(real)
@@ -140,15 +142,16 @@ def padded_forward_2d(image: Array, grid: PaddedGrid, xp: ArrayModule = np, out:
     u = xp.asarray(window_indices(n, npad))
     rows, rows_fft = compact_rows(grid, unique=False)
     wx = min(w, npad // 2 + 1)
-    box = xp.zeros((npad, npad), dtype=real)
-    box[u[:, None], u[None, :]] = image
+    box = xp.zeros(lead + (npad, npad), dtype=real)
+    box[..., u[:, None], u[None, :]] = image
     ft = _rfft2(box, "backward", xp)
+    del box
     if out is None:
-        out = xp.zeros(grid.shape, dtype=cdtype)
+        out = xp.zeros(lead + grid.shape, dtype=cdtype)
     else:
         out[...] = 0
-    out[rows[0]:rows[-1] + 1, :wx] = ft[xp.asarray(rows_fft), :wx] * real(1.0 / (float(n) ** 2))
-    out[grid.radius2(xp) > grid.r_max_padded ** 2] = 0
+    out[..., rows[0]:rows[-1] + 1, :wx] = ft[..., xp.asarray(rows_fft), :wx] * real(1.0 / (float(n) ** 2))
+    out[...] = xp.where(grid.radius2(xp) > grid.r_max_padded ** 2, out.dtype.type(0), out)
     return out
 
 
@@ -162,7 +165,8 @@ def padded_inverse_window_2d(ft: Array, size_px: int, xp: ArrayModule = np) -> A
 
 
 def _rfft2(x: Array, norm: str, xp: ArrayModule) -> Array:
-    """xp.fft.rfft2 of a real 2D box; on the GPU under a kept cuFFT plan (`gpu.fft_plans`)."""
+    """xp.fft.rfft2 of a real 2D box (or a stack of them, over the last two axes); on the GPU under a kept cuFFT
+    plan (`gpu.fft_plans`)."""
     if xp is np:
         return np.fft.rfft2(x, norm=norm)
     from cryorefine.gpu import fft_plans

@@ -172,6 +172,17 @@ class _OnPaddedGrid:
         return self.grid.r_max_px
 
 
+def padded_references_2d(images: Array, grid: PaddedGrid, dtype: npt.DTypeLike, xp: ArrayModule = np,
+                         out: Array | None = None, do_gridding: bool = True) -> Array:
+    """`Projector.data` of each real (N, N) 2D reference of a stack (K, N, N), (K, …) on `grid`, in one batched
+    transform of the precision of `dtype` (a single (N, N) image gives one): each divided by the bilinear gridding
+    kernel (`do_gridding`), then `padded_forward_2d`."""
+    image = xp.asarray(images).astype(xp.float64)
+    if do_gridding:
+        image = image / trilinear_gridding_kernel(grid.size_px, grid.padded_size_px, xp, ndim=2)
+    return padded_forward_2d(image.astype(np.dtype(dtype).type), grid, xp, out=out)
+
+
 class Projector(_OnPaddedGrid):
     """Padded 3D Fourier transform of a map, for central slices by trilinear interpolation.
 
@@ -207,10 +218,7 @@ class Projector(_OnPaddedGrid):
         self.grid = grid = PaddedGrid.create(n, padding_factor, r_max_px, ndim=vol.ndim)
         npad = grid.padded_size_px
         if vol.ndim == 2:  # a 2D reference: one small transform
-            image = vol.astype(xp.float64)
-            if do_gridding:
-                image = image / trilinear_gridding_kernel(n, npad, xp, ndim=2)
-            self.data = padded_forward_2d(image.astype(self.real_dtype), grid, xp, out=out)
+            self.data = padded_references_2d(vol, grid, self.real_dtype, xp, out=out, do_gridding=do_gridding)
             return
         corrected = xp.empty(vol.shape, dtype=self.real_dtype)
         for planes in map_slabs(n):  # in float64, a slab at a time
