@@ -219,24 +219,29 @@ def centre_of_mass_px(image: np.ndarray) -> np.ndarray:
     return np.array([positive.sum(axis=0) @ k, positive.sum(axis=1) @ k]) / mass  # column and row masses
 
 
-def centring_shift_px(image: np.ndarray, max_shift_px: float) -> np.ndarray:
-    """The (x, y) move that brings the image's centre of mass (`centre_of_mass_px`) to the centre, at most
-    `max_shift_px` long (RELION's centerClasses: at most the offset range)."""
+def centring_move_px(image: np.ndarray, max_shift_px: float) -> tuple[np.ndarray, float]:
+    """(the (x, y) move that brings the image's centre of mass (`centre_of_mass_px`) to the centre, at most
+    `max_shift_px` long (RELION's centerClasses: at most the offset range); its length, exactly `max_shift_px`
+    where the move was cut to it, not the cut vector's length with its rounding)."""
     com = centre_of_mass_px(image)
     length = float(np.hypot(*com))
     if length > max_shift_px > 0:
-        com *= max_shift_px / length
-    return -com
+        return com * (-max_shift_px / length), float(max_shift_px)
+    return -com, length
+
+
+def centring_shift_px(image: np.ndarray, max_shift_px: float) -> np.ndarray:
+    """The move of `centring_move_px`."""
+    return centring_move_px(image, max_shift_px)[0]
 
 
 def grad_centring_shift_px(image: np.ndarray, max_shift_px: float, least_shift_px: float) -> np.ndarray | None:
-    """Under --grad, the move that centres the image (`centring_shift_px`), or None where it is shorter than
+    """Under --grad, the move that centres the image (`centring_move_px`), or None where it is shorter than
     `least_shift_px` (RELION's centerClasses: small moves upset the momenta). A move cut to `max_shift_px` counts
     as exactly that long: where the offset range equals the least move, as in RELION's rule at a 2 px range, the
     rescaled vector's rounding does not decide whether the class is centred."""
-    com_length = float(np.hypot(*centre_of_mass_px(image)))
-    length = max_shift_px if com_length > max_shift_px > 0 else com_length
-    return None if length < least_shift_px else centring_shift_px(image, max_shift_px)
+    shift, length = centring_move_px(image, max_shift_px)
+    return None if length < least_shift_px else shift
 
 
 def shifted_image(image: np.ndarray, shift_px: np.ndarray) -> np.ndarray:
