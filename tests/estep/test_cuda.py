@@ -101,10 +101,11 @@ def test_projection_kernel_matches_projector(cp):
     grid = projector.grid
     d, _, w = grid.shape
     out = cp.empty((50, coef.positions.size), dtype=cp.complex64)
-    kernel_module().get_function("project_slices")(
+    vol = cp.asarray(projector.data, dtype=cp.complex64)
+    kernel_module().get_function("project_slices_of_classes")(
         ((coef.positions.size + 127) // 128, 7), (128,),  # fewer y blocks than slices: each takes several
-        (cp.asarray(projector.data, dtype=cp.complex64), np.int32(d), np.int32(w), np.int32(grid.origin),
-         np.float32(grid.padding_factor), np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)),
+        (vol, np.int32(d), np.int32(w), np.int32(grid.origin), np.float32(grid.padding_factor),
+         np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)), np.int64(vol.size), cp.zeros(50, dtype=cp.int32),
          cp.asarray(mats.reshape(-1, 9), dtype=cp.float32), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(coef.positions.size), np.int32(50), out))
     got = cp.asnumpy(out)
@@ -113,8 +114,8 @@ def test_projection_kernel_matches_projector(cp):
 
 
 def test_slices_of_several_classes_in_one_launch_are_each_class_s(cp):
-    """project_slices_of_classes (a class per row, read from the stack of classes) gives, bit for bit, the rows
-    project_slices gives for each class alone."""
+    """project_slices_of_classes (a class per row, read from the stack of classes) gives, bit for bit, the rows it
+    gives for each class alone."""
     from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(4)
@@ -140,8 +141,10 @@ def test_slices_of_several_classes_in_one_launch_are_each_class_s(cp):
         if not mine.size:
             continue
         want = cp.empty((mine.size, coef.positions.size), dtype=cp.complex64)
-        module.get_function("project_slices")(
-            blocks, (128,), (stack[k], *geometry, cp.ascontiguousarray(mats[mine[0]:mine[-1] + 1]), kx, ky,
+        alone = cp.ascontiguousarray(stack[k])
+        module.get_function("project_slices_of_classes")(
+            blocks, (128,), (alone, *geometry, np.int64(alone.size), cp.zeros(mine.size, dtype=cp.int32),
+                             cp.ascontiguousarray(mats[mine[0]:mine[-1] + 1]), kx, ky,
                              np.int32(coef.positions.size), np.int32(mine.size), want))
         np.testing.assert_array_equal(cp.asnumpy(got[mine]), cp.asnumpy(want))
 

@@ -107,9 +107,10 @@ def test_2d_projection_kernels_match_the_projector(cp, r_max_px):
     mats_d = cp.asarray(mats.reshape(-1, 9), dtype=cp.float32)
     kx, ky = cp.asarray(coef.kx, dtype=cp.float32), cp.asarray(coef.ky, dtype=cp.float32)
     out = cp.empty((rows, nc), dtype=cp.complex64)
-    module.get_function("project_slices")(
+    module.get_function("project_slices_of_classes")(
         ((nc + 127) // 128, 7), (128,),  # fewer y blocks than slices: each takes several
-        (vol, *geometry(projector.grid), mats_d, kx, ky, np.int32(nc), np.int32(rows), out))
+        (vol, *geometry(projector.grid), np.int64(vol.size), cp.zeros(rows, dtype=cp.int32), mats_d, kx, ky,
+         np.int32(nc), np.int32(rows), out))
     got = cp.asnumpy(out)
     scale = np.max(np.abs(want))
     assert np.max(np.abs(got - want)) / scale < 1e-5

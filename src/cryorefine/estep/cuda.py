@@ -19,9 +19,9 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    numpy twin `common.significant_samples`), and the cut sorts the candidates alone; only the
    per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
-   orientation) pair: where a pair has many blocks its NFO slices are projected once (`project_slices`) and
-   read by all of them, else each block projects its own; per-particle weights with segment reductions
-   (`segment_reduce`);
+   orientation) pair: where a pair has many blocks its NFO slices are projected once, every class's pairs in
+   one launch (`project_slices_of_classes`), and read by all of them, else each block projects its own;
+   per-particle weights with segment reductions (`segment_reduce`);
 4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
    and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
    GPU build keeps them.

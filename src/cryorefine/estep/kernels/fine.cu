@@ -6,7 +6,7 @@
 // children are taken in tiles of TO orientations × TT translations (the whole block at
 // oversampling 1; 4 × 16 of the 64 × 16 at oversampling 2), so that a thread's sums stay in
 // registers at every order. Where many blocks share a (class, coarse orientation) pair, its NFO
-// child slices are projected once beforehand (project_slices), rows row0 … row0 + NFO − 1 of
+// child slices are projected once beforehand (project_slices_of_classes), rows row0 … row0 + NFO − 1 of
 // `slices`, and every block of the pair reads them; otherwise (slices null) each block projects
 // its slices on the fly from the padded reference, at rotations staged in shared memory, FINE_THREADS
 // coefficients at a time into shared memory with neighbouring lanes on neighbouring child orientations

@@ -6,7 +6,7 @@
 // tile_particle[x] × TT translations: a particle has as many tiles as its own count needs, not as
 // many as the sub-batch's widest neighbourhood (`estep.kernels.local_tiles`), and the padding rows
 // are neither projected nor written. Per chunk of LOCAL_CK coefficients a block projects its
-// orientations' slices into shared memory (cr_slice_value, the values of project_slices) and
+// orientations' slices into shared memory (cr_slice_value, the values of project_slices_of_classes) and
 // stages the moved images beside them, then every thread adds a 2 × 2 tile of
 // cross terms Σ_c Re(moved_t(c)·conj(P_r(c))). The slices never reach device memory: the
 // neighbourhood of one particle is seen by no other, so there is nothing to share, and writing the

@@ -71,32 +71,9 @@ __device__ __forceinline__ float2 cr_slice_value(const float2* __restrict__ vol,
 }
 #endif
 
-// out[r, c]: coefficient c of the slice of `vol` at rotation r of `mats` (n_rot, 9).
-__device__ __forceinline__ void cr_project_row(const float2* __restrict__ vol, int d, int w, int origin, float pf,
-                                               float r_pad_sq, const float* __restrict__ mats,
-                                               const float* __restrict__ kx, const float* __restrict__ ky,
-                                               int n_coef, int r, int c, float2* __restrict__ out)
-{
-    float a[6];
-#pragma unroll
-    for (int i = 0; i < 6; ++i) a[i] = mats[r * 9 + i];
-    out[(size_t)r * n_coef + c] = cr_slice_value(vol, d, w, origin, pf, r_pad_sq, a, kx[c], ky[c]);
-}
-
-// out[r, c] (n_rot, n_coef) complex: the slices of rotations `mats` (n_rot, 9) at coefficients (kx, ky).
-extern "C" __global__ void project_slices(const float2* __restrict__ vol, int d, int w, int origin, float pf,
-                                          float r_pad_sq, const float* __restrict__ mats,
-                                          const float* __restrict__ kx, const float* __restrict__ ky,
-                                          int n_coef, int n_rot, float2* __restrict__ out)
-{
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= n_coef) return;
-    for (int r = blockIdx.y; r < n_rot; r += gridDim.y)  // beyond the grid's y limit, in turns
-        cr_project_row(vol, d, w, origin, pf, r_pad_sq, mats, kx, ky, n_coef, r, c, out);
-}
-
-// out[r, c] as project_slices, row r from class row_class[r] of the references `vols` (class_stride values a class):
-// the slices of several classes in one launch.
+// out[r, c] (n_rot, n_coef) complex: the slice at rotation r of `mats` (n_rot, 9), coefficients (kx, ky), of class
+// row_class[r] of the references `vols` (class_stride values a class): the slices of several classes in one launch
+// (one class: row_class all 0).
 extern "C" __global__ void project_slices_of_classes(const float2* __restrict__ vols, int d, int w, int origin,
                                                      float pf, float r_pad_sq, long long class_stride,
                                                      const int* __restrict__ row_class, const float* __restrict__ mats,
@@ -105,9 +82,13 @@ extern "C" __global__ void project_slices_of_classes(const float2* __restrict__ 
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n_coef) return;
-    for (int r = blockIdx.y; r < n_rot; r += gridDim.y)  // beyond the grid's y limit, in turns
-        cr_project_row(vols + (size_t)row_class[r] * (size_t)class_stride, d, w, origin, pf, r_pad_sq, mats, kx, ky,
-                       n_coef, r, c, out);
+    for (int r = blockIdx.y; r < n_rot; r += gridDim.y) {  // beyond the grid's y limit, in turns
+        float a[6];
+#pragma unroll
+        for (int i = 0; i < 6; ++i) a[i] = mats[r * 9 + i];
+        out[(size_t)r * n_coef + c] = cr_slice_value(vols + (size_t)row_class[r] * (size_t)class_stride, d, w, origin,
+                                                     pf, r_pad_sq, a, kx[c], ky[c]);
+    }
 }
 
 // The same slices written for the coarse matrix product, coefficient-major and planar:
