@@ -1,7 +1,7 @@
 """What the benchmark scripts share: `cryorefine` run as a subprocess and timed, another program (RELION) run with
 a time limit, the seconds between a run's iteration files, the options after `--` split off to be passed on to the
-command, the parser with --work and --gpu / --cpu of the accuracy scripts, and an atomic model cut down to some of
-its chains (`model_chains`, for --chains). A helper module imported by the other scripts; run alone it only answers
+command, the parser with --work and --gpu / --cpu of the accuracy scripts, the check that a --relion command can run
+(`missing_program`), and an atomic model cut down to some of its chains (`model_chains`, for --chains). A helper module imported by the other scripts; run alone it only answers
 --help."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,24 @@ def run_cli(*args, log_path=None):
     if code != 0:
         sys.exit(f"cryorefine {args[0]} failed (exit code {code}); see {log_path or 'its output (not kept)'}")
     return time.perf_counter() - tic
+
+
+#: programs that start another one named later on their command line
+LAUNCHERS = ("mpirun", "mpiexec", "srun", "taskset", "nice", "numactl", "timeout", "env")
+
+
+def missing_program(command):
+    """Why RELION's `command`, as a script's --relion gives it (a path or a command, perhaps after a launcher such as
+    mpirun), cannot start: its first word, or after a launcher (`LAUNCHERS`) its first word naming a relion_
+    program, is neither a file nor on PATH; None when they are there. The scripts check it before their own runs,
+    which would otherwise take their time first and lose their results to the missing program."""
+    words = shlex.split(command)
+    named = [w for w in words if Path(w).name.startswith("relion_")]
+    launched = named[:1] if words and Path(words[0]).name in LAUNCHERS else []
+    for word in dict.fromkeys(words[:1] + launched):
+        if not (Path(word).is_file() or shutil.which(word)):
+            return f"{word}: no such program (neither a file nor on PATH)"
+    return None
 
 
 def run_logged(command, log_path, cwd, timeout_seconds=None):

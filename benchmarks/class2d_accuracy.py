@@ -67,6 +67,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (
+    missing_program,
     normalised_with_noise,
     run_logged,
     seconds_per_iteration,
@@ -504,6 +505,9 @@ def main(argv=None):
     options, extra = parse_args(sys.argv[1:] if argv is None else argv)
     if (options.relion is not None and not options.relion.strip()) or (options.relion_only and not options.relion):
         sys.exit("--relion: give relion_refine's path or command")
+    if options.relion and (problem := missing_program(options.relion)):
+        print(f"class2d_accuracy.py: error: --relion {problem}", file=sys.stderr)
+        sys.exit(2)
     work = options.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import model_chains, run_cli, split_at_double_dash, work_and_engine_parser
+from bench_common import missing_program, model_chains, run_cli, split_at_double_dash, work_and_engine_parser
 
 from cryorefine.core import fourier
 from cryorefine.io.mrc import open_mrc, read_volume, write_volume
@@ -89,7 +89,11 @@ def parse_args(argv):
     parser.add_argument("--relion_seconds", type=float, default=None,
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
-    return parser.parse_args(argv), extra
+    options = parser.parse_args(argv)
+    for name in ("relion", "relion_project"):
+        if getattr(options, name) and (problem := missing_program(getattr(options, name))):
+            parser.error(f"--{name} {problem}")
+    return options, extra
 
 
 def erased_state(volume, radius_px, fraction):

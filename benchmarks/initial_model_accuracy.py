@@ -82,6 +82,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (
+    missing_program,
     normalised_with_noise,
     run_logged,
     seconds_per_iteration,
@@ -186,6 +187,8 @@ def parse_args(argv):
         parser.error("--measure_every and --refine_iter: give a positive number (--measure_every 0: the last only)")
     if (options.relion is not None and not options.relion.strip()) or (options.relion_only and not options.relion):
         parser.error("--relion: give relion_refine's path or command")
+    if options.relion and (problem := missing_program(options.relion)):
+        parser.error(f"--relion {problem}")
     for name in options.maps:
         if name not in MADE_MAPS and not Path(name).is_file():
             parser.error(f"--maps {name}: no such file; give {', '.join(MADE_MAPS)} or a map's path")

@@ -293,3 +293,25 @@ def test_relion_comparison_takes_the_iterations_both_wrote_files_of(empiar10028,
     text = empiar10028.format_relion({"relion": {"class2d": {"command": "relion_refine_mpi", "returncode": "stopped",
                                                              "wall_seconds": 80.0, "comparison": result}}})
     assert "no ratio" in text and "iteration 1 alone" in text and "= 10.0×" in text
+
+
+@pytest.mark.parametrize("script, args", [
+    ("empiar10028", ["--engine", "numpy", "--jobs", "class3d"]),
+    ("class2d_accuracy", ["--cpu"]),
+    ("initial_model_accuracy", ["--cpu"]),
+    ("classify_accuracy", ["--cpu"]),
+    ("cpu_vs_relion", []),
+])
+def test_a_relion_program_that_is_not_there_is_refused_before_any_run(tmp_path, script, args):
+    """--relion naming a program that is neither a file nor on PATH ends the script at once with exit code 2 and the
+    program's name, before it makes a set or runs cryorefine (the work folder stays empty); the same through a
+    launcher (`mpirun … relion_refine_mpi`). Before, the scripts ran their own jobs first and then failed to start
+    RELION, losing the results (empiar10028.py) or recording an exit code."""
+    missing = tmp_path / "nowhere" / "relion_refine_mpi"
+    for relion in (str(missing), f"mpirun -n 3 {missing}"):
+        work = tmp_path / "work"
+        done = subprocess.run([sys.executable, str(SCRIPT.parent / f"{script}.py"), "--work", str(work), *args,
+                               "--relion", relion], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert str(missing) in done.stderr and "no such program" in done.stderr
+        assert not work.exists() or not any(work.iterdir())
