@@ -1,8 +1,8 @@
 """What the benchmark scripts share: `cryorefine` run as a subprocess and timed, another program (RELION) run with
 a time limit, the seconds between a run's iteration files, the options after `--` split off to be passed on to the
 command, the parser with --work and --gpu / --cpu of the accuracy scripts, the check that a --relion command can run
-(`missing_program`), and an atomic model cut down to some of its chains (`model_chains`, for --chains). A helper module imported by the other scripts; run alone it only answers
---help."""
+(`missing_program`), and an atomic model cut down to some of its chains (`model_chains`, for --chains). A helper
+module imported by the other scripts; run alone it only answers --help."""
 
 from __future__ import annotations
 
