@@ -155,6 +155,8 @@ def parse_args(argv):
         parser.error(f"--box {options.box}: give an even box of at most {MAP_BOX_PX} px")
     if not options.snr > 0:
         parser.error(f"--snr {options.snr}: give a positive ratio")
+    if options.relion and (problem := missing_program(options.relion)):
+        parser.error(f"--relion {problem}")
     return options, extra
 
 
@@ -505,9 +507,6 @@ def main(argv=None):
     options, extra = parse_args(sys.argv[1:] if argv is None else argv)
     if (options.relion is not None and not options.relion.strip()) or (options.relion_only and not options.relion):
         sys.exit("--relion: give relion_refine's path or command")
-    if options.relion and (problem := missing_program(options.relion)):
-        print(f"class2d_accuracy.py: error: --relion {problem}", file=sys.stderr)
-        sys.exit(2)
     work = options.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
