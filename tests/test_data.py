@@ -199,6 +199,107 @@ def test_read_ahead_yields_every_batch_with_its_own_images(tmp_path):
         np.testing.assert_array_equal(read, images[indices])
 
 
+
+class CountingReader:
+    """A StackReader that counts the images read through it."""
+
+    def __init__(self, reader):
+        self.reader, self.images_read = reader, 0
+
+    def wire_dtype(self, paths):
+        return self.reader.wire_dtype(paths)
+
+    def read(self, paths, indices, **kwargs):
+        self.images_read += len(indices)
+        return self.reader.read(paths, indices, **kwargs)
+
+
+def read_through(particles, batches, reader, kept, xp=np):
+    """(indices, a host copy of the images) of each batch read_ahead yields with `kept`."""
+    to_host = (lambda a: np.asarray(a)) if xp is np else xp.asnumpy
+    return [(indices, to_host(xp.asarray(read)).copy())
+            for indices, read in particles.read_ahead(iter(batches), reader, xp, kept=kept)]
+
+
+def test_kept_images_are_read_once_and_then_come_from_where_they_are_kept(tmp_path):
+    """Batches of owned particles are kept while there is room for the whole batch; a batch all held is not read
+    again, whether cut as when it was kept (a view of its slots) or otherwise (gathered); a batch with a particle
+    not owned, or one too many for the room left, is read each time."""
+    from cryorefine.data import KeptImages
+
+    star, images = make_particle_set(tmp_path, n=11, box=8)
+    particles = load_particles(star)
+    kept = KeptImages(owned=np.arange(9), n_particles=11, capacity=7, image_shape=(8, 8), dtype=np.float32)
+    batches = [np.arange(0, 3), np.arange(3, 6), np.arange(6, 9), np.array([8, 9, 10])]
+    with StackReader() as stacks:
+        reader = CountingReader(stacks)
+        first = read_through(particles, batches, reader, kept)
+        assert reader.images_read == 12 and kept.filled == 6  # 0-5 kept; 6-8 not (room for 1), 8-10 not owned
+        assert kept.holds([5, 0]) and not kept.holds([5, 6])
+        again = read_through(particles, batches + [np.array([4, 1, 2])], reader, kept)
+        assert reader.images_read == 12 + 6  # the last two batches only
+    for indices, read in first + again:
+        np.testing.assert_array_equal(read, images[indices])
+    assert np.shares_memory(kept.take(np.arange(3, 6)), kept.images)  # a view
+    assert not np.shares_memory(kept.take(np.array([4, 1, 2])), kept.images)  # gathered
+    kept.own(np.arange(9))  # the same share: kept as they are
+    assert kept.filled == 6 and kept.holds(np.arange(6))
+    kept.own(np.arange(3, 11))  # another share (an MPI worker's after its first E-step's): kept again from now on
+    assert kept.filled == 0 and not kept.holds([3])
+    with StackReader() as stacks:
+        reader = CountingReader(stacks)
+        read_through(particles, batches, reader, kept)
+        assert reader.images_read == 12 and kept.holds(np.arange(3, 9)) and not kept.holds([0])
+
+
+def test_read_ahead_leaves_kept_images_of_another_dtype_alone(tmp_path):
+    """Images kept in another dtype than the stacks are read in (float16 slots, float32 images on the host) are
+    neither filled nor taken: every batch is read."""
+    from cryorefine.data import KeptImages
+
+    star, images = make_particle_set(tmp_path, n=6, box=8)
+    particles = load_particles(star)
+    kept = KeptImages(np.arange(6), 6, 6, (8, 8), np.float16)
+    with StackReader() as stacks:
+        reader = CountingReader(stacks)
+        for _ in range(2):
+            got = read_through(particles, [np.arange(3), np.arange(3, 6)], reader, kept)
+    assert reader.images_read == 12 and kept.filled == 0
+    for indices, read in got:
+        np.testing.assert_array_equal(read, images[indices])
+
+
+@pytest.mark.gpu
+def test_kept_images_on_the_device_are_uploaded_once(tmp_path):
+    """On the GPU, with the slots in the arena's run scope as a runner makes them: the first iteration reads every
+    batch, uploads it through the upload slots and keeps it; the second reads none and yields the same images, on
+    the device."""
+    from conftest import cupy_or_skip
+
+    from cryorefine.data import KeptImages
+    from cryorefine.estep.backend import CudaBackend
+
+    cp = cupy_or_skip()
+    star, images = make_particle_set(tmp_path, n=11, box=64)
+    particles = load_particles(star)
+    batches = [np.arange(0, 4), np.arange(4, 8), np.arange(8, 11)]
+    backend = CudaBackend(0, free_gpu_memory_mb=(cp.cuda.runtime.memGetInfo()[0] - (256 << 20)) / 2 ** 20)
+    with backend.run_scope(), StackReader() as stacks:
+        kept = KeptImages(np.arange(11), 11, 11, (64, 64), np.float32, cp)
+        reader = CountingReader(stacks)
+        for images_read in (11, 11):
+            with backend.iteration_scope():
+                seen = []
+                for indices, read in particles.read_ahead(iter(batches), reader, cp, device_bytes=1 << 30,
+                                                          kept=kept):
+                    assert isinstance(read, cp.ndarray)
+                    seen.append((indices, cp.asnumpy(read)))
+            assert reader.images_read == images_read
+            for indices, read in seen:
+                np.testing.assert_array_equal(read, images[indices])
+        del kept
+
+
 @pytest.mark.gpu
 def test_read_ahead_uploads_on_its_thread_into_slots_the_caller_has_let_go(tmp_path):
     """With room for the device slots, batches come on the device, each with its own images,

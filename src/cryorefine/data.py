@@ -2,7 +2,8 @@
 
 Optics values (voltage, Cs, amplitude contrast, pixel size, box) are looked up per particle
 through its optics group. Images are not read up front: `read_images` reads only a batch's images
-from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the current one is worked on.
+from their stacks (`mrc.StackReader`), `read_ahead` the next batch's while the current one is worked on;
+`KeptImages` holds a GPU process's images on its device from one iteration to the next.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ class ParticleSet:
                            dtype=dtype)
 
     def read_ahead(self, batches: Iterable[np.ndarray], reader: mrc.StackReader | mrc.PrereadImages,
-                   xp: ArrayModule = np, device_bytes: int = 0) -> Iterator[tuple[np.ndarray, Array]]:
+                   xp: ArrayModule = np, device_bytes: int = 0,
+                   kept: KeptImages | None = None) -> Iterator[tuple[np.ndarray, Array]]:
         """(indices, images) for each batch of indices in turn; the next batch's images are read on a
         thread while the caller works on the current one (reading overlaps the GPU's work).
 
@@ -242,6 +244,10 @@ class ParticleSet:
         batch larger than the first comes on the host. The first batch is read into a host buffer too: pinned
         memory that CuPy's pool keeps from one iteration to the next, its pages already mapped, where a new array
         would take its pages one fault at a time and upload from pageable memory.
+
+        With `kept` (`KeptImages` of `xp`), a batch whose images are all held there comes from there (neither read
+        nor uploaded: a view, or a gather where the batch is not one run of its slots), and a batch read from the
+        stacks is copied in while it has room for it.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -267,6 +273,8 @@ class ParticleSet:
         current = next(source, None)
         if current is None:
             return
+        if kept is not None and kept.images.dtype != np.dtype(dtype):
+            kept = None  # held in another dtype than these stacks are read in: not used
         box = self.geometry()[0]
         buffers[0] = host_buffer((current.size, box, box), dtype, xp)
         if xp is not np and device_bytes:
@@ -275,12 +283,22 @@ class ParticleSet:
             if UploadSlots.nbytes(current.size, (box, box), np.dtype(dtype).itemsize) <= device_bytes:
                 slots = UploadSlots(current.size, (box, box), dtype)
         with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
-            pending = pool.submit(read, 0, current)
+
+            def fetch(i: int, indices: np.ndarray) -> Any:
+                """The read of batch i on the thread, or None where `kept` holds its images."""
+                return None if kept is not None and kept.holds(indices) else pool.submit(read, i, indices)
+
+            pending = fetch(0, current)
             i = 0
             while current is not None:
-                images, on_device = pending.result()
+                if pending is None:
+                    images, on_device, held = kept.take(current), False, True
+                else:
+                    (images, on_device), held = pending.result(), False
                 if on_device:
                     slots.take(i % 2)
+                if kept is not None and not held:
+                    kept.keep(current, images)
                 following = next(source, None)
                 if following is not None:
                     slot = (i + 1) % 2
@@ -288,14 +306,92 @@ class ParticleSet:
                         if slots is not None:
                             slots.wait_uploaded(slot)  # the host buffer let go here is no copy's source any more
                         size = max(following.size, current.size)
-                        buffers[slot] = host_buffer((size,) + images.shape[1:], dtype, xp)
-                    pending = pool.submit(read, i + 1, following)
+                        buffers[slot] = host_buffer((size, box, box), dtype, xp)
+                    pending = fetch(i + 1, following)
                 yield current, images
                 del images
-                if slots is not None:
+                if slots is not None and on_device:
                     slots.release(i % 2)  # the caller has queued its work on this batch's images
                 current = following
                 i += 1
+
+
+
+class KeptImages:
+    """Particle images kept where the engine works (a GPU's memory) from one iteration to the next, so that they are
+    read from their stacks and uploaded once.
+
+    `owned` are the particles this process is handed from one iteration to the next (all of them in one process, an
+    MPI worker's share of its work unit): `capacity` slots of `image_shape` and `dtype` are allocated with `xp` now
+    (on the GPU, in the arena's scope that is current: the run's). `ParticleSet.read_ahead` copies each batch it
+    reads in (`keep`), while the batch is all owned and there is room for it all, into the next free slots; a batch
+    whose particles are all held comes from here (`take`), as a view where its slots follow each other (a batch
+    cut as in the iteration that kept it), else gathered."""
+
+    def __init__(self, owned: npt.ArrayLike, n_particles: int, capacity: int, image_shape: tuple[int, ...],
+                 dtype: npt.DTypeLike, xp: ArrayModule = np) -> None:
+        self.xp = xp
+        self.images = xp.empty((int(capacity), *image_shape), dtype=dtype)
+        self.owned = np.zeros(int(n_particles), bool)
+        self.owned[np.asarray(owned, dtype=np.int64)] = True
+        self.slot_of = np.full(int(n_particles), -1, np.int64)
+        self.filled = 0
+
+    def own(self, owned: npt.ArrayLike) -> None:
+        """The particles handed to this process from now on: where they are not those owned so far, the slots are
+        emptied and kept again from the next batch (an MPI worker's share after its first E-step's)."""
+        mask = np.zeros_like(self.owned)
+        mask[np.asarray(owned, dtype=np.int64)] = True
+        if not np.array_equal(mask, self.owned):
+            self.owned = mask
+            self.slot_of[:] = -1
+            self.filled = 0
+
+    @staticmethod
+    def image_bytes(image_shape: tuple[int, ...], dtype: npt.DTypeLike) -> int:
+        """Bytes of one image."""
+        return int(np.prod(image_shape)) * np.dtype(dtype).itemsize
+
+    @property
+    def capacity(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.images.nbytes)
+
+    def holds(self, indices: npt.ArrayLike) -> bool:
+        """Whether `indices` are some particles and every one has its image here."""
+        slots = self.slot_of[np.asarray(indices)]
+        return bool(slots.size and (slots >= 0).all())
+
+    def take(self, indices: npt.ArrayLike) -> Array:
+        """The images of `indices` (all held), in their order: a view of the slots, or a gathered copy. A view is
+        the caller's to read, not to write."""
+        slots = self.slot_of[np.asarray(indices)]
+        first = int(slots[0])
+        if np.array_equal(slots, np.arange(first, first + slots.size)):
+            return self.images[first:first + slots.size]
+        return self.images[self.xp.asarray(slots)]
+
+    def keep(self, indices: npt.ArrayLike, images: Array) -> bool:
+        """Copies `images` (of `indices`, on the host or on this device) into the next free slots, where every
+        particle is owned and none held yet and they all fit; returns whether it did. A copy from the host has
+        ended on return (its buffer may be refilled); one on the device is queued on the current stream."""
+        indices = np.asarray(indices)
+        n = indices.size
+        if n == 0 or self.filled + n > self.capacity or not self.owned[indices].all() \
+                or (self.slot_of[indices] >= 0).any():
+            return False
+        view = self.images[self.filled:self.filled + n]
+        if self.xp is not np and isinstance(images, np.ndarray):
+            view.set(images)
+            self.xp.cuda.get_current_stream().synchronize()
+        else:
+            view[...] = images
+        self.slot_of[indices] = np.arange(self.filled, self.filled + n)
+        self.filled += n
+        return True
 
 
 @contextlib.contextmanager

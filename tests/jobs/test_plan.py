@@ -184,3 +184,27 @@ def test_the_upload_buffers_are_planned_in_the_stack_s_own_precision(capsys, par
     assert saved > 0
     assert full["iteration_bytes"] - half["iteration_bytes"] == pytest.approx(saved)
     assert full["particle_bytes"] == pytest.approx(half["particle_bytes"])
+
+
+
+def test_the_images_kept_on_the_gpu_are_in_every_peak(capsys, particles):
+    """The 10 float32 images of 64 px are kept on an 80 GB card: in every moment's peak, and said in the table."""
+    image_bytes = 64 * 64 * 4
+    plan = plan_json(capsys, particles)
+    assert plan["kept_images"] == 10 and plan["kept_images_bytes"] == 10 * image_bytes
+    for m in plan["moments"]:
+        assert m["kept_images_bytes"] == 10 * image_bytes
+        assert m["peak_bytes"] >= m["kept_images_bytes"] + m["maximization_bytes"]
+    code, out, _ = run_cli(capsys, "plan", "--i", particles, "--gpu_memory", 80)
+    assert code == 0 and "images kept on the GPU from one iteration to the next (in one process): 10 of 10" in out
+
+
+def test_a_process_keeps_on_the_gpu_the_images_its_share_of_the_free_memory_holds():
+    from cryorefine.em.memory import KEPT_IMAGES_SHARE, kept_images_capacity
+
+    free = 1e9
+    each = int(KEPT_IMAGES_SHARE * free / 4.5)  # room for 4
+    assert kept_images_capacity(free, each, 100) == 4
+    assert kept_images_capacity(free, each, 3) == 3  # no more than it owns
+    assert kept_images_capacity(free, int(KEPT_IMAGES_SHARE * free) + 1, 100) == 0
+    assert kept_images_capacity(None, each, 100) == 0  # on the host

@@ -4,7 +4,9 @@ An iteration's E-step is a list of work units (`WorkUnit`: the particles of a ha
 set of classes, with the engine set-up they are compared under). Whoever runs the E-step (one
 process, or an MPI worker fed by the master) hands `run_batches` a stream of (unit, particle
 indices) pairs; for each batch the loop reads the images (the next batch's on a thread while this
-one is worked on, which also uploads them where the device has room: `gpu.staging`), prepares them,
+one is worked on, which also uploads them where the device has room: `gpu.staging`; a GPU process keeps
+the images of the particles it is handed each iteration on its device where they fit, `kept_images`, and
+reads and uploads them once), prepares them,
 runs the unit's engine and passes the per-particle results on; in a local search the next batch's
 neighbourhoods are computed on another thread while the engine runs this one. An engine is set up
 when its unit's first batch arrives and its weighted sums are collected when the unit's batches end;
@@ -42,7 +44,9 @@ from cryorefine.images import ImageSettings, NoiseEstimate, PreviousValues, prep
 from cryorefine.io import mrc
 
 if TYPE_CHECKING:  # for annotations only
-    from cryorefine.data import ParticleSet
+    import logging
+
+    from cryorefine.data import KeptImages, ParticleSet
     from cryorefine.em.state import ParticleState
     from cryorefine.estep.backend import Backend
 
@@ -140,12 +144,13 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
                 particles: ParticleSet, settings: ImageSettings, inputs: BatchInputs,
                 reader: mrc.StackReader | mrc.PrereadImages, on_result: Callable[[int, np.ndarray, BatchResult], None],
                 stages: dict[str, float], flops: dict[str, float],
-                park_finished: bool = False) -> dict[int, WeightedSums]:
+                park_finished: bool = False, kept: KeptImages | None = None) -> dict[int, WeightedSums]:
     """The E-step over `work`, an iterable of (unit index, particle indices) in which each unit's batches
     come together; `on_result(unit index, indices, BatchResult)` after each batch. Returns the weighted
     sums of each unit that had batches {unit index: WeightedSums}; with `park_finished` those of every unit
     but the last are on the host (moved there as the unit ends, `backend.to_host`; stage `park`). Seconds
-    per stage are added to `stages`, the engines' operation counts to `flops`.
+    per stage are added to `stages`, the engines' operation counts to `flops`. Images `kept` on the device
+    (`kept_images`) are neither read nor uploaded again, and those read are kept there while it has room.
 
     In a local search the next batch's neighbourhoods (`estep.common.local_orientations` under its unit's
     set-up, from its particles' previous poses) are computed on a thread while the engine runs this batch,
@@ -175,7 +180,7 @@ def run_batches(backend: Backend, units: Sequence[WorkUnit], work: Iterable[tupl
         tic_wait = add_seconds(stages, "orientations", tic)
         following = None
         uploads = memory.upload_slots_room(backend.free_device_bytes())
-        for indices, images in particles.read_ahead(batches(), reader, xp, device_bytes=uploads):
+        for indices, images in particles.read_ahead(batches(), reader, xp, device_bytes=uploads, kept=kept):
             u, _ = queued.popleft()
             tic = add_seconds(stages, "read_wait", tic_wait)
             # this batch's neighbourhoods were started while the last batch ran (the first batch's start now);
@@ -247,6 +252,32 @@ class SharedReferences:
             self.projectors[group] = self.backend.shared_projectors(
                 s.maps, s.padding_factor, s.current_size_px // 2, [0] * len(s.maps), 0, _kept_here)
         return dataclasses.replace(s, maps=None, projectors=self.projectors[group])
+
+
+def kept_images(backend: Backend, particles: ParticleSet, owned: npt.ArrayLike,
+                log: logging.Logger) -> KeptImages | None:
+    """Device slots for the images of the `owned` particles (`data.KeptImages`), as many as the free device memory's
+    share allows (`memory.kept_images_capacity`), allocated in the scope that is current (the caller's: the run's,
+    between iterations); None on the host or without room for one. Logged either way."""
+    from cryorefine.data import KeptImages
+
+    owned = np.asarray(owned)
+    free = backend.free_device_bytes()
+    if free is None or owned.size == 0:
+        return None
+    box = particles.geometry()[0]
+    with mrc.StackReader() as reader:
+        dtype = reader.wire_dtype(particles.stack_paths)
+    capacity = memory.kept_images_capacity(free, KeptImages.image_bytes((box, box), dtype), owned.size)
+    if capacity == 0:
+        log.info("%s: no room to keep particle images on the device; every iteration reads them from their stacks",
+                 backend.describe())
+        return None
+    kept = KeptImages(owned, len(particles), capacity, (box, box), dtype, backend.array_module)
+    log.info("%s keeps %s of its %s particles' images on the device (%.3g GB, %s): read from their stacks and "
+             "uploaded once%s", backend.describe(), f"{capacity:,}", f"{owned.size:,}", kept.nbytes / 1e9,
+             np.dtype(dtype).name, "" if capacity == owned.size else "; the others every iteration")
+    return kept
 
 
 def _kept_here(data, owner: int) -> None:

@@ -52,6 +52,10 @@ PREPARED_SHARE = 0.25
 #: (`gpu.staging.UploadSlots`; 1.06 GB for batches of 1,024 float32 images of 360 px); past it, images are
 #: uploaded where they are prepared, as the preparation's part of the wait
 UPLOAD_SLOTS_SHARE = 0.05
+#: the share of the free device memory (before a run's first E-step) the particle images a GPU process keeps there from
+#: one iteration to the next may take (`data.KeptImages`: 27 GB for 105,247 float16 images of 360 px); the rest is the
+#: iterations'
+KEPT_IMAGES_SHARE = 0.25
 
 
 def slab_bytes(grid_shape: tuple[int, ...]) -> float:
@@ -96,6 +100,14 @@ def images_per_preparation(free_bytes: float, box_px: int) -> int:
 def upload_slots_room(free_bytes: float | None) -> int:
     """Device bytes the images' overlapped uploads may take (0 on the host, where `free_bytes` is None)."""
     return 0 if free_bytes is None else int(UPLOAD_SLOTS_SHARE * free_bytes)
+
+
+def kept_images_capacity(free_bytes: float | None, image_bytes: int, n_owned: int) -> int:
+    """How many of a process's `n_owned` particle images of `image_bytes` it keeps on the device, in `free_bytes` (0
+    on the host, where `free_bytes` is None)."""
+    if free_bytes is None:
+        return 0
+    return max(0, min(int(n_owned), int(KEPT_IMAGES_SHARE * free_bytes) // max(1, int(image_bytes))))
 
 
 def images_per_engine_run(free_bytes: float, current_size_px: int) -> int:

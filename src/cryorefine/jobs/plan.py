@@ -120,10 +120,12 @@ class Moment:
     maximization_bytes: float  # the M-step's peak
     estep_seconds: float
     half_waits_on_host: bool = False  # the idle half's sums wait on the host (em.memory)
+    kept_images_bytes: float = 0.0  # the run's scope: the particle images kept on the device (data.KeptImages)
 
     @property
     def peak_bytes(self) -> float:
-        return max(self.iteration_bytes + self.particle_bytes + self.orientation_bytes, self.maximization_bytes)
+        return self.kept_images_bytes + max(self.iteration_bytes + self.particle_bytes + self.orientation_bytes,
+                                            self.maximization_bytes)
 
 
 def coefficients(size_px: int) -> int:
@@ -192,7 +194,8 @@ def image_itemsize(particles: ParticleSet) -> int:
 class PlannedRun:
     """What every moment of a plan shares: the run's options, its particles and box, and the GPU's arena.
     `units`: 2 half sets (refine), each of the config's classes, or 1 (classify); `image_itemsize` the bytes per
-    pixel of the images uploaded."""
+    pixel of the images uploaded; `kept_images` how many of them stay on the device from one iteration to the next
+    (`em.estep.kept_images`, in the arena beside every iteration)."""
 
     config: RefineConfig
     gpu: GpuSpec
@@ -201,6 +204,11 @@ class PlannedRun:
     arena_bytes: float
     units: int = 2
     image_itemsize: int = 4
+    kept_images: int = 0
+
+    @property
+    def kept_images_bytes(self) -> float:
+        return float(self.kept_images) * self.box_px ** 2 * self.image_itemsize
 
 
 def predict_moment(label: str, run: PlannedRun, sizes: schedule.ImageSizes, sampling: Sampling,
@@ -208,7 +216,7 @@ def predict_moment(label: str, run: PlannedRun, sizes: schedule.ImageSizes, samp
     """Memory per scope and time of one iteration of `run` at these image sizes (the GPU engine's allocations); in
     a local search (`local`) `n_orientations` is one particle's neighbourhood."""
     config, gpu, n_particles, box = run.config, run.gpu, run.n_particles, run.box_px
-    arena_bytes, units, n_classes = run.arena_bytes, run.units, config.n_classes
+    arena_bytes, units, n_classes = run.arena_bytes - run.kept_images_bytes, run.units, config.n_classes
     current, coarse = sizes.current_size_px, sizes.coarse_size_px
     grid = PaddedGrid.create(box, config.padding_factor, current // 2)
     volume = float(np.prod(grid.shape))
@@ -253,7 +261,8 @@ def predict_moment(label: str, run: PlannedRun, sizes: schedule.ImageSizes, samp
     else:
         estep = global_estep_seconds(n_particles, n_classes, n_orientations, n_t, kc, gpu.fp32_tflops)
     return Moment(label, current, coarse, n_orientations, n_t, plan.particles_per_batch, plan.cache_coarse_slices,
-                  estep_sums + references + uploads + slices, particle, orientation, maximization, estep, waits)
+                  estep_sums + references + uploads + slices, particle, orientation, maximization, estep, waits,
+                  run.kept_images_bytes)
 
 
 def plan_run(config: RefineConfig, gpu: GpuSpec, late_resolution_angstrom: float | None = None) -> dict[str, Any]:
@@ -281,7 +290,8 @@ def plan_run(config: RefineConfig, gpu: GpuSpec, late_resolution_angstrom: float
         raise InputError(f"--resolution {late:g}: beyond Nyquist ({2 * pixel:.2f} Å at {pixel:.3f} Å/px); give "
                          f"{2 * pixel:.2f} Å or more")
     refine = config.auto_refine
-    run = PlannedRun(config, gpu, n, box, arena, units=2 if refine else 1, image_itemsize=itemsize)
+    kept = memory.kept_images_capacity(arena, box * box * itemsize, n)
+    run = PlannedRun(config, gpu, n, box, arena, units=2 if refine else 1, image_itemsize=itemsize, kept_images=kept)
     moments = []
     for label, resolution, order, local, final in (
             ("first", res0.resolution_angstrom, config.healpix_order, False, False),
@@ -311,13 +321,15 @@ def plan_run(config: RefineConfig, gpu: GpuSpec, late_resolution_angstrom: float
         raise InputError(f"{config.input_star}: the {worst.label} iteration needs {worst.peak_bytes / GB:.3g} GB of "
                          f"GPU memory but the arena on {gpu.name} has {arena / GB:.3g} GB; {hint}")
     return {"particles": n, "box_px": box, "pixel_size_angstrom": pixel, "gpu": gpu, "arena_bytes": arena,
-            "moments": moments}
+            "kept_images": kept, "kept_images_bytes": run.kept_images_bytes, "moments": moments}
 
 
 def format_plan(result: Mapping[str, Any]) -> str:
     gpu = result["gpu"]
     lines = [f"{result['particles']} particles, {result['box_px']} px at {result['pixel_size_angstrom']:.3f} Å/px; "
              f"{gpu.name}: arena {result['arena_bytes'] / GB:.1f} GB, FP32 peak {gpu.fp32_tflops:.1f} TFLOP/s",
+             f"images kept on the GPU from one iteration to the next (in one process): {result['kept_images']:,} of "
+             f"{result['particles']:,} ({result['kept_images_bytes'] / GB:.2f} GB of the arena, in every peak below)",
              "",
              "| iteration | size / coarse px | orientations × translations | particles per batch | ITERATION GB "
              "| PARTICLE GB | ORIENTATION GB | M-step GB | peak GB | E-step s (est.) | idle half on host |",

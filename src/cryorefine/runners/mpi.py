@@ -13,7 +13,8 @@ Workers (ranks 1 … N−1) are assigned work units: with at least as many worke
 worker w serves unit w mod U (refine: odd ranks half 1, even ranks half 2), else worker w serves
 the units u with u mod W = w, one after the other, where U is a multiple of W, and otherwise every worker serves
 every unit (`units_of_worker`: the workers end together). A worker reads its batches' images itself (the
-next batch's while the GPU works on the current one), runs its own engine (the GPU engine on one
+next batch's while the GPU works on the current one; a GPU worker keeps its share's images on its device where
+they fit, `em.estep.kept_images`, and reads them once), runs its own engine (the GPU engine on one
 device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
 file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
 without waiting for its receive. Where each worker serves one unit of several classes, the unit's workers make the
@@ -84,6 +85,7 @@ from cryorefine.em.estep import (
     add_counts,
     add_seconds,
     empty_sums,
+    kept_images,
     noise_batch_sums,
     run_batches,
     sums_wait_on_host,
@@ -563,6 +565,7 @@ class MpiRunner:
         """The E- and M-steps of the run, from the stack copies under --scratch_dir if asked."""
         node = node_communicator(self.workers) if self.config.scratch_dir or self.config.preread_images else None
         node_workers = 1 if node is None else node.Get_size()  # --preread_images: they share the host's memory
+        kept = None  # the images this worker keeps on its GPU (em.estep.kept_images), from its first E-step on
         with scratch_copy(particles, self.config.scratch_dir, logging.getLogger("cryorefine"), node) as particles:
             while True:
                 kind, payload = self.objects.bcast(None, root=0)
@@ -576,10 +579,28 @@ class MpiRunner:
                     return
                 plan, model, previous = payload
                 plan, model = self._with_held_maps(plan, model)
+                owned = self._own_share(plan, len(particles))
+                if kept is None and owned is not None:  # between iterations: in the run's scope
+                    kept = kept_images(backend, particles, owned, logging.getLogger("cryorefine")) or False
+                elif kept and owned is not None:
+                    kept.own(owned)
                 with backend.iteration_scope():
-                    self._iteration(job, backend, particles, settings, plan, model, previous, node_workers)
+                    self._iteration(job, backend, particles, settings, plan, model, previous, node_workers,
+                                    kept or None)
 
-    def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers):
+    def _own_share(self, plan, n_particles):
+        """This worker's particles of the units it serves (`_share`), which it is handed first each iteration: all
+        `n_particles` where it is the only worker; None where a plan has more units than workers (a classification's
+        seeding iteration: a unit per class), whose shares are not the job's."""
+        n_units = len(plan.units)
+        if self.n_workers == 1:
+            return np.arange(n_particles)
+        if n_units > self.n_workers:
+            return None
+        mine = units_of_worker(self.rank - 1, self.n_workers, n_units)
+        return np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
+
+    def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers, kept):
         from mpi4py import MPI
 
         comm, worker = self.comm, self.rank - 1
@@ -598,11 +619,10 @@ class MpiRunner:
             while sending and sending[0].Test():  # those the master has received let go of their bytes
                 sending.pop(0)
 
-        preread = None
-        if self.config.preread_images and n_units <= self.n_workers:
-            # this worker's share of its unit: the workers together hold each image once. A classification's seeding
-            # iteration (a unit per class, more than the workers) adds none: the shares stay those of the job's unit
-            preread = np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
+        # --preread_images: this worker's share of its unit, so that the workers together hold each image once. A
+        # classification's seeding iteration (a unit per class, more than the workers) adds none: the shares stay
+        # those of the job's unit
+        preread = self._own_share(plan, len(particles)) if self.config.preread_images else None
         units = self._with_shared_references(plan, mine, backend, stages)
         reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
@@ -610,7 +630,7 @@ class MpiRunner:
                 add_seconds(stages, "preread", reading)  # the first iteration reads them in
             sums = run_batches(backend, units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
-                               park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]))
+                               park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]), kept=kept)
         del units
         tic = time.perf_counter()
         MPI.Request.Waitall(sending)

@@ -16,6 +16,7 @@ from cryorefine.em.estep import (
     add_seconds,
     empty_sums,
     initial_noise_spectra,
+    kept_images,
     run_batches,
     sums_wait_on_host,
 )
@@ -35,6 +36,7 @@ class SerialRunner:
         self.batch_size_for = batch_size_for  # particles per batch of images of a box (config.batch_size_for)
         self.preread_images = bool(preread_images)
         self.scratch_dir = scratch_dir
+        self.kept = None  # the images kept on the GPU (em.estep.kept_images), decided before the first E-step
 
     def initial_noise_spectra(self, particles, settings, n_optics):
         """The initial noise pass over all images, prepared on the backend (the device's arena is open)."""
@@ -52,7 +54,10 @@ class SerialRunner:
     def session(self):
         """The whole run inside the backend's run scope (the GPU arena)."""
         with self.backend.run_scope():
-            yield self
+            try:
+                yield self
+            finally:
+                self.kept = None  # its device memory goes back before the arena closes
 
     def announce(self, particles, settings):
         """Nothing to tell: there are no workers."""
@@ -79,6 +84,8 @@ class SerialRunner:
             if progress:
                 progress(indices.size, len(particles))
 
+        if self.kept is None:  # between iterations, in the run's scope
+            self.kept = kept_images(self.backend, particles, np.arange(len(particles)), log) or False
         with self.backend.iteration_scope():
             preread = np.arange(len(particles)) if self.preread_images else None
             reading = time.perf_counter()
@@ -86,7 +93,8 @@ class SerialRunner:
                 if preread is not None:
                     add_seconds(stages, "preread", reading)  # the first iteration reads them in
                 sums = run_batches(self.backend, plan.units, work, particles, settings, inputs, reader, on_result,
-                                   stages, flops, park_finished=sums_wait_on_host(self.backend, plan.units))
+                                   stages, flops, park_finished=sums_wait_on_host(self.backend, plan.units),
+                                   kept=self.kept or None)
             sums = [sums[u] if u in sums else empty_sums(unit, self.backend.array_module, self.backend.sums_dtype)
                     for u, unit in enumerate(plan.units)]
             expectation = time.perf_counter() - tic
