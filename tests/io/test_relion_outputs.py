@@ -486,3 +486,35 @@ def test_angdist_bild_is_relions_cylinders_and_colours():
     assert uniform.splitlines()[0] == ".color 1 0 0" and len(uniform.splitlines()) == 4
     with pytest.raises(ValueError, match="3 directions, the sampling 2"):
         angdist_bild_text(np.ones(3), np.zeros(2), np.zeros(2), 10, 2.0, 0)
+
+
+def test_angdist_bild_of_many_directions_is_each_direction_s_two_lines():
+    """The bild text of a few thousand directions (some of zero probability, some too short to draw) is, line for
+    line, what RELION's loop writes one direction at a time, here written out direction by direction."""
+    import math
+
+    from cryorefine.io.relion_outputs import ANGDIST_LENGTH_FRACTION, ANGDIST_MIN_LENGTH_ANGSTROM, angdist_bild_text
+
+    rng = np.random.default_rng(4)
+    n = 3000
+    rot, tilt = rng.uniform(-180, 180, n), rng.uniform(0, 180, n)
+    pdf = rng.exponential(size=n) * (rng.random(n) < 0.7)
+    pdf[:5] = 1e-9 * pdf.max()  # too short to draw
+    text = angdist_bild_text(pdf, rot, tilt, 64, 1.5, 3)
+    radius, width = 64 * 1.5 / 2, 0.5 * math.pi * 48 * (360 / 48) / 360
+    mean, largest = pdf.mean(), pdf.max()
+    sigma = math.sqrt(abs(np.mean(pdf * pdf) - mean * mean))  # RELION's N/(N-1), in integers, is 1 here
+    want = []
+    for p, r, t in zip(pdf, np.radians(rot), np.radians(tilt)):
+        if p <= 0:
+            continue
+        colour = min(max((p - mean) / sigma, -1.0), 5.0) / 6.0 + 1.0 / 6.0
+        outer = radius + ANGDIST_LENGTH_FRACTION * radius * p / largest
+        v = [math.cos(r) * math.sin(t), math.sin(r) * math.sin(t), math.cos(t)]
+        if max(abs((radius - outer) * x) for x in v) <= ANGDIST_MIN_LENGTH_ANGSTROM:
+            continue
+        want.append(f".color {colour:g} 0 {1.0 - colour:g}")
+        want.append(".cylinder " + " ".join(f"{x:g}" for x in [radius * x + radius for x in v]
+                                            + [outer * x + radius for x in v] + [width]))
+    assert 1000 < len(want) // 2 < n - 5
+    assert text.splitlines() == want

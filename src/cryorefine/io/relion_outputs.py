@@ -604,22 +604,22 @@ def angdist_bild_text(pdf_direction: np.ndarray, rot_deg: np.ndarray, tilt_deg: 
         variance *= pdf.size // (pdf.size - 1)  # RELION's computeStats scales by N/(N-1) in integers: 1 from N = 3
     sigma = math.sqrt(abs(variance))
     largest = pdf.max() if pdf.size else 0.0
-    lines = []
-    for p, r, t in zip(pdf, rot, tilt):
-        if not p > 0:
-            continue
-        # RELION's colour scale: the deviation in σ, clipped to [-1, 5], to [0, 1]; where σ is 0 (a uniform
-        # distribution) its comparisons with NaN give 5, red
-        deviation = min(max((p - mean) / sigma, -1.0), 5.0) if sigma > 0 else 5.0
-        colour = deviation / 6.0 + 1.0 / 6.0
-        outer = radius + ANGDIST_LENGTH_FRACTION * radius * p / largest
-        v = np.array([math.cos(r) * math.sin(t), math.sin(r) * math.sin(t), math.cos(t)])
-        if not np.any(np.abs((radius - outer) * v) > ANGDIST_MIN_LENGTH_ANGSTROM):
-            continue
-        start, end = radius * v + radius, outer * v + radius  # the box's centre at (R, R, R)
-        lines.append(f".color {colour:g} 0 {1.0 - colour:g}")
-        lines.append(".cylinder " + " ".join(f"{x:g}" for x in (*start, *end, width)))
-    return "".join(line + "\n" for line in lines)
+    shown = pdf > 0
+    pdf, rot, tilt = pdf[shown], rot[shown], tilt[shown]
+    # RELION's colour scale: the deviation in σ, clipped to [-1, 5], to [0, 1]; where σ is 0 (a uniform
+    # distribution) its comparisons with NaN give 5, red
+    deviation = np.clip((pdf - mean) / sigma, -1.0, 5.0) if sigma > 0 else np.full(pdf.size, 5.0)
+    colour = deviation / 6.0 + 1.0 / 6.0
+    outer = radius + ANGDIST_LENGTH_FRACTION * radius * pdf / largest
+    v = np.stack([np.cos(rot) * np.sin(tilt), np.sin(rot) * np.sin(tilt), np.cos(tilt)], axis=1)
+    long_enough = np.any(np.abs((radius - outer)[:, None] * v) > ANGDIST_MIN_LENGTH_ANGSTROM, axis=1)
+    start, end = radius * v + radius, outer[:, None] * v + radius  # the box's centre at (R, R, R)
+    # a direction's two lines in one format (its numbers in C++'s default format, %g), an order 8 distribution's
+    # hundred thousand directions in a fraction of a second
+    rows = zip(colour[long_enough].tolist(), (1.0 - colour[long_enough]).tolist(),
+               *(column.tolist() for column in np.concatenate([start, end], axis=1)[long_enough].T))
+    line = ".color %g 0 %g\n.cylinder %g %g %g %g %g %g " + f"{width:g}" + "\n"
+    return "".join(map(line.__mod__, rows))
 
 
 def write_angdist_bild(path: str | Path, pdf_direction: np.ndarray, rot_deg: np.ndarray, tilt_deg: np.ndarray,
