@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -212,3 +214,75 @@ def test_fixed_point_rows_are_the_columns_rounded():
     assert len({len(f) for line in lines for f in line.split("\t")[:1]}) == 1  # right-aligned, one width
     with pytest.raises(ValueError):
         fixed_point_rows([np.array([np.nan])], 3)
+
+
+STAR_FLAVOURS = """
+# a comment before any block
+data_general
+
+_rlnFinalResolution   3.52
+_rlnImageName "with space.mrcs"
+_rlnCount 7
+_rlnName text
+
+data_optics
+
+loop_
+_rlnOpticsGroup #1
+_rlnOpticsGroupName #2
+_rlnImagePixelSize #3
+1 opticsGroup1 1.34
+2 'quoted group' 1.5
+
+data_particles
+
+loop_
+_rlnImageName #1
+_rlnDefocusU #2
+_rlnClassNumber #3
+_rlnComment #4
+
+000001@a.mrcs   10000.5  1 x
+# a comment row
+000002@a.mrcs 9000 2 "two words"
+
+   000003@a.mrcs  8000 1 y
+
+data_empty
+
+loop_
+_rlnA #1
+_rlnB #2
+
+data_last
+loop_
+_rlnOnly
+nan
+3
+"""
+
+
+@pytest.mark.parametrize("source", ["flavours", "shared"])
+def test_star_files_read_as_starfile_reads_them(tmp_path, source):
+    """read_star's blocks are starfile.read's (always_dict), value for value and type for type: a file of several
+    flavours (single values, quoted strings, comments and blank lines among the rows, an indented row, an empty
+    loop, NaN), and every STAR file among the real ones of ../shared/data/real where that folder is."""
+    import starfile
+
+    if source == "flavours":
+        (tmp_path / "flavours.star").write_text(STAR_FLAVOURS)
+        paths = [tmp_path / "flavours.star"]
+    else:
+        real = Path(__file__).resolve().parents[3] / "shared" / "data" / "real"
+        paths = sorted(real.rglob("*.star"))
+        if not paths:
+            pytest.skip(f"no STAR files under {real}")
+    for path in paths:
+        want, got = starfile.read(path, always_dict=True), read_star(path)
+        assert list(got) == list(want), path
+        for name, block in want.items():
+            if isinstance(block, pd.DataFrame):
+                pd.testing.assert_frame_equal(got[name], block, check_exact=True, obj=f"{path} {name}")
+            else:
+                assert got[name] == block and [type(v) for v in got[name].values()] == [
+                    type(v) for v in block.values()], (path, name)
