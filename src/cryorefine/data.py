@@ -460,9 +460,11 @@ def load_particles(star_path: Path | str, check_stacks: bool = True) -> Particle
     except InputError as exc:
         raise InputError(f"{star_path}: {exc}; fix the STAR file") from None
     indices = np.array([p[0] for p in parsed], dtype=np.int64)
-    resolved = {}
-    paths = np.array([resolved.setdefault(p[1], str(mrc.resolve_stack_path(p[1], star_dir))) for p in parsed],
-                     dtype=object)
+    resolved = {}  # each stack's path resolved once, not once per particle (a stat or two each)
+    for _, stack in parsed:
+        if stack not in resolved:
+            resolved[stack] = str(mrc.resolve_stack_path(stack, star_dir))
+    paths = np.array([resolved[p[1]] for p in parsed], dtype=object)
     if check_stacks:
         _check_stacks(star_path, paths, indices)
     _names_from_project_directory(table, parsed, resolved)
