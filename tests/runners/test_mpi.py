@@ -55,6 +55,10 @@ def test_maps_do_not_depend_on_the_number_of_ranks(data):
         # the noise pass's seconds, the workers' added up under MPI: one line, from the master alone
         told = re.findall(r"initial noise spectra(?:, the workers' seconds added)?: \d+\.\d s", result.stderr)
         assert len(told) == 1 and ("workers'" in told[0]) == (ranks > 1), (ranks, result.stderr[-2000:])
+        # each worker's set-up, one line each, with its named stages (those of 5 ms or more)
+        workers = sorted(int(w) for w in re.findall(r"^worker (\d+) on \S+ set up: \d+\.\d s \(particle table read ",
+                                                     result.stderr, re.M))
+        assert workers == list(range(1, ranks)), (ranks, result.stderr[-2000:])
     assert_same_refinement(data / "n1", [data / "n3", data / "n5"])
 
 

@@ -90,7 +90,7 @@ from cryorefine.em.estep import (
     run_batches,
     sums_wait_on_host,
 )
-from cryorefine.em.loop import StepOutcome, log_stages
+from cryorefine.em.loop import StageClock, StepOutcome, log_stages
 from cryorefine.errors import InputError, RunInterrupted, resource_message
 from cryorefine.estep.backend import make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
@@ -512,11 +512,15 @@ class MpiRunner:
         # the worker sets itself up (the particle table, its device) while the master reads and checks the run's
         # input; a failure of its own is raised only once the master goes on: a bad input is the master's to report
         with contextlib.ExitStack() as scope:
+            setup = {}  # this worker's set-up, stage by stage (logged once the master goes on)
+            clock = StageClock(setup)
             try:
                 particles = load_particles(self.config.input_star, check_stacks=False)
-                backend = scope.enter_context(self._worker_backend())
+                clock.mark("particle table read")
+                backend = scope.enter_context(self._worker_backend(clock))
                 # the first iteration's directions (and healpy's import, about a second) made now, not in its set-up
                 direction_tables(self.config.healpix_order, self.config.symmetry)
+                clock.mark("first directions")
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below unless the master ends the run first
                 failure = exc
@@ -525,6 +529,8 @@ class MpiRunner:
                 sys.exit(2)
             if failure is not None:
                 raise failure
+            clock.mark("waiting for the master")
+            log_stages(f"worker {self.rank} on {socket.gethostname()} set up", setup)
             if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
                 self._noise_batches(backend, particles, *payload)
                 kind, payload = self.objects.bcast(None, root=0)
@@ -533,9 +539,10 @@ class MpiRunner:
             self._iterations(job, backend, particles, payload)
 
     @contextlib.contextmanager
-    def _worker_backend(self):
+    def _worker_backend(self, clock):
         """This worker's E-step backend, in its run scope, with the NCCL collectives the M-step shares the maps
-        through where every worker has a GPU of its own."""
+        through where every worker has a GPU of its own; `clock` (`em.loop.StageClock`) marks the device's and NCCL's
+        set-up."""
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
@@ -544,9 +551,11 @@ class MpiRunner:
             config = replace(config, free_gpu_memory_mb=config.free_gpu_memory_mb + NCCL_RESERVE_MB)
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
+            clock.mark("device and its arena")
             self.peers.channel.device = self._device_collectives(self.workers)
             if self.peers.channel.device is not None:  # NCCL's connections made now, not in the first reduction
                 self.peers.channel.device.warm_up()
+            clock.mark("collectives (NCCL's where each worker has a GPU)")
             yield backend
 
     def _noise_batches(self, backend, particles, settings, n_optics):
