@@ -518,3 +518,26 @@ def test_angdist_bild_of_many_directions_is_each_direction_s_two_lines():
                                             + [outer * x + radius for x in v] + [width]))
     assert 1000 < len(want) // 2 < n - 5
     assert text.splitlines() == want
+
+
+def test_a_data_star_is_written_in_the_writer_s_own_process_as_write_particle_star_writes_it(tmp_path):
+    """`data_star_write` hands the writer an `InOwnProcess` write (a data.star's text takes seconds to make for a large
+    set, holding the interpreter), which writes what `write_particle_star` writes, and can be sent to a process."""
+    import pickle
+
+    from conftest import make_particle_set
+
+    from cryorefine.io.background import BackgroundWriter, InOwnProcess
+    from cryorefine.io.relion_outputs import data_star_write
+    from cryorefine.io.star import read_particle_star, write_particle_star
+
+    path, _ = make_particle_set(tmp_path / "in", n=5, box=8)
+    star = read_particle_star(path)
+    table = star.particles.assign(rlnClassNumber=[1, 2, 1, 2, 2])
+    write = data_star_write(star, tmp_path / "own.star", table)
+    assert isinstance(write, InOwnProcess)
+    pickle.dumps(write.call)
+    with BackgroundWriter() as writer:
+        writer.submit([write])
+    write_particle_star(star, tmp_path / "thread.star", table)
+    assert (tmp_path / "own.star").read_text() == (tmp_path / "thread.star").read_text()

@@ -11,9 +11,10 @@ write is raised in the loop at the next submit or at the end; every file is writ
 `--continue` starts from, comes last in its iteration.
 
 A write wrapped in `InOwnProcess` (the report PNG: matplotlib draws holding the interpreter, for
-tens of milliseconds at a time) runs in a drawing process of the writer's instead, started at the
-first such write: on the writer's thread it would keep the E-step's thread, which needs the
-interpreter back after each of its waits for the GPU, waiting for it. Where no process can be
+tens of milliseconds at a time; a data.star, whose text for 100,000 particles takes a second or more to
+make) runs in a drawing process of the writer's instead, started at the first such write: on the
+writer's thread it would keep the E-step's thread, which needs the interpreter back after each of its
+waits for the GPU, waiting for it (and an MPI master's answers to its workers). Where no process can be
 started (no /dev/shm), or the drawing process dies, such writes run on the thread, with a warning.
 
 `Together(writes)` runs writes of files of their own side by side on threads (the maps, the STAR files, the report;
@@ -143,8 +144,8 @@ class BackgroundWriter:
             try:
                 self._drawing = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             except OSError as exc:  # no semaphores (no /dev/shm)
-                log.warning("no drawing process (%s); the reports are drawn beside the iterations, slowing them",
-                            exc)
+                log.warning("no drawing process (%s); the reports and data.star files are written beside the "
+                            "iterations, slowing them", exc)
                 self._drawing = False
         if self._drawing:
             try:
@@ -159,6 +160,6 @@ class BackgroundWriter:
         return call()
 
     def _stop_drawing(self, why):
-        log.warning("%s; the reports are drawn beside the iterations, slowing them", why)
+        log.warning("%s; the reports and data.star files are written beside the iterations, slowing them", why)
         self._drawing.shutdown(wait=False)
         self._drawing = False

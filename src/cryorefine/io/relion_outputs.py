@@ -13,7 +13,8 @@ MlOptimiser::write, src/healpix_sampling.cpp HealpixSampling::write):
 - `write_sampling_star`: run_itNNN_sampling.star (sampling_general, sampling_directions), the direction table's
   text made once for each HEALPix order and symmetry.
 
-- `particle_table`: the particle table of run_itNNN_data.star with the run's poses.
+- `particle_table`: the particle table of run_itNNN_data.star with the run's poses; `data_star_write`, the write of
+  that file in the writer's own process.
 
 `read_optimiser_star` reads an optimiser.star's general block back. --continue itself reads
 `io.resume`'s file beside the optimiser.star.
@@ -64,7 +65,8 @@ import pandas as pd
 from cryorefine import __version__
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
-from cryorefine.io.star import FORMAT_CHUNK, fixed_point_rows, read_star, star_to_string
+from cryorefine.io.background import InOwnProcess
+from cryorefine.io.star import FORMAT_CHUNK, ParticleStar, fixed_point_rows, read_star, star_to_string, write_star
 
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
@@ -502,6 +504,13 @@ def _direction_text(sampling) -> str:
 
 
 # ------------------------------------------------------------------------------- data.star
+
+def data_star_write(star: ParticleStar, path: str | Path, table: pd.DataFrame) -> InOwnProcess:
+    """The write of a run's data.star (`star`'s optics, the particle `table`) for `io.background.BackgroundWriter`, in
+    its own process: the text of 100,000 particles takes a second or more to make, holding the interpreter, which the
+    iterations' thread (and an MPI master's answers to its workers) would wait for on the writer's thread."""
+    return InOwnProcess(functools.partial(write_star, {"optics": star.optics, "particles": table}, str(path)))
+
 
 def particle_table(table, state, halves, pixel_size_angstrom, group_number=None):
     """The particle table `table` (a DataFrame of the input STAR file) with the run's per-particle values of

@@ -83,13 +83,14 @@ from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
+    data_star_write,
     job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
     write_optimiser_star,
 )
 from cryorefine.io.run_files import iteration_root
-from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.io.star import write_star
 from cryorefine.jobs.classify import classification_summary
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_class_gallery
@@ -604,7 +605,7 @@ class Class2DJob:
         classes = list(model.maps[0])  # under MPI their arrays are filled as the maps arrive: stacked when written
         optimiser_blocks = optimiser_star_blocks(optimiser, model, config, str(config.output_root),
                                                  optimiser.iteration)
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+        writes = [data_star_write(particles.star, f"{root}_data.star", table),
                   partial(write_class_stack, stack, classes, pixel),
                   partial(write_star, blocks, f"{root}_model.star")]
         if config.grad:

@@ -66,6 +66,7 @@ from cryorefine.estep.engine import IterationSetup, WeightedSums
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
+    data_star_write,
     job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
@@ -74,7 +75,7 @@ from cryorefine.io.relion_outputs import (
     write_sampling_star,
 )
 from cryorefine.io.run_files import iteration_root
-from cryorefine.io.star import read_star, write_particle_star, write_star
+from cryorefine.io.star import read_star, write_star
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_classification_report
 
@@ -546,7 +547,7 @@ class ClassifyJob:
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
         table = particle_table(particles.star.particles, run.particles.copy(), None, pixel,
                                group_number=particles.scale_group_index + 1)
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+        writes = [data_star_write(particles.star, f"{root}_data.star", table),
                   *(partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)),
                   partial(model_star, f"{root}_model.star"),
                   *self._angdist_writes(root, model, sampling, 0)]
@@ -566,7 +567,7 @@ class ClassifyJob:
         table = particle_table(particles.star.particles, snapshot, None, pixel,  # no half sets
                                group_number=particles.scale_group_index + 1)
         maps = [f"{root}_class{k + 1:03d}.mrc" for k in range(model.n_classes)]
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table)]
+        writes = [data_star_write(particles.star, f"{root}_data.star", table)]
         writes += [partial(mrc.write_volume, name, model.maps[0][k], pixel) for k, name in enumerate(maps)]
         writes += [  # side by side (each its own file), then the optimiser STAR file, which --continue reads
             partial(write_star, job_model_star_blocks(particles, model, optimiser, config, maps,

@@ -73,6 +73,7 @@ from cryorefine.images import prepare_batch
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
+    data_star_write,
     job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
@@ -80,7 +81,7 @@ from cryorefine.io.relion_outputs import (
     write_sampling_star,
 )
 from cryorefine.io.run_files import iteration_root
-from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.io.star import write_star
 from cryorefine.jobs.classify import class_angdist_writes
 from cryorefine.jobs.refine import INITIAL_SIGMA_OFFSET_ANGSTROM
 from cryorefine.report import write_map_gallery
@@ -451,7 +452,7 @@ class InitialModelJob:
                                                                  [second for _, _, second in moment_files]))
 
         grid = gradient.full_grid(model.ori_size_px, config.padding_factor, 3)
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star", table),
+        writes = [data_star_write(particles.star, f"{root}_data.star", table),
                   *(partial(mrc.write_volume, name, volume, pixel) for name, volume in zip(maps, model.maps[0])),
                   partial(write_moments, root, list(model.moments), grid),
                   (partial(write_star, blocks_of(model), f"{root}_model.star") if model_star is None

@@ -50,6 +50,7 @@ from cryorefine.estep.engine import IterationSetup
 from cryorefine.io import mrc
 from cryorefine.io.background import InOwnProcess, Together
 from cryorefine.io.relion_outputs import (
+    data_star_write,
     job_model_star_blocks,
     optimiser_star_blocks,
     particle_table,
@@ -58,7 +59,7 @@ from cryorefine.io.relion_outputs import (
     write_sampling_star,
 )
 from cryorefine.io.run_files import iteration_root
-from cryorefine.io.star import write_particle_star, write_star
+from cryorefine.io.star import write_star
 from cryorefine.report import write_iteration_report
 
 log = logging.getLogger("cryorefine.refine")
@@ -432,7 +433,7 @@ class RefineJob:
             for h in (1, 2):
                 write_star(self._half_model_blocks(written, optimiser, root, h, uniform), f"{root}_half{h}_model.star")
 
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
+        writes = [data_star_write(particles.star, f"{root}_data.star",
                           self._particle_table(run.particles.copy(), pixel))]
         for h in (1, 2):
             writes += [partial(mrc.write_volume, f"{root}_half{h}_class001.mrc", model.maps[h - 1][0], pixel),
@@ -455,7 +456,7 @@ class RefineJob:
         particles = self.particles
         halves_pdf = (None if model.pdf_direction is None
                       else np.asarray(model.pdf_direction, dtype=np.float64).reshape(2, 1, -1))
-        writes = [partial(write_particle_star, particles.star, f"{root}_data.star",
+        writes = [data_star_write(particles.star, f"{root}_data.star",
                           self._particle_table(snapshot, pixel))]
         for h in (1, 2):
             pdf = None if halves_pdf is None else halves_pdf[h - 1]
@@ -483,7 +484,7 @@ class RefineJob:
         # written, as RELION's, by the first worker of half 1: its model_groups count half 1's particles
         joined = job_model_star_blocks(particles, model, optimiser, config, [f"{out_root}_class001.mrc"],
                                        members=self.members[0], pdf_direction=joined_pdf)
-        writes = [partial(write_particle_star, particles.star, f"{out_root}_data.star",
+        writes = [data_star_write(particles.star, f"{out_root}_data.star",
                           self._particle_table(snapshot, pixel)),
                   partial(mrc.write_volume, f"{out_root}_class001.mrc", model.joined_map, pixel),
                   *(partial(mrc.write_volume, f"{out_root}_half{h}_class001_unfil.mrc", model.maps[h - 1][0], pixel)
