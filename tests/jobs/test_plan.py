@@ -200,7 +200,7 @@ def test_the_images_kept_on_the_gpu_are_in_every_peak(capsys, particles):
 
 
 def test_a_process_keeps_on_the_gpu_the_images_its_share_of_the_free_memory_holds():
-    from cryorefine.em.memory import KEPT_IMAGES_SHARE, kept_images_capacity
+    from cryorefine.em.memory import KEPT_IMAGES_SHARE, kept_images_capacity, whole_box_iteration_bytes
 
     free = 1e9
     each = int(KEPT_IMAGES_SHARE * free / 4.5)  # room for 4
@@ -208,3 +208,8 @@ def test_a_process_keeps_on_the_gpu_the_images_its_share_of_the_free_memory_hold
     assert kept_images_capacity(free, each, 3) == 3  # no more than it owns
     assert kept_images_capacity(free, int(KEPT_IMAGES_SHARE * free) + 1, 100) == 0
     assert kept_images_capacity(None, each, 100) == 0  # on the host
+    # no more than leaves a whole-box iteration its room: a 600 px refinement's on a 24 GB card leaves none
+    assert kept_images_capacity(free, each, 100, reserve_bytes=free - 2.5 * each) == 2
+    need = whole_box_iteration_bytes(600, 2.0, 2)
+    assert 24e9 < need and kept_images_capacity(22e9, 600 * 600 * 2, 10 ** 6, need) == 0
+    assert kept_images_capacity(135e9, 360 * 360 * 2, 105247, whole_box_iteration_bytes(360, 2.0, 6)) == 105247

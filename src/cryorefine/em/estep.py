@@ -46,8 +46,9 @@ from cryorefine.io import mrc
 if TYPE_CHECKING:  # for annotations only
     import logging
 
+    from cryorefine.config import RefineConfig
     from cryorefine.data import KeptImages, ParticleSet
-    from cryorefine.em.state import ParticleState
+    from cryorefine.em.state import ModelState, ParticleState
     from cryorefine.estep.backend import Backend
 
 
@@ -254,11 +255,12 @@ class SharedReferences:
         return dataclasses.replace(s, maps=None, projectors=self.projectors[group])
 
 
-def kept_images(backend: Backend, particles: ParticleSet, owned: npt.ArrayLike,
+def kept_images(backend: Backend, particles: ParticleSet, owned: npt.ArrayLike, reserve_bytes: float,
                 log: logging.Logger) -> KeptImages | None:
     """Device slots for the images of the `owned` particles (`data.KeptImages`), as many as the free device memory's
-    share allows (`memory.kept_images_capacity`), allocated in the scope that is current (the caller's: the run's,
-    between iterations); None on the host or without room for one. Logged either way."""
+    share allows beside `reserve_bytes` (`memory.kept_images_capacity`, `memory.whole_box_iteration_bytes`),
+    allocated in the scope that is current (the caller's: the run's, between iterations); None on the host or
+    without room for one. Logged either way."""
     from cryorefine.data import KeptImages
 
     owned = np.asarray(owned)
@@ -268,7 +270,7 @@ def kept_images(backend: Backend, particles: ParticleSet, owned: npt.ArrayLike,
     box = particles.geometry()[0]
     with mrc.StackReader() as reader:
         dtype = reader.wire_dtype(particles.stack_paths)
-    capacity = memory.kept_images_capacity(free, KeptImages.image_bytes((box, box), dtype), owned.size)
+    capacity = memory.kept_images_capacity(free, KeptImages.image_bytes((box, box), dtype), owned.size, reserve_bytes)
     if capacity == 0:
         log.info("%s: no room to keep particle images on the device; every iteration reads them from their stacks",
                  backend.describe())
@@ -278,6 +280,14 @@ def kept_images(backend: Backend, particles: ParticleSet, owned: npt.ArrayLike,
              "uploaded once%s", backend.describe(), f"{capacity:,}", f"{owned.size:,}", kept.nbytes / 1e9,
              np.dtype(dtype).name, "" if capacity == owned.size else "; the others every iteration")
     return kept
+
+
+def kept_images_reserve_bytes(config: RefineConfig, model: ModelState, box_px: int) -> float:
+    """The device memory a run's iteration at the whole box may need beside the kept images
+    (`memory.whole_box_iteration_bytes` of its maps: every class of every half, as the model holds them)."""
+    maps = [m for row in model.maps if row is not None for m in row if m is not None]
+    ndim = np.ndim(maps[0]) if maps else 3
+    return memory.whole_box_iteration_bytes(box_px, config.padding_factor, max(1, len(maps)), ndim)
 
 
 def _kept_here(data, owner: int) -> None:

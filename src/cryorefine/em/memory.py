@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cryorefine.core.grid import SLAB_ELEMENTS
+from cryorefine.core.grid import SLAB_ELEMENTS, PaddedGrid, padded_size_px
 
 #: bytes per element of the float64 temporaries of one slab (`core.reconstruct`, `core.padded_transforms`)
 SLAB_BYTES_PER_ELEMENT = 150.0
@@ -102,12 +102,23 @@ def upload_slots_room(free_bytes: float | None) -> int:
     return 0 if free_bytes is None else int(UPLOAD_SLOTS_SHARE * free_bytes)
 
 
-def kept_images_capacity(free_bytes: float | None, image_bytes: int, n_owned: int) -> int:
-    """How many of a process's `n_owned` particle images of `image_bytes` it keeps on the device, in `free_bytes` (0
-    on the host, where `free_bytes` is None)."""
+def whole_box_iteration_bytes(box_px: int, padding_factor: float, n_maps: int, ndim: int = 3) -> float:
+    """What an iteration at the whole box may take on the device beside the images kept there: the sums and the
+    references of `n_maps` maps (a classification's classes, a refinement's two halves), one reconstruction and the
+    batches' reserve."""
+    grid = PaddedGrid.create(box_px, padding_factor, box_px // 2, ndim=ndim).shape
+    return (sums_bytes(grid, n_maps) + references_bytes(grid, box_px, n_maps)
+            + reconstruction_bytes(grid, box_px, padded_size_px(box_px, padding_factor)) + BATCH_RESERVE_BYTES)
+
+
+def kept_images_capacity(free_bytes: float | None, image_bytes: int, n_owned: int, reserve_bytes: float = 0.0) -> int:
+    """How many of a process's `n_owned` particle images of `image_bytes` it keeps on the device, in `free_bytes`:
+    KEPT_IMAGES_SHARE of it at most, leaving `reserve_bytes` (`whole_box_iteration_bytes`) free; 0 on the host, where
+    `free_bytes` is None."""
     if free_bytes is None:
         return 0
-    return max(0, min(int(n_owned), int(KEPT_IMAGES_SHARE * free_bytes) // max(1, int(image_bytes))))
+    room = min(KEPT_IMAGES_SHARE * free_bytes, free_bytes - reserve_bytes)
+    return max(0, min(int(n_owned), int(room) // max(1, int(image_bytes))))
 
 
 def images_per_engine_run(free_bytes: float, current_size_px: int) -> int:

@@ -290,7 +290,8 @@ def plan_run(config: RefineConfig, gpu: GpuSpec, late_resolution_angstrom: float
         raise InputError(f"--resolution {late:g}: beyond Nyquist ({2 * pixel:.2f} Å at {pixel:.3f} Å/px); give "
                          f"{2 * pixel:.2f} Å or more")
     refine = config.auto_refine
-    kept = memory.kept_images_capacity(arena, box * box * itemsize, n)
+    reserve = memory.whole_box_iteration_bytes(box, config.padding_factor, config.n_classes * (2 if refine else 1))
+    kept = memory.kept_images_capacity(arena, box * box * itemsize, n, reserve)
     run = PlannedRun(config, gpu, n, box, arena, units=2 if refine else 1, image_itemsize=itemsize, kept_images=kept)
     moments = []
     for label, resolution, order, local, final in (

@@ -86,6 +86,7 @@ from cryorefine.em.estep import (
     add_seconds,
     empty_sums,
     kept_images,
+    kept_images_reserve_bytes,
     noise_batch_sums,
     run_batches,
     sums_wait_on_host,
@@ -590,7 +591,8 @@ class MpiRunner:
                 plan, model = self._with_held_maps(plan, model)
                 owned = self._own_share(plan, len(particles))
                 if kept is None and owned is not None:  # between iterations: in the run's scope
-                    kept = kept_images(backend, particles, owned, logging.getLogger("cryorefine")) or False
+                    reserve = kept_images_reserve_bytes(self.config, model, particles.geometry()[0])
+                    kept = kept_images(backend, particles, owned, reserve, logging.getLogger("cryorefine")) or False
                 elif kept and owned is not None:
                     kept.own(owned)
                 with backend.iteration_scope():

@@ -17,6 +17,7 @@ from cryorefine.em.estep import (
     empty_sums,
     initial_noise_spectra,
     kept_images,
+    kept_images_reserve_bytes,
     run_batches,
     sums_wait_on_host,
 )
@@ -85,7 +86,8 @@ class SerialRunner:
                 progress(indices.size, len(particles))
 
         if self.kept is None:  # between iterations, in the run's scope
-            self.kept = kept_images(self.backend, particles, np.arange(len(particles)), log) or False
+            reserve = kept_images_reserve_bytes(job.config, model, particles.geometry()[0])
+            self.kept = kept_images(self.backend, particles, np.arange(len(particles)), reserve, log) or False
         with self.backend.iteration_scope():
             preread = np.arange(len(particles)) if self.preread_images else None
             reading = time.perf_counter()
