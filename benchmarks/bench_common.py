@@ -1,8 +1,8 @@
 """What the benchmark scripts share: `cryorefine` run as a subprocess and timed, another program (RELION) run with
 a time limit, the seconds between a run's iteration files, the options after `--` split off to be passed on to the
 command, the parser with --work and --gpu / --cpu of the accuracy scripts, the check that a --relion command can run
-(`missing_program`), and an atomic model cut down to some of its chains (`model_chains`, for --chains). A helper
-module imported by the other scripts; run alone it only answers --help."""
+(`missing_program`, `refuse_missing_programs`), and an atomic model cut down to some of its chains (`model_chains`,
+for --chains). A helper module imported by the other scripts; run alone it only answers --help."""
 
 from __future__ import annotations
 
@@ -57,6 +57,15 @@ def missing_program(command):
         if not (Path(word).is_file() or shutil.which(word)):
             return f"{word}: no such program (neither a file nor on PATH)"
     return None
+
+
+def refuse_missing_programs(parser, options, names=("relion",)):
+    """End the script through `parser.error` (exit code 2) at the first option of `names` whose command's program is
+    missing (`missing_program`)."""
+    for name in names:
+        command = getattr(options, name)
+        if command and (problem := missing_program(command)):
+            parser.error(f"--{name} {problem}")
 
 
 def run_logged(command, log_path, cwd, timeout_seconds=None):

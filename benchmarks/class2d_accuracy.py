@@ -67,8 +67,8 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (
-    missing_program,
     normalised_with_noise,
+    refuse_missing_programs,
     run_logged,
     seconds_per_iteration,
     simulated_particle_tables,
@@ -155,8 +155,7 @@ def parse_args(argv):
         parser.error(f"--box {options.box}: give an even box of at most {MAP_BOX_PX} px")
     if not options.snr > 0:
         parser.error(f"--snr {options.snr}: give a positive ratio")
-    if options.relion and (problem := missing_program(options.relion)):
-        parser.error(f"--relion {problem}")
+    refuse_missing_programs(parser, options)
     return options, extra
 
 

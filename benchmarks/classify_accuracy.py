@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import missing_program, model_chains, run_cli, split_at_double_dash, work_and_engine_parser
+from bench_common import model_chains, refuse_missing_programs, run_cli, split_at_double_dash, work_and_engine_parser
 
 from cryorefine.core import fourier
 from cryorefine.io.mrc import open_mrc, read_volume, write_volume
@@ -90,9 +90,7 @@ def parse_args(argv):
                         help="Stop each RELION run after this many seconds (its finished iterations are measured).")
     parser.add_argument("--json", type=Path, default=None, help="Results file [default: WORK/results.json].")
     options = parser.parse_args(argv)
-    for name in ("relion", "relion_project"):
-        if getattr(options, name) and (problem := missing_program(getattr(options, name))):
-            parser.error(f"--{name} {problem}")
+    refuse_missing_programs(parser, options, ("relion", "relion_project"))
     return options, extra
 
 

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import missing_program
+from bench_common import refuse_missing_programs
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO.parent / "shared/data/real/models/7p6z.cif.gz"
@@ -172,8 +172,7 @@ def main(argv=None):
                              "cryorefine/RELION is at most 1/F, a measured bound")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.relion and (problem := missing_program(args.relion)):
-        parser.error(f"--relion {problem}")
+    refuse_missing_programs(parser, args)
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import iteration_file_times, missing_program, run_logged, seconds_between, split_at_double_dash
+from bench_common import (
+    iteration_file_times,
+    refuse_missing_programs,
+    run_logged,
+    seconds_between,
+    split_at_double_dash,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO.parent / "shared" / "data" / "real" / "models" / "7p6z.cif.gz"
@@ -658,8 +664,7 @@ def main(argv=None):
     args.job_options = job_options  # after `--`: options added to every job's command line
     if args.relion_only and not args.relion:
         parser.error("--relion_only: give RELION's relion_refine_mpi with --relion")
-    if args.relion and (problem := missing_program(args.relion)):
-        parser.error(f"--relion {problem}")
+    refuse_missing_programs(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
         from cryorefine.estep.backend import cupy_available

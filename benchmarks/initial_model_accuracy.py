@@ -82,8 +82,8 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (
-    missing_program,
     normalised_with_noise,
+    refuse_missing_programs,
     run_logged,
     seconds_per_iteration,
     simulated_particle_tables,
@@ -187,8 +187,7 @@ def parse_args(argv):
         parser.error("--measure_every and --refine_iter: give a positive number (--measure_every 0: the last only)")
     if (options.relion is not None and not options.relion.strip()) or (options.relion_only and not options.relion):
         parser.error("--relion: give relion_refine's path or command")
-    if options.relion and (problem := missing_program(options.relion)):
-        parser.error(f"--relion {problem}")
+    refuse_missing_programs(parser, options)
     for name in options.maps:
         if name not in MADE_MAPS and not Path(name).is_file():
             parser.error(f"--maps {name}: no such file; give {', '.join(MADE_MAPS)} or a map's path")
