@@ -292,13 +292,13 @@ class ParticleSet:
             i = 0
             while current is not None:
                 if pending is None:
-                    images, on_device, held = kept.take(current), False, True
+                    images, on_device = kept.take(current), False
                 else:
-                    (images, on_device), held = pending.result(), False
-                if on_device:
-                    slots.take(i % 2)
-                if kept is not None and not held:
-                    kept.keep(current, images)
+                    images, on_device = pending.result()
+                    if on_device:
+                        slots.take(i % 2)
+                    if kept is not None:
+                        kept.keep(current, images)
                 following = next(source, None)
                 if following is not None:
                     slot = (i + 1) % 2
