@@ -110,9 +110,10 @@ TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps
 TAG_ACCURACY = 19  # rank 1 -> master: the accuracy estimate a plan asked for (`em.accuracy.AccuracyRequest`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 MAPS_POLL_SECONDS = 0.001  # how often a worker's thread that moves its maps to the master asks MPI to go on
-# how often the master's writer, idle while it waits for the maps, asks MPI to receive them. With both sides at
-# MAPS_POLL_SECONDS the 105k Class3D's end took 2.7 s on two H200s against one GPU's 1.2 s (the last six 187 MB
-# maps crossing); with this and the worker's own wait at the end (`_maps_sent`), 2.1 and 2.6 s against 2.1 s
+# how often the master's writer, idle while it waits for the maps, asks MPI to receive them (the workers, in their
+# next broadcast's wait by then, move them along meanwhile). At MAPS_POLL_SECONDS the 105k Class3D's end took 2.7 s
+# on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and 2.6 s against one GPU's
+# 2.1 s on another host
 MAPS_RECEIVE_POLL_SECONDS = 0.0002
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
@@ -329,8 +330,7 @@ class MpiRunner:
         # the workers as each other's peers in the M-step
         self.peers = None if self.rank == 0 else WorkerPeers(ObjectChannel(self.workers))
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
-        self.maps_outgoing = None  # a worker: (the thread moving its share of the last maps to the master, the Event
-        # set once the worker waits for them)
+        self.maps_outgoing = None  # a worker: the thread moving its share of the last maps to the master
         self.noise_batches_left = 0  # the master: batches of the workers' noise pass whose sums it has not received
 
     def begin_initial_noise(self, particles, settings, n_optics=None):
@@ -719,32 +719,26 @@ class MpiRunner:
     def _send_maps(self, share):
         """This worker's share of the new maps on its way to the master while the next E-step runs: a thread moves
         the sends along (MPI moves a large message as the sender's calls ask it to; the E-step's calls, one a batch,
-        left the master's writer waiting 3.5 s an iteration on four H200s), asking every MAPS_POLL_SECONDS while the
-        engine works and without pause once `_maps_sent` waits for them. Where MPI takes calls from one thread only,
-        they are sent before the worker goes on."""
+        left the master's writer waiting 3.5 s an iteration on four H200s). Where MPI takes calls from one thread
+        only, they are sent before the worker goes on."""
         from mpi4py import MPI
 
         requests = self.objects.isend_arrays(share, 0, TAG_MAPS)
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             MPI.Request.Waitall(requests)
             return
-        awaited = threading.Event()
 
         def move_along():
             while not MPI.Request.Testall(requests):
-                if awaited.wait(MAPS_POLL_SECONDS):  # nothing else runs now: MPI's own wait moves them fastest
-                    MPI.Request.Waitall(requests)
-                    return
+                time.sleep(MAPS_POLL_SECONDS)
 
-        self.maps_outgoing = (threading.Thread(target=move_along, name="maps to the master", daemon=True), awaited)
-        self.maps_outgoing[0].start()
+        self.maps_outgoing = threading.Thread(target=move_along, name="maps to the master", daemon=True)
+        self.maps_outgoing.start()
 
     def _maps_sent(self):
         """Wait until this worker's share of the last maps has reached the master."""
         if self.maps_outgoing is not None:
-            thread, awaited = self.maps_outgoing
-            awaited.set()
-            thread.join()
+            self.maps_outgoing.join()
         self.maps_outgoing = None
 
     def _share(self, members, unit, n_units):
