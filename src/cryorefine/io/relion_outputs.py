@@ -508,7 +508,9 @@ def _direction_text(sampling) -> str:
 def data_star_write(star: ParticleStar, path: str | Path, table: pd.DataFrame) -> InOwnProcess:
     """The write of a run's data.star (`star`'s optics, the particle `table`) for `io.background.BackgroundWriter`, in
     its own process: the text of 100,000 particles takes a second or more to make, holding the interpreter, which the
-    iterations' thread (and an MPI master's answers to its workers) would wait for on the writer's thread."""
+    iterations' thread (and an MPI master's answers to its workers) would wait for on the writer's thread. It calls
+    `write_star` as `io.star.write_particle_star` does rather than that function, whose `star` argument would send the
+    input's whole particle table to the process beside `table`."""
     return InOwnProcess(functools.partial(write_star, {"optics": star.optics, "particles": table}, str(path)))
 
 
