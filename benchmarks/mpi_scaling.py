@@ -23,6 +23,11 @@ before iteration 1 (reading, the initial noise pass, the references), and the GP
 of each worker. Parity with one GPU, from the last iteration's files: the class distribution, each
 class map's correlation with the one-GPU map, and the particles in the same class.
 
+With --kill K, after the jobs: the Class3D job on the most GPUs of --workers for K+2 iterations, once whole and
+once with worker 2 killed (SIGKILL, CRYOREFINE_FAULT) at its first batch of iteration K; reported are the killed
+job's exit code, its last lines and the seconds from the kill to the launcher's exit; then --continue from the
+last iteration it completed on one GPU (one process) to iteration K+2, and its parity with the whole run.
+
     python benchmarks/mpi_scaling.py --work /tmp/e10028 --n 20000 --workers 1 2 --json out.json
     python benchmarks/mpi_scaling.py --engine numpy --work /tmp/tiny     # CPU, tiny: the script works
 """
@@ -106,11 +111,12 @@ def command_of(job, star, reference, out, workers, args, iterations=None, mpi=Fa
     return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine, *args.gui_flags.split()]
 
 
-def run_one(job, star, reference, workers, args, iterations=None, folder=None):
-    """One run of `job` with `workers` ("1": one process; "W" or "1mpi": a master and W workers)."""
+def run_one(job, star, reference, workers, args, iterations=None, folder=None, command=None, env=None):
+    """One run of `job` with `workers` ("1": one process; "W" or "1mpi": a master and W workers); `command` instead of
+    the job's own line (a --continue), `env` added to the environment."""
     mpi, workers = workers.endswith("mpi") or int(workers.removesuffix("mpi")) > 1, int(workers.removesuffix("mpi"))
     out = folder or args.work / "scaling" / f"{job}_{workers}gpu{'_mpi' if mpi and workers == 1 else ''}"
-    command = command_of(job, star, reference, out, workers, args, iterations, mpi)
+    command = command or command_of(job, star, reference, out, workers, args, iterations, mpi)
     saved = out / "result.json"
     if args.reuse and saved.exists() and json.loads(saved.read_text())["command"] == " ".join(command):
         log.info("%s on %d: the finished run in %s, not run again (--reuse)", job, workers, out)
@@ -119,9 +125,13 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None):
     out.mkdir(parents=True)
     log.info("%s on %d: %s", job, workers, " ".join(command))
     tic = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     wall = time.perf_counter() - tic
     (out / "log.txt").write_text(done.stdout + done.stderr)
+    if env and "CRYOREFINE_FAULT" in env:  # a run meant to fail: what it said and when it ended
+        return {"returncode": done.returncode, "ended_unix": time.time(), "wall_seconds": wall,
+                "stderr_tail": done.stderr.splitlines()[-12:], "folder": str(out)}
     if done.returncode != 0:
         sys.exit(f"mpi_scaling: {job} on {workers} failed (exit {done.returncode}); see {out / 'log.txt'}:\n"
                  + done.stderr[-3000:])
@@ -181,6 +191,32 @@ def parity(one, other):
     return result
 
 
+def killed_and_continued(star, reference, args):
+    """--kill: the Class3D job on the most GPUs whole and with worker 2 killed at iteration --kill, then --continue'd
+    on one GPU; what the killed job did and the continued run's parity with the whole one."""
+    workers, last = max(args.workers_run, key=lambda w: int(w.removesuffix("mpi"))), args.kill + 2
+    folder = args.work / "scaling" / "kill"
+    whole = run_one("class3d", star, reference, workers, args, iterations=last, folder=folder / "whole")
+    killed = run_one("class3d", star, reference, workers, args, iterations=last, folder=folder / "killed",
+                     env={"CRYOREFINE_FAULT": f"2:{args.kill}:kill"})
+    said = [line for line in Path(killed["folder"], "log.txt").read_text().splitlines()
+            if line.startswith("worker 2 killing itself at unix time ")]
+    if said:
+        killed["seconds_from_kill_to_exit"] = killed["ended_unix"] - float(said[-1].split()[-1])
+    done = sorted(Path(killed["folder"]).glob("run_it[0-9][0-9][0-9]_optimiser.star"))
+    result = {"workers": workers, "kill_iteration": args.kill, "iterations": last, "whole_wall_seconds":
+              whole["wall_seconds"], "killed": killed, "last_completed": done[-1].name if done else None}
+    if done:
+        continued_folder = folder / "continued"
+        command = [sys.executable, "-m", "cryorefine", "classify", "--continue", str(done[-1]), "--o",
+                   str(continued_folder / "run"), "--iter", str(last), *(["--cpu"] if args.engine == "numpy" else ["--gpu", "0"])]
+        continued = run_one("class3d", star, reference, "1", args, folder=continued_folder, command=command)
+        result["continued_on_one_gpu"] = {"command": continued["command"],
+                                          "wall_seconds": continued["wall_seconds"],
+                                          "parity_with_whole": parity(whole, continued)}
+    return result
+
+
 def format_report(results):
     lines = [f"EMPIAR-10028 stand-in: {results['n_particles']} particles, {results['box_px']} px; "
              f"{results['gpus']} × {results['device']}; {results['date']}"]
@@ -215,6 +251,8 @@ def format_report(results):
             lines.append(f"| {it['iteration']} | " + " | ".join(cells) + " |")
         for run in runs[1:]:
             lines.append(f"\nparity of {run['label']} with one process: {json.dumps(run['parity'])}")
+    if "killed_worker" in results:
+        lines += ["", f"### a killed worker and --continue on one GPU: {json.dumps(results['killed_worker'])}"]
     return "\n".join(lines)
 
 
@@ -241,6 +279,9 @@ def main(argv=None):
     parser.add_argument("--float16", action="store_true", help="the stand-in's stack in float16 (MRC mode 12)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    parser.add_argument("--kill", type=int, default=None, metavar="K",
+                        help="after the jobs: Class3D on the most GPUs with worker 2 killed at iteration K, then "
+                             "--continue'd on one GPU, against the whole run (K+2 iterations)")
     parser.add_argument("--reuse", action="store_true",
                         help="take a run finished before in --work with the same command line from its result.json "
                              "instead of running it again (a lease split over several calls)")
@@ -270,6 +311,7 @@ def main(argv=None):
         xp = cupy
         args.mpirun = args.mpirun or "mpirun --allow-run-as-root --bind-to none"
     workers = args.workers or ([str(w) for w in ((1, 2) if tiny else (1, 2, 4, 8)) if tiny or w <= args.gpus])
+    args.workers_run = workers
     if workers[0] != "1":
         sys.exit("mpi_scaling: --workers must start with 1, the one-process run the others are compared with")
     reference, _ = empiar10028.build_reference(args.work, stand_in)
@@ -299,6 +341,8 @@ def main(argv=None):
             if args.json:  # after every run: a run cut short by a time limit leaves the others' figures
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
+    if args.kill:
+        results["killed_worker"] = killed_and_continued(star, reference, args)
     report = format_report(results)
     print(report)
     if args.json:

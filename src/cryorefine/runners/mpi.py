@@ -781,6 +781,9 @@ class MpiRunner:
                 return
             if fault_rank == str(self.rank) and fault_iteration == str(iteration):
                 if how == "kill":  # as the kernel's OOM killer or a node's failure ends a process: no word from it
+                    # (but this line, which says when, for the time the launcher takes to end the job)
+                    print(f"worker {self.rank} killing itself at unix time {time.time():.3f}", file=sys.stderr,
+                          flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
             yield item
