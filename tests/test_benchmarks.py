@@ -115,6 +115,10 @@ def test_extrapolation_scales_the_measured_iterations_to_the_full_job(tiny_run, 
     assert summary["extrapolated_seconds"] == pytest.approx(
         summary["start_seconds"] * scale + sum(per_iteration(refine["iterations"])))
     assert summary["extrapolation"] == f"105247 particles from {n} particles × 2 measured iterations"
+    # a run on all the particles: its own wall time is the figure, nothing is called extrapolated
+    summary = empiar10028.summarise(refine, 105_247, None, None)
+    assert summary["extrapolated_seconds"] is None
+    assert summary["extrapolation"] == "none: the whole job ran on all the particles"
 
 
 def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_run, empiar10028):
