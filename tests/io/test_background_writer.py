@@ -29,6 +29,28 @@ def test_writes_run_in_order_on_another_thread_and_the_block_waits_for_them():
     assert threading.get_ident() not in threads
 
 
+def test_an_iteration_with_nothing_to_write_does_not_wait_for_the_previous_files():
+    """VDAM writes its files every tenth iteration: the iterations between go on while they are written, and a
+    write's error still reaches the loop at one of them."""
+    done, release = [], threading.Event()
+    with BackgroundWriter() as writer:
+        writer.submit([lambda: release.wait(10), lambda: done.append("files")])
+        assert writer.submit([]) == 0.0  # waiting would have taken the 10 s of the event's timeout
+        assert done == []
+        release.set()
+    assert done == ["files"]
+
+    def fail():
+        raise OSError("disk full")
+
+    writer = BackgroundWriter()
+    writer.submit([fail])
+    with pytest.raises(OSError, match="disk full"):
+        for _ in range(1000):
+            writer.submit([])
+            time.sleep(0.01)
+
+
 def test_an_error_in_a_write_is_raised_in_the_loop_and_stops_that_iteration_s_later_writes():
     done = []
 

@@ -262,9 +262,12 @@ def run(job, runner, argv=(), progress=None, resume_from=None, stop_requested=No
                     resume.save(f"{out_root}_it{iteration:03d}{resume.SUFFIX}", *saved_state(job.kind, config, state,
                                                                                               snapshot))
                 writes = job.outputs(state, plan, snapshot, timings, outcome.stages, argv)
-                waited = writer.submit(writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes])
+                submitted = writes if outcome.maps_arrival is None else [outcome.maps_arrival, *writes]
+                waited = writer.submit(submitted)
                 timings["write"] = time.perf_counter() - tic  # the loop's share: building the outputs, and waiting
-                previous_files = dict(writer.last_seconds)  # the previous iteration's files on the writer's thread
+                # the previous iteration's files on the writer's thread (none said where this one wrote nothing and
+                # so did not wait for them)
+                previous_files = dict(writer.last_seconds) if submitted else {}
                 model, optimiser = state.model, state.optimiser
                 reports.append(IterationReport(
                     iteration, model.current_resolution_angstrom, plan.sizes.current_size_px,

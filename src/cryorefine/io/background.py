@@ -82,7 +82,14 @@ class BackgroundWriter:
     def submit(self, writes) -> float:
         """Run the callables `writes` in order on the writer thread, after the previous submit's (InOwnProcess
         ones in the drawing process, the thread waiting for each). Returns the seconds it waited for the previous
-        submit's writes to end."""
+        submit's writes to end. With no writes (a VDAM iteration between those whose files it writes) nothing waits:
+        the previous submit's writes go on while the next iteration runs, and their error, if one has been raised by
+        then, is raised here."""
+        writes = list(writes)
+        if not writes:
+            if self._pending is not None and self._pending.done():
+                self.wait()
+            return 0.0
         tic = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - tic
