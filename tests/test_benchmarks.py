@@ -144,15 +144,17 @@ def test_each_iteration_is_set_against_the_cheapest_local_search_iteration(tiny_
 @pytest.mark.mpi
 def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     """benchmarks/mpi_scaling.py in its tiny numpy mode: one process and `mpiexec -n 3` on the same Class3D job, the
-    MPI stages timed only under MPI, and the same classes and maps from both."""
+    MPI stages timed only under MPI, and the same classes and maps from both; with --kill, a worker killed at
+    iteration 2 ends the job within seconds and --continue in one process gives the uninterrupted run's classes."""
     beside = Path(sys.executable).parent / "mpiexec"
     if not beside.exists():
         pytest.skip("no mpiexec beside Python (pip install mpich, part of the test extra)")
     script = SCRIPT.parent / "mpi_scaling.py"
     done = subprocess.run([sys.executable, str(script), "--engine", "numpy", "--work", str(tmp_path), "--json",
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=1800)
+                           str(tmp_path / "out.json"), "--kill", "2"], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
-    one, two = json.loads((tmp_path / "out.json").read_text())["jobs"]["class3d"]
+    results = json.loads((tmp_path / "out.json").read_text())
+    one, two = results["jobs"]["class3d"]
     assert (one["workers"], two["workers"]) == (1, 2)
     assert "mpiexec -n 3" in two["command"] and "mpiexec" not in one["command"]
     assert [it["iteration"] for it in one["iterations"]] == [it["iteration"] for it in two["iterations"]] == [1, 2]
@@ -163,6 +165,13 @@ def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     assert parity["same_class_fraction"] == 1.0
     assert parity["class_distribution"][0] == parity["class_distribution"][1]
     assert min(parity["map_correlation"].values()) > 0.999999
+    killed = results["killed_worker"]
+    assert killed["killed"]["returncode"] != 0
+    assert killed["killed"]["seconds_from_kill_to_exit"] < 60, killed["killed"]["stderr_tail"]
+    assert killed["last_completed"] is not None
+    continued = killed["continued_on_one_gpu"]["parity_with_whole"]
+    assert continued["iteration_files"] == "run_it004"
+    assert continued["same_class_fraction"] >= 0.99 and min(continued["map_correlation"].values()) > 0.9999
 
 
 def test_refine_accuracy_pairs_particles_whatever_folder_their_stack_is_named_with(refine_accuracy, monkeypatch):
