@@ -388,13 +388,14 @@ def summarise(job, n_particles, peak_flops, iterations=FULL_ITERATIONS):
     # only in particles: an iteration not measured is not stood in for by one that was (later iterations cost
     # differently: other sizes, samplings, searches), so fewer measured iterations than the job's give no figure
     whole_job = iterations is None or n_its >= iterations
-    counted = per_iteration if iterations is None else per_iteration[:int(min(iterations, n_its))]
     # all the particles and every iteration measured: the job's own wall time is the figure, nothing extrapolated
-    extrapolated = start * scale + sum(counted) if whole_job and n_particles < FULL_PARTICLES else None
+    measured_whole = whole_job and scale <= 1
+    counted = per_iteration if iterations is None else per_iteration[:int(min(iterations, n_its))]
+    extrapolated = start * scale + sum(counted) if whole_job and not measured_whole else None
     return {"stages": rows, "achieved_flops": achieved, "start_seconds": start, "outside_iterations": outside,
             "estep_relative_to_cheapest_local": relative_to_cheapest_local(its),
             "extrapolated_seconds": extrapolated, "measured_iterations": n_its,
-            "extrapolation": ("none: the whole job ran on all the particles" if whole_job and scale <= 1 else
+            "extrapolation": ("none: the whole job ran on all the particles" if measured_whole else
                               f"{FULL_PARTICLES} particles from {n_particles} particles × {len(counted)} measured "
                               "iterations" if whole_job else
                               f"none: {n_its} of the job's {iterations} iterations measured" if iterations < math.inf

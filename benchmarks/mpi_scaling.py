@@ -96,16 +96,20 @@ def parse_log(text):
     return iterations, memory, run_seconds
 
 
+def engine_options(workers, args):
+    """The engine's options of a run on `workers` workers: --cpu, or --gpu with a device per worker."""
+    if args.engine == "numpy":
+        return ["--cpu"]
+    return ["--gpu", ":".join(str(w % args.gpus) for w in range(workers))]
+
+
 def command_of(job, star, reference, out, workers, args, iterations=None, mpi=False):
     command_name, arguments = empiar10028.job_arguments(job, star, reference, out / "run", args.K)
     arguments = [command_name, *map(str, arguments)]
     if iterations or args.iterations:
         arguments += ["--iter", str(iterations or args.iterations)]
     cryorefine = [sys.executable, "-m", "cryorefine"]
-    if args.engine == "numpy":
-        engine = ["--cpu"]
-    else:
-        engine = ["--gpu", ":".join(str(w % args.gpus) for w in range(workers))]
+    engine = engine_options(workers, args)
     if workers == 1 and not mpi:
         return cryorefine + arguments + engine
     return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine, *args.gui_flags.split()]
@@ -191,10 +195,11 @@ def parity(one, other):
     return result
 
 
-def killed_and_continued(star, reference, args):
-    """--kill: the Class3D job on the most GPUs whole and with worker 2 killed at iteration --kill, then --continue'd
-    on one GPU; what the killed job did and the continued run's parity with the whole one."""
-    workers, last = max(args.workers_run, key=lambda w: int(w.removesuffix("mpi"))), args.kill + 2
+def killed_and_continued(star, reference, worker_counts, args):
+    """--kill: the Class3D job on the most GPUs of `worker_counts` (--workers) whole and with worker 2 killed at
+    iteration --kill, then --continue'd on one GPU; what the killed job did and the continued run's parity with the
+    whole one."""
+    workers, last = max(worker_counts, key=lambda w: int(w.removesuffix("mpi"))), args.kill + 2
     folder = args.work / "scaling" / "kill"
     whole = run_one("class3d", star, reference, workers, args, iterations=last, folder=folder / "whole")
     killed = run_one("class3d", star, reference, workers, args, iterations=last, folder=folder / "killed",
@@ -209,7 +214,7 @@ def killed_and_continued(star, reference, args):
     if done:
         continued_folder = folder / "continued"
         command = [sys.executable, "-m", "cryorefine", "classify", "--continue", str(done[-1]), "--o",
-                   str(continued_folder / "run"), "--iter", str(last), *(["--cpu"] if args.engine == "numpy" else ["--gpu", "0"])]
+                   str(continued_folder / "run"), "--iter", str(last), *engine_options(1, args)]
         continued = run_one("class3d", star, reference, "1", args, folder=continued_folder, command=command)
         result["continued_on_one_gpu"] = {"command": continued["command"],
                                           "wall_seconds": continued["wall_seconds"],
@@ -311,7 +316,6 @@ def main(argv=None):
         xp = cupy
         args.mpirun = args.mpirun or "mpirun --allow-run-as-root --bind-to none"
     workers = args.workers or ([str(w) for w in ((1, 2) if tiny else (1, 2, 4, 8)) if tiny or w <= args.gpus])
-    args.workers_run = workers
     if workers[0] != "1":
         sys.exit("mpi_scaling: --workers must start with 1, the one-process run the others are compared with")
     reference, _ = empiar10028.build_reference(args.work, stand_in)
@@ -342,7 +346,7 @@ def main(argv=None):
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
     if args.kill:
-        results["killed_worker"] = killed_and_continued(star, reference, args)
+        results["killed_worker"] = killed_and_continued(star, reference, workers, args)
     report = format_report(results)
     print(report)
     if args.json:
