@@ -109,9 +109,8 @@ TAG_MODEL = 17  # rank 1 -> master: the new model (its maps as (shape, dtype)), 
 TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps_of_worker`)
 TAG_ACCURACY = 19  # rank 1 -> master: the accuracy estimate a plan asked for (`em.accuracy.AccuracyRequest`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
-MAPS_POLL_SECONDS = 0.001  # how often a worker's thread that moves its maps to the master asks MPI to go on
 # how often the master's writer, idle while it waits for the maps, asks MPI to receive them (the workers, in their
-# next broadcast's wait by then, move them along meanwhile). At MAPS_POLL_SECONDS the 105k Class3D's end took 2.7 s
+# next broadcast's wait by then, move them along meanwhile). At 1 ms (the workers then asked as often) the 105k Class3D's end took 2.7 s
 # on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and 2.6 s against one GPU's
 # 2.1 s on another host
 MAPS_RECEIVE_POLL_SECONDS = 0.0002
@@ -717,22 +716,19 @@ class MpiRunner:
         return self._unit_comms[n_units]
 
     def _send_maps(self, share):
-        """This worker's share of the new maps on its way to the master while the next E-step runs: a thread moves
-        the sends along (MPI moves a large message as the sender's calls ask it to; the E-step's calls, one a batch,
-        left the master's writer waiting 3.5 s an iteration on four H200s). Where MPI takes calls from one thread
-        only, they are sent before the worker goes on."""
+        """This worker's share of the new maps on its way to the master while the next E-step runs: a thread of its
+        own waits in MPI for the sends (MPI moves a large message as the sender's calls ask it to: the E-step's calls,
+        one a batch, left the master's writer waiting 3.5 s an iteration on four H200s; a thread asking every 1 ms
+        took 1.2 s an iteration to move the 105k Class3D's three 187 MB maps and slowed the E-step's host work
+        meanwhile). Where MPI takes calls from one thread only, they are sent before the worker goes on."""
         from mpi4py import MPI
 
         requests = self.objects.isend_arrays(share, 0, TAG_MAPS)
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             MPI.Request.Waitall(requests)
             return
-
-        def move_along():
-            while not MPI.Request.Testall(requests):
-                time.sleep(MAPS_POLL_SECONDS)
-
-        self.maps_outgoing = threading.Thread(target=move_along, name="maps to the master", daemon=True)
+        self.maps_outgoing = threading.Thread(target=MPI.Request.Waitall, args=(requests,), name="maps to the master",
+                                              daemon=True)
         self.maps_outgoing.start()
 
     def _maps_sent(self):
