@@ -110,9 +110,9 @@ TAG_MAPS = 18  # worker -> master: the bytes of its share of the new maps (`maps
 TAG_ACCURACY = 19  # rank 1 -> master: the accuracy estimate a plan asked for (`em.accuracy.AccuracyRequest`)
 FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to end the job before it does
 # how often the master's writer, idle while it waits for the maps, asks MPI to receive them (the workers, in their
-# next broadcast's wait by then, move them along meanwhile). At 1 ms (the workers then asked as often) the 105k Class3D's end took 2.7 s
-# on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and 2.6 s against one GPU's
-# 2.1 s on another host
+# next broadcast's wait by then, move them along meanwhile). At 1 ms (the workers then asked as often) the 105k
+# Class3D's end took 2.7 s on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and
+# 2.6 s against one GPU's 2.1 s on another host
 MAPS_RECEIVE_POLL_SECONDS = 0.0002
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
