@@ -277,3 +277,75 @@ def test_a_class_s_step_leaves_the_momenta_it_was_given():
     for got, want in zip([*moments.first, moments.second], [*before.first, before.second], strict=True):
         np.testing.assert_array_equal(got, want)
     assert not np.allclose(update.moments.first[0], before.first[0])
+
+
+def test_a_stack_of_2d_classes_steps_as_each_class_alone():
+    """`update_classes_2d` (the classes in one pass of stacked arrays) gives each class what `update_class` gives it
+    alone: classes with momenta after earlier steps and with fresh ones, different maps, sums and steps, at a radius
+    below the box's."""
+    rng = np.random.default_rng(11)
+    previous, halves, moments, settings = class_step_inputs(2)
+    full = gradient.full_grid(previous.shape[0], settings["padding_factor"], 2)
+    classes = []
+    for k in range(3):
+        scale = 1.0 + 0.5 * k
+        class_halves = [((d * scale + 0.1 * k * rng.normal(size=d.shape)).astype(np.complex64),
+                         (w * rng.uniform(0.5, 1.5, w.shape)).astype(np.float32)) for d, w in halves]
+        class_moments = moments.copy() if k != 1 else gradient.Moments.start(full)
+        classes.append((previous * scale + 0.01 * rng.normal(size=previous.shape), class_halves, class_moments,
+                        0.3 / (k + 1)))
+    common = dict(padding_factor=settings["padding_factor"], r_max=settings["r_max"],
+                  tau2_fudge=settings["tau2_fudge"])
+    alone = [gradient.update_class(p, [(d.copy(), w.copy()) for d, w in h], m, step=step, **common)
+             for p, h, m, step in classes]
+    together = gradient.update_classes_2d([p for p, *_ in classes],
+                                          [[(d.copy(), w.copy()) for d, w in h] for _, h, _, _ in classes],
+                                          [m for _, _, m, _ in classes], steps=[c[3] for c in classes], **common)
+    assert len(together) == len(alone)
+    for got, want in zip(together, alone, strict=True):
+        for name in ("map", "tau2", "sigma2", "fsc_estimate"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12,
+                                       atol=1e-12 * float(np.abs(getattr(want, name)).max()), err_msg=name)
+        assert got.mean_power == pytest.approx(want.mean_power, rel=1e-12)
+        for g, w in zip([*got.moments.first, got.moments.second], [*want.moments.first, want.moments.second],
+                        strict=True):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7 * float(np.abs(w).max()))
+    assert not np.allclose(together[0].map, together[2].map)  # the classes' own maps, not one class's thrice
+
+
+def test_2d_classes_are_stepped_in_stacks_that_cover_each_class_once():
+    from cryorefine.core.grid import PaddedGrid
+
+    grid = gradient.full_grid(360, 2.0, 2)
+    stacks = gradient.class_stacks(100, grid)
+    assert [k for stack in stacks for k in stack] == list(range(100))
+    assert max(len(s) for s in stacks) * int(np.prod(grid.shape)) <= gradient.CLASS_STACK_ELEMENTS
+    assert len(stacks) > 1
+    assert gradient.class_stacks(3, PaddedGrid.create(4096, 2.0, ndim=2)) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+@pytest.mark.gpu
+def test_a_stack_of_2d_classes_steps_on_the_gpu_as_on_the_host():
+    """`update_classes_2d` with the sums on the GPU gives the host's updates."""
+    from conftest import cupy_or_skip
+
+    cp = cupy_or_skip()
+    previous, halves, moments, settings = class_step_inputs(2)
+    fresh = gradient.Moments.start(gradient.full_grid(previous.shape[0], settings["padding_factor"], 2))
+    step = settings.pop("step")
+    inputs = ([previous, 2.0 * previous], [moments, fresh])
+    host = gradient.update_classes_2d(inputs[0], [[(d.copy(), w.copy()) for d, w in halves] for _ in range(2)],
+                                      inputs[1], steps=[step, step / 2], **settings)
+    device = gradient.update_classes_2d(inputs[0], [[(cp.asarray(d), cp.asarray(w)) for d, w in halves]
+                                                    for _ in range(2)], inputs[1], steps=[step, step / 2], xp=cp,
+                                        **settings)
+    for got, want in zip(device, host, strict=True):
+        for name in ("map", "tau2", "sigma2", "fsc_estimate"):
+            assert isinstance(getattr(got, name), np.ndarray), name
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6,
+                                       atol=1e-9 * float(np.abs(getattr(want, name)).max()), err_msg=name)
+        np.testing.assert_allclose(got.mean_power, want.mean_power, rtol=1e-6)
+        for g, w in zip([*got.moments.first, got.moments.second], [*want.moments.first, want.moments.second],
+                        strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(np.abs(w).max()))

@@ -157,11 +157,12 @@ def padded_forward_2d(image: Array, grid: PaddedGrid, xp: ArrayModule = np, out:
 
 def padded_inverse_window_2d(ft: Array, size_px: int, xp: ArrayModule = np) -> Array:
     """The real (N, N) image in the middle of the Np box whose uncentred half transform is `ft` (Np, Np/2+1),
-    unnormalised (a plain sum over frequencies): `padded_inverse_window` of a 2D reference."""
-    npad = ft.shape[0]
+    unnormalised (a plain sum over frequencies): `padded_inverse_window` of a 2D reference; of each of a stack
+    (…, Np, Np/2+1) -> (…, N, N)."""
+    npad = ft.shape[-2]
     u = xp.asarray(window_indices(int(size_px), npad))
     image = _irfft2(xp.ascontiguousarray(ft), (npad, npad), "forward", xp)
-    return image[u[:, None], u[None, :]]
+    return image[..., u[:, None], u[None, :]]
 
 
 def _rfft2(x: Array, norm: str, xp: ArrayModule) -> Array:

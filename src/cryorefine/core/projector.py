@@ -243,7 +243,7 @@ class Projector(_OnPaddedGrid):
     @cached_property
     def power_spectrum(self) -> Array:
         """RELION's radial power of `data` (computed on first use: the E-step never needs it)."""
-        return _relion_power_spectrum(self.data, self.grid, self.xp)
+        return relion_power_spectrum(self.data, self.grid, self.xp)
 
     def project(self, matrices: Array, image_size_px: int | None = None, r_max_px: float | None = None) -> Array:
         """Central slices (…, n, n//2+1), complex, at poses `matrices` (…, 3, 3).
@@ -301,14 +301,17 @@ class Projector(_OnPaddedGrid):
         return out.reshape(lead + (n, n // 2 + 1))
 
 
-def _relion_power_spectrum(data, grid, xp):
+def relion_power_spectrum(data: Array, grid: PaddedGrid, xp: ArrayModule = np) -> Array:
+    """RELION's radial power (`Projector.power_spectrum`) of a compact padded transform `data` on `grid`, or of each
+    of a stack of them (…, *grid.shape) -> (…, N//2+1)."""
     n_shells = grid.size_px // 2 + 1
-    power, count = xp.zeros(n_shells), xp.zeros(n_shells)
+    lead = data.shape[: data.ndim - grid.ndim]
+    power, count = xp.zeros(lead + (n_shells,)), xp.zeros(n_shells)
     for planes in grid.slabs():
         r2 = grid.radius2(xp, planes)
         shells = xp.where(r2 <= grid.r_max_padded ** 2, xp.rint(xp.sqrt(r2) / grid.padding_factor).astype(xp.int64),
                           n_shells)  # beyond R: dropped by shell_sum
-        slab = data[planes]
+        slab = data[(..., planes) + (slice(None),) * (grid.ndim - 1)]
         power += fourier.shell_sum((slab.real ** 2 + slab.imag ** 2).astype(xp.float64) / 2.0, shells, n_shells, xp)
         count += fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return xp.where(count >= 1.0, power / xp.maximum(count, 1.0), 0.0)

@@ -93,7 +93,8 @@ def _slab(array, planes, plane0):
 
 
 def reconstruction_noise_sigma2(weight: Array, grid: PaddedGrid, xp: ArrayModule = np) -> Array:
-    """RELION's sigma2 of the reconstruction per shell, (N//2+1,) float64.
+    """RELION's sigma2 of the reconstruction per shell, (N//2+1,) float64; of each of a stack of weights
+    (…, *grid.shape) -> (…, N//2+1).
 
     sigma2[s] = count / Σ (pf³ · weight) over padded points with |k| < R in shell
     s = round(|k|/pf) (BackProjector::updateSSNRarrays; pf² on a 2D grid); 0 where the weights sum to zero.
@@ -102,12 +103,13 @@ def reconstruction_noise_sigma2(weight: Array, grid: PaddedGrid, xp: ArrayModule
     pf = grid.padding_factor
     correction = pf ** grid.ndim
     n_shells = grid.size_px // 2 + 1
-    total = xp.zeros(n_shells)
+    total = xp.zeros(weight.shape[: weight.ndim - grid.ndim] + (n_shells,))
     count = xp.zeros(n_shells)
     for planes in grid.slabs():
         r2 = grid.radius2(xp, planes)
         shells = xp.where(r2 < grid.r_max_padded ** 2, _round_half_up(xp.sqrt(r2) / pf, xp), n_shells)
-        total += fourier.shell_sum(weight[planes].astype(xp.float64) * correction, shells, n_shells, xp)
+        slab = weight[(..., planes) + (slice(None),) * (grid.ndim - 1)]
+        total += fourier.shell_sum(slab.astype(xp.float64) * correction, shells, n_shells, xp)
         count += fourier.shell_sum(xp.ones(shells.shape), shells, n_shells, xp)
     return xp.where(total > 1e-20, count / xp.where(total > 1e-20, total, 1.0), 0.0)
 
