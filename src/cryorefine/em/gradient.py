@@ -565,14 +565,12 @@ def vdam_maximization(model: ModelState, sums: Sequence[WeightedSums], plan: Gra
     with mstep.timed_part(parts, "class steps", xp):
         steps = {k: class_step_size(plan.step_size, pdf_previous[k], k_classes) for k in stepped}
         order = [k for k in sorted(stepped) if np.ndim(previous.maps[0][k]) == 2]  # 2D classes: stacks at once
-        if order:
-            for stack in class_stacks(len(order), full_grid(model.ori_size_px, config.padding_factor, 2)):
-                ks = [order[i] for i in stack]
-                updates = update_classes_2d([previous.maps[0][k] for k in ks], [stepped.pop(k) for k in ks],
-                                            [previous.moments[k] for k in ks], padding_factor=config.padding_factor,
-                                            r_max=r_max, steps=[steps[k] for k in ks], tau2_fudge=plan.tau2_fudge,
-                                            xp=xp)
-                made.update(zip(ks, updates))
+        for stack in class_stacks(len(order), full_grid(model.ori_size_px, config.padding_factor, 2)):
+            ks = [order[i] for i in stack]
+            updates = update_classes_2d([previous.maps[0][k] for k in ks], [stepped.pop(k) for k in ks],
+                                        [previous.moments[k] for k in ks], padding_factor=config.padding_factor,
+                                        r_max=r_max, steps=[steps[k] for k in ks], tau2_fudge=plan.tau2_fudge, xp=xp)
+            made.update(zip(ks, updates))
         for k in sorted(stepped):  # 3D maps: one at a time
             made[k] = update_class(previous.maps[0][k], stepped.pop(k), previous.moments[k],
                                    padding_factor=config.padding_factor, r_max=r_max, step=steps[k],
