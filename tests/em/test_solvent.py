@@ -91,6 +91,30 @@ def test_the_sphere_is_used_without_a_mask_and_nothing_without_flatten_solvent(t
     assert off.apply(vol) is vol
 
 
+def test_the_host_sphere_is_made_once_and_each_m_step_gets_the_same_product(monkeypatch):
+    """The soft sphere is made at the first M-step and kept (not made again at every one, where it cost far more than
+    the product); every later M-step's product is the first's, and the kept sphere cannot be changed by a caller."""
+    rng = np.random.default_rng(1)
+    vol = rng.standard_normal((BOX,) * 3)
+    masks = SolventMasks.from_config(config(), BOX, PIXEL, 48.0)
+    made = []
+    real = fourier.soft_spherical_mask
+
+    def counted(*args, **kwargs):
+        made.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fourier, "soft_spherical_mask", counted)
+    first = masks.apply(vol)
+    for _ in range(3):
+        np.testing.assert_array_equal(masks.apply(vol), first)
+    assert made == [BOX]
+    np.testing.assert_allclose(masks.apply(vol.astype(np.float32)), first, rtol=1e-6)
+    assert made == [BOX, BOX]  # float32 maps get a float32 sphere of their own
+    with pytest.raises(ValueError):
+        masks.reference_mask(BOX)[0, 0, 0] = 2.0
+
+
 def test_a_solvent_mask_replaces_the_sphere_and_a_second_mask_flattens_its_region(tmp_path):
     rng = np.random.default_rng(1)
     vol = rng.standard_normal((BOX,) * 3) + 1.0
