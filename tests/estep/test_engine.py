@@ -193,30 +193,3 @@ class TestCupyEngine(EngineContract):
         from cryorefine.estep.backend import CudaBackend
 
         return CudaBackend(0)
-
-
-def test_joined_results_store_what_the_batches_store_one_by_one():
-    """An MPI worker's batches' results joined into one (`joined_results`) put every particle's values where the
-    batches would have put them, whatever order the batches came in."""
-    from cryorefine.em.state import ParticleState
-    from cryorefine.estep.engine import joined_results
-
-    rng = np.random.default_rng(7)
-    n = 40
-
-    def state():
-        return ParticleState(*(np.zeros(n) for _ in dataclasses.fields(ParticleState)))
-
-    batches = np.split(rng.permutation(n), [7, 18])  # three batches of particles all over the set, in no order
-    results = []
-    for indices in batches:
-        values = {f.name: (rng.integers(0, 6, indices.size) if f.name in ("class_index", "n_significant")
-                           else rng.normal(size=indices.size)) for f in dataclasses.fields(BatchResult)}
-        results.append((indices, BatchResult(**values)))
-    one_by_one, joined = state(), state()
-    for indices, result in results:
-        one_by_one.store(indices, result)
-    joined.store(*joined_results(results))
-    for f in dataclasses.fields(ParticleState):
-        assert np.array_equal(getattr(joined, f.name), getattr(one_by_one, f.name)), f.name
-    assert joined_results(results)[0].size == sum(b.size for b in batches)

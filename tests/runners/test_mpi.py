@@ -402,7 +402,7 @@ def test_each_worker_is_handed_its_own_share_first_and_then_helps_the_others():
     """A unit's particles in contiguous shares, one per worker (what --preread_images holds on each): a worker gets
     its own share's batches in the unit's order, then the last batches of the share with most left; every batch
     is handed out once."""
-    from cryorefine.runners.mpi import batch_queues, batch_table, next_batch, shares_of_unit
+    from cryorefine.runners.mpi import batch_queues, next_batch, shares_of_unit
 
     members = np.random.default_rng(3).permutation(np.arange(0, 200, 2))  # a half set, in direction order
     shares = shares_of_unit(members, 3)
@@ -411,23 +411,17 @@ def test_each_worker_is_handed_its_own_share_first_and_then_helps_the_others():
         def batches(self, size, indices):
             return (np.sort(indices[i:i + size]) for i in range(0, len(indices), size))
 
-    table = batch_table(Particles(), members, 3, 8)
-    queues = batch_queues(table)
+    queues = batch_queues(Particles(), members, 3, 8)
     handed = {0: [], 1: [], 2: []}
-
-    def hand(worker):  # the batch at the place the master hands out, as the worker looks it up in its own table
-        place = next_batch(queues, worker)
-        return None if place is None else batch_table(Particles(), members, 3, 8)[place[0]][place[1]]
-
     for worker in [0] * 7 + [1, 2] * 3:  # worker 0 first takes all its own 5 batches, then helps
-        handed[worker].append(hand(worker))
+        handed[worker].append(next_batch(queues, worker))
     assert all(np.isin(b, shares[0]).all() for b in handed[0][:5])
     assert all(np.isin(b, shares[1]).all() or np.isin(b, shares[2]).all() for b in handed[0][5:])
     for worker in (1, 2):
         assert all(np.isin(b, shares[worker]).all() for b in handed[worker])
-    while (batch := hand(1)) is not None:
+    while (batch := next_batch(queues, 1)) is not None:
         handed[1].append(batch)
-    assert hand(0) is None and hand(2) is None
+    assert next_batch(queues, 0) is None and next_batch(queues, 2) is None
     every = np.concatenate([b for batches in handed.values() for b in batches])
     assert np.array_equal(np.sort(every), np.sort(members))
 

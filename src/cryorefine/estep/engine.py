@@ -124,13 +124,6 @@ class BatchResult:
     norm_correction: np.ndarray  # new rlnNormCorrection
 
 
-def joined_results(results: Sequence[tuple[np.ndarray, BatchResult]]) -> tuple[np.ndarray, BatchResult]:
-    """Several batches' (indices, BatchResult) as one: their indices and each field's values end to end."""
-    indices = np.concatenate([i for i, _ in results])
-    values = {f.name: np.concatenate([getattr(r, f.name) for _, r in results]) for f in fields(BatchResult)}
-    return indices, BatchResult(**values)
-
-
 def flat_reals(array: Array, real: npt.DTypeLike) -> np.ndarray:
     """`array` (host or device) as one flat, contiguous host array of the real dtype `real`, a complex array's
     values as pairs of reals: how sums cross between MPI ranks and are added there."""

@@ -16,11 +16,9 @@ every unit (`units_of_worker`: the workers end together). A worker reads its bat
 next batch's while the GPU works on the current one; a GPU worker keeps its share's images on its device where
 they fit, `em.estep.kept_images`, and reads them once), runs its own engine (the GPU engine on one
 device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
-file cache) and asks for its next batch as it takes one, so that the master's answer (the batch's place in a table
-of the unit's batches that the master and the worker both make, `batch_table`) waits for it while its engine works;
-each batch's results go to the master without waiting for its receive. Where each worker serves one unit of
-several classes, the unit's workers make the classes' reference transforms once among them, each every W-th class,
-and share them (`_with_shared_references`).
+file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
+without waiting for its receive. Where each worker serves one unit of several classes, the unit's workers make the
+classes' reference transforms once among them, each every W-th class, and share them (`_with_shared_references`).
 
 At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
 reconstructions: the job names its maps in groups whose sums must be in one process
@@ -96,15 +94,14 @@ from cryorefine.em.estep import (
 from cryorefine.em.loop import StageClock, StepOutcome, log_stages
 from cryorefine.errors import InputError, RunInterrupted, resource_message
 from cryorefine.estep.backend import make_backend
-from cryorefine.estep.engine import flat_reals, from_flat_reals, joined_results
+from cryorefine.estep.engine import flat_reals, from_flat_reals
 from cryorefine.gpu.collectives import NCCL_RESERVE_MB, DeviceCollectives, nccl_usable
 from cryorefine.images import NoiseEstimate
 from cryorefine.io.background import WaitFor
 from cryorefine.runners.objects import ObjectChannel
 
-TAG_REQUEST = 11  # worker -> master: ("ready", None), or ("done", particles) as it finishes a batch
-TAG_WORK = 12  # master -> worker: (unit, share, k) of the next batch (`batch_table`), or None when its units are done
-TAG_RESULTS = 14  # worker -> master, after its E-step: [(indices, BatchResult)] of its batches, joined
+TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
+TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
@@ -189,23 +186,19 @@ def shares_of_unit(members, n_workers):
     return np.array_split(np.sort(np.asarray(members)), max(1, n_workers))
 
 
-def batch_table(particles, unit_members, n_workers, batch_size):
-    """A unit's batches, [share][k]: one list per worker of the unit, of its share (`shares_of_unit`) in the unit's
-    order. The master and the unit's workers make the same table, so that a batch is handed out as its place in it."""
+def batch_queues(particles, unit_members, n_workers, batch_size):
+    """One deque of batches per worker of a unit, each of its share (`shares_of_unit`) in the unit's order."""
     members = np.asarray(unit_members)
-    return [list(particles.batches(batch_size, members[np.isin(members, share)]))
-            for share in shares_of_unit(members, n_workers)]
-
-
-def batch_queues(table):
-    """One deque per share of a unit's `batch_table`, of its batches' places (share, k) in order."""
-    return [deque((q, k) for k in range(len(batches))) for q, batches in enumerate(table)]
+    queues = []
+    for share in shares_of_unit(members, n_workers):
+        queues.append(deque(particles.batches(batch_size, members[np.isin(members, share)])))
+    return queues
 
 
 def next_batch(queues, worker):
-    """The place (share, k) of the next batch for `worker` (its place in the unit's workers) from the unit's queues
-    (`batch_queues`): its own share's next batch, else the last batch of the share with the most left (its images
-    not preread by this worker), else None."""
+    """The next batch for `worker` (its place in the unit's workers) from the unit's queues (`batch_queues`): its
+    own share's next batch, else the last batch of the share with the most left (its images not preread by this
+    worker), else None."""
     if queues[worker]:
         return queues[worker].popleft()
     donor = max(range(len(queues)), key=lambda w: len(queues[w]))
@@ -440,54 +433,35 @@ class MpiRunner:
         n_units = len(plan.units)
         served = {w: units_of_worker(w, self.n_workers, n_units) for w in range(self.n_workers)}
         unit_workers = [workers_of_unit(u, self.n_workers, n_units) for u in range(n_units)]
-        queues = [batch_queues(batch_table(particles, unit.members, len(unit_workers[u]), batch_size))
+        queues = [batch_queues(particles, unit.members, len(unit_workers[u]), batch_size)
                   for u, unit in enumerate(plan.units)]
-        held = [0] * self.n_workers  # batches handed to each worker whose results have not come back
-        deferred = set()  # workers whose question waits for their last result (`_work`)
         workers_left, outstanding = self.n_workers, 0
         status = MPI.Status()
-
-        def hand_out(worker):
-            nonlocal workers_left, outstanding
-            work = None
-            for unit in served[worker]:  # a unit's batches come together: the next unit once this one has none
-                place = next_batch(queues[unit], unit_workers[unit].index(worker))
-                if place is not None:
-                    work = (unit, *place)
-                    break
-            comm.send(work, dest=worker + 1, tag=TAG_WORK)  # three numbers: sent at once, whatever the worker does
-            if work is None:
-                workers_left -= 1
-            else:
-                outstanding += 1
-                held[worker] += 1
-
         while workers_left or outstanding:
             while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=status):
                 self._raise_worker_failure()
                 time.sleep(0.0005)  # poll gently: the master must not take a core from the workers
             source = status.Get_source()
-            worker = source - 1
-            kind, n_done = comm.recv(source=source, tag=TAG_REQUEST)
-            if kind == "done":
-                outstanding -= 1
-                held[worker] -= 1
-                if progress:
-                    progress(n_done, len(particles))
-                if worker in deferred:
-                    deferred.discard(worker)
-                    hand_out(worker)
-                continue
-            # a worker asks one batch ahead (`_work`): near the end it waits for its next batch until the one it is
-            # on is done, so that the last batches go to the workers that are free and the workers end together
-            left = sum(len(q) for unit in served[worker] for q in queues[unit])
-            if held[worker] > 1 and left < self.n_workers:
-                deferred.add(worker)
-            else:
-                hand_out(worker)
-        for worker in range(self.n_workers):  # each worker's results of its batches, as one BatchResult
-            for indices, result in self.objects.recv(source=worker + 1, tag=TAG_RESULTS):
+            kind, payload = comm.recv(source=source, tag=TAG_REQUEST)
+            if kind == "result":
+                _, indices, result = payload
                 store(indices, result)
+                outstanding -= 1
+                if progress:
+                    progress(indices.size, len(particles))
+                continue
+            worker = source - 1
+            work = None
+            for unit in served[worker]:  # a unit's batches come together: the next unit once this one has none
+                batch = next_batch(queues[unit], unit_workers[unit].index(worker))
+                if batch is not None:
+                    work = (unit, batch)
+                    break
+            comm.send(work, dest=source, tag=TAG_WORK)
+            if work is None:
+                workers_left -= 1
+            else:
+                outstanding += 1
         stages, flops = {"broadcast": broadcast}, {}
         walls = []
         for worker_stages, worker_flops, wall in comm.gather(({}, {}, 0.0), root=0)[1:]:  # the E-steps are over
@@ -642,6 +616,8 @@ class MpiRunner:
         return np.concatenate([self._share(plan.units[u].members, u, n_units) for u in mine])
 
     def _iteration(self, job, backend, particles, settings, plan, model, previous, node_workers, kept):
+        from mpi4py import MPI
+
         comm, worker = self.comm, self.rank - 1
         start = time.perf_counter()
         n_units = len(plan.units)
@@ -650,35 +626,29 @@ class MpiRunner:
         inputs = BatchInputs(plan.iteration, plan.sizes.current_size_px, model.avg_norm_correction, previous,
                              self.config.do_norm)
 
-        # the batches' results stay here until the E-step ends; the master hears only how many particles each batch
-        # had. During the E-step every message is a few numbers, which MPI delivers as they are sent: a result (larger
-        # than MPI's eager limit) would cross only as both sides' calls ask it to, and the master, waiting in its
-        # receive for a worker busy on its GPU, kept the other workers' questions waiting
-        results = []
+        sending = []  # the batches' results on their way to the master: the engine goes on meanwhile (a result is
+        # larger than MPI's eager limit, so a blocking send waited for the master's receive, a few ms a batch)
 
         def on_result(u, indices, result):
-            results.append((indices, result))
-            comm.send(("done", indices.size), dest=0, tag=TAG_REQUEST)
+            sending.append(comm.isend(("result", (u, indices, result)), dest=0, tag=TAG_REQUEST))
+            while sending and sending[0].Test():  # those the master has received let go of their bytes
+                sending.pop(0)
 
         # --preread_images: this worker's share of its unit, so that the workers together hold each image once. A
         # classification's seeding iteration (a unit per class, more than the workers) adds none: the shares stay
         # those of the job's unit
         preread = self._own_share(plan, len(particles)) if self.config.preread_images else None
-        batch_size = self.config.batch_size_for(settings.ori_size_px)
-        tables = {u: batch_table(particles, plan.units[u].members, len(workers_of_unit(u, self.n_workers, n_units)),
-                                 batch_size) for u in mine}
         units = self._with_shared_references(plan, mine, backend, stages)
         reading = time.perf_counter()
         with particles.image_reader(preread, sharers=node_workers) as reader:
             if preread is not None:
                 add_seconds(stages, "preread", reading)  # the first iteration reads them in
-            sums = run_batches(backend, units, self._work(plan.iteration, tables), particles, settings, inputs, reader,
+            sums = run_batches(backend, units, self._work(plan.iteration), particles, settings, inputs, reader,
                                on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]), kept=kept)
         del units
         tic = time.perf_counter()
-        self.objects.send([joined_results(results)] if results else [], 0, TAG_RESULTS)
-        results.clear()
+        MPI.Request.Waitall(sending)
         add_seconds(stages, "results", tic)
         host = {u: (sums.pop(u) if u in sums else empty_sums(plan.units[u], real_dtype=backend.sums_dtype))
                 for u in mine}
@@ -796,19 +766,15 @@ class MpiRunner:
         units = [replace(u, setup=replace(u.setup, maps=self._with_held(u.setup.maps))) for u in plan.units]
         return replace(plan, units=units), replace(model, maps=[self._with_held(row) for row in model.maps])
 
-    def _work(self, iteration, tables):
-        """(unit, indices) of this worker's batches as the master hands them out, by their places in the units'
-        `tables` ({unit: batch_table}). The next batch is asked for as one is taken: the master's answer waits here
-        while the engine works (`ParticleSet.read_ahead` takes one batch ahead, so a worker holds two batches and
-        asks for a third), instead of a round trip to the master between batches."""
+    def _work(self, iteration):
+        """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""
         comm = self.comm
         fault_rank, fault_iteration, how = (os.environ.get("CRYOREFINE_FAULT", "").split(":") + ["", "", ""])[:3]
-        comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
         while True:
+            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
             item = comm.recv(source=0, tag=TAG_WORK)
             if item is None:
                 return
-            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
             if fault_rank == str(self.rank) and fault_iteration == str(iteration):
                 if how == "kill":  # as the kernel's OOM killer or a node's failure ends a process: no word from it
                     # (but this line, which says when, for the time the launcher takes to end the job)
@@ -816,8 +782,7 @@ class MpiRunner:
                           flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
-            unit, share, k = item
-            yield unit, tables[unit][share][k]
+            yield item
 
     def _worker_config(self):
         """This worker's engine: its GPU (`device_of_worker`)."""
