@@ -154,3 +154,14 @@ def test_intensity_scales_are_clipped_about_relions_median_and_averaged_over_the
     config = RefineConfig(input_star="p.star", output_root="r", reference_map="m.mrc", do_scale=True)
     mstep.maximize_other_parameters(model, config, [sums], do_cc=False)
     np.testing.assert_allclose(model.scale_correction, np.array([1.0, 2.0, 3.0, 15.0]) * 8.0 / 81.0)
+
+
+def test_the_rest_of_an_m_step_is_what_its_parts_leave_of_it():
+    """`parts_with_rest`: the M-step's seconds in none of the job's timed parts, never negative (the parts are timed
+    apart from the whole and may round above it); a job that times no parts gets none."""
+    parts = {"reconstructions": 0.5, "other parameters": 0.25}
+    with_rest = mstep.parts_with_rest(parts, 1.0)
+    assert with_rest == {"reconstructions": 0.5, "other parameters": 0.25, mstep.REST_PART: pytest.approx(0.25)}
+    assert parts == {"reconstructions": 0.5, "other parameters": 0.25}  # the job's own dict is left as it was
+    assert mstep.parts_with_rest(parts, 0.7)[mstep.REST_PART] == 0.0
+    assert mstep.parts_with_rest({}, 1.0) == {}

@@ -54,6 +54,19 @@ def timed_part(parts: dict[str, float] | None, name: str, xp: ArrayModule) -> It
     parts[name] = parts.get(name, 0.0) + time.perf_counter() - tic
 
 
+#: a job's M-step seconds in none of its timed parts (`parts_with_rest`)
+REST_PART = "the rest"
+
+
+def parts_with_rest(parts: dict[str, float], total_seconds: float) -> dict[str, float]:
+    """A job's M-step `parts` (`timed_part`) with, where there are any, the seconds of the whole M-step
+    (`total_seconds`, as its runner timed it) that none of them holds, as REST_PART: the log then accounts for every
+    second of the M-step. No parts: none."""
+    if not parts:
+        return dict(parts)
+    return {**parts, REST_PART: max(0.0, total_seconds - sum(parts.values()))}
+
+
 def backprojector(data: Array, weight: Array, model: ModelState, config: RefineConfig, current_size_px: int,
                   xp: ArrayModule) -> BackProjector:
     """A BackProjector over the padded sums `data` (complex) and `weight` (real) of one class, symmetrised

@@ -671,9 +671,10 @@ class MpiRunner:
             del all_sums
         if worker == 0:  # the model with its maps as (shape, dtype): every worker sends the master a share of them
             shapes = [None if row is None else [(m.shape, m.dtype) for m in row] for row in new_model.maps]
+            on_workers = time.perf_counter() - tic - received
             self.objects.send((replace(new_model, maps=shapes), {
-                "sums to their makers": received, "M-step on the workers": time.perf_counter() - tic - received},
-                parts), dest=0, tag=TAG_MODEL)
+                "sums to their makers": received, "M-step on the workers": on_workers},
+                mstep.parts_with_rest(parts, on_workers)), dest=0, tag=TAG_MODEL)
         share = [np.ascontiguousarray(m) for _, _, m in maps_of_worker(new_model.maps, worker, self.n_workers)]
         self._send_maps(share)
         self.held_maps = new_model.maps  # every worker's M-step shared the maps out

@@ -105,4 +105,6 @@ class SerialRunner:
             with self.backend.maximization_scope():
                 new_model = job.maximize(model, sums, plan, self.backend, mstep.ALONE, parts=parts)
             del sums
-        return StepOutcome(new_model, stages, flops, expectation, time.perf_counter() - tic, maximization_parts=parts)
+        maximization = time.perf_counter() - tic
+        return StepOutcome(new_model, stages, flops, expectation, maximization,
+                           maximization_parts=mstep.parts_with_rest(parts, maximization))
