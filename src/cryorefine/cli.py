@@ -655,8 +655,9 @@ def relion_refine(ctx, arguments):
 @click.argument("folder", type=click.Path(file_okay=False))
 def install_relion_shims(folder):
     """Write relion_refine and relion_refine_mpi into FOLDER: scripts that run `cryorefine relion_refine` (with this
-    cryorefine's Python). With FOLDER first on the PATH of RELION's GUI (or of a script), its Refine3D and Class3D
-    jobs run cryorefine. Files of those names that these scripts are not (RELION's own) are never overwritten."""
+    cryorefine's Python). With FOLDER first on the PATH of RELION's GUI (or of a script), its Refine3D, Class3D,
+    Class2D and InitialModel jobs run cryorefine. Files of those names that these scripts are not (RELION's own) are
+    never overwritten."""
     import shlex
 
     from cryorefine.jobs.relion_shims import install
@@ -666,7 +667,7 @@ def install_relion_shims(folder):
         click.echo(f"wrote {path}")
     folder = Path(folder).resolve()
     click.echo(f"put {folder} first on the PATH of RELION's GUI (start it after `export PATH={shlex.quote(str(folder))}"
-               f":$PATH`) to run its Refine3D and Class3D jobs with cryorefine")
+               f":$PATH`) to run its Refine3D, Class3D, Class2D and InitialModel jobs with cryorefine")
 
 
 def relion_refine_command(arguments):
