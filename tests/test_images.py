@@ -171,3 +171,20 @@ def test_a_batch_carries_each_particle_s_origin_prior_in_pixels(tmp_path):
     np.testing.assert_allclose(batch.origin_prior_px, want, rtol=1e-12)
     np.testing.assert_array_equal(flat.origin_prior_px, np.zeros((3, 2)))
     np.testing.assert_array_equal(none.origin_prior_px, np.zeros((3, 2)))
+
+
+def test_an_image_with_a_nan_pixel_is_named_by_its_position_and_stack(particles):
+    """A batch holding an image with a NaN pixel stops with the reader's one-line error naming that image's position
+    and stack (the first such image of the batch), not a crash later in the E-step."""
+    from pathlib import Path
+
+    from cryorefine.errors import InputError
+
+    settings = ImageSettings(32, 2.0, 40.0, zero_mask=True, do_ctf=True)
+    indices = np.array([0, 2, 3])
+    with mrc.StackReader() as reader:
+        images = particles.read_images(indices, reader)
+        images[1, 5, 7] = np.nan
+        images[2, 0, 0] = np.inf
+        with pytest.raises(InputError, match=rf"^{particles.stack_indices[2]}@.*{Path(particles.stack_paths[2]).name}"):
+            prepare_batch(particles, indices, reader, settings, 20, 1.0, 1, images=images)

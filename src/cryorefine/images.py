@@ -58,12 +58,20 @@ def shell_power(ft: Array, ori_size_px: int, n_shells: int, xp: ArrayModule = np
     """Σ |F|² per shell over the half transform without the kx = 0, ky < 0 half column: (B, n_shells); with
     `beyond_radius_px` only over the coefficients with |k| > that radius."""
     size = ft.shape[-2]
-    ky, kx = fourier.frequencies_2d(size, xp)
-    use = ~((kx == 0) & (ky < 0))
-    if beyond_radius_px is not None:
-        use = use & (kx * kx + ky * ky > beyond_radius_px * beyond_radius_px)
-    shells = xp.where(use, xp.rint(xp.sqrt(kx * kx + ky * ky)), n_shells).astype(xp.int64)
-    return fourier.shell_sum(xp.abs(ft) ** 2, shells, n_shells, xp)
+
+    def shells() -> Array:
+        ky, kx = fourier.frequencies_2d(size, xp)
+        use = ~((kx == 0) & (ky < 0))
+        if beyond_radius_px is not None:
+            use = use & (kx * kx + ky * ky > beyond_radius_px * beyond_radius_px)
+        return xp.where(use, xp.rint(xp.sqrt(kx * kx + ky * ky)), n_shells).astype(xp.int64)
+
+    if xp is np:
+        return fourier.shell_sum(np.abs(ft) ** 2, shells(), n_shells, xp)
+    from cryorefine.gpu.device_tables import kept
+
+    index = kept(("shell of each coefficient", size, n_shells, beyond_radius_px), shells)
+    return fourier.shell_sum(_power_kernel(xp)(ft), index, n_shells, xp)
 
 
 def coefficients_per_shell(ori_size_px: int) -> np.ndarray:
@@ -139,24 +147,45 @@ __device__ __forceinline__ unsigned long long cr_splitmix64(unsigned long long z
 """
 
 
+# i → the image b and the pixel (y, x) of the raw image that element q of its ifftshifted copy takes, rolled by
+# (ry[b], rx[b]) (each in [0, N)): (y, x) = (row, col) + N//2 − (ry, rx) mod N. In 32-bit arithmetic where the batch's
+# elements allow it (64-bit divisions would take most of the kernel's time).
+_PIXEL_OF = """
+    const int nn = n * n;
+    long long b;
+    int q;
+    if (i < 2147483647LL) {
+        const int ii = (int)i;
+        const int b32 = ii / nn;
+        b = b32;
+        q = ii - b32 * nn;
+    } else {
+        b = i / nn;
+        q = (int)(i - b * nn);
+    }
+    const int row = q / n, col = q - row * n;
+    int y = row + n / 2 - ry[b], x = col + n / 2 - rx[b];
+    if (y >= n) y -= n; else if (y < 0) y += n;
+    if (x >= n) x -= n; else if (x < 0) x += n;
+"""
+
+
 @functools.cache
-def _shifted_kernel(cp):
-    """out[b, i, j] = float32(raw[b, (y − ry[b]) mod N, (x − rx[b]) mod N]·factor[b]) (the product in float64),
-    (y, x) = (i, j) + N//2 mod N: norm correction, integer re-centring (roll_each) and the transform's ifftshift
-    in one pass."""
+def _shifted_kernel(cp, masked: bool):
+    """out[b, q] = float32(raw[b, pixel]·factor[b]) (the product in float64), pixel as _PIXEL_OF: norm correction,
+    integer re-centring (roll_each) and the transform's ifftshift in one pass; bad[b] = 1 where a raw value of
+    image b is not finite. `masked`: also out_masked[b, q] = float32(raw·factor·mask[q]) (--zero_mask's masked
+    images)."""
+    outputs = "float32 out, float32 out_masked, raw int32 bad" if masked else "float32 out, raw int32 bad"
     return cp.ElementwiseKernel(
-        "raw T raw_images, raw int64 ry, raw int64 rx, raw float64 factor, int32 n", "float32 out",
-        """
-        const long long nn = (long long)n * n;
-        const long long b = i / nn;
-        const long long q = i - b * nn;
-        const int h = n / 2;
-        const int y = ((int)(q / n) + h) % n, x = ((int)(q % n) + h) % n;
-        int sy = (int)((y - ry[b]) % n), sx = (int)((x - rx[b]) % n);
-        if (sy < 0) sy += n;
-        if (sx < 0) sx += n;
-        out = (float)((double)raw_images[b * nn + (long long)sy * n + sx] * factor[b]);
-        """, "cryorefine_shifted_images")
+        "raw T raw_images, raw int32 ry, raw int32 rx, raw float64 factor, raw float64 mask, int32 n", outputs,
+        _PIXEL_OF + """
+        const double v = (double)raw_images[b * nn + (long long)y * n + x];
+        if (!isfinite(v)) bad[b] = 1;
+        const double value = v * factor[b];
+        out = (float)value;
+        """ + ("out_masked = (float)(value * mask[q]);" if masked else ""),
+        "cryorefine_shifted_images_masked" if masked else "cryorefine_shifted_images")
 
 
 @functools.cache
@@ -181,23 +210,41 @@ def _masked_noise_kernel(cp):
         """, "cryorefine_masked_noise", preamble=_SPLITMIX64)
 
 
+@functools.cache
+def _power_kernel(cp):
+    """|z|² of complex64 coefficients as float32, in one pass."""
+    return cp.ElementwiseKernel("complex64 z", "float32 p", "p = z.real() * z.real() + z.imag() * z.imag()",
+                                "cryorefine_coefficient_power")
+
+
 def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray, ry: np.ndarray,
                           settings: ImageSettings, particle_indices: npt.ArrayLike, iteration: int,
-                          xp: ArrayModule) -> tuple[Array, Array]:
+                          xp: ArrayModule) -> tuple[Array, Array, np.ndarray]:
     """The device's version of prepare_batch's real-space steps: the norm-corrected, re-centred images and
-    their masked copies (`masked_images`), both already moved by ifftshift for the transform (B, N, N)
-    float32 (the engine's precision; each value computed in float64), each made in one pass over the batch;
-    the background's standard deviation from two matrix-vector products over the pixels outside the mask,
-    in float64."""
+    their masked copies (`masked_images`), both already moved by ifftshift for the transform and multiplied by
+    1/N² (the forward transform's normalisation, so that it can run unnormalised) (B, N, N) float32 (the
+    engine's precision; each value computed in float64), and which images hold only finite values (B,) bool on
+    the host. One pass over the batch makes both with --zero_mask; otherwise a second adds the background
+    noise, whose standard deviation comes from two matrix-vector products over the pixels outside the mask, in
+    float64."""
+    from cryorefine.gpu.device_tables import kept
+
     n = settings.ori_size_px
     b = int(raw_images.shape[0])
+    radius, edge = settings.mask_radius_px, settings.width_mask_edge_px
+    mask = kept(("ifftshifted soft circular mask", n, radius, edge),
+                lambda: xp.fft.ifftshift(fourier.soft_circular_mask(n, radius, edge, xp)))
     shifted = xp.empty((b, n, n), dtype=xp.float32)
-    _shifted_kernel(xp)(raw_images, xp.asarray(ry, dtype=xp.int64), xp.asarray(rx, dtype=xp.int64),
-                        xp.asarray(factor, dtype=xp.float64), np.int32(n), shifted)
-    mask = xp.fft.ifftshift(fourier.soft_circular_mask(n, settings.mask_radius_px, settings.width_mask_edge_px, xp))
+    bad = xp.zeros(b, dtype=xp.int32)
+    args = (raw_images, xp.asarray(np.mod(ry, n), dtype=xp.int32), xp.asarray(np.mod(rx, n), dtype=xp.int32),
+            xp.asarray(np.asarray(factor, dtype=np.float64) / (n * n)), mask, np.int32(n))
     if settings.zero_mask:
-        return shifted, shifted * mask.astype(xp.float32)
-    outside = (mask < 1e-6).reshape(-1).astype(xp.float64)
+        masked = xp.empty_like(shifted)
+        _shifted_kernel(xp, True)(*args, shifted, masked, bad)
+        return shifted, masked, to_host(bad) == 0
+    _shifted_kernel(xp, False)(*args, shifted, bad)
+    outside = kept(("outside the soft circular mask", n, radius, edge),
+                   lambda: (mask < 1e-6).reshape(-1).astype(xp.float64))
     flat = shifted.reshape(b, -1).astype(xp.float64)
     count = float(outside.sum())
     mean = flat @ outside / count
@@ -205,7 +252,7 @@ def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray,
     std = xp.sqrt(xp.maximum(mean_square - mean ** 2, 0.0))
     keys = xp.asarray(noise_keys(settings.random_seed, iteration, np.asarray(particle_indices)))
     masked = _masked_noise_kernel(xp)(shifted, mask, std, keys, np.int32(n))
-    return shifted, masked
+    return shifted, masked, to_host(bad) == 0
 
 
 @dataclass(frozen=True)
@@ -250,25 +297,22 @@ def prepare_batch(particles: ParticleSet, indices: npt.ArrayLike, reader: mrc.St
     if images is None:
         images = particles.read_images(indices, reader, check_finite=False)
     images = to_device(images, xp)
-    # one flag per image, looked at on the host: on the GPU a reduction over the batch's length would be compiled
-    # again for each power-of-two class of batch sizes
-    finite = to_host(xp.isfinite(images).reshape(indices.size, -1).all(axis=1))
-    if not finite.all():  # the reader's check names the image
-        first = int(np.flatnonzero(~finite)[0])
-        i = indices[first]
-        mrc.require_finite(to_host(images[first:first + 1]), particles.stack_paths[i], [particles.stack_indices[i]])
     factor = avg_norm_correction / np.asarray(norm, dtype=np.float64)
     if xp is np:
+        _require_finite(particles, indices, images, np.isfinite(images).reshape(indices.size, -1).all(axis=1))
         images = images.astype(np.float64) * factor[:, None, None]
         if np.any(rx != 0) or np.any(ry != 0):
             images = roll_each(images, rx, ry)
         ft_nomask = fourier.window_ft_2d(fourier.rfft2_centered(images), current_size_px)
         ft_mask = fourier.rfft2_centered(masked_images(images, settings, indices, iteration))
-    else:  # the same arithmetic in two fused passes over the batch (`device_shifted_images`)
-        shifted, masked = device_shifted_images(images, factor, rx, ry, settings, indices, iteration, xp)
-        ft_nomask = fourier.window_ft_2d(fourier.rfft2_of_shifted(shifted, xp), current_size_px, xp)
+    else:  # the same arithmetic in one or two fused passes over the batch (`device_shifted_images`)
+        shifted, masked, finite = device_shifted_images(images, factor, rx, ry, settings, indices, iteration, xp)
+        _require_finite(particles, indices, images, finite)
+        # the images come scaled by 1/N²: the transforms run unnormalised
+        ft_nomask = fourier.window_ft_2d(fourier.rfft2_of_shifted(shifted, xp, normalised=False), current_size_px,
+                                         xp)
         del shifted
-        ft_mask = fourier.rfft2_of_shifted(masked, xp)
+        ft_mask = fourier.rfft2_of_shifted(masked, xp, normalised=False)
         del masked
     del images
     n_shells = n // 2 + 1
@@ -305,6 +349,16 @@ def prepare_batch(particles: ParticleSet, indices: npt.ArrayLike, reader: mrc.St
         residual_origin_px=np.stack([ox - rx, oy - ry], axis=1),
         prior_rot_deg=rot, prior_tilt_deg=tilt, prior_psi_deg=psi,
         old_class=klass, norm_correction=norm, power_beyond_current=to_host(power), origin_prior_px=origin_prior)
+
+
+def _require_finite(particles: ParticleSet, indices: np.ndarray, images: Array, finite: np.ndarray) -> None:
+    """The reader's error for the first image of the batch with a NaN or infinite value (`finite`: one flag per
+    image, on the host), which names its file and position."""
+    if finite.all():
+        return
+    first = int(np.flatnonzero(~finite)[0])
+    i = indices[first]
+    mrc.require_finite(to_host(images[first:first + 1]), particles.stack_paths[i], [particles.stack_indices[i]])
 
 
 def prepare_in_parts(prepare_part: Callable[[slice], Batch], parts: Sequence[slice]) -> Batch:

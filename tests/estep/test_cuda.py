@@ -627,6 +627,33 @@ def test_batches_prepared_on_the_device_match_the_host(cp, tmp_path, zero_mask, 
     np.testing.assert_allclose(host.origin_prior_px, priors, rtol=1e-12)
 
 
+def test_an_image_with_an_inf_pixel_stops_the_device_batch_as_the_host_s(cp, tmp_path):
+    """The device's preparation flags images with NaN or Inf pixels in its one pass (no reduction of its own) and
+    stops with the same line as the host, naming the first such image of the batch."""
+    from conftest import make_particle_set
+
+    from cryorefine.data import load_particles
+    from cryorefine.errors import InputError
+    from cryorefine.images import ImageSettings, prepare_batch
+    from cryorefine.io import mrc
+
+    star, _ = make_particle_set(tmp_path, n=6, box=32, pixel_size=2.0, seed=2)
+    particles = load_particles(star)
+    indices = np.array([1, 2, 4, 5])
+    messages = []
+    for zero_mask in (True, False):
+        with mrc.StackReader() as reader:
+            images = particles.read_images(indices, reader).astype(np.float16)
+            images[2, 31, 0] = np.inf
+            images[3, 3, 3] = np.nan
+            for xp in (np, cp):
+                with pytest.raises(InputError) as caught:
+                    prepare_batch(particles, indices, reader, ImageSettings(32, 2.0, 40.0, zero_mask=zero_mask), 20,
+                                  1.0, 1, xp=xp, images=images)
+                messages.append(str(caught.value))
+    assert len(set(messages)) == 1 and messages[0].startswith(f"{particles.stack_indices[4]}@"), messages
+
+
 # ---------------------------------------------------------------------------------------- classification
 @pytest.mark.xdist_group("gpu")  # its runs size an arena from the GPU's free memory (conftest)
 def test_classification_on_the_gpu_separates_the_mixture_and_agrees_with_the_cpu(cp, tmp_path):

@@ -25,13 +25,15 @@ def rfft2_centered(images: Array, xp: ArrayModule = np) -> Array:
     return rfft2_of_shifted(xp.fft.ifftshift(images, axes=(-2, -1)), xp)
 
 
-def rfft2_of_shifted(shifted: Array, xp: ArrayModule = np) -> Array:
-    """rfft2_centered of images given already moved by ifftshift (their centre N//2 at index 0)."""
+def rfft2_of_shifted(shifted: Array, xp: ArrayModule = np, normalised: bool = True) -> Array:
+    """rfft2_centered of images given already moved by ifftshift (their centre N//2 at index 0); `normalised`
+    False leaves out the 1/N² (for images multiplied by it beforehand, which saves a pass over the transforms)."""
+    norm = "forward" if normalised else "backward"
     if xp is np:
-        return np.fft.rfft2(shifted, norm="forward")
-    from cryorefine.gpu.fft_plans import rfft2_forward  # plans kept across batches (see there)
+        return np.fft.rfft2(shifted, norm=norm)
+    from cryorefine.gpu.fft_plans import rfft2  # plans kept across batches (see there)
 
-    return rfft2_forward(xp.ascontiguousarray(shifted))
+    return rfft2(xp.ascontiguousarray(shifted), norm)
 
 
 def irfft2_centered(ft: Array, size_px: int, xp: ArrayModule = np) -> Array:

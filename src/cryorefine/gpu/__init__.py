@@ -1,4 +1,5 @@
-"""The GPU's side of the engines: the stack allocator, the overlapped uploads, cuFFT plans, device sums and the
+"""The GPU's side of the engines: the stack allocator, the overlapped uploads, cuFFT plans, kept tables,
+device sums and the
 MPI workers' collectives. CuPy is imported inside the functions that use it, never when a module is imported."""
 
 from __future__ import annotations

@@ -20,11 +20,6 @@ MAX_PLANS = 8
 _plans: OrderedDict = OrderedDict()
 
 
-def rfft2_forward(x: DeviceArray) -> DeviceArray:
-    """cupy.fft.rfft2(x, norm="forward") over the last two axes of a C-contiguous real CuPy array."""
-    return rfft2(x, "forward")
-
-
 def rfft2(x: DeviceArray, norm: str) -> DeviceArray:
     """cupy.fft.rfft2(x, norm=norm) over the last two axes of a C-contiguous real CuPy array, with a kept plan."""
     import cupy
