@@ -380,6 +380,22 @@ def test_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     assert_same_fine_weights(ref, gpu, batch)
 
 
+@pytest.mark.parametrize("table_bytes_max", [0, 128 << 20])
+def test_the_fine_matrices_on_the_device_or_the_host_give_the_numpy_engine_s_results(cp, monkeypatch, table_bytes_max):
+    """A global search keeps its children's matrices in a table on the device where it fits, else on the host,
+    uploading each batch's rows: either way the GPU engine's poses and fine weights are the numpy engine's, in the
+    batch that fills the table's rows and in a second one that finds them filled."""
+    import cryorefine.estep.cuda as cuda_engine
+
+    monkeypatch.setattr(cuda_engine, "FINE_MATRIX_TABLE_BYTES_MAX", table_bytes_max)
+    _, setup, batch = random_problem(3, 32, 8, sigma_scale=5.0, sampling_kw=dict(oversampling=2))
+    ref, want, gpu, got = run_both(setup, batch)
+    assert isinstance(gpu._fine_matrices, np.ndarray) == (table_bytes_max == 0)
+    assert_same_results(got, want)
+    assert_same_results(gpu.run(batch), want)  # every row from the table
+    assert_same_fine_weights(ref, gpu, batch)
+
+
 def test_the_fine_pass_limit_cuts_a_particle_s_samples_alike_on_both_engines(cp, monkeypatch, fine_slices):
     """A finer pass with room for a table of 2^10 cells a particle (6 coarse samples of 8 × 4 children here): the
     broader particles keep their 6 most probable samples on either engine, the sharper ones all of theirs."""

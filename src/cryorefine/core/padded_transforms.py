@@ -81,7 +81,7 @@ def padded_forward(volume: Array, grid: PaddedGrid, xp: ArrayModule = np, elemen
     for a, b in _blocks(n, elements // (npad * npad)):
         box = xp.zeros((b - a, npad, npad), dtype=real)
         box[:, u[:, None], u[None, :]] = volume[a:b]
-        ft = xp.fft.rfft2(box, norm="backward")
+        ft = _rfft2(box, "backward", xp)
         planes[a:b, rows[0]:rows[-1] + 1, :wx] = ft[:, rows_fft_d, :wx].astype(cdtype)
         del box, ft
     if out is None:
@@ -93,7 +93,7 @@ def padded_forward(volume: Array, grid: PaddedGrid, xp: ArrayModule = np, elemen
         y = slice(int(rows[a]), int(rows[b - 1]) + 1)
         column = xp.zeros((npad, y.stop - y.start, w), dtype=cdtype)
         column[u] = planes[:, y, :]
-        ft = xp.fft.fft(column, axis=0, norm="backward")[rows_fft_d]  # (rows, y rows, W)
+        ft = _fft_first_axis(column, "backward", False, xp)[rows_fft_d]  # (rows, y rows, W)
         r2 = grid.radius2(xp, slice(int(rows[0]), int(rows[-1]) + 1), y)
         out[rows[0]:rows[-1] + 1, y, :] = xp.where(r2 <= grid.r_max_padded ** 2, ft * scale, 0).astype(out.dtype)
         del column, ft, r2
@@ -117,11 +117,11 @@ def padded_inverse_window(ft: Array, size_px: int, xp: ArrayModule = np, r_max_p
     for lo, hi in y_ranges:
         for a, b in _blocks(hi - lo, per_block):
             block = ft[:, lo + a:lo + b, :wx]
-            ft[:, lo + a:lo + b, :wx] = xp.fft.ifft(block, axis=0, norm="forward")
+            ft[:, lo + a:lo + b, :wx] = _fft_first_axis(block, "forward", True, xp)
     u = xp.asarray(window_indices(n, npad))
     out = xp.empty((n, n, n), dtype=np.empty(0, dtype=ft.dtype).real.dtype)
     for a, b in _blocks(n, elements // (npad * wf)):
-        images = xp.fft.irfft2(ft[u[a:b]], s=(npad, npad), norm="forward")
+        images = _irfft2(ft[u[a:b]], (npad, npad), "forward", xp)
         out[a:b] = images[:, u[:, None], u[None, :]]
         del images
     return out
@@ -182,3 +182,12 @@ def _irfft2(ft: Array, shape: tuple[int, int], norm: str, xp: ArrayModule) -> Ar
     from cryorefine.gpu import fft_plans
 
     return fft_plans.irfft2(ft, shape, norm)
+
+
+def _fft_first_axis(x: Array, norm: str, inverse: bool, xp: ArrayModule) -> Array:
+    """xp.fft.fft (`inverse`: ifft) of a complex array along its first axis; on the GPU under a kept cuFFT plan."""
+    if xp is np:
+        return (np.fft.ifft if inverse else np.fft.fft)(x, axis=0, norm=norm)
+    from cryorefine.gpu import fft_plans
+
+    return fft_plans.fft_first_axis(x, norm, inverse)

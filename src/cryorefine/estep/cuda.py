@@ -98,6 +98,10 @@ _NULL = np.uint64(0)  # a null pointer argument of a kernel
 #: classification's classes, a few dozen in-plane rotations each, share one (its `pair` temporary, particles × columns
 #: float32, as large as one 3D class's)
 COARSE_COLUMNS_PER_PRODUCT = 4096
+# A global search's fine matrices (every coarse orientation's children, 36 bytes each) are kept in a table on the
+# device where it takes at most this many bytes and a sixteenth of the free memory (e.g. a Class3D at HEALPix order 2
+# or 3 in its finer pass: 10.6 or 85 MB); beyond it each batch uploads its own from the host's table
+FINE_MATRIX_TABLE_BYTES_MAX = 128 << 20
 
 
 def _one_stack(cp, arrays):
@@ -318,10 +322,14 @@ class CupyEngine:
             self.log_pdf_direction = (None if s.log_pdf_direction is None
                                       else cp.asarray(s.log_pdf_direction, dtype=cp.float64))
             # children of the coarse orientations, filled in as batches meet them (a global search): angles
-            # (n_orient, NFO, 3), matrices (n_orient, NFO, 9), and which are filled
+            # (n_orient, NFO, 3) on the host, matrices (n_orient, NFO, 9) in the kernels' float32 on the device
+            # where they fit (FINE_MATRIX_TABLE_BYTES_MAX), else on the host; and which are filled
             self._fine_known = np.zeros(0 if s.local_searches else self.n_orient, dtype=bool)
             self._fine_angles = np.empty((self._fine_known.size, self.n_fo, 3))
-            self._fine_matrices = np.empty((self._fine_known.size, self.n_fo, 9))
+            table_bytes = self._fine_known.size * self.n_fo * 9 * 4
+            on_device = table_bytes <= min(FINE_MATRIX_TABLE_BYTES_MAX, self._free_bytes() / 16)
+            self._fine_matrices = (cp if on_device else np).empty((self._fine_known.size, self.n_fo, 9),
+                                                                  dtype=np.float32)
 
             self.minv_fine = cp.asarray(t.minv_fine, dtype=cp.float32)
             self.minv_store = cp.asarray(t.minv_store, dtype=cp.float32)
@@ -721,8 +729,7 @@ class CupyEngine:
         unique_o_d, u_blk = cp.unique(o_blk, return_inverse=True)
         u_blk = u_blk.reshape(-1)
         unique_o = cp.asnumpy(unique_o_d)
-        rot, tilt, psi, fine_mats = self._fine_orientations(unique_o)
-        fine_mats_d = cp.asarray(fine_mats, dtype=cp.float32)
+        angles, angle_rows, fine_mats_d = self._fine_orientations(unique_o, unique_o_d)
         blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
@@ -809,7 +816,6 @@ class CupyEngine:
         bb, f = best // nf, best % nf
         io, it = f // nft, f % nft
         u_best, t_best, k_best = (cp.asnumpy(a[cp.asarray(bb)]) for a in (u_blk, t_blk, k_blk))
-        rows = u_best * nfo + io
         origin = pre["old"] + self.fine_translations[t_best, it]
         min_d2 = cp.asnumpy(min_d2)
         if s.do_cc:
@@ -818,8 +824,11 @@ class CupyEngine:
             log_likelihood = (np.log(cp.asnumpy(sum_w)) + cp.asnumpy(top) - min_d2
                               - self.logsigma2[pre["optics"]])
         # the best children's angles (a local search keeps its children on the device)
-        rot, tilt, psi = (cp.asnumpy(a.reshape(-1)[cp.asarray(rows)]) if isinstance(a, cp.ndarray) else
-                          a.reshape(-1)[rows] for a in (rot, tilt, psi))
+        if isinstance(angles, cp.ndarray):
+            best_angles = cp.asnumpy(angles[cp.asarray(u_best), cp.asarray(io)])
+        else:
+            best_angles = angles[angle_rows[u_best], io]
+        rot, tilt, psi = best_angles[:, 0], best_angles[:, 1], best_angles[:, 2]
         result = {"rot_deg": rot, "tilt_deg": tilt,
                   "psi_deg": psi, "origin_x_px": origin[:, 0], "origin_y_px": origin[:, 1],
                   "class_index": k_best.astype(np.int64), "pmax": cp.asnumpy(pmax), "log_likelihood": log_likelihood,
@@ -827,31 +836,39 @@ class CupyEngine:
         self.stage_seconds["results"] += time.perf_counter() - tic
         return result
 
-    def _fine_orientations(self, orientations):
-        """Angles (U, NFO) ×3 and matrices (U·NFO, 9) of the children of coarse orientations (sorted, unique).
+    def _fine_orientations(self, orientations, orientations_d):
+        """The children of coarse orientations (sorted, unique; on the host and the device): their angles as
+        (table, rows), child io of orientations[u] at table[rows[u], io] (rows None: at table[u, io]), and their
+        matrices (U·NFO, 9) float32 on the device.
 
         A global search meets the same coarse orientations in every batch: their children are computed once per
-        iteration on the host, each into its row of a table of the whole grid as a batch first meets it (no batch
-        copies or re-sorts the table; rows never met take no memory). A local search's neighbourhoods
-        move with the particles, so a batch's children are computed for it alone (keeping them would copy a
-        growing table in every batch), on the device but for the HEALPix directions (healpy): angles and
-        matrices are then device arrays."""
+        iteration on the host, each into its row of a table of the whole grid as a batch first meets it, the
+        matrices into the same row of a table on the device where it fits (no batch copies, re-sorts or uploads a
+        table; rows never met are never computed; a table too large for the device stays on the host, and each
+        batch uploads its own rows). A local search's neighbourhoods move with the particles, so a batch's children
+        are computed for it alone (keeping them would copy a growing table in every batch), on the device but for
+        the HEALPix directions (healpy): the angles' table is then a device array (U, NFO, 3)."""
+        cp = self.cp
         if self.setup_.local_searches:
-            cp = self.cp
             rot, tilt, psi = (cp.asarray(a, dtype=cp.float64) for a in
                               self.setup_.sampling.fine_orientations_deg(orientations, xp=cp))
             matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=cp)
-            return rot, tilt, psi, matrices.reshape(-1, 9)
+            return cp.stack([rot, tilt, psi], axis=-1), None, matrices.reshape(-1, 9).astype(cp.float32)
         missing = orientations[~self._fine_known[orientations]]
         if missing.size:
             rot, tilt, psi = (np.asarray(a, dtype=np.float64)
                               for a in self.setup_.sampling.fine_orientations_deg(missing))
             matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
             self._fine_angles[missing] = np.stack([rot, tilt, psi], axis=-1)
-            self._fine_matrices[missing] = matrices.reshape(missing.size, self.n_fo, 9)
+            matrices = matrices.reshape(missing.size, self.n_fo, 9).astype(np.float32)
+            if isinstance(self._fine_matrices, np.ndarray):
+                self._fine_matrices[missing] = matrices
+            else:
+                self._fine_matrices[cp.asarray(missing)] = cp.asarray(matrices)
             self._fine_known[missing] = True
-        angles = self._fine_angles[orientations]
-        return angles[..., 0], angles[..., 1], angles[..., 2], self._fine_matrices[orientations].reshape(-1, 9)
+        if isinstance(self._fine_matrices, np.ndarray):  # a table too large for the device: this batch's rows
+            return self._fine_angles, orientations, cp.asarray(self._fine_matrices[orientations].reshape(-1, 9))
+        return self._fine_angles, orientations, self._fine_matrices[orientations_d].reshape(-1, 9)
 
     def _segment(self, values, starts, op):
         """Per-segment min (op 0), max (1) or sum (2) of float64 `values`, and the first arg of the extreme."""
