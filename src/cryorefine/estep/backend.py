@@ -176,6 +176,7 @@ class CudaBackend:
         import cupy
 
         from cryorefine.estep.kernels import first_use_notice, kernel_module, mark_kernels_warm
+        from cryorefine.gpu import device_tables, fft_plans
         from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
 
         with cupy.cuda.Device(self.device_id):
@@ -185,21 +186,25 @@ class CudaBackend:
             # iteration that asks for it waits for that one compilation (none once CuPy's cache holds it)
             threading.Thread(target=kernel_module, args=((), self.device_id), daemon=True,
                              name=f"compile GPU kernels, GPU {self.device_id}").start()
-            if not self.use_arena:
-                yield self
-            else:
-                self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
-                try:
-                    with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
-                        yield self
-                    log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
-                finally:
-                    self.high_water_bytes = {level.name: int(v)
-                                             for level, v in self.arena.high_water_by_scope().items()}
-                    self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
-                    self.iteration_peak_bytes = [int(v) for v in self.arena.iteration_peaks]
-                    self.arena.close()
-                    self.arena = None
+            try:
+                if not self.use_arena:
+                    yield self
+                else:
+                    self.arena = DeviceArena(self.device_id, self.free_gpu_memory_mb, shared_by=self.shared_by)
+                    try:
+                        with self.arena.installed(), self.arena.scope(Scope.GLOBAL):
+                            yield self
+                        log.info("GPU %d memory: %s", self.device_id, describe_usage(self.arena))
+                    finally:
+                        self.high_water_bytes = {level.name: int(v)
+                                                 for level, v in self.arena.high_water_by_scope().items()}
+                        self.high_water_bytes["total"] = int(self.arena.high_water_bytes)
+                        self.iteration_peak_bytes = [int(v) for v in self.arena.iteration_peaks]
+                        self.arena.close()
+                        self.arena = None
+            finally:  # the run's kept cuFFT plans and device tables go with it, while the device is still set up
+                fft_plans.clear()
+                device_tables.clear()
             mark_kernels_warm()  # the run's iterations have ended: the kernels they used are in the cache
 
     @contextlib.contextmanager
