@@ -68,9 +68,9 @@ def shell_power(ft: Array, ori_size_px: int, n_shells: int, xp: ArrayModule = np
 
     if xp is np:
         return fourier.shell_sum(np.abs(ft) ** 2, shells(), n_shells, xp)
-    from cryorefine.gpu.device_tables import kept
+    from cryorefine.gpu.kept import table
 
-    index = kept(("shell of each coefficient", size, n_shells, beyond_radius_px), shells)
+    index = table(("shell of each coefficient", size, n_shells, beyond_radius_px), shells)
     return fourier.shell_sum(_power_kernel(xp)(ft), index, n_shells, xp)
 
 
@@ -227,12 +227,12 @@ def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray,
     the host. One pass over the batch makes both with --zero_mask; otherwise a second adds the background
     noise, whose standard deviation comes from two matrix-vector products over the pixels outside the mask, in
     float64."""
-    from cryorefine.gpu.device_tables import kept
+    from cryorefine.gpu.kept import table
 
     n = settings.ori_size_px
     b = int(raw_images.shape[0])
     radius, edge = settings.mask_radius_px, settings.width_mask_edge_px
-    mask = kept(("ifftshifted soft circular mask", n, radius, edge),
+    mask = table(("ifftshifted soft circular mask", n, radius, edge),
                 lambda: xp.fft.ifftshift(fourier.soft_circular_mask(n, radius, edge, xp)))
     shifted = xp.empty((b, n, n), dtype=xp.float32)
     bad = xp.zeros(b, dtype=xp.int32)
@@ -243,7 +243,7 @@ def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray,
         _shifted_kernel(xp, True)(*args, shifted, masked, bad)
         return shifted, masked, to_host(bad) == 0
     _shifted_kernel(xp, False)(*args, shifted, bad)
-    outside = kept(("outside the soft circular mask", n, radius, edge),
+    outside = table(("outside the soft circular mask", n, radius, edge),
                    lambda: (mask < 1e-6).reshape(-1).astype(xp.float64))
     flat = shifted.reshape(b, -1).astype(xp.float64)
     count = float(outside.sum())

@@ -176,7 +176,7 @@ class CudaBackend:
         import cupy
 
         from cryorefine.estep.kernels import first_use_notice, kernel_module, mark_kernels_warm
-        from cryorefine.gpu import device_tables, fft_plans
+        from cryorefine.gpu import kept
         from cryorefine.gpu.allocator import DeviceArena, Scope, describe_usage
 
         with cupy.cuda.Device(self.device_id):
@@ -203,8 +203,7 @@ class CudaBackend:
                         self.arena.close()
                         self.arena = None
             finally:  # the run's kept cuFFT plans and device tables go with it, while the device is still set up
-                fft_plans.clear()
-                device_tables.clear()
+                kept.clear_all()
             mark_kernels_warm()  # the run's iterations have ended: the kernels they used are in the cache
 
     @contextlib.contextmanager

@@ -4,22 +4,21 @@
 While the arena serves CuPy, CuPy's own plan cache is off (a cached plan's work area would
 outlive the scope it came from), so every transform would make its plan anew, batch after
 batch, and a 2D classification's M-step twice for each of its classes every iteration. The
-plans here take their work area from CuPy's default pool instead, which draws on the memory
-outside the arena (what --free_gpu_memory leaves), and are kept per device, kind of transform,
-shape and dtype, a few at a time. Where that memory is short, the transform runs unplanned, as
-before.
+plans here are kept by `gpu.kept.KeptObjects`, their work areas outside the arena, per device,
+kind of transform, shape and dtype, a few at a time. Where that memory is short, the transform
+runs unplanned, as before.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from cryorefine.gpu import DeviceArray
+from cryorefine.gpu.kept import KeptObjects
 
-MAX_PLANS = 16
-_plans: OrderedDict = OrderedDict()
+#: the kept plans, the 16 last used
+PLANS = KeptObjects(16)
 
 
 def rfft2(x: DeviceArray, norm: str) -> DeviceArray:
@@ -60,26 +59,10 @@ def fft_first_axis(x: DeviceArray, norm: str, inverse: bool = False) -> DeviceAr
 def _planned(key: tuple, make_plan: Callable[[], Any], transform: Callable[[], DeviceArray]) -> DeviceArray:
     """`transform()` under the kept plan of `key` on this device (made now by `make_plan`, its work area outside the
     arena, if there is none yet), or unplanned where no room is left for one."""
-    import cupy
     from cupy.cuda import cufft
 
-    key = (cupy.cuda.runtime.getDevice(), *key)
-    plan = _plans.get(key)
+    plan = PLANS.get(key, make_plan, no_room=(cufft.CuFFTError,))
     if plan is None:
-        try:
-            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-                plan = make_plan()
-        except (cupy.cuda.memory.OutOfMemoryError, cufft.CuFFTError):  # no room outside the arena
-            return transform()
-        _plans[key] = plan
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
-    else:
-        _plans.move_to_end(key)
+        return transform()
     with plan:
         return transform()
-
-
-def clear() -> None:
-    """Drop the kept plans (their work areas go back to CuPy's pool)."""
-    _plans.clear()
