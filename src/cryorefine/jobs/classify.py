@@ -456,8 +456,10 @@ class ClassifyJob:
         if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
             with mstep.timed_part(parts, "class 1 low-passed", xp):
                 first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
-                                                    model.pixel_size_angstrom))
-            new_maps = [first.astype(np.float32) for _ in range(k_classes)]
+                                                    model.pixel_size_angstrom).astype(xp.float32))
+            # one map for every class, as the first references are (maps are replaced, never changed in place), not
+            # a float32 copy of it for each (at 360 px and K=6: six conversions and 1.1 GB more)
+            new_maps = [first] * k_classes
             tau2[0, :], ssnr[0, :], ref_sigma2[0, :] = tau2[0, 0], ssnr[0, 0], ref_sigma2[0, 0]
             pdf_class = np.full(k_classes, 1.0 / k_classes)
         model.maps = [new_maps]
