@@ -233,7 +233,7 @@ def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray,
     b = int(raw_images.shape[0])
     radius, edge = settings.mask_radius_px, settings.width_mask_edge_px
     mask = table(("ifftshifted soft circular mask", n, radius, edge),
-                lambda: xp.fft.ifftshift(fourier.soft_circular_mask(n, radius, edge, xp)))
+                 lambda: xp.fft.ifftshift(fourier.soft_circular_mask(n, radius, edge, xp)))
     shifted = xp.empty((b, n, n), dtype=xp.float32)
     bad = xp.zeros(b, dtype=xp.int32)
     args = (raw_images, xp.asarray(np.mod(ry, n), dtype=xp.int32), xp.asarray(np.mod(rx, n), dtype=xp.int32),
@@ -244,7 +244,7 @@ def device_shifted_images(raw_images: Array, factor: np.ndarray, rx: np.ndarray,
         return shifted, masked, to_host(bad) == 0
     _shifted_kernel(xp, False)(*args, shifted, bad)
     outside = table(("outside the soft circular mask", n, radius, edge),
-                   lambda: (mask < 1e-6).reshape(-1).astype(xp.float64))
+                    lambda: (mask < 1e-6).reshape(-1).astype(xp.float64))
     flat = shifted.reshape(b, -1).astype(xp.float64)
     count = float(outside.sum())
     mean = flat @ outside / count
