@@ -206,7 +206,7 @@ def class_maps_and_spectra(made: dict, previous_maps: Sequence[np.ndarray], spec
     maps = []
     for k, previous in enumerate(previous_maps):
         if k not in made:
-            maps.append(np.zeros_like(previous, dtype=np.float32))
+            maps.append(np.zeros(np.shape(previous), dtype=np.float32))  # zero pages, not written: free until read
             continue
         new, t2, sigma2 = made[k]
         maps.append(new)

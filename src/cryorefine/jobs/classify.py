@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cryorefine.core.arrays import to_host
+from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.projector import Projector
 from cryorefine.core.sampling import next_perturbation
 from cryorefine.em import loop, mstep, schedule
@@ -404,6 +404,10 @@ class ClassifyJob:
             likelihood_size_px=likelihood_size_px, next_oversampling=next_oversampling,
             fine_pass_raised=fine_pass_raised)
 
+    def host_map_bytes(self, box_px):
+        """The K class maps an M-step leaves on the host (float32)."""
+        return [4 * box_px ** 3] * int(self.config.n_classes)
+
     def maximization_groups(self, plan):
         """Every class's map is made apart (under MPI by one of its unit's workers, the classes shared out)."""
         return [[(u, i)] for u, unit in enumerate(plan.units) for i in range(len(unit.classes))]
@@ -430,17 +434,21 @@ class ClassifyJob:
         here = {int(k): (s, i) for s, unit in zip(sums, plan.units) for i, k in enumerate(unit.classes)
                 if mstep.volumes_here(s, i)}
         made = {}
+        powers = {}  # τ² of each previous map, by identity: the classes seeded from one map share it
         for k, (s, i) in sorted(here.items()):
             with mstep.timed_part(parts, "sums to the device", xp):
                 data, weight = backend.to_device(s.data[i]), backend.to_device(s.weight[i])
                 s.data[i] = s.weight[i] = None  # let go as each class is made
             previous = model.maps[0][k]
             with mstep.timed_part(parts, "τ² of the references", xp):
-                # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
-                t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=weight.dtype,
-                                       xp=xp).power_spectrum)
-                t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
-                t2[r_max + 1:] = 0.0
+                if id(previous) not in powers:
+                    # τ²: the power of the reference's padded transform, in the sums' precision (float32 on the GPU)
+                    t2 = to_host(Projector(xp.asarray(previous), config.padding_factor, r_max, dtype=weight.dtype,
+                                           xp=xp).power_spectrum)
+                    t2 = np.asarray(t2, dtype=np.float64)[:n_shells]
+                    t2[r_max + 1:] = 0.0
+                    powers[id(previous)] = t2
+                t2 = powers[id(previous)].copy()
             with mstep.timed_part(parts, "reconstructions", xp):
                 bp = mstep.backprojector(data, weight, model, config, plan.sizes.current_size_px, xp)
                 del data, weight
@@ -455,8 +463,8 @@ class ClassifyJob:
                                                 config.tau2_fudge, r_max)
         if plan.do_cc:  # class 1 seeds every class: low-passed again, the class distribution shared out
             with mstep.timed_part(parts, "class 1 low-passed", xp):
-                first = to_host(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
-                                                    model.pixel_size_angstrom).astype(xp.float32))
+                first = to_host_pinned(lowpass_to_ini_high(xp.asarray(new_maps[0], dtype=xp.float64), config, box,
+                                                           model.pixel_size_angstrom).astype(xp.float32))
             # one map for every class, as the first references are (maps are replaced, never changed in place), not
             # a float32 copy of it for each (at 360 px and K=6: six conversions and 1.1 GB more)
             new_maps = [first] * k_classes
