@@ -122,6 +122,10 @@ class Job(Protocol):
     #     optimiser.star) as callables, as relion_refine (`under_mpi` False) or relion_refine_mpi writes them."""
     # and `relion_runs_only_under_mpi = True` where RELION runs the job only as relion_refine_mpi (its files, such as
     # the sampling.star a --continue under a new root writes again, are then that program's in one process too).
+    # and, for maps large enough that page-locking their host copies costs the first iterations time:
+    # def host_map_bytes(self, box_px: int) -> list[int]:
+    #     """The bytes of each map an M-step leaves on the host (every map, on every MPI worker), which a runner
+    #     may have made page-locked ahead (`gpu.pinned.PinnedAhead`)."""
 
     def summary(self, run: RunState, plan: IterationPlan, changes) -> str:
         """The iteration's log line, after "iteration N: "."""

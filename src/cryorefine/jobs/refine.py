@@ -218,6 +218,11 @@ class RefineJob:
             data_vs_prior=None if model.ssnr is None else model.ssnr[half], padding_factor=config.padding_factor,
             avg_norm_correction=model.avg_norm_correction, likelihood_size_px=likelihood_size_px)
 
+    @staticmethod
+    def host_map_bytes(box_px):
+        """The two half maps an M-step leaves on the host (float32)."""
+        return [4 * box_px ** 3] * 2
+
     def maximization_groups(self, plan):
         """Each half's map is made where its sums are; the final iteration's joined map needs both halves'."""
         return [[(0, 0), (1, 0)]] if plan.final else [[(0, 0)], [(1, 0)]]
