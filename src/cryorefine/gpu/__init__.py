@@ -1,6 +1,6 @@
 """The GPU's side of the engines: the stack allocator, the overlapped uploads, the cuFFT plans and tables kept outside
-the arena, device sums and the MPI workers' collectives. CuPy is imported inside the functions that use it, never when
-a module is imported."""
+the arena, device sums, the MPI workers' collectives and the page-locked host blocks they make ahead for the maps.
+CuPy is imported inside the functions that use it, never when a module is imported."""
 
 from __future__ import annotations
 
