@@ -289,7 +289,8 @@ def main(argv=None):
                              "--continue'd on one GPU, against the whole run (K+2 iterations)")
     parser.add_argument("--reuse", action="store_true",
                         help="take a run finished before in --work with the same command line from its result.json "
-                             "instead of running it again (a lease split over several calls)")
+                             "instead of running it again (a lease split over several calls); the warm-up always "
+                             "runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:
@@ -330,8 +331,9 @@ def main(argv=None):
         subset = star.parent / "warmup_particles.star"
         starfile.write(blocks, subset)
         tic = time.perf_counter()
-        run_one("class3d", subset, reference, "1", args, iterations=empiar10028.WARMUP_ITERATIONS,
-                folder=args.work / "scaling" / "warmup")
+        # never taken from an earlier run (--reuse): it compiles the kernels of the code being measured
+        run_one("class3d", subset, reference, "1", argparse.Namespace(**{**vars(args), "reuse": False}),
+                iterations=empiar10028.WARMUP_ITERATIONS, folder=args.work / "scaling" / "warmup")
         log.info("warm-up (kernel compilation): %.0f s", time.perf_counter() - tic)
     results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name,
                                                                                *(argv or sys.argv[1:])]),
