@@ -10,10 +10,11 @@ file; these tests read that file.
 
 CPU, set A (CI-sized): 400 particles, 8 iterations. Measured at the commit that added this test (2 cores): final
 99.2 / 99.8 / 85.5 % for seeds 1–3 (seed 3 still climbing: 65.8, 71.3, 74.0, 80.0, 85.5 % over iterations 4–8),
-about 20 s a seed on an idle machine, 35 s in the whole suite. The suite runs seeds 1 and 2 (the three run in the
-benchmark). The bound, 80 %, is the worst of the three less 5 points; a classification that separates nothing
-scores ~50 % and one that puts everything in one class ~51 %, so the test fails when the classes stop separating
-the states.
+about 20 s a seed. The suite runs seeds 1 and 2 (the three run in the benchmark). The bound, 80 %, is the worst of
+the three less 5 points; a classification that separates nothing scores ~50 % and one that puts everything in one
+class ~51 %, so the test fails when the classes stop separating the states. With the fine pass one order finer from
+iteration 2 (2026-11-30, code 6b8d137, 2 idle cores): 98.5 / 99.5 % for seeds 1 and 2, 203 s for the test alone
+(269 s in the whole suite).
 
 CPU, set B: 1,000 particles, 10 iterations, seed 2, at least 94 %; fails on the code that kept RELION's sampling
 throughout and on the code that sampled finer only once the classes stalled (seed 2 was below the bound on both;
@@ -77,7 +78,8 @@ def test_cpu_classification_of_set_b_holds_its_classes_to_the_tenth_iteration(tm
     """Set B at SNR 0.2, 600 particles, 10 iterations, seed 2: 97.3 % in the right class at iteration 10, and
     88.0 % with RELION's sampling kept (--relion_oversampling), which this bound (the issue's, 94 %) fails (74 and
     44 s on 2 cores, `benchmarks/classify_accuracy.py --seeds 2 --cpu --map examples/ribosome_7p6z_10A_64px.mrc
-    --snr 0.2 --iter 10 --n 600 [-- --relion_oversampling]`). At the benchmark's 1,000 particles seeds 1–3 had
+    --snr 0.2 --iter 10 --n 600 [-- --relion_oversampling]`); 97.5 % and 171 s for the test alone on 2 idle cores
+    (2026-11-30, code 6b8d137; 236 s in the whole suite). At the benchmark's 1,000 particles seeds 1–3 had
     98.5 / 70.7 / 75.1 % with RELION's sampling, 99.0 / 92.5 / 92.9 % with the fine pass one order finer once the
     classes stalled, 99.4 / 96.9 / 97.5 % with it from iteration 2 (benchmarks/README.md)."""
     report = classify_accuracy(tmp_path, "--cpu", "--map", SET_B_MAP, "--snr", 0.2, "--iter", 10, "--n", 600,
