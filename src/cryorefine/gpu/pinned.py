@@ -23,8 +23,9 @@ MIN_BLOCK_BYTES = 32 << 20
 
 class PinnedAhead:
     """A thread making page-locked blocks of `block_bytes` (one for each entry) on the current device and giving
-    them to CuPy's pinned pool, where the first requests of the same sizes find them; `wait` before the next CUDA
-    call of the caller's thread. Entries below MIN_BLOCK_BYTES are left out."""
+    them to CuPy's pinned pool, where the first requests of the same sizes find them; `wait` for it before the work
+    it should not slow (its page-locking slows the process's other threads). Entries below MIN_BLOCK_BYTES are left
+    out."""
 
     def __init__(self, block_bytes: Sequence[int]) -> None:
         import cupy

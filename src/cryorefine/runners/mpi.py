@@ -561,7 +561,8 @@ class MpiRunner:
         The blocks (`gpu.pinned.PinnedAhead`) are made on a thread from here to the end of the worker's set-up, so
         that the first three M-steps make none: there each worker's collective waited for its peer's (0.8-1.0 s in
         iterations 2 and 3 of the 105k Class3D on two H200s). Made from the first directions on, they lengthened
-        those from 1.6 to 3.6 s."""
+        those from 1.6 to 3.6 s (the run's start 7.9 s); from here NCCL's set-up from 0.9 to 3.0 s instead (the start
+        7.2 s)."""
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
