@@ -223,8 +223,11 @@ def test_2d_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
 
 # ---------------------------------------------------------------------------------------- a whole batch
 @pytest.mark.parametrize("kw", [dict(), dict(sigma_scale=5.0), dict(coarse_size_px=20), dict(oversampling=2),
-                                dict(skip_align=True), dict(sigma_scale=1.0, max_significants=15)],
-                         ids=["global", "broad", "coarse_size", "oversampling_2", "skip_align", "vdam_5_per_class"])
+                                dict(skip_align=True), dict(sigma_scale=1.0, max_significants=15),
+                                # RELION's Class2D offset prior: the translations count 1.5 times in it, σ 1.5 px
+                                dict(sigma_scale=5.0, sigma_offset_px=1.5, offset_prior_translation_scale=1.5)],
+                         ids=["global", "broad", "coarse_size", "oversampling_2", "skip_align", "vdam_5_per_class",
+                              "class2d_offset_prior"])
 def test_2d_batch_results_and_sums_match_the_numpy_engine(cp, kw, fine_slices):
     """A batch of 14 particles against three 2D classes: best psi, origins and classes, pmax, log-likelihoods,
     significant samples, norm corrections, the compressed fine weights and every class's back-projected 2D sums

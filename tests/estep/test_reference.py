@@ -568,10 +568,13 @@ def _offset_prior_problem(rng, n, local, prior_given):
 
 @pytest.mark.parametrize("prior_given", [True, False], ids=["origin prior", "no origin prior"])
 @pytest.mark.parametrize("local", [True, False], ids=["local", "global"])
-def test_the_offset_prior_is_centred_on_the_origin_prior_and_taken_at_the_coarse_translation(local, prior_given):
-    """RELION's pdf_offset (convertAllSquaredDifferencesToWeights): exp(−|old + t − prior|²/2σ²) with t the coarse
+@pytest.mark.parametrize("scale", [1.0, 1.3], ids=["translations as they are", "Class2D's translations scaled"])
+def test_the_offset_prior_is_centred_on_the_origin_prior_and_taken_at_the_coarse_translation(local, prior_given,
+                                                                                              scale):
+    """RELION's pdf_offset (convertAllSquaredDifferencesToWeights): exp(−|old + s·t − prior|²/2σ²) with t the coarse
     translation, prior the particle's rlnOriginX/YPriorAngst or (0, 0), in local searches as in global ones, and
-    every oversampled child of t takes t's value. Against a reference of zeros every sample fits the image
+    every oversampled child of t takes t's value; s is 1, or what a 2D classification sets
+    (`offset_prior_translation_scale`, its pixel size in Å). Against a reference of zeros every sample fits the image
     equally (diff2 the same everywhere), so each kept child's weight is its prior alone: orientation prior ×
     offset prior, worked out here from the coarse translations."""
     from cryorefine.estep.common import local_orientations
@@ -580,7 +583,7 @@ def test_the_offset_prior_is_centred_on_the_origin_prior_and_taken_at_the_coarse
     n = 4
     sampling, old, prior, angles, kw = _offset_prior_problem(rng, n, local, prior_given)
     setup = replace(setup_for(Projector(np.zeros((N, N, N))), sampling, np.full((1, N // 2 + 1), 1e-4),
-                              adaptive_fraction=0.999, **kw), sigma_offset_px=1.5)
+                              adaptive_fraction=0.999, **kw), sigma_offset_px=1.5, offset_prior_translation_scale=scale)
     images = fourier.rfft2_centered(rng.normal(size=(n, N, N)))
     batch = replace(make_batch(images, np.ones((n, N, N // 2 + 1)), old, old - np.round(old)),
                     prior_rot_deg=angles[0], prior_tilt_deg=angles[1], prior_psi_deg=angles[2], origin_prior_px=prior)
@@ -601,7 +604,7 @@ def test_the_offset_prior_is_centred_on_the_origin_prior_and_taken_at_the_coarse
             orientation_prior = np.array([olp[o] for o in orientation.tolist()])
         else:
             orientation_prior = np.zeros(orientation.size)
-        offset_prior = -np.sum((old[b] + translations[t] - centre[b]) ** 2, axis=1) / (2 * 1.5 ** 2)
+        offset_prior = -np.sum((old[b] + scale * translations[t] - centre[b]) ** 2, axis=1) / (2 * 1.5 ** 2)
         expected = np.broadcast_to((orientation_prior + offset_prior)[:, None], blocks.weights.shape)
         kept = blocks.weights > 0
         assert kept.sum() >= 0.9 * kept.size and np.unique(t).size == n_trans  # the prior is felt, not cut away

@@ -59,8 +59,8 @@ def best_rotated_correlation(average: np.ndarray, truth: np.ndarray, step_deg: f
     return best
 
 
-def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int = 0,
-                   normalised: bool = False) -> tuple[Path, np.ndarray]:
+def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int = 0, normalised: bool = False,
+                   pixel_angstrom: float = PIXEL_ANGSTROM) -> tuple[Path, np.ndarray]:
     """n_each particles of each of the three views in folder/views.star (+ views.mrcs): random psi, shifts of up to
     2 px, CTFs of 1-2.5 µm defocus (300 kV), white noise of variance var(signal)/`snr` in the particle's circle;
     `normalised`: the images divided by the noise's σ, as RELION's extraction normalises particles (background σ 1,
@@ -80,13 +80,13 @@ def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int 
     shifts = rng.uniform(-2.0, 2.0, (n, 2))
     defocus = rng.uniform(10000.0, 25000.0, n)
     clean = np.stack([rotated(views[v], p, sx, sy) for v, p, (sx, sy) in zip(truth, psi, shifts)])
-    ctf = ctf_2d(BOX_PX, CtfParameters(PIXEL_ANGSTROM, defocus, defocus, 0.0, 300.0, 2.7, 0.1), dtype=np.float64)
+    ctf = ctf_2d(BOX_PX, CtfParameters(pixel_angstrom, defocus, defocus, 0.0, 300.0, 2.7, 0.1), dtype=np.float64)
     signal = fourier.irfft2_centered(fourier.rfft2_centered(clean) * ctf, BOX_PX)
     circle = np.hypot(*(np.mgrid[:BOX_PX, :BOX_PX] - BOX_PX // 2)) < BOX_PX // 2 - 2
     sigma = np.sqrt(signal[:, circle].var() / snr)
     images = signal + rng.normal(scale=sigma, size=signal.shape)
     images = (images / sigma if normalised else images).astype(np.float32)
-    write_mrc(folder / "views.mrcs", images, PIXEL_ANGSTROM)
+    write_mrc(folder / "views.mrcs", images, pixel_angstrom)
     particles = pd.DataFrame({
         "rlnImageName": [f"{i + 1:06d}@views.mrcs" for i in range(n)],
         "rlnDefocusU": defocus, "rlnDefocusV": defocus, "rlnDefocusAngle": np.zeros(n),
@@ -94,7 +94,7 @@ def make_views_set(folder: Path | str, n_each: int, snr: float = 0.5, seed: int 
     })
     optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnOpticsGroupName": ["opticsGroup1"],
                            "rlnAmplitudeContrast": [0.1], "rlnSphericalAberration": [2.7], "rlnVoltage": [300.0],
-                           "rlnImagePixelSize": [PIXEL_ANGSTROM], "rlnImageSize": [BOX_PX],
+                           "rlnImagePixelSize": [pixel_angstrom], "rlnImageSize": [BOX_PX],
                            "rlnImageDimensionality": [2]})
     star = folder / "views.star"
     starfile.write({"optics": optics, "particles": particles}, star)

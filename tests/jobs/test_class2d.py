@@ -55,6 +55,18 @@ def test_particles_end_in_the_class_of_their_view_and_the_averages_are_the_views
         assert best_rotated_correlation(averages[k], views[view], 6.0) >= 0.9
 
 
+def test_iteration_1_keeps_every_particle_at_the_centre_translation_as_relions_class2d(three_views):
+    """RELION's Class2D offsets prior counts the sampling's translations in Å as if they were pixels (`jobs.class2d`):
+    at 12 Å/px a coarse step of 1 px from the previous offset costs about −100 in log prior, so in iteration 1 every
+    particle ends at one of the centre translation's four fine children (RELION 5's run_it001_data.star on such a set
+    holds 4 distinct offsets). Measured with the translations counted as they are: 15 distinct offsets, up to 1.2 px
+    from the centre."""
+    folder, _, _ = three_views
+    particles = starfile.read(folder / "out" / "run_it001_data.star")["particles"]
+    offsets = set(zip(particles["rlnOriginXAngst"].round(3), particles["rlnOriginYAngst"].round(3)))
+    assert len(offsets) <= 4, sorted(offsets)
+
+
 def test_the_outputs_are_relions_2d_files(three_views):
     folder, _, _ = three_views
     out = folder / "out"

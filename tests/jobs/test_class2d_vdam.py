@@ -17,18 +17,24 @@ from test_class2d import FAST, assert_gpu_run_matches_the_cpu, matched_agreement
 
 from cryorefine.io.mrc import read_stack
 
+#: the set's pixel size: RELION's 2D offset prior counts the sampling's translations in Å (`jobs.class2d`), so at the
+#: EM tests' 12 Å/px a particle moves by less than a coarse step an iteration (at 12 Å/px this run had about half the
+#: particles in their view's class after 10 iterations, 59 % after 24; at 3 Å/px 99 % from iteration 6)
+VDAM_PIXEL_ANGSTROM = 3.0
+#: FAST with the particle's diameter at that pixel size (320 Å at 12 Å/px)
+VDAM_FAST = (*FAST[:-3], "--particle_diameter", 80, "--cpu")
 #: RELION's GUI VDAM options (--iter and --grad_write_iter made small for a test), but for the engine
 VDAM_RUN = ("--grad", "--class_inactivity_threshold", 0.1, "--K", 3, "--tau2_fudge", 2, "--ctf", "--flatten_solvent",
-            "--zero_mask", "--center_classes", "--norm", "--scale", *FAST[:-1])
-VDAM = (*VDAM_RUN, *FAST[-1:])
+            "--zero_mask", "--center_classes", "--norm", "--scale", *VDAM_FAST[:-1])
+VDAM = (*VDAM_RUN, *VDAM_FAST[-1:])
 
 
 @pytest.fixture(scope="module")
 def vdam_run(tmp_path_factory):
-    """100 particles of each view (SNR 1, CTFs), 10 iterations with files every 2nd: mini-batches of 200 (RELION's
-    smallest) in iterations 1-3, then all 300 (about 6 s on two cores)."""
+    """100 particles of each view (SNR 1, CTFs) at 3 Å/px, 10 iterations with files every 2nd: mini-batches of 200
+    (RELION's smallest) in iterations 1-3, then all 300 (about 6 s on two cores)."""
     folder = tmp_path_factory.mktemp("class2d_vdam")
-    star, truth = make_views_set(folder, 100, snr=1.0, seed=3, normalised=True)
+    star, truth = make_views_set(folder, 100, snr=1.0, seed=3, normalised=True, pixel_angstrom=VDAM_PIXEL_ANGSTROM)
     assert run_cli("class2d", "--i", star, "--o", folder / "out" / "run", "--iter", 10, "--grad_write_iter", 2,
                    *VDAM) == 0
     return folder, star, truth
@@ -89,7 +95,7 @@ def test_each_iteration_logs_the_parts_of_its_m_step_em_and_vdam(vdam_run, tmp_p
     other parameters, each iteration, within its M-step's seconds."""
     _, star, _ = vdam_run
     common = ("--i", star, "--iter", 2, "--grad_write_iter", 1, "--K", 3, "--tau2_fudge", 2, "--ctf",
-              "--flatten_solvent", "--zero_mask", "--center_classes", *FAST)
+              "--flatten_solvent", "--zero_mask", "--center_classes", *VDAM_FAST)
     for extra, names in (((), {"sums to the device", "τ² of the references", "reconstructions", "centring and masks",
                                "maps shared among the workers", "other parameters"}),
                          (("--grad",), {"class steps", "maps shared among the workers", "centring and masks",

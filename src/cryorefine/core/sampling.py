@@ -695,13 +695,14 @@ class Sampling:
 
 def offset_log_prior(translations_px: Array | npt.ArrayLike, old_offset_px: Array | npt.ArrayLike,
                      sigma_offset_px: float, prior_offset_px: Array | npt.ArrayLike | None = None,
-                     xp: ArrayModule = np) -> Array:
+                     xp: ArrayModule = np, translation_scale: float = 1.0) -> Array:
     """log P(offset) (B, n_trans) of the absolute offsets old + t (RELION's pdf_offset).
 
-    −|old + t − prior|² / (2σ²), prior at (0, 0) unless given (B, 2); not normalised, as in
-    RELION. With σ below 0.01 px the prior is a delta: 0 at the prior, −inf elsewhere.
+    −|old + s·t − prior|² / (2σ²), prior at (0, 0) unless given (B, 2), s the `translation_scale` (1, or the
+    pixel size in Å in a 2D classification: `estep.engine.IterationSetup.offset_prior_translation_scale`); not
+    normalised, as in RELION. With σ below 0.01 px the prior is a delta: 0 at the prior, −inf elsewhere.
     """
-    t = xp.asarray(translations_px, dtype=xp.float64)
+    t = translation_scale * xp.asarray(translations_px, dtype=xp.float64)
     old = xp.asarray(old_offset_px, dtype=xp.float64).reshape(-1, 2)
     prior = (xp.zeros_like(old) if prior_offset_px is None
              else xp.asarray(prior_offset_px, dtype=xp.float64).reshape(-1, 2))

@@ -648,7 +648,8 @@ class CupyEngine:
         if self.log_pdf_direction is not None:
             lp = lp + self.log_pdf_direction[:, orientation // self.n_psi].transpose(1, 0, 2)[..., None]
         # centred on the particles' priors in local searches as in global ones (RELION's), not on the previous offsets
-        off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, pre["prior"])  # (B, T)
+        off = offset_log_prior(self.translations, pre["old"], s.sigma_offset_px, pre["prior"],
+                               translation_scale=s.offset_prior_translation_scale)  # (B, T)
         return lp, cp.asarray(off)[:, None, None, :]  # (B or 1, K, R, 1) and (B, 1, 1, T), float64
 
     def _local_coarse_pass(self, pre, local):
@@ -770,7 +771,7 @@ class CupyEngine:
         from_centre = cp.asarray(pre["old"] - pre["prior"])[b_blk]  # (n_blocks, 2)
         off = from_centre[:, None, :] + self.fine_trans_d64[t_blk]  # (n_blocks, nft, 2)
         d2_off = cp.sum(off * off, axis=2)  # (n_blocks, nft)
-        off = from_centre + cp.asarray(self.translations)[t_blk]  # (n_blocks, 2)
+        off = from_centre + s.offset_prior_translation_scale * cp.asarray(self.translations)[t_blk]  # (n_blocks, 2)
         off_prior = -cp.sum(off * off, axis=1) / (2.0 * max(s.sigma_offset_px, 1e-6) ** 2)  # (n_blocks,)
         del off, from_centre
         prior = cp.broadcast_to((parent + off_prior)[:, None, None], (n_blocks, nfo, nft)).reshape(-1)

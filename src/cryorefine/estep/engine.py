@@ -51,6 +51,11 @@ class IterationSetup:
     likelihood_size_px: int | None = None
     log_pdf_direction: np.ndarray | None = None  # (K, n_directions) or None for uniform
     sigma_offset_px: float = 10.0
+    # the sampling's translations count this many times in the offset prior (not in the σ_offset sums): 1, or in a 2D
+    # classification the pixel size in Å, as RELION's Class2D computes it (it adds the translations in Å to offsets
+    # in pixels before the prior: a prior pixel-size times narrower about the previous offset;
+    # docs/pose-accuracy-audit.md, row 10)
+    offset_prior_translation_scale: float = 1.0
     do_cc: bool = False  # normalised cross-correlation instead of likelihood (--firstiter_cc)
     adaptive_fraction: float = 0.999
     max_significants: int = -1

@@ -198,7 +198,8 @@ class NumpyEngine:
             shifts_c = pre["residual"][rows][:, None, :] + self.translations[None, :, :]  # (b, T, 2)
             x_shift_c = x_c[:, None, :] * self.coarse.phase(shifts_c, s.ori_size_px, self.complex)
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p) for p in proj], axis=1)
-            offset_prior = offset_log_prior(self.translations, pre["old"][rows], s.sigma_offset_px, pre["prior"][rows])
+            offset_prior = offset_log_prior(self.translations, pre["old"][rows], s.sigma_offset_px, pre["prior"][rows],
+                                            translation_scale=s.offset_prior_translation_scale)
             log_prior = class_direction_prior[None, :, :, None] + offset_prior[:, None, None, :]
             n = x_c.shape[0]
             mask, n_sig = self._significant(self._weights(diff2.reshape(n, -1), log_prior.reshape(n, -1)))
@@ -217,7 +218,7 @@ class NumpyEngine:
             diff2 = np.stack([self._diff2_dense(x_c, x_shift_c, ctf_c, minv_c, p[cols]) for p in proj], axis=1)
             # centred on the particle's prior, as in a global search (RELION's), not on its previous offset
             offset_prior = offset_log_prior(self.translations, pre["old"][b:b + 1], s.sigma_offset_px,
-                                            pre["prior"][b:b + 1])
+                                            pre["prior"][b:b + 1], translation_scale=s.offset_prior_translation_scale)
             log_prior = (class_direction_prior[None, :, cols, None] + own_prior[None, None, :, None]
                          + offset_prior[:, None, None, :])
             mask, n_sig = self._significant(self._weights(diff2.reshape(1, -1), log_prior.reshape(1, -1)))
@@ -455,7 +456,8 @@ class NumpyEngine:
         # has its parent's offset prior (RELION computes pdf_offset at the coarse sampling only)
         centre = pre["prior"][b]
         offset_d2 = np.sum((pre["old"][b] + shifts - centre) ** 2, axis=1)  # (T,)
-        parent_d2 = np.sum((pre["old"][b] + self.translations[u_t] - centre) ** 2, axis=1)  # (n_t,)
+        parent_d2 = np.sum((pre["old"][b] + s.offset_prior_translation_scale * self.translations[u_t] - centre) ** 2,
+                           axis=1)  # (n_t,)
         orientation_prior = np.zeros(n_ko)
         orientation_prior[ko_pos] = olp  # the prior of each significant sample's orientation
         row_prior = np.repeat(table.prior[u_ko] + orientation_prior, n_fo)

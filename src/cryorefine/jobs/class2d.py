@@ -39,9 +39,12 @@ the momenta as RELION writes them (run_itNNN_1moment.mrcs, the first moments of 
 the run would have. Under mpirun (EM and VDAM) the E-steps and the classes' M-steps are shared out over the workers.
 With --gpu the E-steps run on the GPU engine's 2D path (one GPU per process, EM and VDAM, in one process or under
 mpirun: the workers' sums added on their GPUs and the references made once among them where each has a GPU of its
-own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). The offsets' prior is
-centred on (0, 0) for every class (model.star's rlnClassPriorOffsetX/Y, which RELION's reader needs, are 0). RELION
-moves each class's centre to the class's weighted sum of offsets divided by the weight of all particles
+own); EM's reconstructions run on the engine's device, VDAM's steps on the host (`em.gradient`). The offsets' prior
+counts the sampling's translations as RELION's Class2D does (`IterationSetup.offset_prior_translation_scale`: RELION
+adds them in Å to offsets in pixels before the prior, so that about the previous offset the prior is the pixel size
+in Å times narrower; at 6 Å/px a particle then rarely moves by more than a fine step an iteration, as RELION's do),
+and is centred on (0, 0) for every class (model.star's rlnClassPriorOffsetX/Y, which RELION's reader needs, are 0).
+RELION moves each class's centre to the class's weighted sum of offsets divided by the weight of all particles
 (maximizationOtherParameters), which is the class's share of the particles times its mean offset (with K = 24 or
 100, a few per cent of that mean). The particles' rlnOriginX/YPriorAngst are not used, as in RELION's 2D
 classification.
@@ -389,7 +392,8 @@ class Class2DJob:
                 scale_correction=model.scale_correction if config.do_scale else None,
                 data_vs_prior=None if model.ssnr is None else model.ssnr[0],
                 padding_factor=config.padding_factor, avg_norm_correction=model.avg_norm_correction,
-                local_searches=bool(config.skip_align), likelihood_size_px=likelihood, ref_dim=2)
+                local_searches=bool(config.skip_align), likelihood_size_px=likelihood, ref_dim=2,
+                offset_prior_translation_scale=pixel)
             return WorkUnit(name, members, np.arange(k_classes, dtype=np.int64), setup)
 
         n_particles = len(poses.psi_deg)
