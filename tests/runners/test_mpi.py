@@ -426,33 +426,6 @@ def test_each_worker_is_handed_its_own_share_first_and_then_helps_the_others():
     assert np.array_equal(np.sort(every), np.sort(members))
 
 
-def test_a_worker_asks_for_its_next_own_batch_as_the_current_one_arrives_and_for_the_others_one_at_a_time():
-    """`work_from_master`: while the master says the worker's own share has more, the next request goes before the
-    current batch is handed on (its answer is then there when it is wanted); a batch without that word is handed on
-    with no request outstanding (the last batches, taken over from other workers, as late as they can be). Each
-    request gets one answer, as the master's loop counts them."""
-    from cryorefine.runners.mpi import TAG_REQUEST, TAG_WORK, work_from_master
-
-    replies = [(0, np.arange(4), True), (0, np.arange(4, 8), False), (0, np.arange(8, 12), False), None]
-    events = []
-
-    class Master:
-        def send(self, message, dest, tag):
-            assert (message, dest, tag) == (("ready", None), 0, TAG_REQUEST)
-            events.append("ask")
-
-        def recv(self, source, tag):
-            assert (source, tag) == (0, TAG_WORK)
-            events.append("answer")
-            return replies[events.count("answer") - 1]
-
-    for unit, indices in work_from_master(Master(), 1, 3):
-        events.append(f"batch {indices[0]}")
-    assert events == ["ask", "answer", "ask", "batch 0", "answer", "batch 4", "ask", "answer", "batch 8", "ask",
-                      "answer"]
-    assert events.count("ask") == events.count("answer")
-
-
 def test_relion_s_gui_flags_under_mpi_give_the_classes_of_a_run_without_them(mixture):
     """RELION's GUI line for Class3D under mpirun: --j 1 --pool 3 --preread_images --dont_combine_weights_via_disc
     change nothing in the result (the classes and the maps, to float rounding) against the same run without them;

@@ -16,10 +16,9 @@ every unit (`units_of_worker`: the workers end together). A worker reads its bat
 next batch's while the GPU works on the current one; a GPU worker keeps its share's images on its device where
 they fit, `em.estep.kept_images`, and reads them once), runs its own engine (the GPU engine on one
 device each when CuPy sees one, else numpy; `--preread_images` has the system read its share into the host's
-file cache) and asks for the next batch before it starts on the current one (while its own share lasts, as the
-current one arrives: `work_from_master`); each batch's results go to the master without waiting for its receive.
-Where each worker serves one unit of several classes, the unit's workers make the classes' reference transforms once
-among them, each every W-th class, and share them (`_with_shared_references`).
+file cache) and asks for the next batch before it starts on the current one; each batch's results go to the master
+without waiting for its receive. Where each worker serves one unit of several classes, the unit's workers make the
+classes' reference transforms once among them, each every W-th class, and share them (`_with_shared_references`).
 
 At the end of the E-step every worker takes part in the job's M-step, as RELION's ranks share out its
 reconstructions: the job names its maps in groups whose sums must be in one process
@@ -73,7 +72,6 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -104,7 +102,7 @@ from cryorefine.io.background import WaitFor
 from cryorefine.runners.objects import ObjectChannel
 
 TAG_REQUEST = 11  # worker -> master: ("ready", None) or ("result", (unit, indices, BatchResult))
-TAG_WORK = 12  # master -> worker: (unit, particle indices, ask ahead) of the next batch; None: its units are done
+TAG_WORK = 12  # master -> worker: (unit, particle indices) of the next batch, or None when its units are done
 TAG_SUMS = 13  # a unit's holder -> the worker that makes a map of it without serving it: the class volume
 TAG_NOISE = 15  # worker -> master: (batch number, NoiseEstimate.batch_sums, its stage seconds so far): noise pass
 TAG_FAILURE = 16  # worker -> master: the one line of a worker's failure ("rank R on HOST: cause")
@@ -206,38 +204,6 @@ def next_batch(queues, worker):
         return queues[worker].popleft()
     donor = max(range(len(queues)), key=lambda w: len(queues[w]))
     return queues[donor].pop() if queues[donor] else None
-
-
-def work_from_master(comm, rank: int, iteration: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(unit, indices) of worker `rank`'s batches of an iteration as the master hands them out (`ParticleSet.read_ahead`
-    takes them one ahead). While the master says the worker's own share has more (`next_batch`), the request for the
-    next batch goes as this one arrives, so that its answer is there when the batch is wanted: a round trip to the
-    master each batch kept the GPU waiting (the master answers between its other work: storing results, the writer's
-    thread). The batches of other workers' shares, at the end, are asked for one at a time, as late as they can be,
-    so that the workers end together.
-
-    CRYOREFINE_FAULT="RANK:ITERATION" makes the worker of that rank raise at its first batch of that iteration, and
-    "RANK:ITERATION:kill" kill itself there (the failure tests' hooks)."""
-    fault_rank, fault_iteration, how = (os.environ.get("CRYOREFINE_FAULT", "").split(":") + ["", "", ""])[:3]
-    asked = False
-    while True:
-        if not asked:
-            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
-        item = comm.recv(source=0, tag=TAG_WORK)
-        asked = False
-        if item is None:
-            return
-        if fault_rank == str(rank) and fault_iteration == str(iteration):
-            if how == "kill":  # as the kernel's OOM killer or a node's failure ends a process: no word from it
-                # (but this line, which says when, for the time the launcher takes to end the job)
-                print(f"worker {rank} killing itself at unix time {time.time():.3f}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
-        unit, indices, ask_ahead = item
-        if ask_ahead:
-            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
-            asked = True
-        yield unit, indices
 
 
 def maps_of_worker(maps, worker, n_workers):
@@ -488,10 +454,9 @@ class MpiRunner:
             worker = source - 1
             work = None
             for unit in served[worker]:  # a unit's batches come together: the next unit once this one has none
-                place = unit_workers[unit].index(worker)
-                batch = next_batch(queues[unit], place)
+                batch = next_batch(queues[unit], unit_workers[unit].index(worker))
                 if batch is not None:
-                    work = (unit, batch, bool(queues[unit][place]))
+                    work = (unit, batch)
                     break
             comm.send(work, dest=source, tag=TAG_WORK)
             if work is None:
@@ -701,8 +666,8 @@ class MpiRunner:
         with particles.image_reader(preread, sharers=node_workers) as reader:
             if preread is not None:
                 add_seconds(stages, "preread", reading)  # the first iteration reads them in
-            work = work_from_master(self.comm, self.rank, plan.iteration)
-            sums = run_batches(backend, units, work, particles, settings, inputs, reader, on_result, stages, flops,
+            sums = run_batches(backend, units, self._work(plan.iteration), particles, settings, inputs, reader,
+                               on_result, stages, flops,
                                park_finished=sums_wait_on_host(backend, [plan.units[u] for u in mine]), kept=kept)
         del units
         tic = time.perf_counter()
@@ -824,6 +789,24 @@ class MpiRunner:
         """A worker's (plan, model) from the master's, every `HeldMap` replaced by the map it names."""
         units = [replace(u, setup=replace(u.setup, maps=self._with_held(u.setup.maps))) for u in plan.units]
         return replace(plan, units=units), replace(model, maps=[self._with_held(row) for row in model.maps])
+
+    def _work(self, iteration):
+        """(unit, indices) of this worker's batches as the master hands them out, asked for one ahead."""
+        comm = self.comm
+        fault_rank, fault_iteration, how = (os.environ.get("CRYOREFINE_FAULT", "").split(":") + ["", "", ""])[:3]
+        while True:
+            comm.send(("ready", None), dest=0, tag=TAG_REQUEST)
+            item = comm.recv(source=0, tag=TAG_WORK)
+            if item is None:
+                return
+            if fault_rank == str(self.rank) and fault_iteration == str(iteration):
+                if how == "kill":  # as the kernel's OOM killer or a node's failure ends a process: no word from it
+                    # (but this line, which says when, for the time the launcher takes to end the job)
+                    print(f"worker {self.rank} killing itself at unix time {time.time():.3f}", file=sys.stderr,
+                          flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected fault at iteration {iteration} (CRYOREFINE_FAULT)")
+            yield item
 
     def _worker_config(self):
         """This worker's engine: its GPU (`device_of_worker`)."""
