@@ -18,7 +18,8 @@ Reported per run: the job's wall time (the process's, start to exit), the speed-
 iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
 worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
 the sums by the workers, sums to their makers, the M-step on the workers (as rank 1 saw it), the new model to
-the master; results of older code name the M-step's parts "sums to rank 1" and "M-step on rank 1"), the set-up
+the master; results of older code name the M-step's parts "sums to rank 1" and "M-step on rank 1"), the batches a
+worker took over from another's share (which it reads from the stacks), the set-up
 before iteration 1 (reading, the initial noise pass, the references), and the GPU arena's high water
 of each worker. Parity with one GPU, from the last iteration's files: the class distribution, each
 class map's correlation with the one-GPU map, and the particles in the same class.
@@ -55,6 +56,7 @@ log = logging.getLogger("mpi_scaling")
 ITERATION = re.compile(r"^iteration (\d+): .*, E ([\d.]+) s, M ([\d.]+) s$")
 STAGES = re.compile(r"^  ([EM])-step stages \(s\): (.*)$")
 WORKER_WALLS = re.compile(r"^  the workers' E-steps \(s, [^)]*\): (.*)$")  # logged before its iteration's line
+TAKEN_OVER = re.compile(r"^  batches taken over from another worker's share \([^)]*\): (\d+) of (\d+)$")  # likewise
 BETWEEN = re.compile(r"^  between iterations \(s\): plan ([\d.]+), outputs ([\d.]+) \(of which waiting for the previous "
                      r"iteration's files ([\d.]+); those took ([\d.]+) on the writer, ([\d.]+) more waiting for their "
                      r"maps\)$")
@@ -76,14 +78,17 @@ def stage_values(text):
 def parse_log(text):
     """The iterations (E, M, stages, each MPI worker's E-step, the time between them), the arenas' high water (GB per
     device) and the seconds before and after the iterations ("start", "end") of a run's log."""
-    iterations, memory, walls, run_seconds = [], {}, [], {}
+    iterations, memory, walls, taken_over, run_seconds = [], {}, [], None, {}
     for line in text.splitlines():
         if m := WORKER_WALLS.match(line):
             walls = [float(w) for w in m[1].split(", ")]
+        elif m := TAKEN_OVER.match(line):
+            taken_over = [int(m[1]), int(m[2])]
         elif m := ITERATION.match(line):
             iterations.append({"iteration": int(m[1]), "expectation": float(m[2]), "maximization": float(m[3]),
-                               "e_stages": {}, "m_stages": {}, "worker_e_seconds": walls})
-            walls = []
+                               "e_stages": {}, "m_stages": {}, "worker_e_seconds": walls,
+                               "batches_taken_over_of_handed": taken_over})
+            walls, taken_over = [], None
         elif (m := STAGES.match(line)) and iterations:
             iterations[-1]["e_stages" if m[1] == "E" else "m_stages"] = stage_values(m[2])
         elif (m := BETWEEN.match(line)) and iterations:

@@ -160,6 +160,10 @@ def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
     assert [it["iteration"] for it in one["iterations"]] == [it["iteration"] for it in two["iterations"]] == [1, 2]
     for name in ("broadcast", "reduction", "M-step on the workers"):
         assert name in two["stage_totals"] and name not in one["stage_totals"]
+    for it in two["iterations"]:  # the master's count of the batches a worker took over from another's share
+        taken, handed = it["batches_taken_over_of_handed"]
+        assert 0 <= taken <= handed and handed > 0
+    assert all(it["batches_taken_over_of_handed"] is None for it in one["iterations"])
     assert two["e_step_seconds"] <= two["wall_seconds"]
     parity = two["parity"]
     assert parity["same_class_fraction"] == 1.0

@@ -436,7 +436,7 @@ class MpiRunner:
         unit_workers = [workers_of_unit(u, self.n_workers, n_units) for u in range(n_units)]
         queues = [batch_queues(particles, unit.members, len(unit_workers[u]), batch_size)
                   for u, unit in enumerate(plan.units)]
-        workers_left, outstanding = self.n_workers, 0
+        workers_left, outstanding, handed, taken_over = self.n_workers, 0, 0, 0
         status = MPI.Status()
         while workers_left or outstanding:
             while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=status):
@@ -454,9 +454,13 @@ class MpiRunner:
             worker = source - 1
             work = None
             for unit in served[worker]:  # a unit's batches come together: the next unit once this one has none
-                batch = next_batch(queues[unit], unit_workers[unit].index(worker))
+                place = unit_workers[unit].index(worker)
+                own_left = bool(queues[unit][place])
+                batch = next_batch(queues[unit], place)
                 if batch is not None:
                     work = (unit, batch)
+                    handed += 1
+                    taken_over += not own_left
                     break
             comm.send(work, dest=source, tag=TAG_WORK)
             if work is None:
@@ -469,6 +473,8 @@ class MpiRunner:
             add_counts(stages, worker_stages)
             add_counts(flops, worker_flops)
             walls.append(wall)
+        logging.getLogger("cryorefine").info("  batches taken over from another worker's share (read from the stacks, "
+                                             "not held by the worker): %d of %d", taken_over, handed)
         logging.getLogger("cryorefine").info("  the workers' E-steps (s, from the plan's arrival to their sums "
                                              "reduced): %s", ", ".join(f"{w:.1f}" for w in walls))
         expectation = time.perf_counter() - tic
