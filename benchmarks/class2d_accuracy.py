@@ -48,6 +48,8 @@ Steps, in one work folder:
                0.25 px shifts), then their FRC; per class the mean FRC over shells 1 to that of the maps'
                resolution (15 Å, at most Nyquist) and where the FRC first falls below 0.5; per run their
                particle-weighted mean and median;
+             - from run_itNNN_model.star: the resolution, the image size compared, the average pmax, the
+               offsets' σ and the average norm correction (where the programs' schedules part);
              - seconds per iteration: the time between the iterations' run_itNNN_model.star files, divided by
                the iterations between them (both programs' files alike); the run's wall time around the process.
 6. report    a table of the last measured iteration of each run on stdout, every iteration in the JSON.
@@ -434,6 +436,21 @@ def measure_iteration(root, view_of, truth_images, pixel_angstrom, k_classes, tu
     return result
 
 
+#: model.star's values of each iteration kept beside the shares (where the two programs' schedules part)
+MODEL_GENERAL = {"rlnCurrentResolution": "resolution_angstrom", "rlnCurrentImageSize": "image_size_px",
+                 "rlnAveragePmax": "ave_pmax", "rlnSigmaOffsetsAngst": "sigma_offset_angstrom",
+                 "rlnNormCorrectionAverage": "norm_correction_average"}
+
+
+def model_values(root):
+    """The `MODEL_GENERAL` values of `root`_model.star (those it has; none where the file is missing)."""
+    path = Path(f"{root}_model.star")
+    if not path.exists():
+        return {}
+    general = read_star(path).get("model_general", {})
+    return {name: float(general[label]) for label, name in MODEL_GENERAL.items() if label in general}
+
+
 def measure_run(folder, view_of, truth_images, pixel_angstrom, k_classes, turns=None):
     """Every iteration of the run in `folder` with its files: shares, FRCs (the classes' details only for the
     last) and seconds per iteration. `turns`: as `measure_iteration`'s, kept from run to run."""
@@ -442,7 +459,8 @@ def measure_run(folder, view_of, truth_images, pixel_angstrom, k_classes, turns=
     iterations = []
     for iteration, root in iteration_files(folder).items():
         measured = measure_iteration(root, view_of, truth_images, pixel_angstrom, k_classes, turns)
-        iterations.append({"iteration": iteration, "seconds_per_iteration": seconds.get(iteration), **measured})
+        iterations.append({"iteration": iteration, "seconds_per_iteration": seconds.get(iteration),
+                           **model_values(root), **measured})
     for it in iterations[:-1]:
         for c in it["classes"]:
             del c["frc"], c["angle_deg"], c["shift_px"]

@@ -215,8 +215,10 @@ def test_a_tiny_cpu_run_measures_both_programs_alike(tmp_path):
     assert "--iter 2 --i particles.star" in ours["command"] and "--j 1" in theirs["command"]
     assert [it["iteration"] for it in ours["iterations"]] == [it["iteration"] for it in theirs["iterations"]] == [1, 2]
     for a, b in zip(ours["iterations"], theirs["iterations"]):
-        for key in ("majority", "one_to_one", "views_found", "mean_frc"):
+        for key in ("majority", "one_to_one", "views_found", "mean_frc", "resolution_angstrom", "image_size_px",
+                    "ave_pmax", "sigma_offset_angstrom"):
             assert a[key] == pytest.approx(b[key]), key
         assert 0 < a["one_to_one"] <= a["majority"] <= 1
+        assert 0 < a["ave_pmax"] <= 1 and 0 < a["image_size_px"] <= 24 and a["resolution_angstrom"] > 0
     assert ours["iterations"][1]["seconds_per_iteration"] > 0
     assert "| em | cryorefine | 1 | 2 of 2 |" in done.stdout and "| em | relion | 1 | 2 of 2 |" in done.stdout
