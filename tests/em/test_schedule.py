@@ -268,10 +268,10 @@ def test_changes_are_counted_against_the_steps_relion_mpi_s_leader_keeps():
 
 
 def test_initial_schedule_and_local_start():
-    opt, state = sch.initial_schedule(make_config())
+    opt, state = sch.initial_schedule(make_config(), np.random.default_rng(0))
     assert (opt.healpix_order, opt.offset_range_px, opt.offset_step_px) == (2, 6.0, 2.0)
     assert not opt.local_searches and state.incr_size_px == 10
-    opt, _ = sch.initial_schedule(make_config(healpix_order=4))
+    opt, _ = sch.initial_schedule(make_config(healpix_order=4), np.random.default_rng(0))
     # σ = 2 × 360/(6·2^(4+1)) = 2 × 1.875 = 3.75°
     assert opt.local_searches
     assert (opt.sigma_rot_deg, opt.sigma_tilt_deg, opt.sigma_psi_deg) == (3.75, 3.75, 3.75)
@@ -279,10 +279,29 @@ def test_initial_schedule_and_local_start():
     assert s.healpix_order == 4 and s.symmetry == "C2" and s.angular_sampling_deg() == pytest.approx(1.875)
 
 
+def test_iteration_1_searches_at_the_second_step_of_relions_random_perturbation():
+    """RELION draws the sampling's perturbation once as it sets the sampling up (HealpixSampling::initialise) and
+    once more before each iteration's search (expectationSetup): iteration 1 searches at the sum of two draws of
+    U(0.25, 0.5), wrapped into [-0.5, 0.5), so in [-0.5, 0]; iteration 0's files carry the first, in [0.25, 0.5].
+    --skip_align keeps its poses: nothing is drawn."""
+    from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
+
+    firsts, seconds = [], []
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        opt, _ = sch.initial_schedule(make_config(), rng)
+        firsts.append(opt.perturbation)
+        seconds.append(next_perturbation(opt.perturbation, PERTURBATION_FACTOR, rng))  # the jobs' plan of iteration 1
+    assert 0.25 <= min(firsts) and max(firsts) <= 0.5
+    assert -0.5 <= min(seconds) and max(seconds) <= 0.0
+    opt, _ = sch.initial_schedule(make_config(skip_align=True), np.random.default_rng(0))
+    assert opt.perturbation == 0.0
+
+
 def test_update_sampling_waits_for_both_counters():
     config = make_config()
     model = ModelState(ori_size_px=BOX, pixel_size_angstrom=PIXEL)
-    opt, state = sch.initial_schedule(config)
+    opt, state = sch.initial_schedule(config, np.random.default_rng(0))
     opt = dataclasses.replace(opt, acc_rot_deg=2.0, acc_trans_angstrom=3.0, changes_optimal_offsets_angstrom=4.8)
     for res_c, hv_c in [(0, 0), (1, 0), (0, 1)]:
         o = dataclasses.replace(opt, nr_iter_wo_resol_gain=res_c, nr_iter_wo_large_hidden_variable_changes=hv_c)
@@ -295,7 +314,7 @@ def test_update_sampling_waits_for_both_counters():
 def test_update_sampling_step_worked_example():
     config = make_config()
     model = ModelState(ori_size_px=BOX, pixel_size_angstrom=PIXEL)
-    opt, state = sch.initial_schedule(config)
+    opt, state = sch.initial_schedule(config, np.random.default_rng(0))
     opt = dataclasses.replace(opt, acc_rot_deg=2.0, acc_trans_angstrom=3.0, changes_optimal_offsets_angstrom=4.8,
                               nr_iter_wo_resol_gain=1, nr_iter_wo_large_hidden_variable_changes=2,
                               smallest_changes_orientations_deg=3.0)
@@ -348,7 +367,7 @@ def run_script(script, acc_rot_deg=4.0, acc_trans_angstrom=3.0):
     orientation change °, offset change Å). Returns a per-iteration log and the last state."""
     config = make_config()
     model = ModelState(ori_size_px=BOX, pixel_size_angstrom=PIXEL)
-    opt, state = sch.initial_schedule(config)
+    opt, state = sch.initial_schedule(config, np.random.default_rng(0))
     model.current_resolution_angstrom = sch.current_resolution(
         BOX, PIXEL, iteration=0, ini_high_angstrom=config.ini_high_angstrom).resolution_angstrom
     log = []

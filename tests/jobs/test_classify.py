@@ -175,10 +175,13 @@ def test_local_searches_stay_near_the_poses_of_the_star_file(classified, tmp_pat
     # half a coarse step and the iteration's perturbation)
     window = 3 * 4.0 + 7.5
     assert np.all(directions_between(found, particles) < window)
-    psi_change = np.abs((found["rlnAnglePsi"] - particles["rlnAnglePsi"] + 180.0) % 360.0 - 180.0)
+    # psi alone away from the poles, where psi trades with rot (a particle 12° from a pole: psi 21° and rot 18° apart
+    # from the STAR pose, their sum 3°)
+    off_poles = (np.minimum(truth["rlnAngleTilt"], 180.0 - truth["rlnAngleTilt"]) > 25.0).to_numpy()
+    psi_change = np.abs((found["rlnAnglePsi"] - particles["rlnAnglePsi"] + 180.0) % 360.0 - 180.0)[off_poles]
     assert np.all(psi_change < window), psi_change.max()
-    # ... so the turned particles stay away from the truth, except near the poles, where psi trades with rot
-    away_from_poles = turned & (np.minimum(truth["rlnAngleTilt"], 180.0 - truth["rlnAngleTilt"]) > 25.0).to_numpy()
+    # ... so the turned particles stay away from the truth, except near the poles
+    away_from_poles = turned & off_poles
     assert away_from_poles.sum() >= 15
     assert np.all(to_truth[away_from_poles] > 12.0), to_truth[away_from_poles].min()
     model = starfile.read(tmp_path / "run_it001_model.star")["model_general"]

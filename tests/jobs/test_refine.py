@@ -72,10 +72,16 @@ def test_each_half_model_holds_its_direction_distribution_and_its_bild(refined):
         assert pdf.min() >= 0 and pdf.sum() == pytest.approx(1.0)
         # the directions nearest to the half's best poses hold most of the distribution
         mine = particles[particles["rlnRandomSubset"] == h]
-        nearest = np.argmax(unit_vectors(mine["rlnAngleRot"], mine["rlnAngleTilt"])
-                            @ unit_vectors(directions["rlnAngleRot"], directions["rlnAngleTilt"]).T, axis=1)
+        cosines = (unit_vectors(mine["rlnAngleRot"], mine["rlnAngleTilt"])
+                   @ unit_vectors(directions["rlnAngleRot"], directions["rlnAngleTilt"]).T)
+        nearest = np.argmax(cosines, axis=1)
         assert pdf[np.unique(nearest)].sum() > 0.6
-        assert (pdf[nearest] > 0).mean() > 0.95
+        # each best pose within one angular step of a direction holding some of the distribution: the pose is the
+        # grid's direction perturbed and oversampled, so not always nearest to the one that took its weight (at
+        # order 3 here 27 % of them; a shuffled distribution leaves 35-40 % of the poses farther than a step)
+        step_deg = 360.0 / (6 * 2 ** order)
+        apart_deg = np.degrees(np.arccos(np.clip(cosines[:, pdf > 0], -1.0, 1.0))).min(axis=1)
+        assert (apart_deg < step_deg).mean() > 0.95
         text = (out / f"run_it003_half{h}_class001_angdist.bild").read_text()
         assert text == angdist_bild_text(pdf, directions["rlnAngleRot"], directions["rlnAngleTilt"], BOX, PIXEL,
                                          order)

@@ -713,6 +713,10 @@ def offset_log_prior(translations_px: Array | npt.ArrayLike, old_offset_px: Arra
     return -d2 / (2.0 * sigma_offset_px * sigma_offset_px)
 
 
+#: RELION's --perturb: each iteration's random perturbation of the sampling is within ± this share of a step
+PERTURBATION_FACTOR = 0.5
+
+
 def next_perturbation(current: float, factor: float, rng: np.random.Generator) -> float:
     """RELION's resetRandomlyPerturbedSampling: add U(factor/2, factor), wrap into [−factor, factor)."""
     if factor <= 0:

@@ -9,7 +9,7 @@ the original box (``ori_size_px``), shell i at resolution ori_size_px·pixel_siz
 One iteration of a gold-standard refinement calls them in RELION's order
 (MlOptimiserMpi::iterate, expectation, maximization)::
 
-    optimiser, state = initial_schedule(config)                       # before iteration 1
+    optimiser, state = initial_schedule(config, rng)                  # before iteration 1
     state = state.counted_from(optimiser)                             # MPI's leader: changes vs the first steps
     res = current_resolution(model.ori_size_px, model.pixel_size_angstrom,
                              iteration=0, ini_high_angstrom=config.ini_high_angstrom)
@@ -250,13 +250,17 @@ def warn_if_diameter_clipped(config, ori_size_px: int, pixel_size_angstrom: floa
                     pixel_size_angstrom, config.width_mask_edge_px, used)
 
 
-def initial_schedule(config):
+def initial_schedule(config, rng: np.random.Generator):
     """The optimiser and schedule state before iteration 1 (RELION's initialiseGeneral).
 
     HEALPix order and offset disc from the options; when the starting order is already at or
     beyond --auto_local_healpix_order, local searches start at once with σ = 2·step (the
-    oversampled step), as RELION does at iteration 0.
+    oversampled step), as RELION does at iteration 0. The sampling's random perturbation takes its first step
+    now, drawn from `rng` (RELION's HealpixSampling::initialise), and one more before each iteration's search,
+    so that iteration 1 searches at the second step of the walk as RELION's does (in [-0.5, 0] of a step, where
+    the first step alone gives [0.25, 0.5]); not with --skip_align, whose kept poses RELION does not perturb.
     """
+    from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
     from cryorefine.em.state import OptimiserState
 
     local = config.auto_refine and config.healpix_order >= config.auto_local_healpix_order
@@ -272,6 +276,7 @@ def initial_schedule(config):
         smallest_changes_classes=RESET_SMALLEST_CHANGES_CLASSES,
         smallest_changes_offsets_angstrom=RESET_SMALLEST_CHANGES,
         smallest_changes_orientations_deg=RESET_SMALLEST_CHANGES,
+        perturbation=0.0 if config.skip_align else next_perturbation(0.0, PERTURBATION_FACTOR, rng),
     )
     return optimiser, ScheduleState(incr_size_px=int(config.incr_size_px))
 

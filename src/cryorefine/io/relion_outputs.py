@@ -63,6 +63,7 @@ import numpy as np
 import pandas as pd
 
 from cryorefine import __version__
+from cryorefine.core.sampling import PERTURBATION_FACTOR
 from cryorefine.errors import InputError
 from cryorefine.io.atomic import atomic_path
 from cryorefine.io.background import InOwnProcess
@@ -71,7 +72,6 @@ from cryorefine.io.star import FORMAT_CHUNK, ParticleStar, fixed_point_rows, rea
 NO_RESOLUTION_ANGSTROM = 999.0  # RELION's rlnAngstromResolution of shell 0
 PRIOR_MODE_NONE = 0
 PRIOR_MODE_ROT_TILT_PSI = 1  # RELION's PRIOR_ROTTILT_PSI, used for local searches
-DEFAULT_PERTURBATION_FACTOR = 0.5  # relion_refine --perturb
 RELION_LAYOUT_VERSION = "5.0.1"  # the RELION whose files these are laid out as (optimiser.star's first line)
 NO_TILT_LIMIT_DEG = -91.0  # RELION's rlnTiltAngleLimit when the tilt is not limited
 
@@ -464,7 +464,7 @@ def _sampling_general(sampling, optimiser, config, pixel_size_angstrom: float) -
         "rlnOffsetStep": _f(sampling.offset_step_px * pixel),
         "rlnHelicalOffsetStep": _f(-1.0),
         "rlnSamplingPerturbInstance": _f(sampling.perturbation),
-        "rlnSamplingPerturbFactor": _f(getattr(config, "perturbation_factor", DEFAULT_PERTURBATION_FACTOR)),
+        "rlnSamplingPerturbFactor": _f(PERTURBATION_FACTOR),
         "rlnHealpixOrderOriginal": original_order,
         "rlnPsiStepOriginal": _f(360.0 / (6 * 2 ** original_order)),
         "rlnOffsetRangeOriginal": _f(config.offset_range_px * pixel),

@@ -74,7 +74,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import relion_round
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.reconstruct import soft_mask_outside_map
-from cryorefine.core.sampling import Sampling, next_perturbation
+from cryorefine.core.sampling import PERTURBATION_FACTOR, Sampling, next_perturbation
 from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
@@ -316,6 +316,7 @@ class Class2DJob:
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
+        rng = np.random.default_rng(config.random_seed)  # the run's draws: the sampling's perturbations first
         k_classes = int(config.n_classes)
         if k_classes > len(particles):
             log.warning("--K %d with %d particles: %d classes or more will hold no particle; give --K %d or fewer",
@@ -329,7 +330,7 @@ class Class2DJob:
         model.sigma2_noise = noise_spectra(particles, settings, len(particles.optics_groups))
         model.maps = [initial_references(particles, settings, config, config.batch_size_for(box))]
         model.current_resolution_angstrom = initial_resolution_angstrom(config, box, pixel)
-        optimiser, _ = schedule.initial_schedule(config)
+        optimiser, _ = schedule.initial_schedule(config, rng)
         if config.grad:
             grid = gradient.full_grid(box, config.padding_factor, 2)
             model.moments = [gradient.Moments.start(grid) for _ in range(k_classes)]
@@ -338,7 +339,7 @@ class Class2DJob:
         poses.tilt_deg[:] = 0.0
         if not config.skip_align:
             poses.psi_deg[:] = 0.0
-        return RunState(model, optimiser, poses, np.random.default_rng(config.random_seed),
+        return RunState(model, optimiser, poses, rng,
                         extras={"class_distributions": np.zeros((0, k_classes)), "class_changes": np.zeros(0),
                                 "class_resolutions": np.zeros((0, k_classes))})
 
@@ -374,7 +375,8 @@ class Class2DJob:
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, current)
         optimiser = replace(run.optimiser, iteration=iteration)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
-            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+            perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
+            optimiser = replace(optimiser, perturbation=perturbation)
         run.optimiser = optimiser
         sampling = self._sampling(optimiser)
         poses = run.particles

@@ -54,7 +54,7 @@ import numpy as np
 
 from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.projector import Projector
-from cryorefine.core.sampling import next_perturbation
+from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, fine_pass_limits_reached
 from cryorefine.em.given_poses import GivenPoses
@@ -206,6 +206,7 @@ class ClassifyJob:
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
+        rng = np.random.default_rng(config.random_seed)  # the run's draws: the sampling's perturbations first
         k_classes = int(config.n_classes)
         if k_classes > len(particles):
             log.warning("--K %d with %d particles: %d classes or more will hold no particle; give --K %d or fewer",
@@ -213,7 +214,7 @@ class ClassifyJob:
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         maps, seeded = initial_references(config, box, pixel)
         n_optics = len(particles.optics_groups)
-        optimiser, _ = schedule.initial_schedule(config)
+        optimiser, _ = schedule.initial_schedule(config, rng)
         sigmas = self.local_sigmas()
         if sigmas is not None:  # RELION's PRIOR_ROTTILT_PSI from the first iteration on
             optimiser = replace(optimiser, local_searches=True, sigma_rot_deg=sigmas[0], sigma_tilt_deg=sigmas[1],
@@ -231,7 +232,7 @@ class ClassifyJob:
         model.current_resolution_angstrom = schedule.current_resolution(
             box, pixel, iteration=0, ini_high_angstrom=starting).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
-                        np.random.default_rng(config.random_seed),
+                        rng,
                         extras={"class_distributions": np.zeros((0, k_classes)), "class_changes": np.zeros(0),
                                 "class_resolutions": np.zeros((0, k_classes)), "seeded": seeded})
 
@@ -260,7 +261,8 @@ class ClassifyJob:
         if config.allow_coarser_sampling and k_classes > 1 and not (config.skip_align or self.local_sigmas()):
             optimiser = self._coarser_sampling(optimiser, model, sizes, likelihood, do_cc)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
-            optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+            perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
+            optimiser = replace(optimiser, perturbation=perturbation)
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         global_search = not (config.skip_align or self.local_sigmas())
         if global_search and not do_cc:

@@ -59,7 +59,7 @@ from cryorefine.core import euler
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.reconstruct import soft_mask_outside_map
-from cryorefine.core.sampling import next_perturbation
+from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import accuracy, gradient, loop, mstep, schedule
 from cryorefine.em.align_symmetry import align_to_symmetry
@@ -224,9 +224,10 @@ class InitialModelJob:
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
+        rng = np.random.default_rng(config.random_seed)  # the run's draws: the sampling's perturbations first
         k_classes = int(config.n_classes)
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
-        optimiser, _ = schedule.initial_schedule(config)
+        optimiser, _ = schedule.initial_schedule(config, rng)
         n_dir = schedule.sampling_from_optimiser(optimiser, config).n_directions
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=k_classes,
                            padding_factor=config.padding_factor, pdf_class=np.full(k_classes, 1.0 / k_classes),
@@ -241,7 +242,7 @@ class InitialModelJob:
         grid = gradient.full_grid(box, config.padding_factor, 3)
         model.moments = [gradient.Moments.start(grid) for _ in range(k_classes)]
         poses = ParticleState.from_particles(particles, pixel)
-        return RunState(model, optimiser, poses, np.random.default_rng(config.random_seed),
+        return RunState(model, optimiser, poses, rng,
                         extras={"step_sizes": np.zeros(0), "subset_sizes": np.zeros(0)})
 
     def resume(self, run, particles, iteration_root):
@@ -281,7 +282,8 @@ class InitialModelJob:
                                                          model.pixel_size_angstrom, sizes.current_size_px)
         optimiser = self._sampling(optimiser, run, likelihood_size_px or sizes.current_size_px,
                                    estimate_accuracy or accuracy.estimate_on_host)
-        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
+        optimiser = replace(optimiser, perturbation=perturbation)
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         max_sig = (config.max_significants if config.max_significants > 0

@@ -39,7 +39,7 @@ import numpy as np
 
 from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
-from cryorefine.core.sampling import next_perturbation
+from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.em import accuracy, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import initial_data_versus_prior, initial_tau2, lowpass_to_ini_high, read_reference
@@ -134,9 +134,10 @@ class RefineJob:
 
     def start(self, particles, settings, noise_spectra):
         config = self.config
+        rng = np.random.default_rng(config.random_seed)  # the run's draws: the sampling's perturbations first
         box, pixel = settings.ori_size_px, settings.pixel_size_angstrom
         n_optics = len(particles.optics_groups)
-        optimiser, sched = schedule.initial_schedule(config)
+        optimiser, sched = schedule.initial_schedule(config, rng)
         sched = sched.counted_from(optimiser)  # as relion_refine_mpi's leader counts the changes (ScheduleState)
         model = ModelState(ori_size_px=box, pixel_size_angstrom=pixel, n_classes=1,
                            padding_factor=config.padding_factor, pdf_class=np.ones(1),
@@ -152,7 +153,7 @@ class RefineJob:
         model.current_resolution_angstrom = schedule.current_resolution(
             box, pixel, iteration=0, ini_high_angstrom=starting).resolution_angstrom
         return RunState(model, optimiser, ParticleState.from_particles(particles, pixel),
-                        np.random.default_rng(config.random_seed), sched)
+                        rng, sched)
 
     def resume(self, run, particles, iteration_root):
         run.model.maps = [[mrc.read_volume(f"{iteration_root}_half{h}_class001.mrc")[0]] for h in (1, 2)]
@@ -184,7 +185,8 @@ class RefineJob:
             optimiser, run.schedule = schedule.update_sampling(
                 optimiser, model, config, run.schedule, auto_ignore_angle_changes=config.auto_ignore_angles,
                 auto_resolution_based_angles=config.auto_resol_angles)
-        optimiser = replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, 0.5, run.rng))
+        perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
+        optimiser = replace(optimiser, perturbation=perturbation)
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         run.optimiser = optimiser
         units = [WorkUnit(f"half {h + 1}", self.members[h], np.zeros(1, np.int64),
