@@ -260,7 +260,6 @@ def initial_schedule(config, rng: np.random.Generator):
     so that iteration 1 searches at the second step of the walk as RELION's does (in [-0.5, 0] of a step, where
     the first step alone gives [0.25, 0.5]); not with --skip_align, whose kept poses RELION does not perturb.
     """
-    from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
     from cryorefine.em.state import OptimiserState
 
     local = config.auto_refine and config.healpix_order >= config.auto_local_healpix_order
@@ -276,9 +275,20 @@ def initial_schedule(config, rng: np.random.Generator):
         smallest_changes_classes=RESET_SMALLEST_CHANGES_CLASSES,
         smallest_changes_offsets_angstrom=RESET_SMALLEST_CHANGES,
         smallest_changes_orientations_deg=RESET_SMALLEST_CHANGES,
-        perturbation=0.0 if config.skip_align else next_perturbation(0.0, PERTURBATION_FACTOR, rng),
     )
+    if not config.skip_align:
+        optimiser = perturbed(optimiser, rng)
     return optimiser, ScheduleState(incr_size_px=int(config.incr_size_px))
+
+
+def perturbed(optimiser, rng: np.random.Generator):
+    """`optimiser` with the sampling's random perturbation one step further along its walk, drawn from `rng`
+    (RELION's resetRandomlyPerturbedSampling: once as the sampling is set up, `initial_schedule`, and before each
+    iteration's search, the jobs' plans)."""
+    from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
+
+    return dataclasses.replace(optimiser, perturbation=next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR,
+                                                                          rng))
 
 
 def sampling_from_optimiser(optimiser, config):

@@ -74,7 +74,7 @@ from cryorefine.core.arrays import to_host
 from cryorefine.core.grid import relion_round
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.reconstruct import soft_mask_outside_map
-from cryorefine.core.sampling import PERTURBATION_FACTOR, Sampling, next_perturbation
+from cryorefine.core.sampling import Sampling
 from cryorefine.em import gradient, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.given_poses import GivenPoses
@@ -375,8 +375,7 @@ class Class2DJob:
         likelihood = schedule.likelihood_size_px(config.strict_highres_exp_angstrom, box, pixel, current)
         optimiser = replace(run.optimiser, iteration=iteration)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
-            perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
-            optimiser = replace(optimiser, perturbation=perturbation)
+            optimiser = schedule.perturbed(optimiser, run.rng)
         run.optimiser = optimiser
         sampling = self._sampling(optimiser)
         poses = run.particles

@@ -54,7 +54,6 @@ import numpy as np
 
 from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.projector import Projector
-from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.em import loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit, fine_pass_limits_reached
 from cryorefine.em.given_poses import GivenPoses
@@ -261,8 +260,7 @@ class ClassifyJob:
         if config.allow_coarser_sampling and k_classes > 1 and not (config.skip_align or self.local_sigmas()):
             optimiser = self._coarser_sampling(optimiser, model, sizes, likelihood, do_cc)
         if not config.skip_align:  # RELION does not perturb the poses it keeps
-            perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
-            optimiser = replace(optimiser, perturbation=perturbation)
+            optimiser = schedule.perturbed(optimiser, run.rng)
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         global_search = not (config.skip_align or self.local_sigmas())
         if global_search and not do_cc:

@@ -59,7 +59,6 @@ from cryorefine.core import euler
 from cryorefine.core.grid import PaddedGrid
 from cryorefine.core.projector import BackProjector
 from cryorefine.core.reconstruct import soft_mask_outside_map
-from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.core.symmetry import symmetry_group
 from cryorefine.em import accuracy, gradient, loop, mstep, schedule
 from cryorefine.em.align_symmetry import align_to_symmetry
@@ -282,8 +281,7 @@ class InitialModelJob:
                                                          model.pixel_size_angstrom, sizes.current_size_px)
         optimiser = self._sampling(optimiser, run, likelihood_size_px or sizes.current_size_px,
                                    estimate_accuracy or accuracy.estimate_on_host)
-        perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
-        optimiser = replace(optimiser, perturbation=perturbation)
+        optimiser = schedule.perturbed(optimiser, run.rng)
         run.optimiser = optimiser
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         max_sig = (config.max_significants if config.max_significants > 0

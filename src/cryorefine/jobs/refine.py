@@ -39,7 +39,6 @@ import numpy as np
 
 from cryorefine.core.arrays import to_host, to_host_pinned
 from cryorefine.core.fsc import solvent_corrected_fsc, ssnr_from_fsc, tau2_from_fsc
-from cryorefine.core.sampling import PERTURBATION_FACTOR, next_perturbation
 from cryorefine.em import accuracy, loop, mstep, schedule
 from cryorefine.em.estep import WorkUnit
 from cryorefine.em.references import initial_data_versus_prior, initial_tau2, lowpass_to_ini_high, read_reference
@@ -185,8 +184,7 @@ class RefineJob:
             optimiser, run.schedule = schedule.update_sampling(
                 optimiser, model, config, run.schedule, auto_ignore_angle_changes=config.auto_ignore_angles,
                 auto_resolution_based_angles=config.auto_resol_angles)
-        perturbation = next_perturbation(optimiser.perturbation, PERTURBATION_FACTOR, run.rng)
-        optimiser = replace(optimiser, perturbation=perturbation)
+        optimiser = schedule.perturbed(optimiser, run.rng)
         sampling = schedule.sampling_from_optimiser(optimiser, config)
         run.optimiser = optimiser
         units = [WorkUnit(f"half {h + 1}", self.members[h], np.zeros(1, np.int64),
