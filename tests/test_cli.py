@@ -195,6 +195,23 @@ def test_console_script_runs(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "x.star" in done.stderr
 
 
+def test_the_console_script_ends_at_once_with_its_whole_output_and_code(tmp_path):
+    """`console_main` ends the process with os._exit: what it printed to a pipe is all there, and --debug's
+    traceback still comes (an exception other than SystemExit ends it as Python does)."""
+    import subprocess
+    import sys
+
+    path, _ = make_particle_set(tmp_path, n=5)
+    done = subprocess.run([sys.executable, "-m", "cryorefine", "info", str(path)], capture_output=True, text=True)
+    shown = subprocess.run([sys.executable, "-c", "from cryorefine.cli import main; main(['info', %r])" % str(path)],
+                           capture_output=True, text=True)
+    assert done.returncode == 0 and shown.returncode == 0
+    assert done.stdout == shown.stdout and "5" in done.stdout  # every line, as an ordinary exit gives them
+    debug = subprocess.run([sys.executable, "-m", "cryorefine", "--debug", "info", str(tmp_path / "none.star")],
+                           capture_output=True, text=True)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "InputError" in debug.stderr
+
+
 def test_nan_pixels_met_by_refine_name_the_image_and_leave_no_iteration_files(tmp_path, capsys):
     """The E-step reads images unchecked and checks them where it prepares them: the same one-line error."""
     path, images = make_particle_set(tmp_path, n=6)

@@ -1,4 +1,4 @@
-from cryorefine.cli import main
+from cryorefine.cli import console_main
 
 if __name__ == "__main__":
-    main()
+    console_main()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -1023,8 +1023,45 @@ def _progress_bar():
     return update
 
 
+def console_main() -> None:
+    """The `cryorefine` command (and `python -m cryorefine`): `main`, then the process ends as soon as it has
+    (`end_process`). `main` itself returns, for callers in this interpreter."""
+    try:
+        main()
+    except SystemExit as exc:
+        end_process(exc.code)
+    end_process(0)
+
+
+def end_process(code: int | str | None) -> NoReturn:
+    """Ends the process with `code` (SystemExit's meaning: None is 0, a message goes to stderr and is 1) once its
+    work is done: the log and the standard streams flushed, MPI finalised where this process started it, then
+    `os._exit`, without the interpreter's teardown (the collection of every object, CuPy's pools given back block
+    by block, the modules unloaded), which nothing needs: every file was written and closed, and every thread and
+    process the command started ended, before it returned. From a run's last line to the process's exit took
+    0.7 s in one process and 1.5-1.8 s under mpirun with two GPUs (20,000 particles at 360 px, one 2 x H200 host,
+    before this)."""
+    import logging
+    import os
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe (`| head`) has nothing left to take
+            stream.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    os._exit(code)
+
+
 def main(argv=None):
-    """Console entry point: runs the group and turns errors into one line and an exit code."""
+    """Runs the group with `argv` (the command line's arguments by default) and turns errors into one line and an
+    exit code (SystemExit)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     _one_blas_thread()
