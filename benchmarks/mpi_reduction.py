@@ -40,7 +40,7 @@ def main(argv=None):
     nbytes = sum(v.nbytes for v in volumes)
     cupy.get_default_memory_pool().free_all_blocks()
     free_before = cupy.cuda.runtime.memGetInfo()[0]
-    reducer = DeviceCollectives(comm)
+    reducer = DeviceCollectives.maker(comm)()
     reducer.reduce(volumes[0].copy(), 0)  # the first collectives connect NCCL's channels
     reducer.broadcast_host(np.zeros(1 << 20, np.uint8) if rank == 0 else None, 1 << 20, 0)
     cupy.cuda.Device().synchronize()

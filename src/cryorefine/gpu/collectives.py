@@ -12,6 +12,7 @@ has NCCL and each worker has a GPU of its own; the MPI runner moves the data thr
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,27 +39,41 @@ def nccl_usable() -> bool:
 
 class DeviceCollectives:
     """An NCCL communicator over the ranks of an MPI communicator (one GPU each, the current device of each): made
-    collectively, as the MPI communicator's ranks all make it at once."""
+    collectively, as the MPI communicator's ranks all make it at once (`DeviceCollectives.maker(comm)()`)."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, rank: int, communicator) -> None:
+        self.rank = rank  # in the MPI communicator it was made over (`maker`)
+        self._comm = communicator  # CuPy's NcclCommunicator
+
+    @staticmethod
+    def maker(mpi_comm) -> Callable[[], DeviceCollectives]:
+        """Exchanges NCCL's id among the ranks of `mpi_comm` now (a collective of theirs, in MPI) and returns the
+        rest of the making, which needs no MPI: a function, to be called once on any thread by every rank, that
+        returns this rank's `DeviceCollectives` once all have called it."""
         from cupy.cuda import nccl
 
-        self.rank = mpi_comm.Get_rank()
-        unique_id = mpi_comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
-        self._comm = nccl.NcclCommunicator(mpi_comm.Get_size(), unique_id, self.rank)
+        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        unique_id = mpi_comm.bcast(nccl.get_unique_id() if rank == 0 else None, root=0)
+
+        return lambda: DeviceCollectives(rank, nccl.NcclCommunicator(size, unique_id, rank))
 
     def warm_up(self) -> None:
         """One small and one large reduction and broadcast: NCCL connects the ranks and allocates its buffers on a
         communicator's first collectives of each size class (about half a second on two H200s), here instead of in
-        the first iteration's reduction and M-step."""
+        the first iteration's reduction and M-step. Ordered on the current stream, which it waits for."""
         import cupy
 
-        for count in (1 << 10, 1 << 24):
-            array = cupy.zeros(count, dtype=cupy.float32)
-            self.reduce(array, 0)
-            self.broadcast(array, 0)
-            del array
-        cupy.cuda.get_current_stream().synchronize()
+        # its arrays from CuPy's own pool, outside NCCL_RESERVE_MB's room beside the arena, never from an arena's
+        # scopes: a worker warms up on a thread while its main thread uses the arena
+        pool = cupy.get_default_memory_pool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            for count in (1 << 10, 1 << 24):
+                array = cupy.zeros(count, dtype=cupy.float32)
+                self.reduce(array, 0)
+                self.broadcast(array, 0)
+                del array
+            cupy.cuda.get_current_stream().synchronize()
+        pool.free_all_blocks()
 
     def broadcast(self, array: DeviceArray, root: int) -> DeviceArray:
         """Rank `root`'s `array` (`takes`) on every rank, in place: the other ranks' arrays of the same shape and

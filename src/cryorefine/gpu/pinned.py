@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 #: blocks smaller than this are made when first asked for (a 2D class average or a 128 px map: milliseconds)
 MIN_BLOCK_BYTES = 32 << 20
@@ -23,19 +24,25 @@ MIN_BLOCK_BYTES = 32 << 20
 
 class PinnedAhead:
     """A thread making page-locked blocks of `block_bytes` (one for each entry) on the current device and giving
-    them to CuPy's pinned pool, where the first requests of the same sizes find them; `wait` for it before the work
-    it should not slow (its page-locking slows the process's other threads). Entries below MIN_BLOCK_BYTES are left
-    out."""
+    them to CuPy's pool, where the first requests of the same sizes find them; `wait` for it before the work it
+    should not slow (its page-locking slows the process's other threads). Entries below MIN_BLOCK_BYTES are left
+    out. `first`, where given, runs on the thread before the blocks (another part of a set-up that must not run
+    beside them: an MPI worker's NCCL communicator), on a stream of its own; `wait` returns what it returned."""
 
-    def __init__(self, block_bytes: Sequence[int]) -> None:
+    def __init__(self, block_bytes: Sequence[int], first: Callable[[], Any] | None = None) -> None:
         import cupy
 
         self.sizes = [int(n) for n in block_bytes if int(n) >= MIN_BLOCK_BYTES]
         self.made_bytes = 0
+        self.first_seconds = 0.0  # how long `first` took on the thread
+        self._first = first
+        self._first_result: Any = None
+        self._first_failure: BaseException | None = None
         self._device_id = cupy.cuda.Device().id
         self.failure: BaseException | None = None  # why the thread made fewer blocks than asked, if it did
         self._thread = threading.Thread(target=self._make, name="page-locked blocks", daemon=True)
-        if self.sizes:
+        self._started = bool(self.sizes) or first is not None
+        if self._started:
             self._thread.start()
 
     def _make(self) -> None:
@@ -43,19 +50,28 @@ class PinnedAhead:
         import cupyx
         import numpy as np
 
-        try:
-            with cupy.cuda.Device(self._device_id):  # pinned for the caller's device's context
+        with cupy.cuda.Device(self._device_id):  # pinned for the caller's device's context
+            if self._first is not None:
+                tic = time.perf_counter()
+                try:
+                    with cupy.cuda.Stream(non_blocking=True):  # not ordered with the caller's work meanwhile
+                        self._first_result = self._first()
+                except BaseException as exc:  # noqa: BLE001 - raised by `wait`, on the caller's thread
+                    self._first_failure = exc
+                self.first_seconds = time.perf_counter() - tic
+            try:
                 blocks = []
                 for size in self.sizes:
                     blocks.append(cupyx.empty_pinned(size, dtype=np.uint8))
                     self.made_bytes += size
                 del blocks  # back to the pool, kept there for the requests of the same sizes
-        except Exception as exc:  # noqa: BLE001 - no room to lock more host memory: the blocks come when asked for
-            self.failure = exc
+            except Exception as exc:  # noqa: BLE001 - no room to lock more host memory: the blocks come when asked for
+                self.failure = exc
 
-    def wait(self) -> float:
-        """Seconds spent waiting for the thread to end (0 where it had nothing to make)."""
-        tic = time.perf_counter()
-        if self.sizes:  # started
+    def wait(self) -> Any:
+        """Waits for the thread to end; `first`'s result (None without one), or its exception raised here."""
+        if self._started:
             self._thread.join()
-        return time.perf_counter() - tic
+        if self._first_failure is not None:
+            raise self._first_failure
+        return self._first_result

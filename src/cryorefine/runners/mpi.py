@@ -543,32 +543,43 @@ class MpiRunner:
             if failure is not None:
                 raise failure
             clock.mark("waiting for the master")
-            if ahead is not None:
-                ahead.wait()
-                clock.mark(f"page-locked blocks for the maps ({ahead.made_bytes / 1e9:.1f} GB)")
-                if ahead.failure is not None:
-                    logging.getLogger("cryorefine").warning(
-                        "worker %d: %.1f GB of page-locked memory made ahead for the maps, then %s; the first M-steps "
-                        "make the rest", self.rank, ahead.made_bytes / 1e9, ahead.failure)
             log_stages(f"worker {self.rank} on {socket.gethostname()} set up", setup)
             if kind == "noise":  # the master's set-up asks for the initial noise pass (a fresh run)
                 self._noise_batches(backend, particles, *payload)
                 kind, payload = self.objects.bcast(None, root=0)
             if kind != "setup":  # the master could not set the run up and says why
                 sys.exit(2)
+            self._set_up_ahead_joined(ahead)
             self._iterations(job, backend, particles, payload)
+
+    def _set_up_ahead_joined(self, ahead):
+        """The end of the set-up made on a thread (`_worker_backend`): the NCCL collectives in place, the time
+        waited for them logged."""
+        if ahead is None:
+            return
+        tic = time.perf_counter()
+        self.peers.channel.device = ahead.wait()
+        log = logging.getLogger("cryorefine")
+        if self.peers.channel.device is not None or ahead.made_bytes:
+            log.info("worker %d: made on a thread during the set-up: NCCL's collectives (%.2f s), %.1f GB of "
+                     "page-locked blocks for the maps; waited %.2f s for them after the initial noise pass", self.rank,
+                     ahead.first_seconds, ahead.made_bytes / 1e9, time.perf_counter() - tic)
+        if ahead.failure is not None:
+            log.warning("worker %d: %.1f GB of page-locked memory made ahead for the maps, then %s; the first M-steps "
+                        "make the rest", self.rank, ahead.made_bytes / 1e9, ahead.failure)
 
     @contextlib.contextmanager
     def _worker_backend(self, clock, host_map_bytes):
-        """(this worker's E-step backend, in its run scope, with the NCCL collectives the M-step shares the maps
-        through where every worker has a GPU of its own; page-locked blocks for two M-steps' maps of
-        `host_map_bytes` on their way, or None). `clock` (`em.loop.StageClock`) marks the device's and NCCL's set-up.
+        """(this worker's E-step backend, in its run scope; the rest of its set-up on a thread,
+        `gpu.pinned.PinnedAhead`, or None). `clock` (`em.loop.StageClock`) marks the device's set-up.
 
-        The blocks (`gpu.pinned.PinnedAhead`) are made on a thread from here to the end of the worker's set-up, so
-        that the first three M-steps make none: there each worker's collective waited for its peer's (0.8-1.0 s in
-        iterations 2 and 3 of the 105k Class3D on two H200s). Made from the first directions on, they lengthened
-        those from 1.6 to 3.6 s (the run's start 7.9 s); from here NCCL's set-up from 0.9 to 3.0 s instead (the start
-        7.2 s)."""
+        The thread makes, where every worker has a GPU of its own, the NCCL collectives the M-step shares the maps
+        through (and their first collectives, which connect the ranks), then page-locked blocks for two M-steps' maps
+        of `host_map_bytes`, so that the first three M-steps make none: there each worker's collective waited for its
+        peer's (0.8-1.0 s in iterations 2 and 3 of the 105k Class3D on two H200s). Neither is needed before iteration
+        1, so they are made while the worker makes its first directions, waits for the master and makes its share of
+        the initial noise pass (`_set_up_ahead_joined` waits for them after it). Made in line, NCCL's set-up took
+        0.9 s alone and 3.0 s beside the blocks, and the start waited for them."""
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
@@ -578,11 +589,12 @@ class MpiRunner:
         backend = make_backend(config, shared_by=shared_by)
         with backend.run_scope():
             clock.mark("device and its arena")
-            ahead = PinnedAhead(2 * host_map_bytes) if backend.name == "cuda" and host_map_bytes else None
-            self.peers.channel.device = self._device_collectives(self.workers)
-            if self.peers.channel.device is not None:  # NCCL's connections made now, not in the first reduction
-                self.peers.channel.device.warm_up()
-            clock.mark("collectives (NCCL's where each worker has a GPU)")
+            make_collectives = self._device_collectives_maker(self.workers)
+            ahead = None
+            if backend.name == "cuda":
+                ahead = PinnedAhead(2 * host_map_bytes, first=None if make_collectives is None
+                                    else lambda: _warmed_up(make_collectives()))
+            clock.mark("NCCL's id exchanged")
             yield backend, ahead
 
     @staticmethod
@@ -897,12 +909,18 @@ class MpiRunner:
     def _device_collectives(self, comm):
         """NCCL collectives (`gpu.collectives.DeviceCollectives`) over the workers of `comm`, made by all of them at
         once; None (the host path) unless every one has a GPU of its own and CuPy has NCCL, or for one worker."""
+        make = self._device_collectives_maker(comm)
+        return None if make is None else make()
+
+    def _device_collectives_maker(self, comm):
+        """`_device_collectives`, its MPI part done now by all of `comm`'s workers: the function that makes them
+        (`DeviceCollectives.maker`), or None."""
         from mpi4py import MPI
 
         usable = self.exclusive_gpu and comm.Get_size() > 1 and nccl_usable()
         if not comm.allreduce(usable, op=MPI.LAND):
             return None
-        return DeviceCollectives(comm)
+        return DeviceCollectives.maker(comm)
 
     def _sums_of_makers(self, held, plan, makers, real_dtype):
         """Every unit's WeightedSums for this worker's M-step: the class volumes of the maps it makes (those reduced
@@ -943,6 +961,12 @@ class MpiRunner:
         for start in range(0, flat.size, REDUCE_CHUNK_ELEMENTS):
             self.comm.Recv(flat[start:start + REDUCE_CHUNK_ELEMENTS], source=source + 1, tag=TAG_SUMS)
         return from_flat_reals(flat, like.shape, like.dtype)
+
+
+def _warmed_up(collectives):
+    """`collectives` after their first collectives (`DeviceCollectives.warm_up`)."""
+    collectives.warm_up()
+    return collectives
 
 
 def _host_broadcast(comm, array, root):
