@@ -203,7 +203,7 @@ def test_the_console_script_ends_at_once_with_its_whole_output_and_code(tmp_path
 
     path, _ = make_particle_set(tmp_path, n=5)
     done = subprocess.run([sys.executable, "-m", "cryorefine", "info", str(path)], capture_output=True, text=True)
-    shown = subprocess.run([sys.executable, "-c", "from cryorefine.cli import main; main(['info', %r])" % str(path)],
+    shown = subprocess.run([sys.executable, "-c", f"from cryorefine.cli import main; main(['info', {str(path)!r}])"],
                            capture_output=True, text=True)
     assert done.returncode == 0 and shown.returncode == 0
     assert done.stdout == shown.stdout and "5" in done.stdout  # every line, as an ordinary exit gives them
