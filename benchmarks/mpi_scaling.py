@@ -14,8 +14,9 @@ the one-process run is the plain line it is compared with.
 Before the measurements the Class3D job runs on 200 of the particles for 3 iterations, so that CuPy
 compiles the kernels and caches them on disk for every later process (--no-warmup: measure a cold start).
 
-Reported per run: the job's wall time (the process's, start to exit), the speed-up over one GPU, per
-iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
+Reported per run: the job's wall time (the process's, start to exit; of it the seconds outside the iterations: from
+the launch to the run's own clock, the run's start and end as it logs them, and from its last line to the exit), the
+speed-up over one GPU, per iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
 worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
 the sums by the workers, sums to their makers, the M-step on the workers (as rank 1 saw it), the new model to
 the master; results of older code name the M-step's parts "sums to rank 1" and "M-step on rank 1"), the batches a
@@ -44,6 +45,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -133,10 +135,7 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log.info("%s on %d: %s", job, workers, " ".join(command))
-    tic = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-    wall = time.perf_counter() - tic
+    done, stamps, wall = stamped_run(command, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     (out / "log.txt").write_text(done.stdout + done.stderr)
     if env and "CRYOREFINE_FAULT" in env:  # a run meant to fail: what it said and when it ended
         return {"returncode": done.returncode, "ended_unix": time.time(), "wall_seconds": wall,
@@ -161,9 +160,41 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
                                                                                         iterations_seen),
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
             "outside_iterations_seconds": wall - loop, "run_start_end_seconds": run_seconds,
+            "launch_and_exit_seconds": launch_and_exit(stamps, run_seconds, wall),
             "between_iterations_totals": between, "gpu_high_water_gb": memory}
     saved.write_text(json.dumps(result, indent=1))
     return result
+
+
+def outside_parts(run):
+    """"launch, start, end, exit" seconds of a run's result ("?" for a part it lacks: results of older code)."""
+    parts = {**run.get("launch_and_exit_seconds", {}), **run.get("run_start_end_seconds", {})}
+    return ", ".join("?" if parts.get(k) is None else f"{parts[k]:.1f}" for k in ("launch", "start", "end", "exit"))
+
+
+def stamped_run(command, env):
+    """`command` run to its end: (its CompletedProcess, [(seconds from the launch, line)] of its stderr as the lines
+    came, its wall seconds from the launch to its exit)."""
+    tic = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout = []
+    reader = threading.Thread(target=lambda: stdout.append(process.stdout.read()), daemon=True)
+    reader.start()
+    stamps = [(time.perf_counter() - tic, line) for line in process.stderr]
+    process.wait()
+    wall = time.perf_counter() - tic
+    reader.join()
+    done = subprocess.CompletedProcess(command, process.returncode, "".join(stdout), "".join(line for _, line in stamps))
+    return done, stamps, wall
+
+
+def launch_and_exit(stamps, run_seconds, wall):
+    """{"launch": seconds from the launch to the start of the run's own clock (the interpreter, the imports, mpirun's
+    ranks and MPI's set-up: the "run start" line's time less its seconds), "exit": from the "run end" line to the
+    process's exit}: the parts of the wall time the log does not time itself (None where a line is missing)."""
+    seen = {m[1]: at for at, line in stamps if (m := RUN_STAGES.match(line))}
+    launch = seen["start"] - run_seconds["start"] if "start" in seen and "start" in run_seconds else None
+    return {"launch": launch, "exit": wall - seen["end"] if "end" in seen else None}
 
 
 def parity(one, other):
@@ -234,7 +265,7 @@ def format_report(results):
         one = runs[0]
         shown = [name for name in MPI_STAGES if any(name in run["stage_totals"] for run in runs)]
         lines += ["", f"### {job}: {one['command']}", "",
-                  "| GPUs | job s | speed-up | E-step s | M-step s | outside iterations s | "
+                  "| GPUs | job s | speed-up | E-step s | M-step s | outside iterations s (launch, start, end, exit) | "
                   + " | ".join(f"{name} s" for name in shown) + " | arena high water GB |",
                   "|---|---|---|---|---|---|" + "---|" * len(shown) + "---|"]
         for run in runs:
@@ -243,7 +274,7 @@ def format_report(results):
             speed_up = one["wall_seconds"] / run["wall_seconds"]
             lines.append(f"| {run['label']} | {run['wall_seconds']:.0f} | {speed_up:.2f}× | "
                          f"{run['e_step_seconds']:.1f} | {run['m_step_seconds']:.1f} | "
-                         f"{run['outside_iterations_seconds']:.1f} | "
+                         f"{run['outside_iterations_seconds']:.1f} ({outside_parts(run)}) | "
                          + " | ".join(f"{totals.get(name, 0.0):.1f}" for name in shown) + f" | {memory} |")
         lines += ["", "E-step stages summed over the workers (s):", "",
                   "| stage | " + " | ".join(run["label"] for run in runs) + " |",

@@ -165,6 +165,11 @@ def test_mpi_scaling_runs_one_process_and_a_master_with_two_workers(tmp_path):
         assert 0 <= taken <= handed and handed > 0
     assert all(it["batches_taken_over_of_handed"] is None for it in one["iterations"])
     assert two["e_step_seconds"] <= two["wall_seconds"]
+    for run in (one, two):  # the untimed ends of the wall time, from the stderr lines' arrival
+        parts = run["launch_and_exit_seconds"]
+        assert 0.0 < parts["launch"] and 0.0 <= parts["exit"]
+        assert parts["launch"] + run["run_start_end_seconds"]["start"] + run["run_start_end_seconds"]["end"] \
+            + parts["exit"] <= run["outside_iterations_seconds"] + 0.2  # the log's rounding
     parity = two["parity"]
     assert parity["same_class_fraction"] == 1.0
     assert parity["class_distribution"][0] == parity["class_distribution"][1]
