@@ -531,7 +531,7 @@ class MpiRunner:
                 particles = load_particles(self.config.input_star, check_stacks=False)
                 clock.mark("particle table read")
                 # the first iteration's directions (and healpy's import, about a second) made now, not in its set-up,
-                # and before the set-up's thread starts: beside its page-locking they took 2.9 s instead of 1 s
+                # and before the set-up's thread starts: beside its page-locking they took 2.0-3.0 s, alone 0.8-1.0 s
                 direction_tables(self.config.healpix_order, self.config.symmetry)
                 clock.mark("first directions")
                 backend, ahead = scope.enter_context(self._worker_backend(clock, self._host_maps(job, particles)))
@@ -578,9 +578,9 @@ class MpiRunner:
         through (and their first collectives, which connect the ranks), then page-locked blocks for two M-steps' maps
         of `host_map_bytes`, so that the first three M-steps make none: there each worker's collective waited for its
         peer's (0.8-1.0 s in iterations 2 and 3 of the 105k Class3D on two H200s). Neither is needed before iteration
-        1, so they are made while the worker makes its first directions, waits for the master and makes its share of
-        the initial noise pass (`_set_up_ahead_joined` waits for them after it). Made in line, NCCL's set-up took
-        0.9 s alone and 3.0 s beside the blocks, and the start waited for them."""
+        1, so they are made while the worker waits for the master and makes its share of the initial noise pass
+        (`_set_up_ahead_joined` waits for them after it). Made in line, NCCL's set-up took 0.9 s alone and 3.0 s
+        beside the blocks, and the start waited for them."""
         config = self._worker_config()
         device = (socket.gethostname(), config.gpu_ids[0] if config.engine == "cuda" else None)
         shared_by = self.workers.allgather(device).count(device)  # workers of this node on this GPU
