@@ -524,3 +524,25 @@ def test_sigterm_names_the_last_complete_iteration_and_the_continue_line(tmp_pat
         f"cryorefine: error: interrupted (SIGTERM); iteration 2 is the last complete one: resume with "
         f"`cryorefine refine --continue {star}`")
     assert star.is_file()
+
+
+def test_the_progress_bar_is_cleared_as_each_iteration_ends():
+    """On a terminal each iteration's bar goes once its particles are done, before the iteration's lines and the
+    process's quick end; elsewhere there is no bar."""
+    import io
+    import re
+
+    from cryorefine.cli import _progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    update = _progress_bar(screen)
+    for total in (10, 6):  # two iterations
+        update(4, total)
+        assert screen.getvalue().rsplit("\r", 1)[-1].startswith(f"  0%|          | 0/{total} ")  # drawn
+        update(total - 4, total)
+        assert re.search(r"\r +\r$", screen.getvalue())  # the bar's line blanked and the cursor back at its start
+    assert _progress_bar(io.StringIO()) is None  # not a terminal: silent

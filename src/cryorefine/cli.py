@@ -1003,22 +1003,26 @@ def _iterations_run(reports) -> str:
     return f"{count} ({numbers}, continued from iteration {reports.continued_from})"
 
 
-def _progress_bar():
-    """A callback(done, total) showing particles/s and ETA per iteration on a terminal; silent otherwise."""
-    if not sys.stderr.isatty():
+def _progress_bar(stream=None):
+    """A callback(done, total) showing particles/s and ETA per iteration on a terminal (`stream`, stderr by default);
+    silent otherwise. Each iteration's bar is cleared as its last particles are done, before the iteration's lines
+    are logged (and before the process ends at once after the last: `end_process`)."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
         return None
     from tqdm import tqdm
 
     state = {"bar": None, "seen": 0}
 
     def update(done, total):
-        if state["bar"] is None or state["seen"] >= total:
-            if state["bar"] is not None:
-                state["bar"].close()
-            state["bar"] = tqdm(total=total, unit="particle", leave=False, file=sys.stderr)
+        if state["bar"] is None:
+            state["bar"] = tqdm(total=total, unit="particle", leave=False, file=stream)
             state["seen"] = 0
         state["bar"].update(done)
         state["seen"] += done
+        if state["seen"] >= total:
+            state["bar"].close()
+            state["bar"] = None
 
     return update
 
