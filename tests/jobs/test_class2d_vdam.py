@@ -106,6 +106,24 @@ def test_each_iteration_logs_the_parts_of_its_m_step_em_and_vdam(vdam_run, tmp_p
         assert_m_step_parts_within_the_m_step("\n".join(r.getMessage() for r in caplog.records), (1, 2), names)
 
 
+def test_the_progress_of_an_iteration_counts_its_mini_batch(vdam_run, tmp_path, monkeypatch):
+    """The progress bar's total is the particles the iteration takes (mini-batches of 200 of the 300 in iterations
+    1-3), and each iteration's batches add up to it, so that its bar ends with the iteration."""
+    from cryorefine import cli
+
+    _, star, _ = vdam_run
+    calls = []
+    monkeypatch.setattr(cli, "_progress_bar", lambda stream=None: lambda done, total: calls.append((done, total)))
+    assert run_cli("class2d", "--i", star, "--o", tmp_path / "run", "--iter", 10, "--grad_write_iter", 10, *VDAM) == 0
+    iterations, seen = [], 0
+    for done, total in calls:
+        seen += done
+        if seen == total:
+            iterations.append(total)
+            seen = 0
+    assert iterations == [200, 200, 200] + [300] * 7 and seen == 0
+
+
 def test_a_relion_continue_line_of_a_vdam_run_continues_it_as_class2d(vdam_run):
     from cryorefine.cli import relion_refine_command
 

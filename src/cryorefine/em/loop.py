@@ -56,6 +56,11 @@ class IterationPlan:
     units: list  # em.estep.WorkUnit: the E-step's work, one engine set-up each
     final: bool = False  # the last iteration (a refinement's halves joined, to Nyquist)
 
+    @property
+    def n_particles(self) -> int:
+        """The particles this iteration's E-step takes (a gradient run's mini-batch, else all): its units' members."""
+        return sum(len(unit.members) for unit in self.units)
+
 
 @dataclass
 class StepOutcome:

@@ -449,7 +449,7 @@ class MpiRunner:
                 store(indices, result)
                 outstanding -= 1
                 if progress:
-                    progress(indices.size, len(particles))
+                    progress(indices.size, plan.n_particles)
                 continue
             worker = source - 1
             work = None

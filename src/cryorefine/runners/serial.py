@@ -83,7 +83,7 @@ class SerialRunner:
         def on_result(u, indices, result):
             store(indices, result)
             if progress:
-                progress(indices.size, len(particles))
+                progress(indices.size, plan.n_particles)
 
         if self.kept is None:  # between iterations, in the run's scope
             reserve = kept_images_reserve_bytes(job.config, model, particles.geometry()[0])
