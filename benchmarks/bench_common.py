@@ -41,6 +41,21 @@ def run_cli(*args, log_path=None):
     return time.perf_counter() - tic
 
 
+def package_fingerprint():
+    """A SHA-256 of the cryorefine package this Python imports (every .py and .cu file under it, by relative path and
+    bytes), which is the code the scripts' `python -m cryorefine` subprocesses run (the same PYTHONPATH): what a
+    result was measured with, and what a --reuse must find unchanged."""
+    import hashlib
+
+    import cryorefine
+
+    root = Path(cryorefine.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 #: programs that start another one named later on their command line
 LAUNCHERS = ("mpirun", "mpiexec", "srun", "taskset", "nice", "numactl", "timeout", "env")
 

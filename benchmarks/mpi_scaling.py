@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402  (the package's fingerprint)
 import empiar10028  # noqa: E402  (the stand-in and the jobs' settings)
 
 log = logging.getLogger("mpi_scaling")
@@ -129,9 +130,13 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
     out = folder or args.work / "scaling" / f"{job}_{workers}gpu{'_mpi' if mpi and workers == 1 else ''}"
     command = command or command_of(job, star, reference, out, workers, args, iterations, mpi)
     saved = out / "result.json"
-    if args.reuse and saved.exists() and json.loads(saved.read_text())["command"] == " ".join(command):
-        log.info("%s on %d: the finished run in %s, not run again (--reuse)", job, workers, out)
-        return json.loads(saved.read_text())
+    code = bench_common.package_fingerprint()
+    if args.reuse and saved.exists():
+        earlier = json.loads(saved.read_text())
+        if earlier["command"] == " ".join(command) and earlier.get("code_sha256") == code:
+            log.info("%s on %d: the finished run in %s, not run again (--reuse)", job, workers, out)
+            return earlier
+        log.info("%s on %d: the run in %s had another command or code; run again", job, workers, out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log.info("%s on %d: %s", job, workers, " ".join(command))
@@ -160,7 +165,7 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
                                                                                         iterations_seen),
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
             "outside_iterations_seconds": wall - loop, "run_start_end_seconds": run_seconds,
-            "launch_and_exit_seconds": launch_and_exit(stamps, run_seconds, wall),
+            "launch_and_exit_seconds": launch_and_exit(stamps, run_seconds, wall), "code_sha256": code,
             "between_iterations_totals": between, "gpu_high_water_gb": memory}
     saved.write_text(json.dumps(result, indent=1))
     return result
@@ -324,9 +329,9 @@ def main(argv=None):
                         help="after the jobs: Class3D on the most GPUs with worker 2 killed at iteration K, then "
                              "--continue'd on one GPU, against the whole run (K+2 iterations)")
     parser.add_argument("--reuse", action="store_true",
-                        help="take a run finished before in --work with the same command line from its result.json "
-                             "instead of running it again (a lease split over several calls); the warm-up always "
-                             "runs")
+                        help="take a run finished before in --work with the same command line and the same "
+                             "cryorefine code (its sources' SHA-256) from its result.json instead of running it again "
+                             "(a lease split over several calls); the warm-up always runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:

@@ -337,3 +337,27 @@ def test_a_relion_program_that_is_not_there_is_refused_before_any_run(tmp_path, 
         assert done.returncode == 2, done.stderr[-2000:]
         assert str(missing) in done.stderr and "no such program" in done.stderr
         assert not work.exists() or not any(work.iterdir())
+
+
+def test_the_package_fingerprint_follows_the_code_that_runs(tmp_path):
+    """bench_common.package_fingerprint: the same sources give the same SHA-256 wherever they are, a changed kernel
+    or module another (mpi_scaling's --reuse takes an earlier run only with the same fingerprint)."""
+    import shutil
+
+    import cryorefine
+
+    source = Path(cryorefine.__file__).resolve().parent
+    fingerprint = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_common; "
+                   "print(bench_common.package_fingerprint())")
+
+    def of(folder):
+        done = subprocess.run([sys.executable, "-c", fingerprint, str(SCRIPT.parent)], capture_output=True, text=True,
+                              env={"PYTHONPATH": str(folder), "PATH": ""}, check=True)
+        return done.stdout.strip()
+
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy / "cryorefine", ignore=shutil.ignore_patterns("__pycache__"))
+    assert of(copy) == of(source.parent)
+    kernel = copy / "cryorefine" / "estep" / "kernels" / "fine.cu"
+    kernel.write_text(kernel.read_text() + "\n// changed\n")
+    assert of(copy) != of(source.parent)
