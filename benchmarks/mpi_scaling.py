@@ -16,8 +16,8 @@ compiles the kernels and caches them on disk for every later process (--no-warmu
 
 Reported per run: the job's wall time (the process's, start to exit; of it the seconds outside the iterations: from
 the launch to the run's own clock, the run's start and end as it logs them, and from its last line to the exit), the
-speed-up over one GPU, per iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's seconds per
-worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
+speed-up over one GPU, per iteration the E- and M-step, the E-step's stages summed over the workers (so a stage's
+seconds per worker are its sum / W), the MPI stages (broadcast of the plan and model by the master, reduction of
 the sums by the workers, sums to their makers, the M-step on the workers (as rank 1 saw it), the new model to
 the master; results of older code name the M-step's parts "sums to rank 1" and "M-step on rank 1"), the batches a
 worker took over from another's share (which it reads from the stacks), the set-up
@@ -189,7 +189,8 @@ def stamped_run(command, env):
     process.wait()
     wall = time.perf_counter() - tic
     reader.join()
-    done = subprocess.CompletedProcess(command, process.returncode, "".join(stdout), "".join(line for _, line in stamps))
+    stderr = "".join(line for _, line in stamps)
+    done = subprocess.CompletedProcess(command, process.returncode, "".join(stdout), stderr)
     return done, stamps, wall
 
 
