@@ -62,7 +62,9 @@ def test_vdam_writes_relions_files_where_relion_writes_them(vdam_run):
         for suffix in ("data.star", "classes.mrcs", "model.star", "optimiser.star", "1moment.mrcs", "2moment.mrcs"):
             assert (out / f"run_it{it:03d}_{suffix}").is_file(), (it, suffix)
     for it in (1, 3):
-        assert not list(out.glob(f"run_it{it:03d}_*.star"))
+        assert not list(out.glob(f"run_it{it:03d}_*")), it  # nothing, not even what --continue would read
+    assert sorted(p.name for p in out.glob("run_it*_resume.npz")) == [  # beside every optimiser.star
+        f"run_it{it:03d}_resume.npz" for it in (0, 2, 4, 5, 6, 7, 8, 9, 10)]
     # two pseudo-half sets' first moments of 3 classes, one second moment each; 32 px padded twice: 64 × 2·33
     assert read_stack(out / "run_it010_1moment.mrcs").shape == (6, 64, 66)
     assert read_stack(out / "run_it010_2moment.mrcs").shape == (3, 64, 66)
