@@ -443,6 +443,39 @@ def test_relion_s_gui_flags_under_mpi_give_the_classes_of_a_run_without_them(mix
     assert "preread" in results["relion"].stderr  # the E-step's stage of reading the shares in
 
 
+def test_a_rank_bound_to_one_cpu_says_so_and_how_to_launch_it_unbound():
+    """One CPU of several (Open MPI binds each rank to a core when it starts two or fewer) draws one line naming
+    the rank, the host, the CPU and the launcher options that give it more; two CPUs, or a machine of one, none."""
+    from cryorefine.runners.mpi import narrow_binding_warning
+
+    line = narrow_binding_warning(2, "node7", {5}, 32)
+    assert "rank 2 on node7" in line and "CPU 5 only" in line and "1 of 32" in line
+    assert "--bind-to none" in line and "--cpus-per-task" in line and "\n" not in line
+    assert narrow_binding_warning(2, "node7", {4, 5}, 32) is None
+    assert narrow_binding_warning(1, "laptop", {0}, 1) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs and Linux")
+def test_ranks_started_on_one_cpu_warn_and_still_classify(mixture):
+    """mpiexec and its ranks confined to one CPU (as a launcher's binding leaves them): every rank warns once, in
+    one line, and the run still ends as it should."""
+    from conftest import CLASSIFY_ARGS
+
+    def one_cpu():
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+    command = [mpiexec(), "-n", "3", sys.executable, "-m", "cryorefine", "classify", "--i", str(mixture / "mix.star"),
+               "--ref", str(mixture / "avg.mrc"), "--o", str(mixture / "one_cpu" / "run"), "--iter", "1",
+               *(str(a) for a in CLASSIFY_ARGS)]
+    environment = dict(os.environ)
+    environment.pop("PMI_SIZE", None)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment,
+                            preexec_fn=one_cpu)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "the launcher bound it there" in line]
+    assert sorted(re.search(r"rank (\d+) on", line).group(1) for line in lines) == ["0", "1", "2"], lines
+
+
 @pytest.mark.gpu
 def test_two_gpus_add_their_sums_on_the_devices_as_on_the_host(mixture):
     """Two workers on two GPUs of one host: the class volumes added up with NCCL on the devices give the class

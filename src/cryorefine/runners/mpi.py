@@ -115,6 +115,9 @@ FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to
 # Class3D's end took 2.7 s on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and
 # 2.6 s against one GPU's 2.1 s on another host
 MAPS_RECEIVE_POLL_SECONDS = 0.0002
+# fewer CPUs than this for a rank (where the machine has them) draws a warning: a worker's E-step thread, its image
+# reads and its maps' transfer (a thread waiting in MPI, which polls), the master's loop and its writer
+MIN_CPUS_PER_RANK = 2
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -246,6 +249,27 @@ def _local_rank(rank):
     return rank
 
 
+def available_cpus():
+    """The CPUs this process may run on (all of them where the system does not say)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def narrow_binding_warning(rank, host, cpus, machine_cpus):
+    """The one line that says rank `rank` on `host` may run on the CPUs `cpus` only, fewer than MIN_CPUS_PER_RANK
+    of the machine's `machine_cpus` (the launcher bound it there: Open MPI's mpirun binds each rank to one core
+    when it starts two ranks or fewer, Slurm each task to its --cpus-per-task), or None where it has enough."""
+    if len(cpus) >= min(MIN_CPUS_PER_RANK, machine_cpus):
+        return None
+    named = ", ".join(str(c) for c in sorted(cpus))
+    return (f"rank {rank} on {host} may run on CPU {named} only ({len(cpus)} of {machine_cpus}: the launcher bound "
+            f"it there), and all its threads share it; launch with `mpirun --bind-to none` (Open MPI binds each "
+            f"rank to one core when it starts two or fewer) or give each Slurm task --cpus-per-task "
+            f"{MIN_CPUS_PER_RANK * 2} or more")
+
+
 def node_communicator(workers):
     """The workers of this worker's host, as one communicator (MPI's shared-memory split): --scratch_dir copies the
     stacks once per host, and --preread_images divides a host's memory among its workers."""
@@ -332,6 +356,9 @@ class MpiRunner:
         self.exclusive_gpu = False  # a worker: whether it has a GPU no other worker uses (set as it starts)
         self.maps_outgoing = None  # a worker: the thread moving its share of the last maps to the master
         self.noise_batches_left = 0  # the master: batches of the workers' noise pass whose sums it has not received
+        warning = narrow_binding_warning(self.rank, socket.gethostname(), available_cpus(), os.cpu_count() or 1)
+        if warning:
+            logging.getLogger("cryorefine").warning(warning)
 
     def begin_initial_noise(self, particles, settings, n_optics=None):
         """The workers start the initial noise pass (`_noise_batches`), each batch's sums sent here as it is ready,
