@@ -7,6 +7,7 @@ for --chains). A helper module imported by the other scripts; run alone it only 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -54,6 +55,25 @@ def package_fingerprint():
     for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def host_cpus(cpuinfo_path="/proc/cpuinfo"):
+    """This machine's CPUs as the results record them: {"model": the first "model name" of `cpuinfo_path` (else
+    the platform's processor), "cpus": how many this process may run on}. Two hosts of one GPU kind differ most in
+    the stages their CPUs drive, so every result names its host's."""
+    import platform
+
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path(cpuinfo_path).read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                model = line.split(":", 1)[1].strip()
+                break
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return {"model": model or platform.processor() or platform.machine(), "cpus": cpus}
 
 
 #: programs that start another one named later on their command line

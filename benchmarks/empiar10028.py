@@ -112,6 +112,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (
+    host_cpus,
     iteration_file_times,
     refuse_missing_programs,
     run_logged,
@@ -527,7 +528,7 @@ def device_info(args):
     import cryorefine
 
     info = {"host": platform.node(), "python": platform.python_version(), "numpy": np.__version__,
-            "cryorefine": cryorefine.__version__, "engine": args.engine}
+            "cryorefine": cryorefine.__version__, "engine": args.engine, "host_cpus": host_cpus()}
     if args.engine == "cuda":
         import cupy
 

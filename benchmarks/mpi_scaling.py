@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common  # noqa: E402  (the package's fingerprint)
+import bench_common  # noqa: E402  (the package's fingerprint, the host's CPUs)
 import empiar10028  # noqa: E402  (the stand-in and the jobs' settings)
 
 log = logging.getLogger("mpi_scaling")
@@ -264,9 +264,15 @@ def killed_and_continued(star, reference, worker_counts, args):
     return result
 
 
+def _host_text(results):
+    """", on N CPUs (model)" of a result's host where it names one (results before 2026-12-01 do not)."""
+    host = results.get("host_cpus")
+    return f", on {host['cpus']} CPUs ({host['model']})" if host else ""
+
+
 def format_report(results):
     lines = [f"EMPIAR-10028 stand-in: {results['n_particles']} particles, {results['box_px']} px; "
-             f"{results['gpus']} × {results['device']}; {results['date']}"]
+             f"{results['gpus']} × {results['device']}{_host_text(results)}; {results['date']}"]
     for job, runs in results["jobs"].items():
         one = runs[0]
         shown = [name for name in MPI_STAGES if any(name in run["stage_totals"] for run in runs)]
@@ -379,7 +385,8 @@ def main(argv=None):
         log.info("warm-up (kernel compilation): %.0f s", time.perf_counter() - tic)
     results = {"date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name,
                                                                                *(argv or sys.argv[1:])]),
-               "device": device, "gpus": args.gpus, "n_particles": stand_in.n, "box_px": stand_in.box, "jobs": {}}
+               "device": device, "gpus": args.gpus, "host_cpus": bench_common.host_cpus(),
+               "n_particles": stand_in.n, "box_px": stand_in.box, "jobs": {}}
     for job in args.jobs:
         runs = results["jobs"][job] = []
         for w in workers:

@@ -361,3 +361,18 @@ def test_the_package_fingerprint_follows_the_code_that_runs(tmp_path):
     kernel = copy / "cryorefine" / "estep" / "kernels" / "fine.cu"
     kernel.write_text(kernel.read_text() + "\n// changed\n")
     assert of(copy) != of(source.parent)
+
+
+def test_the_host_s_cpus_are_named_from_cpuinfo(tmp_path):
+    """bench_common.host_cpus: the first model name of /proc/cpuinfo's format, and the CPUs this process may use
+    (at least one); a file without one falls back to the platform's name, never an empty model."""
+    with benchmark_modules("bench_common") as (bench_common,):
+        host_cpus = bench_common.host_cpus
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\n"
+                    "processor\t: 1\nmodel name\t: Another CPU\n")
+    host = host_cpus(info)
+    assert host["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert host["cpus"] >= 1
+    (tmp_path / "empty").write_text("processor\t: 0\n")
+    assert host_cpus(tmp_path / "empty")["model"] and host_cpus(tmp_path / "missing")["model"]
