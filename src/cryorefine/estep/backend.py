@@ -57,11 +57,16 @@ def make_backend(config: RefineConfig, device_id: int | None = None, shared_by: 
 
 
 def available_cores() -> int:
-    """The cores this process may run on."""
+    """How many CPUs this process may run on."""
+    return len(available_cpus())
+
+
+def available_cpus() -> set[int]:
+    """The CPUs this process may run on (all of the machine's where the system does not say)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
 class NumpyBackend:

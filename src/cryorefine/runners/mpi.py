@@ -93,7 +93,7 @@ from cryorefine.em.estep import (
 )
 from cryorefine.em.loop import StageClock, StepOutcome, log_stages
 from cryorefine.errors import InputError, RunInterrupted, resource_message
-from cryorefine.estep.backend import make_backend
+from cryorefine.estep.backend import available_cpus, make_backend
 from cryorefine.estep.engine import flat_reals, from_flat_reals
 from cryorefine.gpu.collectives import NCCL_RESERVE_MB, DeviceCollectives, nccl_usable
 from cryorefine.gpu.pinned import PinnedAhead
@@ -249,15 +249,7 @@ def _local_rank(rank):
     return rank
 
 
-def available_cpus():
-    """The CPUs this process may run on (all of them where the system does not say)."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return set(range(os.cpu_count() or 1))
-
-
-def narrow_binding_warning(rank, host, cpus, machine_cpus):
+def narrow_binding_warning(rank: int, host: str, cpus: set[int], machine_cpus: int) -> str | None:
     """The one line that says rank `rank` on `host` may run on the CPUs `cpus` only, fewer than MIN_CPUS_PER_RANK
     of the machine's `machine_cpus` (the launcher bound it there: Open MPI's mpirun binds each rank to one core
     when it starts two ranks or fewer, Slurm each task to its --cpus-per-task), or None where it has enough."""
