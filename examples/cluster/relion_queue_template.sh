@@ -2,12 +2,13 @@
 # RELION's queue-submission template for cryorefine on a Slurm cluster.
 #
 # In RELION's GUI (Running tab of Refine3D or Class3D): "Submit to queue?" Yes, "Standard submission script" this
-# file, "Number of MPI procs" = GPUs + 1 (a master and one worker per GPU), "Number of threads" 4 or more (each
-# rank's CPUs under Slurm: a GPU worker's E-step, image reads and maps' transfer run on threads of their own, and a
-# rank bound to one CPU ran the 10k Class3D at half speed). "Queue submit command" sbatch. RELION fills in its variables (job name, queue,
-# MPI procs, threads, the command) and submits; the job's relion_refine_mpi line is run as it is by `cryorefine relion_refine` (`--auto_refine` lines
-# as `cryorefine refine`, the others as `cryorefine classify`). RELION's pipeline sees the job end through the
-# RELION_JOB_EXIT_* file that --pipeline_control (on every GUI line) makes cryorefine write.
+# file, "Number of MPI procs" = GPUs + 1 (a master and one worker per GPU), "Number of threads" 4 or more (each rank's
+# CPUs under Slurm: a GPU worker's E-step, image reads and maps' transfer run on threads of their own, and a rank
+# bound to one CPU ran the 10k Class3D at half speed). "Queue submit command" sbatch. RELION fills in its variables
+# (job name, queue, MPI procs, threads, the command) and submits; the job's relion_refine_mpi line is run as it is by
+# `cryorefine relion_refine` (`--auto_refine` lines as `cryorefine refine`, the others as `cryorefine classify`).
+# RELION's pipeline sees the job end through the RELION_JOB_EXIT_* file that --pipeline_control (on every GUI line)
+# makes cryorefine write.
 #
 # Leave "Which GPUs to use" empty: each worker then takes a GPU of its own node (local rank modulo the node's
 # GPUs), on any number of nodes. --gpu "0:1:2:3" names devices in rank order, which holds on one node only.
