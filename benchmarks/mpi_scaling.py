@@ -123,6 +123,16 @@ def command_of(job, star, reference, out, workers, args, iterations=None, mpi=Fa
     return [*args.mpirun.split(), "-n", str(workers + 1), *cryorefine, *arguments, *engine, *args.gui_flags.split()]
 
 
+#: the environment variables that change how a run runs: MPI's parameters, cryorefine's own, the GPUs it sees
+RUN_SETTING_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "MPICH_", "CRYOREFINE_", "CUDA_VISIBLE_DEVICES", "NCCL_")
+
+
+def run_settings(environment):
+    """Those of `environment`'s variables that change how a run runs (`RUN_SETTING_PREFIXES`), sorted by name: kept
+    with each result, and what a --reuse must find the same (an MPI parameter set for one run changes no command)."""
+    return {name: value for name, value in sorted(environment.items()) if name.startswith(RUN_SETTING_PREFIXES)}
+
+
 def run_one(job, star, reference, workers, args, iterations=None, folder=None, command=None, env=None):
     """One run of `job` with `workers` ("1": one process; "W" or "1mpi": a master and W workers); `command` instead of
     the job's own line (a --continue), `env` added to the environment."""
@@ -131,16 +141,19 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
     command = command or command_of(job, star, reference, out, workers, args, iterations, mpi)
     saved = out / "result.json"
     code = bench_common.package_fingerprint()
+    environment = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    settings = run_settings(environment)
     if args.reuse and saved.exists():
         earlier = json.loads(saved.read_text())
-        if earlier["command"] == " ".join(command) and earlier.get("code_sha256") == code:
+        if (earlier["command"] == " ".join(command) and earlier.get("code_sha256") == code
+                and earlier.get("environment", {}) == settings):
             log.info("%s on %d: the finished run in %s, not run again (--reuse)", job, workers, out)
             return earlier
-        log.info("%s on %d: the run in %s had another command or code; run again", job, workers, out)
+        log.info("%s on %d: the run in %s had another command, code or environment; run again", job, workers, out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log.info("%s on %d: %s", job, workers, " ".join(command))
-    done, stamps, wall = stamped_run(command, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    done, stamps, wall = stamped_run(command, environment)
     (out / "log.txt").write_text(done.stdout + done.stderr)
     if env and "CRYOREFINE_FAULT" in env:  # a run meant to fail: what it said and when it ended
         return {"returncode": done.returncode, "ended_unix": time.time(), "wall_seconds": wall,
@@ -166,6 +179,7 @@ def run_one(job, star, reference, workers, args, iterations=None, folder=None, c
             "m_step_seconds": sum(it["maximization"] for it in iterations_seen),
             "outside_iterations_seconds": wall - loop, "run_start_end_seconds": run_seconds,
             "launch_and_exit_seconds": launch_and_exit(stamps, run_seconds, wall), "code_sha256": code,
+            "environment": settings,
             "between_iterations_totals": between, "gpu_high_water_gb": memory}
     saved.write_text(json.dumps(result, indent=1))
     return result
@@ -336,9 +350,10 @@ def main(argv=None):
                         help="after the jobs: Class3D on the most GPUs with worker 2 killed at iteration K, then "
                              "--continue'd on one GPU, against the whole run (K+2 iterations)")
     parser.add_argument("--reuse", action="store_true",
-                        help="take a run finished before in --work with the same command line and the same "
-                             "cryorefine code (its sources' SHA-256) from its result.json instead of running it again "
-                             "(a lease split over several calls); the warm-up always runs")
+                        help="take a run finished before in --work with the same command line, the same "
+                             "cryorefine code (its sources' SHA-256) and the same MPI, NCCL, CUDA device and "
+                             "CRYOREFINE_ variables from its result.json instead of running it again (a lease split "
+                             "over several calls); the warm-up always runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.engine is None:

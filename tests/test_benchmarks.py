@@ -376,3 +376,14 @@ def test_the_host_s_cpus_are_named_from_cpuinfo(tmp_path):
     assert host["cpus"] >= 1
     (tmp_path / "empty").write_text("processor\t: 0\n")
     assert host_cpus(tmp_path / "empty")["model"] and host_cpus(tmp_path / "missing")["model"]
+
+
+def test_mpi_scaling_keeps_the_environment_a_reuse_must_match():
+    """mpi_scaling.run_settings: MPI's parameters, cryorefine's own variables and the GPUs a run sees are kept (a
+    --reuse under another OMPI_MCA_ value must run again), the rest of the environment is not."""
+    with benchmark_modules("mpi_scaling") as (mpi_scaling,):
+        kept = mpi_scaling.run_settings({"PATH": "/usr/bin", "HOME": "/root", "OMPI_MCA_mpi_yield_when_idle": "1",
+                                         "CRYOREFINE_FAULT": "2:3", "CUDA_VISIBLE_DEVICES": "0,1",
+                                         "OMPI_ALLOW_RUN_AS_ROOT": "1", "PYTHONUNBUFFERED": "1"})
+    assert kept == {"CRYOREFINE_FAULT": "2:3", "CUDA_VISIBLE_DEVICES": "0,1", "OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert list(kept) == sorted(kept)
