@@ -69,11 +69,9 @@ def host_cpus(cpuinfo_path="/proc/cpuinfo"):
             if line.startswith("model name") and ":" in line:
                 model = line.split(":", 1)[1].strip()
                 break
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return {"model": model or platform.processor() or platform.machine(), "cpus": cpus}
+    from cryorefine.estep.backend import available_cores
+
+    return {"model": model or platform.processor() or platform.machine(), "cpus": available_cores()}
 
 
 #: programs that start another one named later on their command line

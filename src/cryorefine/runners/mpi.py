@@ -115,9 +115,10 @@ FAILURE_GRACE_SECONDS = 20.0  # how long a failed worker waits for the master to
 # Class3D's end took 2.7 s on two H200s against one GPU's 1.2 s (the last six 187 MB maps crossing); at this, 2.1 and
 # 2.6 s against one GPU's 2.1 s on another host
 MAPS_RECEIVE_POLL_SECONDS = 0.0002
-# fewer CPUs than this for a rank (where the machine has them) draws a warning: a worker's E-step thread, its image
-# reads and its maps' transfer (a thread waiting in MPI, which polls), the master's loop and its writer
-MIN_CPUS_PER_RANK = 2
+# fewer CPUs than this for a rank (where the machine has them) draws a warning, which asks for ADVISED_CPUS_PER_RANK:
+# a worker's E-step thread, its image reads and its maps' transfer (a thread waiting in MPI, which polls), the
+# master's loop and its writer
+MIN_CPUS_PER_RANK, ADVISED_CPUS_PER_RANK = 2, 4
 REDUCE_CHUNK_ELEMENTS = 1 << 24  # reals per MPI message or reduction (128 MB of float64)
 # the job size as the launchers set it (not SLURM_NTASKS: a plain command inside a batch job is no MPI run)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -259,7 +260,7 @@ def narrow_binding_warning(rank: int, host: str, cpus: set[int], machine_cpus: i
     return (f"rank {rank} on {host} may run on CPU {named} only ({len(cpus)} of {machine_cpus}: the launcher bound "
             f"it there), and all its threads share it; launch with `mpirun --bind-to none` (Open MPI binds each "
             f"rank to one core when it starts two or fewer) or give each Slurm task --cpus-per-task "
-            f"{MIN_CPUS_PER_RANK * 2} or more")
+            f"{ADVISED_CPUS_PER_RANK} or more")
 
 
 def node_communicator(workers):
