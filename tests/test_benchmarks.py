@@ -4,6 +4,7 @@ No timing is asserted: the figures are only checked for consistency with each ot
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from conftest import benchmark_modules
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "empiar10028.py"
+EXAMPLE_MAP = Path(__file__).resolve().parents[1] / "examples" / "ribosome_64px.mrc"
 
 
 @pytest.fixture
@@ -387,3 +389,31 @@ def test_mpi_scaling_keeps_the_environment_a_reuse_must_match():
                                          "OMPI_ALLOW_RUN_AS_ROOT": "1", "PYTHONUNBUFFERED": "1"})
     assert kept == {"CRYOREFINE_FAULT": "2:3", "CUDA_VISIBLE_DEVICES": "0,1", "OMPI_MCA_mpi_yield_when_idle": "1"}
     assert list(kept) == sorted(kept)
+
+
+def test_main_thread_profile_counts_where_a_command_spends_its_time(tmp_path):
+    """benchmarks/main_thread_profile.py around `cryorefine reconstruct` of simulated particles: the command's own
+    output is written, and the report finds the command's entry and its job's function on the main thread's stack
+    in nearly every sample."""
+    from conftest import run_cli
+
+    from cryorefine.core.fourier import downsample_volume
+    from cryorefine.io.mrc import read_volume, write_volume
+
+    write_volume(tmp_path / "truth.mrc", downsample_volume(read_volume(EXAMPLE_MAP)[0], 32), 12.0)
+    assert run_cli("simulate", "--ref", tmp_path / "truth.mrc", "--n", 300, "--snr", 0.5, "--seed", 2,
+                   "--o", tmp_path / "sim") == 0
+    report = tmp_path / "profile.txt"
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "main_thread_profile.py"), "--out", str(report), "--",
+                             "reconstruct", "--i", str(tmp_path / "sim" / "particles.star"), "--o",
+                             str(tmp_path / "map.mrc"), "--ctf", "--half_maps"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "map.mrc").exists()
+    text = report.read_text()
+    samples = int(re.match(r"wall [\d.]+ s, (\d+) samples", text).group(1))
+    assert samples > 20
+    inclusive = text.split("== cryorefine functions on the stack\n")[1].split("\n\n")[0]
+    counts = {line.split(None, 3)[3]: int(line.split()[2]) for line in inclusive.splitlines()}
+    assert counts["cli.py main"] >= 0.9 * samples
+    assert counts["jobs/reconstruct.py reconstruct"] >= 0.9 * samples
