@@ -461,16 +461,15 @@ def test_ranks_started_on_one_cpu_warn_and_still_classify(mixture):
     one line, and the run still ends as it should."""
     from conftest import CLASSIFY_ARGS
 
-    def one_cpu():
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-
-    command = [mpiexec(), "-n", "3", sys.executable, "-m", "cryorefine", "classify", "--i", str(mixture / "mix.star"),
-               "--ref", str(mixture / "avg.mrc"), "--o", str(mixture / "one_cpu" / "run"), "--iter", "1",
-               *(str(a) for a in CLASSIFY_ARGS)]
+    # a small Python sets its affinity to one CPU and becomes mpiexec (no preexec_fn: unsafe beside threads)
+    on_one_cpu = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+                  "os.execv(sys.argv[1], sys.argv[1:])")
+    command = [sys.executable, "-c", on_one_cpu, mpiexec(), "-n", "3", sys.executable, "-m", "cryorefine", "classify",
+               "--i", str(mixture / "mix.star"), "--ref", str(mixture / "avg.mrc"),
+               "--o", str(mixture / "one_cpu" / "run"), "--iter", "1", *(str(a) for a in CLASSIFY_ARGS)]
     environment = dict(os.environ)
     environment.pop("PMI_SIZE", None)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment,
-                            preexec_fn=one_cpu)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "the launcher bound it there" in line]
     assert sorted(re.search(r"rank (\d+) on", line).group(1) for line in lines) == ["0", "1", "2"], lines
