@@ -329,13 +329,21 @@ def test_local_shift_images_matches_the_numpy_phase(cp):
     assert np.all(got[:, :, n_t:] == 0)
 
 
-@pytest.mark.parametrize("oversampling", [1, 2])  # 8 × 4 children in one tile; 64 × 16 in 16 tiles of 4 × 16
-def test_fine_diff2_relative_error_below_1e5(cp, oversampling, fine_slices):
+# 8 × 4 children in one tile; 64 × 16 on tensor cores (fine_tc.cu) or in 16 tiles of 4 × 16 (fine.cu)
+@pytest.mark.parametrize("oversampling,tensor_cores", [(1, False), (2, True), (2, False)])
+def test_fine_diff2_relative_error_below_1e5(cp, oversampling, tensor_cores, fine_slices):
     _, setup, batch = random_problem(6, 48, 5, sigma_scale=30.0, sampling_kw=dict(oversampling=oversampling))
     from cryorefine.estep.cuda import CupyEngine
+    from cryorefine.estep.kernels import fine_diff2_launch
 
     gpu = CupyEngine(keep_blocks=True)
+    if not tensor_cores:
+        gpu.compute_capability = 75  # as a device without TF32: fine.cu's kernel
+    elif gpu.compute_capability < 80:
+        pytest.skip("no TF32 tensor cores on this device")
     gpu.setup(setup)
+    name, _ = fine_diff2_launch(gpu.n_fo, gpu.n_ft, False, gpu.compute_capability)
+    assert name.startswith("fine_diff2_tc") == tensor_cores
     gpu.run(batch)
     ref = NumpyEngine(np.float64, keep_blocks=True)
     ref.setup(setup)

@@ -22,7 +22,27 @@ def test_the_tiles_cover_every_child_of_a_block_once_and_stay_small(k):
     if k <= 1:  # oversampling 0 and 1: the whole block in one tile, as before tiling
         assert (to, tt) == (nfo, nft)
     names = kernels.fine_kernel_names(nfo, nft)
-    assert len(set(names)) == 3 and all(f"<{nfo}, {nft}, {to}, {tt}" in n for n in names)
+    assert all(f"<{nfo}, {nft}, {to}, {tt}" in n for n in names[:3])
+    # from oversampling 2 (64 × 16 children) also the likelihood's diff2 on tensor cores
+    assert names[3:] == ((f"fine_diff2_tc<{nfo}, {nft}>",) if k >= 2 else ())
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("nfo,nft,do_cc,capability,want", [
+    (64, 16, False, 90, ("fine_diff2_tc<64, 16>", 1)),
+    (512, 64, False, "80", ("fine_diff2_tc<512, 64>", 8)),  # CuPy gives the capability as a string
+    (64, 16, True, 90, ("fine_diff2<64, 16, 4, 16, true>", 16)),  # cross-correlation: fine.cu's
+    (64, 16, False, 75, ("fine_diff2<64, 16, 4, 16, false>", 16)),  # no TF32 before 8.0
+    (8, 4, False, 90, ("fine_diff2<8, 4, 8, 4, false>", 1)),  # oversampling 1: the products too small
+    (4, 16, False, 90, ("fine_diff2<4, 16, 4, 16, false>", 1)),  # 2D references at oversampling 2
+])
+def test_the_fine_diff2_kernel_and_grid_follow_the_children_the_score_and_the_device(nfo, nft, do_cc, capability,
+                                                                                   want):
+    """fine_diff2_launch names one of the instances `fine_kernel_names` compiles, and its grid's second size covers
+    the block's children: the tensor-core kernel takes 64 orientations and every translation a CUDA block."""
+    name, tiles = kernels.fine_diff2_launch(nfo, nft, do_cc, capability)
+    assert (name, tiles) == want
+    assert name in kernels.fine_kernel_names(nfo, nft)
 
 
 @pytest.mark.parametrize("counts,tile", [([1, 64, 65, 128, 130, 0, 3], 64), ([198, 162, 177], 64), ([31, 32, 33], 32)])
@@ -212,3 +232,4 @@ def test_2d_references_have_a_module_of_their_own(monkeypatch):
     assert "#if REF_DIM == 2" in kernels.kernel_source(2)  # the switch the source holds
     with pytest.raises(ValueError, match="2D or 3D"):
         kernels.kernel_source(4)
+

@@ -18,9 +18,10 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    and a bound on the candidates; the candidates packed: `coarse_weight_stats`, `coarse_candidates`;
    numpy twin `common.significant_samples`), and the cut sorts the candidates alone; only the
    per-particle counts come to the host;
-3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`), grouped by (class, coarse
-   orientation) pair: where a pair has many blocks its NFO slices are projected once, every class's pairs in
-   one launch (`project_slices_of_classes`), and read by all of them, else each block projects its own;
+3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`; the likelihood's on tensor cores,
+   `fine_diff2_tc`, at 64 × 16 children and finer on 8.0 and later), grouped by (class, coarse orientation)
+   pair: where a pair has many blocks its NFO slices are projected once, every class's pairs in one launch
+   (`project_slices_of_classes`), and read by all of them, else each block projects its own;
    per-particle weights with segment reductions (`segment_reduce`);
 4. weighted sums per block (`fine_sums`: noise spectra, scale sums, per-orientation slices)
    and atomic back-projection of the slices into float32 padded volumes (`backproject_slices`), as RELION's
@@ -80,6 +81,7 @@ from cryorefine.estep.kernels import (
     WEIGHT_THREADS,
     coarse_shared_bytes,
     device_coarse_kernel,
+    fine_diff2_launch,
     fine_kernel_names,
     fine_tiles,
     kernel_module,
@@ -234,6 +236,7 @@ class CupyEngine:
         self.cp = cupy
         self.array_module = cupy  # batches are prepared on the device (images.prepare_batch)
         self.device_id = int(device_id)
+        self.compute_capability = int(cupy.cuda.Device(self.device_id).compute_capability)
         # the global search's coarse product, one of COARSE_KERNELS: by default the device's (`device_coarse_kernel`,
         # chosen at set-up, when the references' module is known)
         self.coarse_kernel_asked = coarse_kernel
@@ -734,8 +737,8 @@ class CupyEngine:
         blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
-        names = fine_kernel_names(nfo, nft)
-        fn = self._module(names).get_function(names[1] if s.do_cc else names[0])
+        name, tiles = fine_diff2_launch(nfo, nft, s.do_cc, self.compute_capability)
+        fn = self._module(fine_kernel_names(nfo, nft)).get_function(name)
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
         self.stage_flops["fine"] += 8.0 * n_blocks * nf * n_coef
@@ -746,7 +749,7 @@ class CupyEngine:
         tic = self._tick("fine_setup", tic)  # the blocks' orientations, matrices and (class, orientation) pairs
         if not pairs.project_once:
             if n_blocks:
-                fn((n_blocks, fine_tiles(nfo, nft)), (FINE_THREADS,),
+                fn((n_blocks, tiles), (FINE_THREADS,),
                    (*geometry, _NULL, _NULL, _NULL, blk["b"], blk["k"], blk["u"], blk["t"], *tail))
             tic = self._tick("fine", tic)
         else:
@@ -757,7 +760,7 @@ class CupyEngine:
                     slices = self._project_pairs(chunk_pairs, pairs.n_unique,
                                                  self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d))
                     tic = self._tick("fine_slices", tic)
-                    fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
+                    fn((int(in_chunk.size), tiles), (FINE_THREADS,),
                        (*geometry, slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["k"][in_chunk],
                         blk["u"][in_chunk], blk["t"][in_chunk], *tail))
                     tic = self._tick("fine", tic)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_FILES = ("atomics.cu", "reductions.cu", "project.cu", "coarse.cu", "coarse_tf32.cu", "coarse_wgmma.cu",
-                "local.cu", "fine.cu", "backproject.cu", "segments.cu", "weights.cu")
+                "local.cu", "fine.cu", "fine_tc.cu", "backproject.cu", "segments.cu", "weights.cu")
 COMPILE_OPTIONS = ("-std=c++17",)
 
 # coarse_diff2 (coarse.cu): one thread block computes a GEMM_BM × GEMM_BN tile of the (particle, translation)
@@ -50,6 +50,10 @@ FINE_THREADS = 128  # threads per block of fine_diff2 / fine_sums (fine.cu)
 # fine_diff2 / fine_sums take a block's children in tiles of at most FINE_TILE_CHILDREN (at most FINE_TILE_TRANSLATIONS
 # translations), one tile per CUDA block, so a thread's sums stay in registers: 8 × 4 (one tile) at oversampling 1
 FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
+# fine_diff2_tc (fine_tc.cu), the likelihood's fine diff2 on tensor cores where a block's children allow it: one CUDA
+# block takes FINE_TC_ORIENTATIONS child orientations (4 warps × two m16n8k8 tiles of 8) and every translation, in
+# row tiles of FINE_TC_TRANSLATIONS
+FINE_TC_ORIENTATIONS, FINE_TC_TRANSLATIONS = 64, 16
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
 WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_candidates (weights.cu)
 # local_diff2_t* (local.cu): one block takes a tile of orientations × translations of one particle (`local_tile`),
@@ -62,7 +66,8 @@ REF_DIMS = (2, 3)  # the dimensionalities of the references a module is compiled
 
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
-           "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK, "WGMMA_SHARED_BYTES": WGMMA_SHARED_BYTES}
+           "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK, "WGMMA_SHARED_BYTES": WGMMA_SHARED_BYTES,
+           "FTC_OT": FINE_TC_ORIENTATIONS}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
@@ -147,13 +152,32 @@ def local_tiles(counts: npt.ArrayLike, tile_orientations: int, xp: ArrayModule =
     return tuple(xp.asarray(a, dtype=np.int32) for a in (particle, first, counts))
 
 
-def fine_kernel_names(nfo: int, nft: int) -> tuple[str, str, str]:
-    """The template instances of fine.cu for NFO child orientations × NFT child translations (tiled by `fine_tile`):
-    the fine diff2 (likelihood, then cross-correlation) and the fine sums; pass them to `kernel_module` as name
+def fine_tensor_core_shape(nfo: int, nft: int) -> bool:
+    """Whether blocks of NFO × NFT children fit fine_diff2_tc's tiles (64 × 16 and finer: a 3D search at
+    oversampling 2 or more)."""
+    return int(nfo) % FINE_TC_ORIENTATIONS == 0 and int(nft) % FINE_TC_TRANSLATIONS == 0
+
+
+def fine_kernel_names(nfo: int, nft: int) -> tuple[str, ...]:
+    """The template instances of fine.cu and fine_tc.cu for NFO child orientations × NFT child translations (tiled
+    by `fine_tile`): the fine diff2 (likelihood, then cross-correlation), the fine sums, and where
+    `fine_tensor_core_shape` allows, the likelihood's diff2 on tensor cores; pass them to `kernel_module` as name
     expressions."""
     to, tt = fine_tile(nfo, nft)
-    return (f"fine_diff2<{nfo}, {nft}, {to}, {tt}, false>", f"fine_diff2<{nfo}, {nft}, {to}, {tt}, true>",
-            f"fine_sums<{nfo}, {nft}, {to}, {tt}>")
+    names = (f"fine_diff2<{nfo}, {nft}, {to}, {tt}, false>", f"fine_diff2<{nfo}, {nft}, {to}, {tt}, true>",
+             f"fine_sums<{nfo}, {nft}, {to}, {tt}>")
+    return names + ((f"fine_diff2_tc<{nfo}, {nft}>",) if fine_tensor_core_shape(nfo, nft) else ())
+
+
+def fine_diff2_launch(nfo: int, nft: int, do_cc: bool, compute_capability: str | int) -> tuple[str, int]:
+    """The fine diff2 kernel (one of `fine_kernel_names(nfo, nft)`) for a device of `compute_capability` and its
+    grid's second size (the first is the blocks): on tensor cores (8.0 and later) for the likelihood where the
+    children's shape allows, one CUDA block per FINE_TC_ORIENTATIONS child orientations; else fine.cu's, one per
+    `fine_tile`."""
+    names = fine_kernel_names(nfo, nft)
+    if not do_cc and len(names) == 4 and int(compute_capability) >= 80:
+        return names[3], int(nfo) // FINE_TC_ORIENTATIONS
+    return names[1] if do_cc else names[0], fine_tiles(nfo, nft)
 
 
 def kernel_source(ref_dim: int = 3) -> str:
