@@ -23,14 +23,15 @@ def test_the_tiles_cover_every_child_of_a_block_once_and_stay_small(k):
         assert (to, tt) == (nfo, nft)
     names = kernels.fine_kernel_names(nfo, nft)
     assert all(f"<{nfo}, {nft}, {to}, {tt}" in n for n in names[:3])
-    # from oversampling 2 (64 × 16 children) also the likelihood's diff2 on tensor cores
-    assert names[3:] == ((f"fine_diff2_tc<{nfo}, {nft}>",) if k >= 2 else ())
+    # at oversampling 2 (64 × 16 children) also the likelihood's diff2 on tensor cores
+    assert names[3:] == ((f"fine_diff2_tc<{nfo}, {nft}>",) if k == 2 else ())
     assert len(set(names)) == len(names)
 
 
 @pytest.mark.parametrize("nfo,nft,do_cc,capability,want", [
     (64, 16, False, 90, ("fine_diff2_tc<64, 16>", 1)),
-    (512, 64, False, "80", ("fine_diff2_tc<512, 64>", 8)),  # CuPy gives the capability as a string
+    (64, 16, False, "80", ("fine_diff2_tc<64, 16>", 1)),  # CuPy gives the capability as a string
+    (512, 64, False, 90, ("fine_diff2<512, 64, 4, 16, false>", 512)),  # several row tiles: not yet
     (64, 16, True, 90, ("fine_diff2<64, 16, 4, 16, true>", 16)),  # cross-correlation: fine.cu's
     (64, 16, False, 75, ("fine_diff2<64, 16, 4, 16, false>", 16)),  # no TF32 before 8.0
     (8, 4, False, 90, ("fine_diff2<8, 4, 8, 4, false>", 1)),  # oversampling 1: the products too small

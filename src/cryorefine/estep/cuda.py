@@ -19,7 +19,7 @@ each with its numpy twin, compiled per device by `estep.kernels.kernel_module`):
    numpy twin `common.significant_samples`), and the cut sorts the candidates alone; only the
    per-particle counts come to the host;
 3. fine pass over compressed blocks of NFO × NFT children (`fine_diff2`; the likelihood's on tensor cores,
-   `fine_diff2_tc`, at 64 × 16 children and finer on 8.0 and later), grouped by (class, coarse orientation)
+   `fine_diff2_tc`, at 64 × 16 children on 8.0 and later), grouped by (class, coarse orientation)
    pair: where a pair has many blocks its NFO slices are projected once, every class's pairs in one launch
    (`project_slices_of_classes`), and read by all of them, else each block projects its own;
    per-particle weights with segment reductions (`segment_reduce`);

@@ -153,9 +153,10 @@ def local_tiles(counts: npt.ArrayLike, tile_orientations: int, xp: ArrayModule =
 
 
 def fine_tensor_core_shape(nfo: int, nft: int) -> bool:
-    """Whether blocks of NFO × NFT children fit fine_diff2_tc's tiles (64 × 16 and finer: a 3D search at
-    oversampling 2 or more)."""
-    return int(nfo) % FINE_TC_ORIENTATIONS == 0 and int(nft) % FINE_TC_TRANSLATIONS == 0
+    """Whether blocks of NFO × NFT children take fine_diff2_tc: a multiple of 64 orientations and 16 translations,
+    one row tile (a 3D search at oversampling 2). The kernel's several row tiles (oversampling 3, 512 × 64) compile
+    but have not run on a GPU, so those blocks stay on fine.cu's kernel."""
+    return int(nfo) % FINE_TC_ORIENTATIONS == 0 and int(nft) == FINE_TC_TRANSLATIONS
 
 
 def fine_kernel_names(nfo: int, nft: int) -> tuple[str, ...]:

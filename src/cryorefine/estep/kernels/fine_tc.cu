@@ -1,6 +1,7 @@
 // The fine pass's likelihood squared differences on tensor cores, FP32-accurate (3xTF32, as coarse_tf32.cu), for
-// blocks of NFO × NFT children with NFO a multiple of FTC_OT (64) and NFT of 16: oversampling 2 and finer of a 3D
-// search (64 × 16 children a block at oversampling 2). Same arguments and output as fine_diff2<…, false> (fine.cu).
+// blocks of NFO × NFT children with NFO a multiple of FTC_OT (64) and NFT of 16: a 3D search at oversampling 2
+// (64 × 16 children a block; `estep.kernels.fine_tensor_core_shape` keeps oversampling 3's 512 × 64, whose several
+// row tiles have not run on a GPU, on fine.cu's kernel). Same arguments and output as fine_diff2<…, false> (fine.cu).
 //
 // A child's ½ Σ_c minv·|x·e^{−2πi k·s/N} − ctf·P|² is taken as
 //     ½ Σ minv·|x|²  +  ½ Σ minv·ctf²·|P_io|²  −  Σ Re(a_it · conj(P_io)),   a_it = minv·ctf·x·e^{−2πi k·s_it/N}:
