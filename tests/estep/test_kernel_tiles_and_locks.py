@@ -233,4 +233,3 @@ def test_2d_references_have_a_module_of_their_own(monkeypatch):
     assert "#if REF_DIM == 2" in kernels.kernel_source(2)  # the switch the source holds
     with pytest.raises(ValueError, match="2D or 3D"):
         kernels.kernel_source(4)
-
