@@ -176,7 +176,7 @@ def fine_diff2_launch(nfo: int, nft: int, do_cc: bool, compute_capability: str |
     children's shape allows, one CUDA block per FINE_TC_ORIENTATIONS child orientations; else fine.cu's, one per
     `fine_tile`."""
     names = fine_kernel_names(nfo, nft)
-    if not do_cc and len(names) == 4 and int(compute_capability) >= 80:
+    if not do_cc and fine_tensor_core_shape(nfo, nft) and int(compute_capability) >= 80:
         return names[3], int(nfo) // FINE_TC_ORIENTATIONS
     return names[1] if do_cc else names[0], fine_tiles(nfo, nft)
 
