@@ -40,10 +40,34 @@ def test_the_tiles_cover_every_child_of_a_block_once_and_stay_small(k):
 def test_the_fine_diff2_kernel_and_grid_follow_the_children_the_score_and_the_device(nfo, nft, do_cc, capability,
                                                                                    want):
     """fine_diff2_launch names one of the instances `fine_kernel_names` compiles, and its grid's second size covers
-    the block's children: the tensor-core kernel takes 64 orientations and every translation a CUDA block."""
-    name, tiles = kernels.fine_diff2_launch(nfo, nft, do_cc, capability)
+    the block's children: the tensor-core kernel takes 64 orientations and every translation a CUDA block, and groups
+    blocks (as many as FINE_TC_GROUP_ROWS translations hold); fine.cu's kernel one block a CUDA block."""
+    name, tiles, group_blocks = kernels.fine_diff2_launch(nfo, nft, do_cc, capability)
     assert (name, tiles) == want
     assert name in kernels.fine_kernel_names(nfo, nft)
+    if name.startswith("fine_diff2_tc"):
+        assert group_blocks >= 1 and group_blocks * nft <= max(kernels.FINE_TC_GROUP_ROWS, nft)
+    else:
+        assert group_blocks == 0
+
+
+@pytest.mark.parametrize("keys,group_blocks", [([], 4), ([7], 4), ([3, 3, 3, 3, 3, 3, 3, 3, 3], 4),
+                                               ([5, 1, 5, 2, 1, 5, 5, 5, 9, 1], 2), ([4, 2, 4, 2, 4], 1)])
+def test_fine_groups_hold_blocks_of_one_key_at_most_the_group_size(keys, group_blocks):
+    """Every block is in exactly one group; a group's blocks share their key; no group is larger than asked; and
+    the blocks of a key fill as few groups as the size allows."""
+    import numpy as np
+
+    keys = np.asarray(keys, dtype=np.int64)
+    order, first = kernels.fine_groups(keys, group_blocks)
+    assert first.dtype == np.int32 and first[0] == 0 and first[-1] == keys.size
+    assert sorted(order.tolist()) == list(range(keys.size))
+    sizes = np.diff(first)
+    assert np.all((sizes >= 1) & (sizes <= group_blocks))
+    groups = [keys[order[a:b]] for a, b in zip(first[:-1], first[1:])]
+    assert all(np.all(g == g[0]) for g in groups)
+    for key in np.unique(keys):
+        assert sum(1 for g in groups if g[0] == key) == -(-int(np.sum(keys == key)) // group_blocks)
 
 
 @pytest.mark.parametrize("counts,tile", [([1, 64, 65, 128, 130, 0, 3], 64), ([198, 162, 177], 64), ([31, 32, 33], 32)])

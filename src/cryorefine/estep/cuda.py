@@ -82,6 +82,7 @@ from cryorefine.estep.kernels import (
     coarse_shared_bytes,
     device_coarse_kernel,
     fine_diff2_launch,
+    fine_groups,
     fine_kernel_names,
     fine_tiles,
     kernel_module,
@@ -737,7 +738,7 @@ class CupyEngine:
         blk = {"b": b_blk.astype(cp.int32), "k": k_blk.astype(cp.int32), "u": u_blk.astype(cp.int32),
                "t": t_blk.astype(cp.int32)}
         n_coef = self.fine.positions.size
-        name, tiles = fine_diff2_launch(nfo, nft, s.do_cc, self.compute_capability)
+        name, tiles, group_blocks = fine_diff2_launch(nfo, nft, s.do_cc, self.compute_capability)
         fn = self._module(fine_kernel_names(nfo, nft)).get_function(name)
         x_norm2 = cp.sum(pre["x"].real ** 2 + pre["x"].imag ** 2, axis=1).astype(cp.float32)
         diff2 = cp.empty((n_blocks, nf), dtype=cp.float64)
@@ -746,11 +747,26 @@ class CupyEngine:
         geometry = (self.ref_volumes, *self.geometry, self.class_stride, fine_mats_d)
         tail = (self.fine_trans_d, pre["x"], pre["ctf"], self.minv_fine, pre["optics_d"], pre["residual_d"], x_norm2,
                 self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), diff2)
+
+        def launch(index, slices=_NULL, row0=None):
+            """fine diff2 of the blocks `index` (all, in order, if None), each block's first slice row `row0`"""
+            if group_blocks:  # blocks of one particle, class and coarse orientation together (`fine_groups`)
+                key = (blk["b"].astype(cp.int64) * self.n_classes + blk["k"]) * unique_o.size + blk["u"]
+                order, first = fine_groups(key if index is None else key[index], group_blocks, xp=cp)
+                index, row0 = (order if index is None else index[order]), (None if row0 is None else row0[order])
+                grid, extra = int(first.size) - 1, (first,)
+            else:
+                grid, extra = (n_blocks if index is None else int(index.size)), ()
+            if not grid:
+                return
+            chosen = (blk[a] if index is None else blk[a][index] for a in "bkut")
+            fn((grid, tiles), (FINE_THREADS,),
+               (*geometry, slices, _NULL if row0 is None else row0,
+                _NULL if index is None else index.astype(cp.int32), *chosen, *tail, *extra))
+
         tic = self._tick("fine_setup", tic)  # the blocks' orientations, matrices and (class, orientation) pairs
         if not pairs.project_once:
-            if n_blocks:
-                fn((n_blocks, tiles), (FINE_THREADS,),
-                   (*geometry, _NULL, _NULL, _NULL, blk["b"], blk["k"], blk["u"], blk["t"], *tail))
+            launch(None)
             tic = self._tick("fine", tic)
         else:
             per_chunk = self._pairs_per_chunk(SLICE_BYTES_PER_COEF)
@@ -760,9 +776,7 @@ class CupyEngine:
                     slices = self._project_pairs(chunk_pairs, pairs.n_unique,
                                                  self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d))
                     tic = self._tick("fine_slices", tic)
-                    fn((int(in_chunk.size), tiles), (FINE_THREADS,),
-                       (*geometry, slices, row0, in_chunk.astype(cp.int32), blk["b"][in_chunk], blk["k"][in_chunk],
-                        blk["u"][in_chunk], blk["t"][in_chunk], *tail))
+                    launch(in_chunk, slices, row0)
                     tic = self._tick("fine", tic)
                     del slices, in_chunk, row0
         # priors of every child: class, parent orientation (and direction), child offset

@@ -54,6 +54,10 @@ FINE_TILE_CHILDREN, FINE_TILE_TRANSLATIONS = 64, 16
 # block takes FINE_TC_ORIENTATIONS child orientations (4 warps × two m16n8k8 tiles of 8) and every translation, in
 # row tiles of FINE_TC_TRANSLATIONS
 FINE_TC_ORIENTATIONS, FINE_TC_TRANSLATIONS = 64, 16
+# and one CUDA block takes the blocks of one particle, class and coarse orientation at several coarse translations,
+# FINE_TC_GROUP_ROWS translations at most (`fine_groups`): their children's slices are projected once for all of them
+# (two blocks at oversampling 2; four took more registers than they saved: docs/benchmark-conclusions.md)
+FINE_TC_GROUP_ROWS = 32
 SEG_THREADS = 256  # threads per segment of segment_reduce (segments.cu)
 WEIGHT_THREADS = 1024  # threads per particle of coarse_weight_stats / coarse_candidates (weights.cu)
 # local_diff2_t* (local.cu): one block takes a tile of orientations × translations of one particle (`local_tile`),
@@ -67,7 +71,7 @@ REF_DIMS = (2, 3)  # the dimensionalities of the references a module is compiled
 DEFINES = {"GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK, "FINE_THREADS": FINE_THREADS,
            "SEG_THREADS": SEG_THREADS, "WEIGHT_THREADS": WEIGHT_THREADS, "LOCAL_CK": LOCAL_CK,
            "LOCAL_THREADS": LOCAL_THREADS, "WGMMA_BK": WGMMA_BK, "WGMMA_SHARED_BYTES": WGMMA_SHARED_BYTES,
-           "FTC_OT": FINE_TC_ORIENTATIONS}
+           "FTC_OT": FINE_TC_ORIENTATIONS, "FTC_GROUP_ROWS": FINE_TC_GROUP_ROWS}
 
 COMPILE_NOTICE_SECONDS = 2.0  # a compilation that takes longer is announced (a cached one takes well under this)
 
@@ -170,15 +174,39 @@ def fine_kernel_names(nfo: int, nft: int) -> tuple[str, ...]:
     return names + ((f"fine_diff2_tc<{nfo}, {nft}>",) if fine_tensor_core_shape(nfo, nft) else ())
 
 
-def fine_diff2_launch(nfo: int, nft: int, do_cc: bool, compute_capability: str | int) -> tuple[str, int]:
-    """The fine diff2 kernel (one of `fine_kernel_names(nfo, nft)`) for a device of `compute_capability` and its
-    grid's second size (the first is the blocks): on tensor cores (8.0 and later) for the likelihood where the
-    children's shape allows, one CUDA block per FINE_TC_ORIENTATIONS child orientations; else fine.cu's, one per
-    `fine_tile`."""
+def fine_diff2_launch(nfo: int, nft: int, do_cc: bool, compute_capability: str | int) -> tuple[str, int, int]:
+    """The fine diff2 kernel (one of `fine_kernel_names(nfo, nft)`) for a device of `compute_capability`, its grid's
+    second size (the first is the blocks, or their groups) and the blocks a CUDA block takes at most (0: one, and
+    the kernel takes no `group_first`): on tensor cores (8.0 and later) for the likelihood where the children's shape
+    allows, one CUDA block per FINE_TC_ORIENTATIONS child orientations of a group of blocks (`fine_groups`); else
+    fine.cu's, one per `fine_tile`."""
     names = fine_kernel_names(nfo, nft)
     if not do_cc and fine_tensor_core_shape(nfo, nft) and int(compute_capability) >= 80:
-        return names[3], int(nfo) // FINE_TC_ORIENTATIONS
-    return names[1] if do_cc else names[0], fine_tiles(nfo, nft)
+        return names[3], int(nfo) // FINE_TC_ORIENTATIONS, fine_group_blocks(nft)
+    return names[1] if do_cc else names[0], fine_tiles(nfo, nft), 0
+
+
+def fine_group_blocks(nft: int) -> int:
+    """Blocks of NFT child translations one CUDA block of fine_diff2_tc takes at most (fine_tc.cu's GB)."""
+    return 1 if int(nft) >= FINE_TC_GROUP_ROWS else FINE_TC_GROUP_ROWS // int(nft)
+
+
+def fine_groups(keys: Array, group_blocks: int, xp: ArrayModule = np) -> tuple[Array, Array]:
+    """fine_diff2_tc's groups of blocks: those with equal `keys` (a block's particle, class and coarse orientation as
+    one integer; (n,)) together, at most `group_blocks` a group. Returns the blocks' order (indices into `keys`, equal
+    keys adjacent) and, int32 ((groups + 1,)), each group's first position in that order, then n."""
+    keys = xp.asarray(keys)
+    n = int(keys.size)
+    if n == 0:
+        return xp.zeros(0, dtype=np.int64), xp.zeros(1, dtype=np.int32)
+    order = xp.argsort(keys)
+    ordered = keys[order]
+    starts = xp.ones(n, dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    run_first = xp.flatnonzero(starts)
+    in_run = xp.arange(n) - run_first[xp.cumsum(starts) - 1]
+    first = xp.flatnonzero(in_run % int(group_blocks) == 0)
+    return order, xp.concatenate([first, xp.asarray([n])]).astype(np.int32)
 
 
 def kernel_source(ref_dim: int = 3) -> str:
