@@ -149,12 +149,11 @@ def test_slices_of_several_classes_in_one_launch_are_each_class_s(cp):
         np.testing.assert_array_equal(cp.asnumpy(got[mine]), cp.asnumpy(want))
 
 
-@pytest.mark.parametrize("group", [1, 8, "uneven"])
+@pytest.mark.parametrize("group", [1, 8])
 def test_backprojection_kernel_matches_backprojector(cp, group):
     """Random orientations and clusters of 8 within 0.05° (a coarse orientation's children, whose coefficients
     often stay in one voxel cube from row to row): with groups of 8 those shares are summed before they go to
-    memory, and the sums are the back-projector's either way; so too with groups of any size given by their first
-    rows (the rows of a coarse orientation's children that have weight), an empty one among them."""
+    memory, and the sums are the back-projector's either way."""
     from cryorefine.estep.kernels import kernel_module
 
     rng = np.random.default_rng(2)
@@ -173,18 +172,13 @@ def test_backprojection_kernel_matches_backprojector(cp, group):
     d, _, w = grid.shape
     vol = cp.zeros((1,) + grid.shape, dtype=cp.complex64)  # float32 sums, as the engine keeps them
     wvol = cp.zeros((1,) + grid.shape, dtype=cp.float32)
-    if group == "uneven":  # groups of 16 single rows, 3, 5, none, 8, 8: the clusters split and whole
-        group_first = cp.asarray(np.r_[np.arange(17), 19, 24, 24, 32, 40], dtype=cp.int32)
-        group_arg = np.int32(group_first.size - 1)
-    else:
-        group_first, group_arg = np.uint64(0), np.int32(group)
     kernel_module().get_function("backproject_slices")(
         ((coef.positions.size + 127) // 128, 2), (128,),  # fewer y blocks than groups: each takes several
         (cp.asarray(data), cp.asarray(weight), cp.asarray(mats.reshape(-1, 9), dtype=cp.float32),
-         cp.zeros(rows, dtype=cp.int32), np.int32(rows), group_arg, cp.asarray(coef.kx, dtype=cp.float32),
+         cp.zeros(rows, dtype=cp.int32), np.int32(rows), np.int32(group), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(coef.positions.size), np.int32(d), np.int32(w),
          np.int32(grid.origin), np.float32(grid.padding_factor), np.float32(grid.r_max_padded ** 2 * (1 + 1e-5)),
-         np.int64(vol[0].size), vol.view(cp.float32), wvol, group_first))
+         np.int64(vol[0].size), vol.view(cp.float32), wvol))
     got_d, got_w = cp.asnumpy(vol[0]), cp.asnumpy(wvol[0])
     assert np.max(np.abs(got_d - want.data)) / np.max(np.abs(want.data)) < 1e-5
     assert np.max(np.abs(got_w - want.weight)) / np.max(np.abs(want.weight)) < 1e-5

@@ -160,7 +160,7 @@ def test_2d_backprojection_kernel_matches_the_backprojector(cp, group):
         (cp.asarray(data), cp.asarray(weight), cp.asarray(mats.reshape(-1, 9), dtype=cp.float32),
          cp.asarray(row_class), np.int32(rows), np.int32(group), cp.asarray(coef.kx, dtype=cp.float32),
          cp.asarray(coef.ky, dtype=cp.float32), np.int32(nc), *geometry(grid), np.int64(vol[0].size),
-         vol.view(cp.float32), wvol, np.uint64(0)))
+         vol.view(cp.float32), wvol))
     for k, want in enumerate(wants):
         got_d, got_w = cp.asnumpy(vol[k]), cp.asnumpy(wvol[k])
         assert np.max(np.abs(got_d - want.data)) / np.max(np.abs(want.data)) < 1e-5, k

@@ -948,25 +948,6 @@ class CupyEngine:
         return out
 
     # ------------------------------------------------------------------ weighted sums
-    def _weighted_rows(self, row0, has_weight, n_pairs):
-        """The slice rows of a chunk of `n_pairs` pairs that receive weight: of the pairs' NFO rows each (a block's
-        child orientation io at row0 + io, `has_weight` (blocks, NFO) whether any of its children kept weight), those
-        some block gives weight. Returns (the rows kept, as indices into the pairs' rows, sorted; int32 (pairs·NFO,)
-        each row's place among the kept ones (meaningless for the others); int32 (pairs + 1,) each pair's first kept
-        row, then their count: the back-projection's groups, one a pair, some empty)."""
-        cp = self.cp
-        nfo = self.n_fo
-        n_all = n_pairs * nfo
-        at = cp.where(has_weight, row0[:, None] + cp.arange(nfo, dtype=cp.int32)[None, :], n_all)
-        used = cp.zeros(n_all + 1, dtype=bool)
-        used[at.reshape(-1)] = True
-        used = used[:n_all]
-        rows = cp.flatnonzero(used)
-        row_map = cp.cumsum(used, dtype=cp.int32) - 1
-        group_first = cp.zeros(n_pairs + 1, dtype=cp.int32)
-        group_first[1:] = cp.cumsum(used.reshape(n_pairs, nfo).sum(axis=1, dtype=cp.int32))
-        return rows, row_map, group_first
-
     def _weighted_sums(self, pre, w_norm, blk, k_blk, o_blk, pairs, fine_mats_d, d2_off, tic):
         """Noise, scale, slices (then back-projected), offsets, class and direction sums of the kept children."""
         from cryorefine.gpu.allocator import Scope
@@ -985,18 +966,15 @@ class CupyEngine:
         names = fine_kernel_names(nfo, nft)
         fn = self._module(names).get_function(names[2])
         bp_fn = self._module().get_function("backproject_slices")
-        # a child orientation of a block has a slice row where one of its children kept weight (a few of a pair's NFO)
-        has_weight = cp.any(w_blocks.reshape(-1, nfo, nft) > 0.0, axis=2)
         # a chunk of (class, coarse orientation) pairs at a time: their slices, and the rows' data and weights
         per_chunk = self._pairs_per_chunk(SLICE_ROW_BYTES_PER_COEF if pairs.project_once
                                           else SLICE_ROW_BYTES_PER_COEF - SLICE_BYTES_PER_COEF)
         for first in range(0, pairs.n_pairs, per_chunk):
             with self._scope(Scope.ORIENTATION):
                 in_chunk, chunk_pairs, row0 = pairs.chunk(first, per_chunk)
-                rows, row_map, group_first = self._weighted_rows(row0, has_weight[in_chunk], chunk_pairs.size)
-                n_rows, n_groups = int(rows.size), chunk_pairs.size
-                all_mats = self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d)
-                slices = self._project_pairs(chunk_pairs, pairs.n_unique, all_mats) if pairs.project_once else _NULL
+                row_mats = self._pair_matrices(chunk_pairs, pairs.n_unique, fine_mats_d)
+                slices = self._project_pairs(chunk_pairs, pairs.n_unique, row_mats) if pairs.project_once else _NULL
+                n_rows = chunk_pairs.size * nfo
                 slice_data = cp.zeros((n_rows, n_coef), dtype=cp.complex64)
                 slice_weight = cp.zeros((n_rows, n_coef), dtype=cp.float32)
                 fn((int(in_chunk.size), fine_tiles(nfo, nft)), (FINE_THREADS,),
@@ -1006,20 +984,19 @@ class CupyEngine:
                     cp.ascontiguousarray(w_blocks[in_chunk]), self.shell_f, _i32(n_shells),
                     self.scale_use if self.scale_use is not None else noise, _i32(self.scale_use is not None),
                     self.kx_f, self.ky_f, _i32(n_coef), _f32(2.0 / s.ori_size_px), slice_data, slice_weight, noise,
-                    xa, aa, row_map),
+                    xa, aa),
                    shared_mem=4 * n_shells)
-                del slices, row_map
+                del slices
                 tic = self._tick("sums", tic)
-                row_mats = all_mats[rows]
-                row_class = cp.asarray(chunk_pairs // pairs.n_unique, dtype=cp.int32)[rows // nfo]
-                # the rows of a pair are one group: a coefficient that stays in one voxel cube from child to child
+                row_class = np.repeat(chunk_pairs // pairs.n_unique, nfo)
+                # a pair's NFO rows are one group: a coefficient that stays in one voxel cube from child to child
                 # goes to memory once
-                if n_rows:
-                    bp_fn(((n_coef + 127) // 128, min(n_groups, MAX_GRID_Y)), (128,),
-                          (slice_data, slice_weight, row_mats, row_class, _i32(n_rows), _i32(n_groups),
-                           self.kx_f, self.ky_f, _i32(n_coef), *self.bp_geometry, np.int64(self.bp_data[0].size),
-                           self.bp_data.view(cp.float32), self.bp_weight, group_first))
-                del slice_data, slice_weight, all_mats, row_mats, row_class, rows, group_first, in_chunk, row0
+                bp_fn(((n_coef + 127) // 128, min(n_rows // nfo, MAX_GRID_Y)), (128,),
+                      (slice_data, slice_weight, row_mats, cp.asarray(row_class, dtype=cp.int32), _i32(n_rows),
+                       _i32(nfo), self.kx_f, self.ky_f, _i32(n_coef),
+                       *self.bp_geometry, np.int64(self.bp_data[0].size), self.bp_data.view(cp.float32),
+                       self.bp_weight))
+                del slice_data, slice_weight, row_mats, in_chunk, row0
                 tic = self._tick("backproject", tic)
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)

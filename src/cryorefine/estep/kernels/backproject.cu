@@ -6,9 +6,7 @@
 // memory of float64 and cheaper atomics; the M-step sums them per shell in float64.
 //
 // The rows come in groups of `group` consecutive rows (the NFO child orientations of one coarse orientation, a
-// fraction of a degree apart), or, with `group_first`, in `group` groups of consecutive rows of any size (those of
-// a coarse orientation's children that have weight), and a thread takes one coefficient of every row of a group in
-// turn. Where a row's
+// fraction of a degree apart), and a thread takes one coefficient of every row of a group in turn. Where a row's
 // coefficient falls in the same voxel cube as the one before it, its shares are added in registers, and the
 // cube's sums go to memory once, when the cube changes: one `atomic_add_x_pair` per x edge of the cube for
 // several rows. With group 1 every row's shares go to memory alone.
@@ -69,21 +67,19 @@ extern "C" __global__ void backproject_slices(const float2* __restrict__ slice_d
                                               const float* __restrict__ kx, const float* __restrict__ ky, int n_coef,
                                               int d, int w, int origin, float pf, float r_pad_sq,
                                               long long class_stride, float* __restrict__ data,
-                                              float* __restrict__ weight, const int* __restrict__ group_first)
+                                              float* __restrict__ weight)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n_coef) return;
     const float kxc = kx[c], kyc = ky[c];
     const size_t sy = (size_t)w, sz = (size_t)d * w;
-    // groups of `group` rows, or with group_first the `group` groups of rows group_first[g] … group_first[g + 1] − 1
-    const int n_groups = group_first ? group : (n_rows + group - 1) / group;
+    const int n_groups = (n_rows + group - 1) / group;
     // groups beyond the grid's y limit (65,535) are taken in turns
     for (int g = blockIdx.y; g < n_groups; g += gridDim.y) {
         CrCubeSums cube;
         bool open = false;
-        const int r_begin = group_first ? group_first[g] : g * group;
-        const int r_end = group_first ? group_first[g + 1] : min((g + 1) * group, n_rows);
-        for (int r = r_begin; r < r_end; ++r) {
+        const int r_end = min((g + 1) * group, n_rows);
+        for (int r = g * group; r < r_end; ++r) {
             const size_t at = (size_t)r * n_coef + c;
             const float wv = slice_weight[at];
             if (!(wv > 0.f)) continue;

@@ -203,11 +203,10 @@ fine_diff2(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float
 // tile of TO × TT children per CUDA block as in fine_diff2 (a tile with no kept child returns at once):
 //   noise[row_b[blk], shell]  += Σ_f w_f |x_s − ctf·P|²           (per-particle noise spectra)
 //   scale_xa/aa[row_b[blk]]   += Σ_f w_f use·Re(ctf·P·conj(x_s)), Σ_f w_f use·|ctf·P|²
-//   slice_data[row, c]        += minv_store·ctf · Σ_it w x_nomask·e^{−2πi k·s_it/N}
-//   slice_weight[row, c]      += minv_store·ctf² · Σ_it w
-// (row = row_map[row0 + io], or row0 + io when row_map is null: the rows of the child orientations with weight
-// only; row0 = block_row0[blk]; the slices P_io the rows of `slices` at row0 + io, or projected here when slices
-// is null)
+//   slice_data[row0 + io, c]  += minv_store·ctf · Σ_it w x_nomask·e^{−2πi k·s_it/N}
+//   slice_weight[row0 + io, c]+= minv_store·ctf² · Σ_it w
+// (row0 = block_row0[blk]; the slices P_io the rows of `slices` in the same places, or projected here
+// when slices is null)
 // `scale_use` (per class, per coefficient; read when use_scale) is 1 where the data-vs-prior ratio exceeds 3 (RELION's scale sums).
 template <int NFO, int NFT, int TO, int TT>
 __global__ void __launch_bounds__(FINE_THREADS)
@@ -220,7 +219,7 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
           int n_shells, const float* __restrict__ scale_use, int use_scale, const float* __restrict__ kx,
           const float* __restrict__ ky, int n_coef, float two_over_ori, float2* __restrict__ slice_data,
           float* __restrict__ slice_weight, double* __restrict__ noise, double* __restrict__ scale_xa,
-          double* __restrict__ scale_aa, const int* __restrict__ row_map)
+          double* __restrict__ scale_aa)
 {
     constexpr int NF = NFO * NFT;
     constexpr int TF = TO * TT;
@@ -300,7 +299,7 @@ fine_sums(const float2* __restrict__ vol, int g_d, int g_w, int g_origin, float 
                 dsum.x += wf * shn[it].x;
                 dsum.y += wf * shn[it].y;
             }
-            const size_t at = (size_t)(row_map ? row_map[row0 + io] : row0 + io) * n_coef + c;
+            const size_t at = (size_t)(row0 + io) * n_coef + c;
             atomic_add_complex(&slice_data[at].x, store * dsum.x, store * dsum.y);
             atomicAdd(&slice_weight[at], store * cv * wsum);
         }
