@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cryorefine.core import fourier
-from cryorefine.core.arrays import Array, ArrayModule, array_module, to_device, to_host
+from cryorefine.core.arrays import Array, ArrayModule, add_rows_at, array_module, to_device, to_host
 from cryorefine.core.ctf import ctf_2d
 from cryorefine.estep.engine import Batch
 from cryorefine.io import mrc
@@ -413,7 +413,7 @@ class NoiseEstimate:
         return to_host(power), np.asarray(optics_index), to_host(batch_ft_full.sum(axis=0))
 
     def add_batch_sums(self, power: np.ndarray, optics_index: np.ndarray, ft_sum: np.ndarray) -> None:
-        np.add.at(self.power_sum, optics_index, power)
+        add_rows_at(self.power_sum, optics_index, power)
         self.count += np.bincount(optics_index, minlength=self.count.size)
         self.ft_sum += ft_sum
 

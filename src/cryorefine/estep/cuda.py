@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cryorefine.core import euler
-from cryorefine.core.arrays import Array, ArrayModule
+from cryorefine.core.arrays import Array, ArrayModule, add_rows_at
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import LocalOrientations, offset_log_prior
 from cryorefine.estep.common import (
@@ -1001,7 +1001,7 @@ class CupyEngine:
         optics = pre["optics"]
         noise_h = cp.asnumpy(noise)
         beyond = pre["power_beyond"][:, :n_shells]
-        np.add.at(sums.sigma2_noise, optics, noise_h + beyond)
+        add_rows_at(sums.sigma2_noise, optics, noise_h + beyond)
         wdiff_total = noise_h.sum(axis=1) + beyond.sum(axis=1)
         sums.sumw_group += np.bincount(optics, minlength=sums.sumw_group.size)
         if self.scale_use is not None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cryorefine.core import euler
+from cryorefine.core.arrays import add_rows_at
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import LocalOrientations, offset_log_prior
 from cryorefine.estep.common import (
@@ -283,7 +284,7 @@ class NumpyEngine:
         sums = self.sums_
         n_shells = sums.sigma2_noise.shape[1]
         beyond = pre["power_beyond"][:, :n_shells]
-        np.add.at(sums.sigma2_noise, pre["optics"], beyond)
+        add_rows_at(sums.sigma2_noise, pre["optics"], beyond)
         sums.sumw_group += np.bincount(pre["optics"], minlength=sums.sumw_group.size)
         wdiff_total = np.array([o.pop("wdiff") for o in out]) + beyond.sum(axis=1)
         new_norm = pre["norm"] / self.avg_norm * np.sqrt(2.0 * wdiff_total)
