@@ -417,3 +417,16 @@ def test_main_thread_profile_counts_where_a_command_spends_its_time(tmp_path):
     counts = {line.split(None, 3)[3]: int(line.split()[2]) for line in inclusive.splitlines()}
     assert counts["cli.py main"] >= 0.9 * samples
     assert counts["jobs/reconstruct.py reconstruct"] >= 0.9 * samples
+
+
+def test_keep_maps_prunes_the_older_iterations_maps_off_the_jobs_thread(empiar10028, tmp_path):
+    names = [f"run_it{i:03d}_class{k:03d}.mrc" for i in (1, 2, 3) for k in (1, 2)] + ["run_it001_data.star"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"map")
+    pruner = empiar10028.MapPruner(tmp_path, 2)
+    for _ in range(5):  # after each batch, as a job calls its progress callback
+        pruner(1, 10)
+    (tmp_path / "run_it004_class001.mrc").write_bytes(b"map")  # written after the last batch
+    pruner.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run_it001_data.star", "run_it003_class001.mrc", "run_it003_class002.mrc", "run_it004_class001.mrc"])
