@@ -457,3 +457,23 @@ def test_iterations_at_one_order_share_the_direction_tables():
     assert a.with_healpix_order(2).direction_ipix is not a.direction_ipix
     with pytest.raises(ValueError):
         a.direction_ipix[0] = 1
+
+
+@pytest.mark.parametrize("perturbation", [0.0, 0.3, -0.41])
+@pytest.mark.parametrize("oversampling", [0, 1, 2])
+@pytest.mark.parametrize("symmetry", ["C1", "D2"])
+def test_fine_orientation_matrices_are_the_euler_matrices_of_their_angles(perturbation, oversampling, symmetry):
+    s = Sampling(2, 5, 2, symmetry=symmetry, oversampling=oversampling, perturbation=perturbation)
+    index = np.r_[np.arange(0, s.n_orientations, 5), 3, 3]  # a repeated orientation as well
+    rot, tilt, psi, matrices = s.fine_orientations(index)
+    assert matrices.shape == (index.size, 8 ** oversampling, 3, 3)
+    np.testing.assert_allclose(matrices, euler_to_matrix(rot, tilt, psi), atol=1e-12)
+    for mine, theirs in zip((rot, tilt, psi), s.fine_orientations_deg(index)):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_in_plane_fine_orientation_matrices_turn_psi_alone():
+    s = Sampling(0, 5, 2, oversampling=1, perturbation=0.2, in_plane=True, psi_step_deg=6)
+    rot, tilt, psi, matrices = s.fine_orientations(np.arange(s.n_orientations))
+    assert np.all(rot == 0) and np.all(tilt == 0)
+    np.testing.assert_allclose(matrices, euler_to_matrix(rot, tilt, psi), atol=1e-12)

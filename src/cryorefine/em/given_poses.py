@@ -108,6 +108,13 @@ class GivenPoses:
         o = host_flat(orientation_index, np.int64)
         return tuple(xp.asarray(a[o][:, None]) for a in (self.rot_deg, self.tilt_deg, self.psi_deg))
 
+    def fine_orientations(self, orientation_index: Array | npt.ArrayLike, oversampling: int | None = None,
+                          xp: ArrayModule = np, matrices: bool = True) -> tuple[Array, Array, Array, Array | None]:
+        """`fine_orientations_deg` and, unless `matrices` is False, their Euler matrices (n, 1, 3, 3), as
+        `core.sampling.Sampling.fine_orientations` gives a grid's children."""
+        rot, tilt, psi = self.fine_orientations_deg(orientation_index, oversampling, xp)
+        return rot, tilt, psi, euler_to_matrix(rot, tilt, psi, xp=xp) if matrices else None
+
     # ------------------------------------------------------------------ each particle its own pose
     @functools.cached_property
     def _index_of_pose(self):

@@ -49,7 +49,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from cryorefine.core import euler
 from cryorefine.core.arrays import Array, ArrayModule, add_rows_at
 from cryorefine.core.projector import PaddedGrid, Projector
 from cryorefine.core.sampling import LocalOrientations, offset_log_prior
@@ -868,15 +867,11 @@ class CupyEngine:
         the HEALPix directions (healpy): the angles' table is then a device array (U, NFO, 3)."""
         cp = self.cp
         if self.setup_.local_searches:
-            rot, tilt, psi = (cp.asarray(a, dtype=cp.float64) for a in
-                              self.setup_.sampling.fine_orientations_deg(orientations, xp=cp))
-            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1), xp=cp)
+            rot, tilt, psi, matrices = self.setup_.sampling.fine_orientations(orientations, xp=cp)
             return cp.stack([rot, tilt, psi], axis=-1), None, matrices.reshape(-1, 9).astype(cp.float32)
         missing = orientations[~self._fine_known[orientations]]
         if missing.size:
-            rot, tilt, psi = (np.asarray(a, dtype=np.float64)
-                              for a in self.setup_.sampling.fine_orientations_deg(missing))
-            matrices = euler.euler_to_matrix(rot.reshape(-1), tilt.reshape(-1), psi.reshape(-1))
+            rot, tilt, psi, matrices = self.setup_.sampling.fine_orientations(missing)
             self._fine_angles[missing] = np.stack([rot, tilt, psi], axis=-1)
             matrices = matrices.reshape(missing.size, self.n_fo, 9).astype(np.float32)
             if isinstance(self._fine_matrices, np.ndarray):

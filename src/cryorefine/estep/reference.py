@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cryorefine.core import euler
 from cryorefine.core.arrays import add_rows_at
 from cryorefine.core.projector import BackProjector, Projector
 from cryorefine.core.sampling import LocalOrientations, offset_log_prior
@@ -320,8 +319,7 @@ class NumpyEngine:
         keys = np.flatnonzero(grid["touched"])
         k, o, jo = np.unravel_index(keys, (self.n_classes, self.n_orient, n_fo))
         unique_o, inverse = np.unique(o, return_inverse=True)
-        angles = [np.asarray(a)[inverse, jo] for a in self.setup_.sampling.fine_orientations_deg(unique_o)]
-        mats = euler.euler_to_matrix(*angles)
+        mats = self.setup_.sampling.fine_orientations(unique_o)[3][inverse, jo]
         for c in range(self.n_classes):
             rows = np.flatnonzero(k == c)
             for start in range(0, rows.size, 512):
@@ -389,8 +387,7 @@ class NumpyEngine:
         n_fo = self.tables.n_fine_orientations
         ko = np.unique(ko)
         k_of, o_of = np.divmod(ko, self.n_orient)
-        rot, tilt, psi = (np.asarray(a).reshape(-1) for a in s.sampling.fine_orientations_deg(o_of))
-        mats = euler.euler_to_matrix(rot, tilt, psi)
+        rot, tilt, psi, mats = (a.reshape((-1,) + a.shape[2:]) for a in s.sampling.fine_orientations(o_of))
         k_rows = np.repeat(k_of, n_fo)
         grid = self._fine_grid()
         if grid is None:  # the grid does not fit: the group's own projections
