@@ -695,3 +695,33 @@ def test_coarser_sampling_of_a_cross_correlation_iteration_and_its_offset_bounds
     out = sch.coarser_sampling(fine, config, particle_diameter_angstrom=200.0, resolution_angstrom=10.0,
                                pixel_size_angstrom=2.0, cc_iteration=False)
     assert out.offset_step_px == 1.0  # never finer than --offset_step
+
+
+@pytest.mark.parametrize("symmetry", ["C1", "D2"])
+def test_hidden_variable_changes_are_the_mean_distance_over_every_particle_the_unmoved_at_zero(symmetry):
+    from cryorefine.em.state import ParticleState
+
+    rng = np.random.default_rng(11)
+    n = 400
+
+    def state(rot, tilt, psi, x, klass):
+        return ParticleState(rot, tilt, psi, x, np.zeros(n), klass, np.ones(n), np.zeros(n), np.ones(n, np.int64),
+                             np.zeros(n))
+
+    old = state(rng.uniform(-180, 180, n), rng.uniform(0, 180, n), rng.uniform(-180, 180, n), rng.normal(size=n),
+                rng.integers(0, 3, n))
+    new = old.copy()
+    moved = rng.random(n) < 0.3  # a mini-batch's share
+    new.rot_deg[moved] += rng.normal(0, 5, moved.sum())
+    new.psi_deg[moved] -= rng.normal(0, 5, moved.sum())
+    new.origin_x_px[moved] += 0.5
+    new.class_index[moved] = (new.class_index[moved] + 1) % 3
+    mats = symmetry_group(symmetry).rotations if symmetry != "C1" else None
+    every = sch.angular_distance_deg(old.rot_deg, old.tilt_deg, old.psi_deg, new.rot_deg, new.tilt_deg, new.psi_deg,
+                                     symmetry_matrices=mats)
+    changes = sch.hidden_variable_changes(old, new, 2.0, symmetry)
+    assert changes.orientations_deg == pytest.approx(np.mean(every), abs=1e-6)
+    assert changes.orientations_deg > 0.5
+    assert changes.offsets_angstrom == pytest.approx(math.sqrt(np.sum(moved) * 1.0 / (2 * n)))
+    assert changes.classes == pytest.approx(np.mean(moved))
+    assert sch.hidden_variable_changes(old, old.copy(), 2.0, symmetry).orientations_deg == 0.0

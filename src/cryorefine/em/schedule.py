@@ -621,10 +621,10 @@ def angular_distance_deg(rot1_deg, tilt1_deg, psi1_deg, rot2_deg, tilt2_deg, psi
 
     e1 = euler_to_matrix(rot1_deg, tilt1_deg, psi1_deg, xp=xp)
     e2 = euler_to_matrix(rot2_deg, tilt2_deg, psi2_deg, xp=xp)
-    ops = xp.eye(3)[None] if symmetry_matrices is None else xp.asarray(symmetry_matrices, dtype=xp.float64)
+    ops = [None] if symmetry_matrices is None else xp.asarray(symmetry_matrices, dtype=xp.float64)
     best = None
     for r in ops:
-        e2r = e2 @ r
+        e2r = e2 if r is None else e2 @ r
         dots = xp.clip(xp.sum(e1 * e2r, axis=-1), -1.0, 1.0)  # rows i of E1 and E2·R
         dist = xp.mean(xp.rad2deg(xp.arccos(dots)), axis=-1)
         best = dist if best is None else xp.minimum(best, dist)
@@ -633,12 +633,16 @@ def angular_distance_deg(rot1_deg, tilt1_deg, psi1_deg, rot2_deg, tilt2_deg, psi
 
 def hidden_variable_changes(old, new, pixel_size_angstrom: float, symmetry: str) -> HiddenVariableChanges:
     """The changes from ParticleState `old` to `new`: mean orientation change (degrees, modulo the
-    point group), RMS offset change per dimension (Å) and the fraction of particles that changed class."""
+    point group), RMS offset change per dimension (Å) and the fraction of particles that changed class. The angular
+    distances are computed for the particles whose angles changed alone, the others' being 0: a gradient run's
+    iteration moves only its mini-batch (0.1-0.2 s an iteration for all of 105,247 particles on the CPU machine)."""
     from cryorefine.core.symmetry import symmetry_group
 
     mats = symmetry_group(symmetry).rotations if symmetry.upper() != "C1" else None
-    angles = angular_distance_deg(old.rot_deg, old.tilt_deg, old.psi_deg, new.rot_deg, new.tilt_deg, new.psi_deg,
-                                  symmetry_matrices=mats)
+    moved = np.flatnonzero((old.rot_deg != new.rot_deg) | (old.tilt_deg != new.tilt_deg)
+                           | (old.psi_deg != new.psi_deg))
+    angles = angular_distance_deg(old.rot_deg[moved], old.tilt_deg[moved], old.psi_deg[moved], new.rot_deg[moved],
+                                  new.tilt_deg[moved], new.psi_deg[moved], symmetry_matrices=mats)
     d2 = (((new.origin_x_px - old.origin_x_px) ** 2 + (new.origin_y_px - old.origin_y_px) ** 2)
           * pixel_size_angstrom ** 2)
     return hidden_variable_changes_from_sums(float(np.sum(angles)), float(np.sum(d2)),
