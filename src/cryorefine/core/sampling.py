@@ -529,22 +529,20 @@ class Sampling:
         fine_pix = self.direction_ipix[directions][:, None] * n_dc + _morton_offsets(k)[None, :]
         rot_d, tilt_d = healpix_angles_deg(self.healpix_order + k, fine_pix)  # (directions, 4^k)
         inverse = xp.asarray(inverse.reshape(-1))
-        if not self.perturbation and not matrices:
-            rot = xp.repeat(xp.asarray(rot_d)[inverse], n_pc, axis=1)
-            tilt = xp.repeat(xp.asarray(tilt_d)[inverse], n_pc, axis=1)
-            return rot, tilt, xp.tile(psi, (1, n_dc)), None
-        tilted = euler_to_matrix(rot_d, tilt_d, np.zeros_like(rot_d))  # Ry(tilt)·Rz(rot), (directions, 4^k, 3, 3)
-        if self.perturbation:
-            a = self.perturbation * self.angular_sampling_deg(0)
-            tilted = tilted @ euler_to_matrix(a, a, a)
-        part = xp.asarray(tilted)[inverse][:, :, None]  # (n, 4^k, 1, 3, 3)
-        angle = xp.deg2rad(psi)
-        cos, sin = xp.cos(angle)[:, None, :, None], xp.sin(angle)[:, None, :, None]  # (n, 1, 2^k, 1)
-        m = xp.empty((o.size, n_dc, n_pc, 3, 3))
-        m[..., 0, :] = cos * part[..., 0, :] + sin * part[..., 1, :]
-        m[..., 1, :] = cos * part[..., 1, :] - sin * part[..., 0, :]
-        m[..., 2, :] = part[..., 2, :]
-        m = m.reshape(o.size, n_dc * n_pc, 3, 3)
+        m = None
+        if matrices or self.perturbation:  # the matrices, and a perturbed sampling's angles from them
+            tilted = euler_to_matrix(rot_d, tilt_d, np.zeros_like(rot_d))  # Ry(tilt)·Rz(rot), (directions, 4^k, 3, 3)
+            if self.perturbation:
+                a = self.perturbation * self.angular_sampling_deg(0)
+                tilted = tilted @ euler_to_matrix(a, a, a)
+            part = xp.asarray(tilted)[inverse][:, :, None]  # (n, 4^k, 1, 3, 3)
+            angle = xp.deg2rad(psi)
+            cos, sin = xp.cos(angle)[:, None, :, None], xp.sin(angle)[:, None, :, None]  # (n, 1, 2^k, 1)
+            m = xp.empty((o.size, n_dc, n_pc, 3, 3))
+            m[..., 0, :] = cos * part[..., 0, :] + sin * part[..., 1, :]
+            m[..., 1, :] = cos * part[..., 1, :] - sin * part[..., 0, :]
+            m[..., 2, :] = part[..., 2, :]
+            m = m.reshape(o.size, n_dc * n_pc, 3, 3)
         if self.perturbation:
             rot, tilt, psi = matrix_to_euler(m, xp=xp)
         else:
